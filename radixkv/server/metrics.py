@@ -1,0 +1,183 @@
+"""Prometheus metrics for one app, in its own CollectorRegistry (apps and tests never collide).
+
+Two sources:
+- request-level series the server observes itself (TTFT, time per output token, latency, requests
+  by finish reason, prompt/generated/cached token counters, HTTP errors by status);
+- engine/cache series read from ``engine.stats()`` at scrape time by ``EngineStatsCollector``
+  (prefix cache queries and hits in tokens, hit rate, KV pages used/total, evictions,
+  running/waiting requests), so they are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("radixkv.server")
+
+PREFIX = "radixkv"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# metric suffix -> (kind, help, EngineStats attribute names tried in order)
+_ENGINE_SERIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "prefix_cache_queries_tokens": (
+        "counter",
+        "Prompt tokens looked up in the prefix cache",
+        ("prefix_cache_query_tokens", "query_tokens", "prefix_cache_queries_tokens"),
+    ),
+    "prefix_cache_hits_tokens": (
+        "counter",
+        "Prompt tokens served from the prefix cache",
+        ("prefix_cache_hit_tokens", "hit_tokens", "prefix_cache_hits_tokens"),
+    ),
+    "prefix_cache_queries": (
+        "counter",
+        "Prefix cache lookups (requests)",
+        ("prefix_cache_queries", "match_queries", "num_queries"),
+    ),
+    "prefix_cache_evicted_pages": (
+        "counter",
+        "KV pages evicted from the prefix cache",
+        ("evicted_pages", "prefix_cache_evicted_pages", "num_evicted_pages"),
+    ),
+    "prefix_cache_hit_rate": (
+        "gauge",
+        "Prefix cache hit rate in tokens since start (hits / queries)",
+        ("prefix_cache_hit_rate", "hit_rate"),
+    ),
+    "kv_pages_used": (
+        "gauge",
+        "KV pages in use (cached or held by running requests)",
+        ("kv_pages_used", "used_pages", "num_used_pages"),
+    ),
+    "kv_pages_total": (
+        "gauge",
+        "KV pages in the pool",
+        ("kv_pages_total", "total_pages", "num_pages"),
+    ),
+    "kv_pages_cached": (
+        "gauge",
+        "KV pages owned by the prefix cache",
+        ("cached_pages", "num_cached_pages"),
+    ),
+    "kv_usage_ratio": (
+        "gauge",
+        "Fraction of KV pages in use",
+        ("kv_usage", "kv_cache_usage", "kv_usage_ratio"),
+    ),
+    "num_requests_running": ("gauge", "Requests running in the engine", ("num_running", "running")),
+    "num_requests_waiting": ("gauge", "Requests waiting in the engine", ("num_waiting", "waiting")),
+}
+
+
+def _lookup(stats: Any, names: tuple[str, ...]) -> float | None:
+    for name in names:
+        value = getattr(stats, name, None)
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
+class EngineStatsCollector(Collector):
+    """Reads ``stats_fn()`` on every scrape; a series whose attribute the stats lack is skipped."""
+
+    def __init__(self, stats_fn: Callable[[], Any]) -> None:
+        self._stats_fn = stats_fn
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats_fn()
+        except Exception:  # a failing stats call must not break the /metrics endpoint
+            log.exception("engine stats failed during scrape")
+            return
+        for suffix, (kind, doc, names) in _ENGINE_SERIES.items():
+            value = _lookup(stats, names)
+            if value is None:
+                continue
+            if kind == "counter":
+                yield CounterMetricFamily(f"{PREFIX}_{suffix}", doc, value=value)
+            else:
+                yield GaugeMetricFamily(f"{PREFIX}_{suffix}", doc, value=value)
+
+
+class ServerMetrics:
+    """All metrics of one app. ``stats_fn`` is usually ``engine.stats``."""
+
+    def __init__(self, stats_fn: Callable[[], Any] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Finished requests (per choice) by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.http_errors = Counter(
+            f"{PREFIX}_http_errors", "Error responses by HTTP status", ["status"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens processed", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            f"{PREFIX}_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        if stats_fn is not None:
+            r.register(EngineStatsCollector(stats_fn))
+
+    def observe_finished(
+        self,
+        *,
+        finish_reason: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        ttft: float | None,
+        latency: float | None,
+    ) -> None:
+        """Record one finished choice (times in seconds; None when unknown)."""
+        self.requests.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if ttft is not None:
+            self.ttft.observe(max(ttft, 0.0))
+        if latency is not None:
+            self.latency.observe(max(latency, 0.0))
+            if ttft is not None and completion_tokens > 1:
+                self.tpot.observe(max(latency - ttft, 0.0) / (completion_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
