@@ -1,0 +1,311 @@
+"""Shared-prefix (cascade) decode attention over paged KV, in plain PyTorch.
+
+A decode batch of N queries (one new token per request) is described by a :class:`CascadePlan`:
+a list of levels, each level a list of *segments*. A segment is a contiguous range of query rows
+plus the KV tokens (pages) that all of those rows attend to at that level. A shared prefix read by
+a group of G requests is one segment with G rows, so its K/V are gathered once and multiplied
+against all G queries in one matmul; each request's own pages (including its partial last page
+and the token being decoded) form a one-row segment in the last level. Every level yields a
+partial result ``(o, lse)`` per row; partial results are combined exactly through their
+log-sum-exp (:func:`merge_state`), so the output equals attention over the union of all the
+row's KV tokens. Attention over a set of KV tokens does not depend on their order (positions are
+already baked into K by RoPE), so a row's KV may be split across levels in any way.
+
+Layout (FlashInfer's NHD): ``k_cache``/``v_cache`` are ``[num_pages, page_size, num_kv_heads,
+head_dim]``; ``q`` is ``[N, num_q_heads, head_dim]`` with ``num_q_heads`` a multiple of
+``num_kv_heads`` (GQA: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``).
+
+Nothing here writes to the KV cache: callers write the step's new K/V before attending.
+LSEs are natural-log (FlashInfer's are base 2; :mod:`radixkv.attention.cascade_flashinfer`
+converts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CascadeLevel",
+    "CascadePlan",
+    "TorchCascadeAttention",
+    "cascade_attention",
+    "merge_state",
+]
+
+
+def _check_indptr(name: str, indptr: Sequence[int]) -> None:
+    if len(indptr) < 1 or indptr[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {list(indptr[:3])}...")
+    for a, b in itertools.pairwise(indptr):
+        if b < a:
+            raise ValueError(f"{name} must be non-decreasing, got {a} then {b}")
+
+
+@dataclass(frozen=True)
+class CascadeLevel:
+    """One level of a cascade plan, in FlashInfer's paged-KV format.
+
+    Segment i covers query rows ``qo_indptr[i]:qo_indptr[i+1]`` (at least one row) and KV pages
+    ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``, of which the last holds ``kv_last_page_len[i]``
+    tokens (1..page_size; 0 exactly when the segment has no pages: those rows read nothing at
+    this level). Segments are in row order; rows not covered by any segment read nothing.
+    """
+
+    qo_indptr: tuple[int, ...]
+    kv_indptr: tuple[int, ...]
+    kv_indices: tuple[int, ...]
+    kv_last_page_len: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+        _check_indptr("qo_indptr", self.qo_indptr)
+        _check_indptr("kv_indptr", self.kv_indptr)
+        n = len(self.qo_indptr) - 1
+        if len(self.kv_indptr) != n + 1 or len(self.kv_last_page_len) != n:
+            raise ValueError(
+                f"CascadeLevel: {n} segments in qo_indptr but kv_indptr has "
+                f"{len(self.kv_indptr)} entries and kv_last_page_len {len(self.kv_last_page_len)}"
+            )
+        if self.kv_indptr[-1] != len(self.kv_indices):
+            raise ValueError(
+                f"kv_indptr ends at {self.kv_indptr[-1]} but there are {len(self.kv_indices)} pages"
+            )
+        for i in range(n):
+            if self.qo_indptr[i + 1] == self.qo_indptr[i]:
+                raise ValueError(f"segment {i} has no query rows")
+            empty = self.kv_indptr[i + 1] == self.kv_indptr[i]
+            if empty != (self.kv_last_page_len[i] == 0):
+                raise ValueError(
+                    f"segment {i}: kv_last_page_len must be 0 exactly when it has no pages"
+                )
+        if any(p < 0 for p in self.kv_indices):
+            raise ValueError("kv_indices must be non-negative page ids")
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.qo_indptr) - 1
+
+    def segment_kv_len(self, i: int, page_size: int) -> int:
+        """Number of KV tokens segment ``i`` reads."""
+        n_pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
+        return 0 if n_pages == 0 else (n_pages - 1) * page_size + self.kv_last_page_len[i]
+
+    def kv_tokens_read(self, page_size: int) -> int:
+        """KV tokens read at this level (each segment's KV read once)."""
+        return sum(self.segment_kv_len(i, page_size) for i in range(self.num_segments))
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """Multi-level decode plan for ``num_queries`` rows (one decode token per request)."""
+
+    page_size: int
+    num_queries: int
+    levels: tuple[CascadeLevel, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not self.levels:
+            raise ValueError("a CascadePlan needs at least one level")
+        covered = [False] * self.num_queries
+        for li, lvl in enumerate(self.levels):
+            if lvl.qo_indptr[-1] > self.num_queries:
+                raise ValueError(
+                    f"level {li} covers rows up to {lvl.qo_indptr[-1]} > num_queries "
+                    f"{self.num_queries}"
+                )
+            for i in range(lvl.num_segments):
+                if any(lp > self.page_size for lp in lvl.kv_last_page_len):
+                    raise ValueError(f"level {li}: kv_last_page_len above page_size")
+                if lvl.kv_last_page_len[i] > 0:
+                    for r in range(lvl.qo_indptr[i], lvl.qo_indptr[i + 1]):
+                        covered[r] = True
+        missing = [r for r, c in enumerate(covered) if not c]
+        if missing:
+            raise ValueError(f"query rows {missing[:8]} read no KV at any level")
+
+    @classmethod
+    def plain(
+        cls, page_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int
+    ) -> CascadePlan:
+        """The one-level plan of ordinary paged decode: every request reads all its pages."""
+        if len(page_tables) != len(seq_lens):
+            raise ValueError("page_tables and seq_lens differ in length")
+        kv_indptr, kv_indices, last = [0], [], []
+        for pt, n in zip(page_tables, seq_lens):
+            n_pages = -(-n // page_size)
+            if n < 1 or len(pt) < n_pages:
+                raise ValueError(f"seq_len {n} needs {n_pages} pages, page table has {len(pt)}")
+            kv_indices.extend(pt[:n_pages])
+            kv_indptr.append(len(kv_indices))
+            last.append(n - (n_pages - 1) * page_size)
+        level = CascadeLevel(tuple(range(len(seq_lens) + 1)), kv_indptr, kv_indices, last)
+        return cls(page_size, len(seq_lens), (level,))
+
+    def kv_tokens_read(self) -> int:
+        return sum(lvl.kv_tokens_read(self.page_size) for lvl in self.levels)
+
+
+def merge_state(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly combine two partial attention results over disjoint KV sets.
+
+    ``o_*``: ``[..., H, D]``, ``lse_*``: ``[..., H]`` natural-log sums. A side with ``lse=-inf``
+    (read nothing) contributes nothing; both empty gives ``o=0, lse=-inf``.
+    """
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # avoid inf - inf
+    w_a = torch.exp(lse_a - m)
+    w_b = torch.exp(lse_b - m)
+    denom = w_a + w_b
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    o = (o_a * (w_a / safe).unsqueeze(-1)) + (o_b * (w_b / safe).unsqueeze(-1))
+    return o, m + torch.log(denom)
+
+
+@dataclass
+class _Chunk:
+    """Segments computed together: ``S`` segments padded to ``G`` rows and ``n_pages`` pages."""
+
+    rows: torch.Tensor  # [S, G] long, query rows (padding repeats a valid row)
+    row_valid: torch.Tensor | None  # [S, G] bool, None when no padding
+    pages: torch.Tensor  # [S, n_pages] long (padding: page of the same segment)
+    kv_len: int  # padded KV length = n_pages * page_size, trimmed to the max real length
+    kv_mask: torch.Tensor | None  # [S, 1, 1, kv_len] bool, True = masked out; None if none
+    out_rows: torch.Tensor  # [R] long, rows written back (valid ones, in [S, G] order)
+
+
+def _attend_chunk(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32."""
+    S, G = c.rows.shape
+    h_kv, d = k_cache.shape[2], k_cache.shape[3]
+    h_q = q.shape[1]
+    grp = h_q // h_kv
+    # Gather each segment's K/V once: [S, L, Hkv, D]; all G rows of a segment share it.
+    k = k_cache[c.pages].view(S, -1, h_kv, d)[:, : c.kv_len]
+    v = v_cache[c.pages].view(S, -1, h_kv, d)[:, : c.kv_len]
+    # Queries grouped per KV head: [S, Hkv, G*grp, D] (rows of one KV head batched together).
+    qs = q[c.rows].view(S, G, h_kv, grp, d).permute(0, 2, 1, 3, 4).reshape(S, h_kv, G * grp, d)
+    scores = torch.matmul(qs, k.permute(0, 2, 3, 1)).float().mul_(scale)  # [S, Hkv, G*grp, L]
+    if c.kv_mask is not None:
+        scores.masked_fill_(c.kv_mask, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)  # every segment reads >= 1 token: m is finite
+    p = torch.exp_(scores.sub_(m))
+    denom = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p.to(v.dtype), v.permute(0, 2, 1, 3)).float().div_(denom)  # [S,Hkv,G*grp,D]
+    lse = (m + torch.log(denom)).squeeze(-1)  # [S, Hkv, G*grp]
+    o = o.view(S, h_kv, G, grp, d).permute(0, 2, 1, 3, 4).reshape(S * G, h_q, d)
+    lse = lse.view(S, h_kv, G, grp).permute(0, 2, 1, 3).reshape(S * G, h_q)
+    if c.row_valid is not None:
+        keep = c.row_valid.reshape(-1)
+        o, lse = o[keep], lse[keep]
+    return o, lse
+
+
+class TorchCascadeAttention:
+    """Plan once per decode step, then run for every layer (like FlashInfer's plan/run).
+
+    ``plan`` turns the :class:`CascadePlan` into index tensors on ``device``; ``forward`` reads
+    ``k_cache``/``v_cache`` (never writes them) and returns ``[N, Hq, D]`` in ``q``'s dtype.
+    One-row segments of a level (the per-request level) are batched with padding to the
+    longest one; each multi-row (shared) segment is one matmul over all its rows.
+    """
+
+    def __init__(self, plan: CascadePlan, device: torch.device | str = "cpu") -> None:
+        self.plan = plan
+        self.device = torch.device(device)
+        self._levels: list[list[_Chunk]] = [self._prepare_level(lvl) for lvl in plan.levels]
+
+    def _make_chunk(self, lvl: CascadeLevel, segs: list[int]) -> _Chunk:
+        ps = self.plan.page_size
+        row_lists = [list(range(lvl.qo_indptr[i], lvl.qo_indptr[i + 1])) for i in segs]
+        page_lists = [list(lvl.kv_indices[lvl.kv_indptr[i] : lvl.kv_indptr[i + 1]]) for i in segs]
+        lens = [lvl.segment_kv_len(i, ps) for i in segs]
+        g = max(len(r) for r in row_lists)
+        n_pages = max(len(p) for p in page_lists)
+        kv_len = max(lens)
+        padded_rows = [r + [r[0]] * (g - len(r)) for r in row_lists]
+        padded_pages = [p + [p[0]] * (n_pages - len(p)) for p in page_lists]
+        dev = self.device
+        row_valid = None
+        if any(len(r) < g for r in row_lists):
+            row_valid = torch.tensor(
+                [[j < len(r) for j in range(g)] for r in row_lists], dtype=torch.bool, device=dev
+            )
+        kv_mask = None
+        if any(n < kv_len for n in lens):
+            ar = torch.arange(kv_len, device=dev)
+            kv_mask = (ar[None, :] >= torch.tensor(lens, device=dev)[:, None]).view(
+                len(segs), 1, 1, kv_len
+            )
+        return _Chunk(
+            rows=torch.tensor(padded_rows, dtype=torch.long, device=dev),
+            row_valid=row_valid,
+            pages=torch.tensor(padded_pages, dtype=torch.long, device=dev),
+            kv_len=kv_len,
+            kv_mask=kv_mask,
+            out_rows=torch.tensor([x for r in row_lists for x in r], dtype=torch.long, device=dev),
+        )
+
+    def _prepare_level(self, lvl: CascadeLevel) -> list[_Chunk]:
+        nonempty = [i for i in range(lvl.num_segments) if lvl.kv_last_page_len[i] > 0]
+        single = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] == 1]
+        multi = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] > 1]
+        chunks = [self._make_chunk(lvl, [i]) for i in multi]
+        if single:
+            chunks.append(self._make_chunk(lvl, single))
+        return chunks
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sm_scale: float | None = None,
+        *,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        n, h_q, d = q.shape
+        if n != self.plan.num_queries:
+            raise ValueError(f"q has {n} rows, the plan has {self.plan.num_queries}")
+        if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)}")
+        if k_cache.shape[1] != self.plan.page_size:
+            raise ValueError(f"cache page_size {k_cache.shape[1]} != plan {self.plan.page_size}")
+        if k_cache.shape[3] != d or h_q % k_cache.shape[2] != 0:
+            raise ValueError(f"q heads/dim {h_q}/{d} do not fit KV {tuple(k_cache.shape[2:])}")
+        scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        o = torch.zeros(n, h_q, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((n, h_q), float("-inf"), dtype=torch.float32, device=q.device)
+        for chunks in self._levels:
+            for c in chunks:
+                o_c, lse_c = _attend_chunk(q, k_cache, v_cache, c, scale)
+                o_m, lse_m = merge_state(o[c.out_rows], lse[c.out_rows], o_c, lse_c)
+                o[c.out_rows] = o_m
+                lse[c.out_rows] = lse_m
+        out = o.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    __call__ = forward
+
+
+def cascade_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: CascadePlan,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """One-shot :class:`TorchCascadeAttention` (plan + forward) -> ``[N, Hq, D]``."""
+    return TorchCascadeAttention(plan, q.device).forward(q, k_cache, v_cache, sm_scale)

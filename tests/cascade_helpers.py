@@ -1,0 +1,54 @@
+"""Shared helpers for the cascade tests: an independent paged-decode reference and plan builders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from radixkv.attention.cascade import CascadeLevel
+
+
+def reference_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Plain paged decode, one request at a time, in float64, straight from the KV tensors."""
+    _, page_size, h_kv, d = k_cache.shape
+    h_q = q.shape[1]
+    grp = h_q // h_kv
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r, (pt, n) in enumerate(zip(page_tables, seq_lens)):
+        slots = [pt[i // page_size] * page_size + i % page_size for i in range(n)]
+        k = k_cache.reshape(-1, h_kv, d)[slots].double()  # [n, Hkv, D]
+        v = v_cache.reshape(-1, h_kv, d)[slots].double()
+        for h in range(h_q):
+            s = (k[:, h // grp] @ q[r, h].double()) * scale  # [n]
+            out[r, h] = torch.softmax(s, dim=0) @ v[:, h // grp]
+    return out
+
+
+def level(page_size: int, segments: Sequence[tuple[int, Sequence[int], int]]) -> CascadeLevel:
+    """Build a level from ``(num_rows, pages, kv_len)`` segments laid out in row order."""
+    qo, kv, idx, last = [0], [0], [], []
+    for rows, pages, kv_len in segments:
+        assert len(pages) == -(-kv_len // page_size)
+        qo.append(qo[-1] + rows)
+        idx.extend(pages)
+        kv.append(len(idx))
+        last.append(0 if kv_len == 0 else kv_len - (len(pages) - 1) * page_size)
+    return CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last))
+
+
+def random_kv(
+    num_pages: int, page_size: int, h_kv: int, d: int, seed: int = 0, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_pages, page_size, h_kv, d, generator=g).to(dtype)
+    v = torch.randn(num_pages, page_size, h_kv, d, generator=g).to(dtype)
+    return k, v

@@ -1,0 +1,192 @@
+"""Cascade decode attention (torch) equals plain paged decode computed straight from the KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cascade_helpers import level, random_kv, reference_decode
+
+from radixkv.attention.cascade import (
+    CascadeLevel,
+    CascadePlan,
+    TorchCascadeAttention,
+    cascade_attention,
+    merge_state,
+)
+
+TOL = 1e-5
+
+
+def _pages(start: int, n: int) -> list[int]:
+    # Non-contiguous, shuffled-looking page ids so gathers really index.
+    return [(start + 7 * i) % 997 for i in range(n)]
+
+
+def _check(q, k, v, plan, page_tables, seq_lens, scale=None):
+    ref = reference_decode(q, k, v, page_tables, seq_lens, scale)
+    out = cascade_attention(q, k, v, plan, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert (out.double() - ref).abs().max().item() <= TOL
+    plain_plan = CascadePlan.plain(page_tables, seq_lens, plan.page_size)
+    plain = cascade_attention(q, k, v, plain_plan, scale)
+    assert (plain.double() - ref).abs().max().item() <= TOL
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("h_q", "h_kv"), [(4, 4), (8, 2)])
+def test_one_group(page_size: int, h_q: int, h_kv: int) -> None:
+    d, n_req, shared_tok = 32, 5, 3 * page_size
+    k, v = random_kv(1000, page_size, h_kv, d, seed=1)
+    shared = _pages(11, shared_tok // page_size)
+    tables, lens, uniq = [], [], []
+    for r in range(n_req):
+        u_len = 1 + 3 * r + (page_size // 2)  # partial last pages of different fill
+        u_pages = _pages(300 + 40 * r, -(-u_len // page_size))
+        tables.append(shared + u_pages)
+        lens.append(shared_tok + u_len)
+        uniq.append((1, u_pages, u_len))
+    plan = CascadePlan(
+        page_size, n_req, (level(page_size, [(n_req, shared, shared_tok)]), level(page_size, uniq))
+    )
+    q = torch.randn(n_req, h_q, d)
+    _check(q, k, v, plan, tables, lens)
+    assert plan.kv_tokens_read() == shared_tok + sum(u[2] for u in uniq)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_several_groups_singletons_and_unshared(page_size: int) -> None:
+    """Groups of 3 and 2, a group of size 1 and a request with no shared prefix at all."""
+    d, h_q, h_kv = 16, 6, 3
+    k, v = random_kv(1000, page_size, h_kv, d, seed=2)
+    ga, gb, gc = _pages(1, 4), _pages(50, 2), _pages(90, 3)
+    groups = [(ga, 3), (gb, 2), (gc, 1), ([], 1)]
+    tables, lens, shared_segs, uniq = [], [], [], []
+    r = 0
+    for pages, size in groups:
+        shared_segs.append((size, pages, len(pages) * page_size))
+        for _ in range(size):
+            u_len = 2 + 5 * r
+            u_pages = _pages(500 + 30 * r, -(-u_len // page_size))
+            tables.append(pages + u_pages)
+            lens.append(len(pages) * page_size + u_len)
+            uniq.append((1, u_pages, u_len))
+            r += 1
+    plan = CascadePlan(page_size, r, (level(page_size, shared_segs), level(page_size, uniq)))
+    q = torch.randn(r, h_q, d)
+    _check(q, k, v, plan, tables, lens)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_nested_sharing_four_levels(page_size: int) -> None:
+    """trunk -> {A -> {A1, A2}, B}; plus one request on the trunk only and one with nothing shared."""
+    d, h_q, h_kv = 32, 8, 2
+    ps = page_size
+    k, v = random_kv(1000, ps, h_kv, d, seed=3)
+    trunk, a, b, a1, a2 = (
+        _pages(3, 5),
+        _pages(100, 2),
+        _pages(150, 3),
+        _pages(200, 1),
+        _pages(210, 2),
+    )
+    # rows: 0,1 -> A1 ; 2 -> A2 ; 3 -> A (no deeper share) ; 4,5 -> B ; 6 -> trunk ; 7 -> nothing
+    prefixes = [
+        trunk + a + a1,
+        trunk + a + a1,
+        trunk + a + a2,
+        trunk + a,
+        trunk + b,
+        trunk + b,
+        trunk,
+        [],
+    ]
+    tables, lens, uniq = [], [], []
+    for r, pre in enumerate(prefixes):
+        u_len = 1 + 7 * r
+        u_pages = _pages(600 + 20 * r, -(-u_len // ps))
+        tables.append(pre + u_pages)
+        lens.append(len(pre) * ps + u_len)
+        uniq.append((1, u_pages, u_len))
+    lv0 = level(ps, [(7, trunk, 5 * ps), (1, [], 0)])
+    lv1 = level(ps, [(4, a, 2 * ps), (2, b, 3 * ps), (2, [], 0)])
+    # A1 shared by rows 0,1; A2 read by row 2 alone (a size-1 group still in a shared level)
+    lv2 = level(ps, [(2, a1, ps), (1, a2, 2 * ps), (5, [], 0)])
+    plan = CascadePlan(ps, 8, (lv0, lv1, lv2, level(ps, uniq)))
+    q = torch.randn(8, h_q, d)
+    _check(q, k, v, plan, tables, lens)
+    # Shared pages read once: trunk + A + B + A1 + A2 + uniques
+    assert plan.kv_tokens_read() == (5 + 2 + 3 + 1 + 2) * ps + sum(u[2] for u in uniq)
+
+
+def test_split_kv_across_levels_any_order_and_scale() -> None:
+    """A row's KV may be split over levels in any order; a custom sm_scale is honoured."""
+    ps, d, h = 4, 8, 2
+    k, v = random_kv(64, ps, h, d, seed=4)
+    table, n = [9, 3, 40, 17], 14
+    plan = CascadePlan(ps, 1, (level(ps, [(1, [40, 17], 6)]), level(ps, [(1, [9, 3], 8)])))
+    q = torch.randn(1, h, d)
+    _check(q, k, v, plan, [table], [n], scale=0.3)
+
+
+def test_lse_and_merge_state_exact() -> None:
+    torch.manual_seed(5)
+    ps, d, h = 2, 8, 2
+    k, v = random_kv(16, ps, h, d, seed=5)
+    q = torch.randn(1, h, d)
+    whole = CascadePlan(ps, 1, (level(ps, [(1, [1, 2, 3], 6)]),))
+    part_a = CascadePlan(ps, 1, (level(ps, [(1, [1], 2)]),))
+    part_b = CascadePlan(ps, 1, (level(ps, [(1, [2, 3], 4)]),))
+    o, s = TorchCascadeAttention(whole).forward(q, k, v, return_lse=True)
+    oa, sa = TorchCascadeAttention(part_a).forward(q, k, v, return_lse=True)
+    ob, sb = TorchCascadeAttention(part_b).forward(q, k, v, return_lse=True)
+    om, sm = merge_state(oa, sa, ob, sb)
+    assert torch.allclose(om, o, atol=1e-6) and torch.allclose(sm, s, atol=1e-6)
+    # lse is the natural-log sum of exp(scores)
+    kk = k[[1, 2, 3]].reshape(6, h, d)
+    expect = torch.logsumexp(torch.einsum("hd,nhd->hn", q[0], kk) * d**-0.5, dim=-1)
+    assert torch.allclose(s[0], expect, atol=1e-5)
+    # an empty side contributes nothing; both empty gives zeros and -inf
+    empty_o, empty_s = torch.zeros_like(oa), torch.full_like(sa, float("-inf"))
+    o2, s2 = merge_state(empty_o, empty_s, oa, sa)
+    assert torch.equal(o2, oa) and torch.equal(s2, sa)
+    o3, s3 = merge_state(empty_o, empty_s, empty_o, empty_s)
+    assert torch.equal(o3, empty_o) and torch.isneginf(s3).all()
+
+
+def test_bf16_inputs_close_to_fp32() -> None:
+    ps, d, h = 16, 32, 4
+    k, v = random_kv(200, ps, h, d, seed=6)
+    tables = [[5, 6, 7, 10 + r] for r in range(4)]
+    lens = [3 * ps + 1 + r for r in range(4)]
+    plan = CascadePlan(
+        ps,
+        4,
+        (level(ps, [(4, [5, 6, 7], 3 * ps)]), level(ps, [(1, [10 + r], 1 + r) for r in range(4)])),
+    )
+    q = torch.randn(4, h, d)
+    ref = reference_decode(q, k, v, tables, lens)
+    out = cascade_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max().item() < 3e-2
+
+
+def test_bad_plans_and_inputs_rejected() -> None:
+    with pytest.raises(ValueError, match="no query rows"):
+        CascadeLevel((0, 0), (0, 1), (3,), (1,))
+    with pytest.raises(ValueError, match="kv_last_page_len must be 0"):
+        CascadeLevel((0, 1), (0, 0), (), (2,))
+    with pytest.raises(ValueError, match="kv_indptr ends"):
+        CascadeLevel((0, 1), (0, 2), (3,), (1,))
+    with pytest.raises(ValueError, match="read no KV"):
+        CascadePlan(4, 2, (CascadeLevel((0, 1), (0, 1), (3,), (1,)),))
+    with pytest.raises(ValueError, match="above page_size"):
+        CascadePlan(4, 1, (CascadeLevel((0, 1), (0, 1), (3,), (5,)),))
+    plan = CascadePlan(4, 1, (CascadeLevel((0, 1), (0, 1), (3,), (1,)),))
+    k, v = random_kv(8, 4, 2, 8)
+    with pytest.raises(ValueError, match="rows"):
+        cascade_attention(torch.randn(2, 2, 8), k, v, plan)
+    with pytest.raises(ValueError, match="page_size"):
+        cascade_attention(torch.randn(1, 2, 8), *random_kv(8, 2, 2, 8), plan)
+    with pytest.raises(ValueError, match="do not fit"):
+        cascade_attention(torch.randn(1, 3, 8), k, v, plan)
