@@ -1,0 +1,212 @@
+"""Measured trade-offs for the tuning guide: pool size x policy, page size, chunked-prefill size.
+
+Parts:
+
+* ``pool``: hit rate vs pool size for each eviction policy, replaying a trace through the cache
+  alone (no model): a few hot system prompts (Zipf popularity) asked many questions, interleaved
+  with one-off long documents that are never reused (a "scan" that pollutes an LRU cache).
+* ``page``: the same trace with an unbounded pool at page sizes 1, 4, 16, 64: hit rate lost to
+  page alignment, trie size, and the mean cost of match and insert.
+* ``chunk``: the engine on radixkv-tiny, one long prompt arriving with a batch of short ones, for
+  several ``chunked_prefill_size`` values: time to first token of the short requests vs of the
+  long one, and total time.
+
+Writes bench/results/bench_tuning.json and prints tables. ``--quick`` shrinks every part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from radixkv.cache.page_pool import PagePool  # noqa: E402
+from radixkv.cache.radix_cache import RadixCache  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from make_report import machine_description  # noqa: E402
+
+VOCAB = 32_000
+
+
+def make_trace(
+    num_requests: int, *, num_hot: int = 8, doc_share: float = 0.4, seed: int = 0
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt, output) pairs: hot system prompts + unique questions, and one-off documents.
+
+    System prompt lengths are drawn around 1,000 tokens (not page multiples, so page alignment
+    costs something); questions 64 tokens; outputs 64 tokens; documents 1,000 tokens + question.
+    Hot prompt i is chosen with probability proportional to 1 / (i + 1) (Zipf).
+    """
+    rng = random.Random(seed)
+
+    def run(n: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    hot = [run(rng.randrange(900, 1100)) for _ in range(num_hot)]
+    weights = [1.0 / (i + 1) for i in range(num_hot)]
+    trace = []
+    for _ in range(num_requests):
+        if rng.random() < doc_share:
+            prompt = run(rng.randrange(900, 1100)) + run(64)
+        else:
+            prompt = rng.choices(hot, weights)[0] + run(64)
+        trace.append((prompt, run(64)))
+    return trace
+
+
+def replay(trace: list[tuple[list[int], list[int]]], *, num_pages: int, page_size: int,
+           policy: str) -> dict[str, Any]:  # fmt: skip
+    """Serve every request the way the engine does, through the cache alone.
+
+    match (capped at len - 1) -> lock -> alloc the rest -> insert prompt + output full pages ->
+    free the private partial page -> unlock. Returns hit counts and mean op times (us).
+    """
+    pool = PagePool(num_pages)
+    cache = RadixCache(pool, page_size=page_size, policy=policy)
+    hit = total = 0
+    t_match: list[float] = []
+    t_insert: list[float] = []
+    for prompt, output in trace:
+        t0 = time.perf_counter()
+        m = cache.match_prefix(prompt[:-1])
+        t_match.append(time.perf_counter() - t0)
+        hit += m.num_tokens
+        total += len(prompt)
+        cache.lock(m.node)
+        full = prompt + output
+        need = math.ceil(len(full) / page_size) - len(m.pages)
+        pages = list(m.pages) + cache.alloc(need)
+        n_full = len(full) // page_size
+        t0 = time.perf_counter()
+        cache.insert(full[: n_full * page_size], pages[:n_full])
+        t_insert.append(time.perf_counter() - t0)
+        if len(pages) > n_full:
+            pool.free(pages[n_full:])  # the partial last page was private to the request
+        cache.unlock(m.node)
+    cache.check_invariants()
+    return {
+        "hit_rate": hit / total,
+        "hit_tokens": hit,
+        "prompt_tokens": total,
+        "cached_pages": cache.num_cached_pages,
+        "nodes": sum(1 for _ in cache.iter_nodes()),
+        "evicted_pages": int(getattr(cache.stats, "evicted_pages", 0)),
+        "match_us": 1e6 * statistics.fmean(t_match),
+        "insert_us": 1e6 * statistics.fmean(t_insert),
+    }
+
+
+def bench_pool(trace: list[tuple[list[int], list[int]]], page_size: int) -> list[dict[str, Any]]:
+    max_pages = max(math.ceil((len(p) + len(o)) / page_size) for p, o in trace)
+    unbounded = replay(trace, num_pages=10**7, page_size=page_size, policy="lru")
+    working_set = unbounded["cached_pages"]
+    rows = []
+    for frac in (0.02, 0.05, 0.1, 0.2, 0.4, 1.0):
+        num_pages = max(int(working_set * frac), 2 * max_pages)
+        for policy in ("lru", "lfu"):
+            r = replay(trace, num_pages=num_pages, page_size=page_size, policy=policy)
+            rows.append({
+                "policy": policy, "pool_fraction": frac, "pool_pages": num_pages,
+                "hit_rate": round(r["hit_rate"], 4),
+                "ideal_hit_rate": round(unbounded["hit_rate"], 4),
+                "evicted_pages": r["evicted_pages"],
+            })  # fmt: skip
+    return rows
+
+
+def bench_page(trace: list[tuple[list[int], list[int]]]) -> list[dict[str, Any]]:
+    rows = []
+    for ps in (1, 4, 16, 64):
+        r = replay(trace, num_pages=10**7, page_size=ps, policy="lru")
+        rows.append({
+            "page_size": ps, "hit_rate": round(r["hit_rate"], 4), "nodes": r["nodes"],
+            "cached_pages": r["cached_pages"], "match_us": round(r["match_us"], 2),
+            "insert_us": round(r["insert_us"], 2),
+            "mean_partial_page_tokens": (ps - 1) / 2,
+        })  # fmt: skip
+    base = rows[0]["hit_rate"]
+    for row in rows:
+        row["hit_rate_lost_to_alignment"] = round(base - row["hit_rate"], 4)
+    return rows
+
+
+def bench_chunk(quick: bool) -> list[dict[str, Any]]:
+    """Engine: one long prompt + short requests, arriving together, per chunked_prefill_size."""
+    from radixkv.engine.engine import Engine
+
+    from radixkv.engine.params import SamplingParams
+
+    rng = random.Random(1)
+    long_len, n_short = (1024, 4) if quick else (3072, 8)
+    rows = []
+    for chunk in (256, 512, 1024, 4096):
+        engine = Engine("radixkv-tiny", chunked_prefill_size=chunk, max_prefill_tokens=chunk,
+                        enable_prefix_cache=False, seed=0)  # fmt: skip
+        vocab = engine.tokenizer.vocab_size if hasattr(engine, "tokenizer") else 256
+        long_prompt = [rng.randrange(3, vocab) for _ in range(long_len)]
+        shorts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(n_short)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = engine.generate([long_prompt, *shorts], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        rows.append({
+            "chunked_prefill_size": chunk,
+            "long_prompt_tokens": long_len,
+            "long_ttft_s": round(outs[0].metrics.ttft, 4),
+            "short_ttft_mean_s": round(statistics.fmean(o.metrics.ttft for o in outs[1:]), 4),
+            "total_s": round(wall, 3),
+        })  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--parts", default="pool,page,chunk", help="comma list of pool,page,chunk")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_tuning.json")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    n = 300 if args.quick else 2000
+    trace = make_trace(n)
+    result: dict[str, Any] = {
+        "machine": machine_description(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "trace": f"{n} requests: 8 Zipf-hot ~1000-token system prompts + 64-token question, "
+        "40% one-off ~1000-token documents; 64 output tokens each",
+    }
+    if "pool" in parts:
+        result["pool_policy"] = bench_pool(trace, page_size=16)
+        _print("hit rate vs pool size (page_size 16)", result["pool_policy"])
+    if "page" in parts:
+        result["page_size"] = bench_page(trace)
+        _print("page size (unbounded pool)", result["page_size"])
+    if "chunk" in parts:
+        result["chunk_size"] = bench_chunk(args.quick)
+        _print("chunked prefill size (radixkv-tiny, cache off)", result["chunk_size"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _print(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    cols = list(rows[0])
+    print("  ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print("  ".join(f"{r[c]!s:>14}" for c in cols))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
