@@ -1,0 +1,100 @@
+"""Incremental detokenization with stop strings.
+
+Decoding the whole output every step is quadratic; instead each step decodes a short window
+(``ids[prefix_offset:]`` against ``ids[prefix_offset:read_offset]``) and appends the difference,
+holding tokens back while they form an incomplete UTF-8 character (the decoder shows U+FFFD).
+A few prompt tokens seed the window so tokenizers that merge a leading space decode correctly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Text of one sequence's output, grown one token at a time.
+
+    ``text`` is everything decoded so far (cut at a stop string once one matched);
+    ``take_delta()`` returns the part not yet handed out, holding back the last
+    ``max_stop_len - 1`` characters while unfinished (a stop string may still be forming there).
+    """
+
+    __slots__ = (
+        "_emitted",
+        "_hold",
+        "_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "_stops",
+        "_tok",
+        "stop_matched",
+        "text",
+    )
+
+    def __init__(self, tokenizer: _Decoder, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stops = tuple(stop)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._emitted = 0
+        self.text = ""
+        self.stop_matched: str | None = None
+
+    def add(self, token_id: int) -> bool:
+        """Append one token; returns True when a stop string completed (text is cut before it)."""
+        if self.stop_matched is not None:
+            raise RuntimeError("detokenizer: token added after a stop string matched")
+        self._ids.append(token_id)
+        prev = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prev) or full.endswith("\ufffd"):
+            return False  # incomplete character: wait for more tokens
+        old_len = len(self.text)
+        self.text += full[len(prev) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return self._check_stop(old_len)
+
+    def flush(self) -> None:
+        """At finish: append whatever is still pending (even an incomplete character)."""
+        if self.stop_matched is not None or self._read_offset == len(self._ids):
+            return
+        prev = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prev):
+            self.text += full[len(prev) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
+
+    def _check_stop(self, old_len: int) -> bool:
+        if not self._stops:
+            return False
+        start = max(0, old_len - self._hold)  # a match may begin inside the previous text
+        best = -1
+        for s in self._stops:
+            p = self.text.find(s, start)
+            if p != -1 and (best == -1 or p < best):
+                best, self.stop_matched = p, s
+        if best == -1:
+            return False
+        self.text = self.text[:best]
+        return True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out; while unfinished, keeps the stop-string hold-back."""
+        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self._emitted]

@@ -1,0 +1,102 @@
+"""Sampling parameters of one request, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample the continuation of one prompt.
+
+    Attributes:
+        n: number of samples; they share the prompt's KV (the prompt is prefilled once).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep only the k most likely tokens; 0 (or -1) disables it.
+        max_tokens: most tokens to generate (>= 1).
+        stop: strings that end the output when they appear; the stop string is not included.
+            A single string or a sequence of strings; normalised to a tuple.
+        stop_token_ids: token ids that end the output (the token is kept in ``token_ids``,
+            not in ``text``).
+        ignore_eos: keep generating past the model's EOS tokens.
+        seed: per-request seed; the same seed gives the same samples (sample i of an n > 1
+            request uses ``seed + i``). None draws from the engine's seeded generator.
+
+    Raises:
+        ValueError: on any out-of-range value or wrongly typed field (the message names it).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, int | float) or isinstance(self.temperature, bool):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or isinstance(self.top_p, bool):
+            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}"
+            )
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {list(ids)!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _normalise_stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, Sequence) or isinstance(stop, bytes):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    out: list[str] = []
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must contain only strings, got {type(s).__name__}: {s!r}")
+        if not s:
+            raise ValueError("stop strings must be non-empty")
+        out.append(s)
+    return tuple(out)

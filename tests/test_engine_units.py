@@ -1,0 +1,144 @@
+"""Unit tests of the engine's torch-light parts: SamplingParams, sampler, detokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.params import SamplingParams
+from radixkv.engine.sampler import make_generator, sample
+
+
+# ---------------------------------------------------------------- SamplingParams
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": b"x"}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": "ab"}, "stop_token_ids"),
+        ({"seed": 1.0}, "seed"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_sampling_params_rejects(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalises() -> None:
+    p = SamplingParams(stop="END", stop_token_ids=[3, 4], temperature=0)
+    assert p.stop == ("END",)
+    assert p.stop_token_ids == (3, 4)
+    assert p.greedy and p.max_stop_len == 3
+    assert SamplingParams(stop=None).stop == ()
+    with pytest.raises(AttributeError):
+        p.temperature = 1.0  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- sampler
+def test_sampler_greedy_rows_take_argmax() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert sample(logits, params, [None] * 4) == logits.argmax(-1).tolist()
+
+
+def test_sampler_seeded_reproducible_and_batch_independent() -> None:
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
+    a = sample(logits, [p] * 3, [make_generator(7), make_generator(8), make_generator(9)])
+    b = sample(logits[1:2], [p], [make_generator(8)])
+    assert a[1] == b[0]
+    c = sample(logits, [p] * 3, [make_generator(7), make_generator(8), make_generator(9)])
+    assert a == c
+
+
+def test_sampler_top_k_one_is_greedy_and_top_p_restricts() -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 64, generator=g)
+    gens = [make_generator(i) for i in range(2)]
+    out = sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 2, gens)
+    assert out == logits.argmax(-1).tolist()
+    # a very peaked row with tiny top_p: only the top token survives
+    peaked = torch.zeros(1, 10)
+    peaked[0, 3] = 5.0
+    for s in range(20):
+        assert sample(
+            peaked, [SamplingParams(temperature=1.0, top_p=0.5)], [make_generator(s)]
+        ) == [3]
+
+
+def test_sampler_distribution_roughly_matches_softmax() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    probs = torch.softmax(logits, -1)[0]
+    counts = torch.zeros(3)
+    gen = make_generator(123)
+    p = SamplingParams(temperature=1.0)
+    for _ in range(3000):
+        counts[sample(logits, [p], [gen])[0]] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+def test_sampler_mixed_batch_and_errors() -> None:
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    out = sample(
+        logits, [SamplingParams(temperature=0), SamplingParams()], [None, make_generator(0)]
+    )
+    assert out[0] == int(logits[0].argmax())
+    with pytest.raises(ValueError, match="generator"):
+        sample(logits, [SamplingParams(), SamplingParams()], [None, None])
+    with pytest.raises(ValueError):
+        sample(logits, [SamplingParams()], [None])
+
+
+# ---------------------------------------------------------------- detokenizer
+class _ByteTok:
+    """A byte-level decoder: ids are bytes (multi-byte characters span tokens)."""
+
+    def decode(self, ids) -> str:  # type: ignore[no-untyped-def]
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _feed(text: str, stop: tuple[str, ...] = ()) -> tuple[IncrementalDetokenizer, list[str], bool]:
+    d = IncrementalDetokenizer(_ByteTok(), list(b"prompt "), stop)
+    deltas, hit = [], False
+    for b in text.encode():
+        hit = d.add(b)
+        deltas.append(d.take_delta(hit))
+        if hit:
+            break
+    if not hit:
+        d.flush()
+        deltas.append(d.take_delta(True))
+    return d, deltas, hit
+
+
+def test_detokenizer_multibyte_and_deltas() -> None:
+    text = "héllo wörld ✓ done"
+    d, deltas, hit = _feed(text)
+    assert not hit and d.text == text and "".join(deltas) == text
+    assert all("\ufffd" not in x for x in deltas)
+
+
+def test_detokenizer_stop_string_cut_and_holdback() -> None:
+    d, deltas, hit = _feed("abc STOP def", stop=("STOP", "zz"))
+    assert hit and d.stop_matched == "STOP"
+    assert d.text == "abc " and "".join(deltas) == "abc "
+    # earliest of several stop strings wins
+    d, _, hit = _feed("xx yy zz", stop=("zz", "yy"))
+    assert hit and d.text == "xx "
+    # stop string spanning a multi-byte character
+    d, _, hit = _feed("a✓b", stop=("✓",))
+    assert hit and d.text == "a"
