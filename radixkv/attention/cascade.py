@@ -180,7 +180,7 @@ class _Chunk:
     row_valid: torch.Tensor | None  # [S, G] bool, None when no padding
     pages: torch.Tensor  # [S, n_pages] long (padding: page of the same segment)
     kv_len: int  # padded KV length = n_pages * page_size, trimmed to the max real length
-    kv_mask: torch.Tensor | None  # [S, 1, 1, kv_len] bool, True = masked out; None if none
+    kv_mask: torch.Tensor | None  # [S, 1, kv_len] bool, True = masked out; None if none
     out_rows: torch.Tensor  # [R] long, rows written back (valid ones, in [S, G] order)
 
 
@@ -195,18 +195,24 @@ def _attend_chunk(
     # Gather each segment's K/V once: [S, L, Hkv, D]; all G rows of a segment share it.
     k = k_cache[c.pages].view(S, -1, h_kv, d)[:, : c.kv_len]
     v = v_cache[c.pages].view(S, -1, h_kv, d)[:, : c.kv_len]
-    # Queries grouped per KV head: [S, Hkv, G*grp, D] (rows of one KV head batched together).
-    qs = q[c.rows].view(S, G, h_kv, grp, d).permute(0, 2, 1, 3, 4).reshape(S, h_kv, G * grp, d)
-    scores = torch.matmul(qs, k.permute(0, 2, 3, 1)).float().mul_(scale)  # [S, Hkv, G*grp, L]
-    if c.kv_mask is not None:
-        scores.masked_fill_(c.kv_mask, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)  # every segment reads >= 1 token: m is finite
-    p = torch.exp_(scores.sub_(m))
-    denom = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p.to(v.dtype), v.permute(0, 2, 1, 3)).float().div_(denom)  # [S,Hkv,G*grp,D]
-    lse = (m + torch.log(denom)).squeeze(-1)  # [S, Hkv, G*grp]
-    o = o.view(S, h_kv, G, grp, d).permute(0, 2, 1, 3, 4).reshape(S * G, h_q, d)
-    lse = lse.view(S, h_kv, G, grp).permute(0, 2, 1, 3).reshape(S * G, h_q)
+    qs = q[c.rows].view(S, G, h_kv, grp, d)
+    o = torch.empty(S, G, h_kv, grp, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(S, G, h_kv, grp, dtype=torch.float32, device=q.device)
+    # One bmm per KV head: k[:, :, h] is a strided [S, L, D] view that BLAS reads in place,
+    # where a single 4-D matmul over (S, Hkv) would first copy all of K and V.
+    for h in range(h_kv):
+        qh = qs[:, :, h].reshape(S, G * grp, d)  # all rows of the segment x heads of group h
+        scores = torch.bmm(qh, k[:, :, h].transpose(1, 2)).float().mul_(scale)  # [S, G*grp, L]
+        if c.kv_mask is not None:
+            scores.masked_fill_(c.kv_mask, float("-inf"))
+        m = scores.amax(dim=-1, keepdim=True)  # every segment reads >= 1 token: m is finite
+        p = torch.exp_(scores.sub_(m))
+        denom = p.sum(dim=-1, keepdim=True)
+        oh = torch.bmm(p.to(v.dtype), v[:, :, h]).float().div_(denom)  # [S, G*grp, D]
+        o[:, :, h] = oh.view(S, G, grp, d)
+        lse[:, :, h] = (m + torch.log(denom)).view(S, G, grp)
+    o = o.view(S * G, h_q, d)
+    lse = lse.view(S * G, h_q)
     if c.row_valid is not None:
         keep = c.row_valid.reshape(-1)
         o, lse = o[keep], lse[keep]
@@ -247,7 +253,7 @@ class TorchCascadeAttention:
         if any(n < kv_len for n in lens):
             ar = torch.arange(kv_len, device=dev)
             kv_mask = (ar[None, :] >= torch.tensor(lens, device=dev)[:, None]).view(
-                len(segs), 1, 1, kv_len
+                len(segs), 1, kv_len
             )
         return _Chunk(
             rows=torch.tensor(padded_rows, dtype=torch.long, device=dev),
