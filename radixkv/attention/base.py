@@ -1,0 +1,133 @@
+"""The attention backend interface shared by the torch and flashinfer implementations.
+
+One forward step of the model is a *batch* of sequences laid out ragged: the new tokens of
+sequence 0, then those of sequence 1, ... (``T = sum(num_new)`` tokens in all). Per step the runner
+calls :meth:`AttentionBackend.plan` once; then, per layer, the model calls
+:meth:`AttentionBackend.forward`, which writes the new K/V into their page slots and attends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.kv.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """What one step computes, per sequence ``i``.
+
+    ``page_tables[i]`` covers all ``num_past[i] + num_new[i]`` tokens (at least
+    ``ceil((num_past + num_new) / page_size)`` pages; extra trailing pages are ignored).
+    The first ``num_past[i]`` tokens' K/V are already in the pool; the ``num_new[i]`` new tokens
+    sit at positions ``num_past[i] ..`` and attend causally to every earlier token of their own
+    sequence.
+    """
+
+    page_tables: tuple[tuple[int, ...], ...]
+    num_past: tuple[int, ...]
+    num_new: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.page_tables)
+        if len(self.num_past) != n or len(self.num_new) != n:
+            raise ValueError("BatchLayout: page_tables, num_past and num_new differ in length")
+        if n == 0:
+            raise ValueError("BatchLayout: empty batch")
+
+    @classmethod
+    def build(
+        cls,
+        page_tables: Sequence[Sequence[int]],
+        num_past: Sequence[int],
+        num_new: Sequence[int],
+    ) -> BatchLayout:
+        return cls(
+            tuple(tuple(int(p) for p in pt) for pt in page_tables),
+            tuple(int(x) for x in num_past),
+            tuple(int(x) for x in num_new),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def validate(self, page_size: int, num_pages: int) -> None:
+        """Raise ValueError naming the sequence if a page table is short or out of range."""
+        for i, (pt, past, new) in enumerate(
+            zip(self.page_tables, self.num_past, self.num_new, strict=True)
+        ):
+            if past < 0:
+                raise ValueError(f"sequence {i}: num_past must be >= 0, got {past}")
+            if new <= 0:
+                raise ValueError(f"sequence {i}: needs at least one new token, got {new}")
+            need = (past + new + page_size - 1) // page_size
+            if len(pt) < need:
+                raise ValueError(
+                    f"sequence {i}: {past} past + {new} new tokens need {need} pages of "
+                    f"{page_size}, page table has {len(pt)}"
+                )
+            for p in pt[:need]:
+                if not 0 <= p < num_pages:
+                    raise ValueError(
+                        f"sequence {i}: page id {p} out of range [0, {num_pages}) of the KV pool"
+                    )
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a :class:`KVPool`.
+
+    Contract: ``plan`` is called once per step, before any ``forward``; its metadata is reused by
+    every layer. ``forward(layer, q, k, v)`` mutates the pool (writes the new tokens' K/V into
+    their slots of layer ``layer``) and returns the attention output. Shapes (ragged token order
+    of the layout): ``q [T, num_qo_heads, head_dim]``, ``k, v [T, num_kv_heads, head_dim]``,
+    output ``[T, num_qo_heads, head_dim]`` in ``q``'s dtype.
+    """
+
+    name: str = "base"
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+    ) -> None:
+        if num_qo_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if kv_pool.num_kv_heads != num_kv_heads or kv_pool.head_dim != head_dim:
+            raise ValueError(
+                f"KV pool has {kv_pool.num_kv_heads} kv heads x {kv_pool.head_dim} dims, "
+                f"attention needs {num_kv_heads} x {head_dim}"
+            )
+        self.kv_pool = kv_pool
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = float(scale) if scale is not None else head_dim**-0.5
+
+    @abstractmethod
+    def plan(self, layout: BatchLayout) -> None:
+        """Prepare per-step metadata (slots to write, gather indices, masks)."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` into the pool for layer ``layer``, attend, return ``[T, Hq, D]``."""
+
+
+def write_slots(layout: BatchLayout, page_size: int) -> list[int]:
+    """Flat pool slots of every new token, in ragged batch order."""
+    slots: list[int] = []
+    for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
+        for i in range(past, past + new):
+            slots.append(pt[i // page_size] * page_size + i % page_size)
+    return slots

@@ -1,0 +1,111 @@
+"""Pure-PyTorch building blocks for attention over paged KV.
+
+Reused by the torch backend and by the cascade (shared-prefix) attention: attention of a set of
+queries over a list of pages that returns the output *and* its log-sum-exp, so partial results over
+disjoint key sets can be merged exactly (:func:`merge_attention_states`).
+
+LSE convention here: natural log of the sum of ``exp(scale * q.k)`` over the attended keys
+(FlashInfer returns base 2; multiply by ``ln 2`` to compare).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Contiguous copy of the given pages laid end to end.
+
+    ``cache [num_pages, page_size, H, D]``, ``pages [..., n]`` int64 ->
+    ``[..., n * page_size, H, D]``. One ``index_select`` over whole pages.
+    """
+    flat = pages.reshape(-1)
+    out = cache.index_select(0, flat)  # [prod(...) * n, ps, H, D]
+    ps, h, d = cache.shape[1:]
+    return out.view(*pages.shape[:-1], pages.shape[-1] * ps, h, d)
+
+
+def token_slots(page_table: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:
+    """Flat pool slots ``page * page_size + offset`` of tokens ``start .. end-1`` (int64)."""
+    first, last = start // page_size, (end + page_size - 1) // page_size
+    pages = page_table[first:last].to(torch.int64)
+    offs = torch.arange(page_size, dtype=torch.int64, device=pages.device)
+    slots = (pages.unsqueeze(1) * page_size + offs).reshape(-1)
+    base = first * page_size
+    return slots[start - base : end - base]
+
+
+def attend_pages_with_lse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor | int,
+    *,
+    q_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries over paged keys, returning ``(output, lse)`` in fp32.
+
+    Two forms:
+
+    * one key set for all queries: ``q [n, Hq, D]``, ``page_table [P]`` (int64), ``kv_lens`` an int
+      (keys ``0 .. kv_len-1`` of that page list);
+    * one key set per query row (batched decode): ``q [B, Hq, D]``, ``page_table [B, P]``,
+      ``kv_lens [B]`` tensor (row ``b`` attends keys ``0 .. kv_lens[b]-1`` of its own pages).
+
+    ``q_positions`` (``[n]`` or ``[B]``) makes it causal: a query at position ``p`` sees only keys
+    ``j <= p`` (key ``j`` = token ``j`` of the page list). GQA: ``Hq`` is a multiple of the cache's
+    ``H_kv``; query head ``h`` reads kv head ``h // (Hq // H_kv)``.
+
+    Returns ``o [n|B, Hq, D]`` and ``lse [n|B, Hq]`` (natural log). A query that sees no key gets
+    ``o = 0`` and ``lse = -inf``, so merging it with another state is a no-op.
+    """
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    batched = page_table.dim() == 2
+    k = gather_pages(k_cache, page_table).float()  # [(B,) L, Hkv, D]
+    v = gather_pages(v_cache, page_table).float()
+    length = k.shape[-3]
+    key_idx = torch.arange(length, device=q.device)
+    if batched:
+        if not isinstance(kv_lens, torch.Tensor):
+            raise TypeError("attend_pages_with_lse: batched form needs kv_lens as a [B] tensor")
+        valid = key_idx.unsqueeze(0) < kv_lens.to(q.device).unsqueeze(1)  # [B, L]
+        qg = q.float().view(n, hkv, group, d)
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # [B, Hkv, G, L]
+        if q_positions is not None:
+            valid = valid & (key_idx.unsqueeze(0) <= q_positions.unsqueeze(1))
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G]
+        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, v)
+        return o.reshape(n, hq, d), lse.reshape(n, hq)
+    kv_len = int(kv_lens)
+    k, v = k[:kv_len], v[:kv_len]
+    qg = q.float().view(n, hkv, group, d)
+    scores = torch.einsum("nhgd,lhd->hgnl", qg, k) * scale  # [Hkv, G, n, L]
+    if q_positions is not None:
+        visible = key_idx[:kv_len].unsqueeze(0) <= q_positions.unsqueeze(1)  # [n, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, n]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    o = torch.einsum("hgnl,lhd->nhgd", probs, v)
+    return o.reshape(n, hq, d), lse.permute(2, 0, 1).reshape(n, hq)
+
+
+def merge_attention_states(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets: ``o [N, H, D]``, ``lse [N, H]`` (natural log).
+
+    Exact: the result equals attention over the union of the key sets. Either side may be empty
+    (``lse = -inf``).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_a = torch.exp(lse_a - safe).unsqueeze(-1)
+    w_b = torch.exp(lse_b - safe).unsqueeze(-1)
+    return o_a * w_a + o_b * w_b, lse

@@ -1,0 +1,113 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embeddings (incl. llama3 scaling), SwiGLU.
+
+Numerics follow the Hugging Face reference so fp32 logits agree to ~1e-5: the norm is computed in
+fp32 and cast back before the weight multiply; RoPE angles are ``position * inv_freq`` in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dim; the reduction runs in fp32."""
+
+    def __init__(
+        self, dim: int, eps: float, *, device: torch.device | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(in_dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """``[head_dim // 2]`` fp32 inverse frequencies, with ``linear`` or ``llama3`` scaling applied."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    kind = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope type {kind!r}")
+    # Llama 3.x: long wavelengths are slowed by `factor`, short ones kept, and the band between
+    # low_freq_factor and high_freq_factor interpolates smoothly between the two.
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Half-rotation RoPE (HF's ``rotate_half`` layout). The cos/sin table grows on demand.
+
+    Deliberately not an ``nn.Module`` buffer: ``model.to(bfloat16)`` must not round the inverse
+    frequencies. The table is fp32 and follows the device of the positions asked for.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2] fp32, CPU
+        self._cos = torch.empty(0, head_dim)
+        self._sin = torch.empty(0, head_dim)
+
+    def _grow(self, length: int, device: torch.device) -> None:
+        size = max(length, 2 * self._cos.shape[0], 256)
+        pos = torch.arange(size, dtype=torch.int64).float()
+        freqs = pos.unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [size, D/2] fp32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+
+    def cos_sin(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, head_dim]`` fp32 for ``positions [T]``; ``max_pos`` bounds the table."""
+        if max_pos >= self._cos.shape[0] or self._cos.device != positions.device:
+            self._grow(max_pos + 1, positions.device)
+        return self._cos[positions], self._sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` rotated by ``cos``/``sin`` ``[T, D]`` (cast to x's dtype, as HF does)."""
+    cos = cos.to(x.dtype).unsqueeze(1)
+    sin = sin.to(x.dtype).unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; weight names match HF (gate_proj, up_proj, down_proj)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        *,
+        device: torch.device | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
+        self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

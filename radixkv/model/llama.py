@@ -1,0 +1,153 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one module with flags.
+
+Tokens are ragged: the model sees ``input_ids [T]`` and ``positions [T]`` of all sequences of a
+step concatenated; attention (the only place where sequences matter) is delegated to an
+:class:`~radixkv.attention.base.AttentionBackend` that was planned for that layout.
+Parameter names equal Hugging Face's, so a checkpoint's state dict loads as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixkv.attention.base import AttentionBackend
+from radixkv.model.config import ModelConfig
+from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, device=device, dtype=dtype)
+        self.mlp = SwiGLU(
+            cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device=device, dtype=dtype
+        )
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype
+        )
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM of the whole family; ``config.architecture`` only selects flags.
+
+    ``forward`` mutates the KV pool behind ``attn`` (the new tokens' K/V, every layer) and returns
+    fp32 logits of the rows ``logits_indices`` (all rows when None).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        dtype = dtype or config.dtype
+        self.config = config
+        self.model = LlamaModel(config, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+        *,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        """``input_ids, positions [T]`` int64 -> fp32 logits ``[len(logits_indices) or T, vocab]``.
+
+        ``max_position`` (the largest entry of ``positions``) lets the caller skip a device sync.
+        """
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = self.rotary.cos_sin(positions, max_position)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, attn)
+        if logits_indices is not None:
+            h = h.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(h)).float()
+
+
+# HF class names, all the same implementation.
+MistralForCausalLM = LlamaForCausalLM
+Qwen2ForCausalLM = LlamaForCausalLM
+Qwen3ForCausalLM = LlamaForCausalLM

@@ -1,0 +1,112 @@
+"""ModelRunner: one forward step of a batch of sequences over the paged KV pool.
+
+The runner never allocates or frees pages: the engine passes each sequence's page table in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.attention.registry import get_backend
+from radixkv.kv.kv_pool import KVPool
+from radixkv.model.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence of a step.
+
+    ``page_table`` covers all ``num_past + len(new_token_ids)`` tokens: token ``i`` lives at
+    ``(page_table[i // page_size], i % page_size)``. The first ``num_past`` tokens' K/V are already
+    in the pool; the new tokens get positions ``num_past ..`` and their K/V are written.
+    """
+
+    new_token_ids: Sequence[int]
+    page_table: Sequence[int]
+    num_past: int = 0
+
+
+class ModelRunner:
+    """Runs ``model`` on batches of :class:`SeqInput` with ``kv_pool`` as its KV cache.
+
+    ``forward`` mutates the pool: every layer's K/V of every new token is written to the slots
+    given by its page table. Nothing else is mutated. Input is validated before any write; a bad
+    batch raises ValueError and leaves the pool untouched.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, backend: str = "auto") -> None:
+        cfg = model.config
+        problems = []
+        if kv_pool.num_layers != cfg.num_layers:
+            problems.append(f"num_layers {kv_pool.num_layers} != model's {cfg.num_layers}")
+        if kv_pool.num_kv_heads != cfg.num_kv_heads:
+            problems.append(f"num_kv_heads {kv_pool.num_kv_heads} != model's {cfg.num_kv_heads}")
+        if kv_pool.head_dim != cfg.head_dim:
+            problems.append(f"head_dim {kv_pool.head_dim} != model's {cfg.head_dim}")
+        if kv_pool.dtype != model.dtype:
+            problems.append(f"dtype {kv_pool.dtype} != model's {model.dtype}")
+        if kv_pool.device != model.device:
+            problems.append(f"device {kv_pool.device} != model's {model.device}")
+        if problems:
+            raise ValueError("KV pool does not fit the model: " + "; ".join(problems))
+        self.model = model
+        self.config = cfg
+        self.kv_pool = kv_pool
+        self.device = kv_pool.device
+        self.attn: AttentionBackend = get_backend(
+            backend,
+            kv_pool,
+            num_qo_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+
+    @property
+    def backend_name(self) -> str:
+        return self.attn.name
+
+    def _validate(self, seqs: Sequence[SeqInput]) -> BatchLayout:
+        if not seqs:
+            raise ValueError("ModelRunner.forward: empty batch")
+        vocab, max_ctx = self.config.vocab_size, self.config.max_position_embeddings
+        for i, s in enumerate(seqs):
+            if not isinstance(s, SeqInput):
+                raise TypeError(f"sequence {i}: expected SeqInput, got {type(s).__name__}")
+            for t in s.new_token_ids:
+                if not 0 <= t < vocab:
+                    raise ValueError(f"sequence {i}: token id {t} out of range [0, {vocab})")
+            end = s.num_past + len(s.new_token_ids)
+            if end > max_ctx:
+                raise ValueError(
+                    f"sequence {i}: {end} tokens exceed the model's context of {max_ctx}"
+                )
+        layout = BatchLayout.build(
+            [s.page_table for s in seqs],
+            [s.num_past for s in seqs],
+            [len(s.new_token_ids) for s in seqs],
+        )
+        layout.validate(self.kv_pool.page_size, self.kv_pool.num_pages)
+        return layout
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqInput], *, all_logits: bool = False) -> torch.Tensor:
+        """fp32 logits ``[len(seqs), vocab]`` of each sequence's last new token, or with
+        ``all_logits=True`` ``[sum of new tokens, vocab]`` for every new token in batch order."""
+        layout = self._validate(seqs)
+        ids: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        for s in seqs:
+            ids.extend(int(t) for t in s.new_token_ids)
+            positions.extend(range(s.num_past, s.num_past + len(s.new_token_ids)))
+            last.append(len(ids) - 1)
+        dev = self.device
+        ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        idx_t = None if all_logits else torch.tensor(last, dtype=torch.int64).to(dev)
+        self.attn.plan(layout)
+        return self.model(ids_t, pos_t, self.attn, idx_t, max_position=max(positions))

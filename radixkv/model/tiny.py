@@ -1,0 +1,90 @@
+"""radixkv-tiny: an embedded Llama-architecture model with seeded random weights.
+
+No files and no download: the weights are drawn from a fixed-seed generator on the CPU (so they are
+the same on every machine with the same torch), the tokenizer is byte-level, and a small chat
+template is built in. Its outputs are meaningless but deterministic; it exists so that the engine,
+the cache and the benchmarks have a real model to run. Sized so a 4,000-token prefill takes a
+fraction of a second on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from radixkv.model.config import ModelConfig
+from radixkv.model.llama import LlamaForCausalLM
+from radixkv.model.tokenizer import ByteTokenizer
+
+TINY_NAME = "radixkv-tiny"
+TINY_SEED = 20240607
+
+SPECIAL_TOKENS = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|reserved_0|>",
+    "<|reserved_1|>",
+)
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_config(dtype: torch.dtype = torch.float32) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=256 + len(SPECIAL_TOKENS),
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=16384,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        dtype=dtype,
+        bos_token_id=256,
+        eos_token_ids=(257, 261),
+    )
+
+
+def tiny_tokenizer() -> ByteTokenizer:
+    return ByteTokenizer(
+        SPECIAL_TOKENS,
+        eos_tokens=("<|eos|>", "<|end|>"),
+        bos_token="<|bos|>",
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+
+
+@torch.no_grad()
+def build_tiny_model(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """The tiny model with its deterministic weights, on ``device`` in ``dtype``."""
+    cfg = tiny_config(dtype)
+    model = LlamaForCausalLM(cfg, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(TINY_SEED)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+        elif name.endswith("embed_tokens.weight"):
+            param.copy_(torch.randn(param.shape, generator=gen))
+        else:  # linear weights: unit-variance outputs for unit-variance inputs
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
+    model.eval()
+    return model.to(device=torch.device(device), dtype=dtype)

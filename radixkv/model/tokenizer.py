@@ -1,0 +1,129 @@
+"""Tokenizers: a protocol, a wrapper around ``tokenizers.Tokenizer``, and the byte-level one of
+radixkv-tiny. Both render chat templates with :mod:`radixkv.model.chat_template`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from radixkv.model.chat_template import ChatTemplateError, render_chat_template
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    eos_token_ids: list[int]
+    vocab_size: int
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+class _ChatMixin:
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render the chat template. Encode the result with ``add_special_tokens=False``: the
+        template already writes any BOS it wants."""
+        if not self.chat_template:
+            raise ChatTemplateError("this tokenizer has no chat template")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+class ByteTokenizer(_ChatMixin):
+    """UTF-8 bytes are ids 0..255; special tokens follow. Special-token strings in the text are
+    encoded as their ids. Decoding replaces invalid UTF-8 and ignores ids past the vocabulary."""
+
+    def __init__(
+        self,
+        special_tokens: Sequence[str],
+        *,
+        eos_tokens: Sequence[str],
+        bos_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.special_tokens = list(special_tokens)
+        self._special_ids = {tok: 256 + i for i, tok in enumerate(self.special_tokens)}
+        for tok in eos_tokens:
+            if tok not in self._special_ids:
+                raise ValueError(f"ByteTokenizer: eos token {tok!r} is not a special token")
+        self.eos_token_ids = [self._special_ids[t] for t in eos_tokens]
+        self.eos_token = eos_tokens[0] if eos_tokens else None
+        self.bos_token = bos_token
+        self.bos_token_id = self._special_ids[bos_token] if bos_token else None
+        self.chat_template = chat_template
+        self.vocab_size = 256 + len(self.special_tokens)
+        alternatives = sorted(self.special_tokens, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in alternatives) + ")")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Bytes of ``text``; ``add_special_tokens`` prepends BOS when the tokenizer has one."""
+        ids: list[int] = [self.bos_token_id] if add_special_tokens and self.bos_token_id else []
+        for part in self._split.split(text):
+            if part in self._special_ids:
+                ids.append(self._special_ids[part])
+            elif part:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        out: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if buf:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf.clear()
+            if not skip_special_tokens and 256 <= i < self.vocab_size:
+                out.append(self.special_tokens[i - 256])
+        if buf:
+            out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer(_ChatMixin):
+    """A ``tokenizers.Tokenizer`` (from tokenizer.json) plus the chat template and EOS ids."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.eos_token_ids = [int(i) for i in eos_token_ids]
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
