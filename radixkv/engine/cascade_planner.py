@@ -1,0 +1,316 @@
+"""Per-step cascade planning for decode batches, from the radix tree the running requests lock.
+
+Each running sequence holds a lock on a trie node (its cached prefix): the pages on the path
+from the root to that node are shared, read-only, with every other sequence whose path goes
+through the same nodes; the rest of its page table is private (including its partial last page
+and the slot of the token being decoded). The planner groups sequences by the trie nodes they
+share, so that a shared prefix's KV is read once per group rather than once per sequence:
+
+* Paths are compressed into *segments*: maximal chains of trie nodes that exactly the same
+  sequences go through. A segment read by ``G >= 2`` sequences whose pages save enough reads
+  (``pages * page_size * (G - 1) >= min_saved_tokens``) becomes a shared segment; nested sharing
+  (a trunk, then branches of it, then branches of those) gives one level per depth.
+* Sequences are ordered depth-first over the tree, so every group is a contiguous run of rows.
+* The last level holds, per sequence, every page of its table not read at a shared level: its
+  private pages (partial last page included) and any shared pages too small to pay.
+* Mode ``"auto"`` falls back to the plain one-level plan when the whole step saves fewer than
+  ``min_step_saved_fraction`` of the plain reads; ``"on"`` keeps every segment shared by two or
+  more sequences; ``"off"`` always plans plain decode.
+
+The planner reads the trie (``node.parent``, ``node.num_tokens``) and never mutates it or the
+sequences; the caller must hold the locks for the duration of the step. Shared pages are always
+whole pages of already-computed tokens, so they never overlap the step's new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.attention.cascade import CascadeLevel, CascadePlan
+
+CASCADE_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class DecodeEntry:
+    """One decoding sequence as the planner sees it.
+
+    ``page_table[:num_shared_pages]`` are the pages of the trie path root -> ``node`` (``node``
+    may be None or a root when nothing is shared, then ``num_shared_pages`` is 0); ``seq_len``
+    counts every token the step attends to, the one being decoded included.
+    """
+
+    node: Any
+    page_table: Sequence[int]
+    seq_len: int
+    num_shared_pages: int
+
+
+@dataclass(frozen=True)
+class CascadeDecision:
+    """The plan for one decode step.
+
+    ``order[r]`` is the index (into the planner's input) of the sequence whose query is row
+    ``r`` of ``plan``; the caller runs the batch in this order (or permutes its queries).
+    ``kv_tokens_plain`` / ``kv_tokens_cascade``: KV tokens one layer reads without / with the
+    cascade (equal when ``use_cascade`` is False).
+    """
+
+    order: tuple[int, ...]
+    plan: CascadePlan
+    use_cascade: bool
+    kv_tokens_plain: int
+    kv_tokens_cascade: int
+    num_shared_segments: int
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.plan.levels)
+
+    def kv_bytes(self, bytes_per_token: int) -> tuple[int, int]:
+        """``(plain, cascade)`` KV bytes read in the step, given K+V bytes per token (all
+        layers)."""
+        return self.kv_tokens_plain * bytes_per_token, self.kv_tokens_cascade * bytes_per_token
+
+
+class _Seg:
+    """A chain of trie nodes traversed by exactly the same sequences."""
+
+    __slots__ = ("children", "depth", "ends", "first_row", "num_pages", "page_start", "rows")
+
+    def __init__(self, page_start: int, depth: int) -> None:
+        self.page_start = page_start  # offset of the segment's first page in each member's table
+        self.num_pages = 0
+        self.depth = depth  # number of shared ancestors kept (set when decided)
+        self.children: list[_Seg] = []
+        self.ends: list[int] = []  # entries whose path ends in this segment
+        self.first_row = 0
+        self.rows = 0
+
+
+class CascadePlanner:
+    """Builds a :class:`CascadeDecision` for each decode step (stateless between steps)."""
+
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        mode: str = "auto",
+        min_saved_tokens: int = 256,
+        min_step_saved_fraction: float = 0.1,
+        validate: bool = False,
+    ) -> None:
+        if mode not in CASCADE_MODES:
+            raise ValueError(f"cascade mode must be one of {CASCADE_MODES}, got {mode!r}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if min_saved_tokens < 0 or not 0.0 <= min_step_saved_fraction <= 1.0:
+            raise ValueError("min_saved_tokens must be >= 0 and min_step_saved_fraction in [0, 1]")
+        self.page_size = page_size
+        self.mode = mode
+        self.min_saved_tokens = min_saved_tokens
+        self.min_step_saved_fraction = min_step_saved_fraction
+        self.validate = validate  # check every member's pages of a shared segment are identical
+
+    # ---------------------------------------------------------------- public
+    def plan(self, entries: Sequence[DecodeEntry]) -> CascadeDecision:
+        if not entries:
+            raise ValueError("cascade planner: empty decode batch")
+        ps = self.page_size
+        for i, e in enumerate(entries):
+            n_pages = -(-e.seq_len // ps)
+            if e.seq_len < 1 or len(e.page_table) < n_pages:
+                raise ValueError(
+                    f"entry {i}: seq_len {e.seq_len} needs {n_pages} pages, "
+                    f"page table has {len(e.page_table)}"
+                )
+            if not 0 <= e.num_shared_pages < n_pages:
+                # the decoded token's page is private, so shared pages are strictly fewer
+                raise ValueError(
+                    f"entry {i}: num_shared_pages {e.num_shared_pages} must be < {n_pages} "
+                    "(the page of the token being decoded is never shared)"
+                )
+        plain_tokens = sum(e.seq_len for e in entries)
+        if self.mode == "off" or len(entries) == 1:
+            return self._plain(entries, plain_tokens)
+        root = self._build_tree(entries)
+        threshold = 1 if self.mode == "on" else max(1, self.min_saved_tokens)
+        kept = self._decide(root, threshold)
+        if not kept:
+            return self._plain(entries, plain_tokens)
+        order = self._assign_rows(root)
+        decision = self._build(entries, order, kept, plain_tokens)
+        saved = plain_tokens - decision.kv_tokens_cascade
+        if self.mode == "auto" and saved < self.min_step_saved_fraction * plain_tokens:
+            return self._plain(entries, plain_tokens)
+        return decision
+
+    # ---------------------------------------------------------------- steps
+    def _plain(self, entries: Sequence[DecodeEntry], plain_tokens: int) -> CascadeDecision:
+        plan = CascadePlan.plain(
+            [e.page_table for e in entries], [e.seq_len for e in entries], self.page_size
+        )
+        order = tuple(range(len(entries)))
+        return CascadeDecision(order, plan, False, plain_tokens, plain_tokens, 0)
+
+    def _path(self, i: int, e: DecodeEntry) -> list[Any]:
+        """Trie nodes holding pages, root first; their pages total ``num_shared_pages``."""
+        path: list[Any] = []
+        node = e.node
+        total = 0
+        while node is not None:
+            n = node.num_tokens // self.page_size
+            if n:
+                path.append(node)
+                total += n
+            node = node.parent
+        if total != e.num_shared_pages:
+            raise ValueError(
+                f"entry {i}: its trie path holds {total} pages but num_shared_pages is "
+                f"{e.num_shared_pages}"
+            )
+        path.reverse()
+        return path
+
+    def _build_tree(self, entries: Sequence[DecodeEntry]) -> _Seg:
+        """Tree of compressed segments over all entries' paths (the root holds no pages)."""
+        # node-level tree first: id(node) -> (node, children ids in first-seen order, ends)
+        kids: dict[int, list[Any]] = {0: []}
+        ends: dict[int, list[int]] = {0: []}
+        for i, e in enumerate(entries):
+            parent_key = 0
+            for node in self._path(i, e):
+                key = id(node)
+                if key not in kids:
+                    kids[key], ends[key] = [], []
+                    kids[parent_key].append(node)
+                parent_key = key
+            ends[parent_key].append(i)
+
+        root = _Seg(0, 0)
+        root.ends = ends[0]
+        stack = [(root, node) for node in reversed(kids[0])]
+        while stack:
+            parent_seg, node = stack.pop()
+            seg = _Seg(parent_seg.page_start + parent_seg.num_pages, 0)
+            parent_seg.children.append(seg)
+            # extend the chain while exactly the same sequences continue through one child
+            while True:
+                seg.num_pages += node.num_tokens // self.page_size
+                key = id(node)
+                if ends[key] or len(kids[key]) != 1:
+                    break
+                node = kids[key][0]
+            seg.ends = ends[key]
+            stack.extend((seg, child) for child in reversed(kids[key]))
+        return root
+
+    @staticmethod
+    def _assign_rows(root: _Seg) -> list[int]:
+        """Depth-first row order; sets each segment's ``first_row``/``rows``. Iterative."""
+        order: list[int] = []
+        stack: list[tuple[_Seg, bool]] = [(root, False)]
+        while stack:
+            seg, done = stack.pop()
+            if done:
+                seg.rows = len(order) - seg.first_row
+                continue
+            seg.first_row = len(order)
+            order.extend(seg.ends)
+            stack.append((seg, True))
+            stack.extend((c, False) for c in reversed(seg.children))
+        return order
+
+    def _decide(self, root: _Seg, threshold: int) -> list[_Seg]:
+        """Mark segments worth sharing; set their level (kept ancestors). Returns them."""
+        # group sizes bottom-up (iterative post-order)
+        size: dict[int, int] = {}
+        post: list[_Seg] = []
+        stack = [root]
+        while stack:
+            seg = stack.pop()
+            post.append(seg)
+            stack.extend(seg.children)
+        for seg in reversed(post):
+            size[id(seg)] = len(seg.ends) + sum(size[id(c)] for c in seg.children)
+        kept: list[_Seg] = []
+        stack2: list[tuple[_Seg, int]] = [(c, 0) for c in root.children]
+        while stack2:
+            seg, depth = stack2.pop()
+            g = size[id(seg)]
+            if g >= 2 and seg.num_pages * self.page_size * (g - 1) >= threshold:
+                seg.depth = depth
+                kept.append(seg)
+                depth += 1
+            else:
+                seg.depth = -1
+            stack2.extend((c, depth) for c in seg.children)
+        return kept
+
+    def _build(
+        self,
+        entries: Sequence[DecodeEntry],
+        order: list[int],
+        kept: list[_Seg],
+        plain_tokens: int,
+    ) -> CascadeDecision:
+        ps = self.page_size
+        n = len(order)
+        num_levels = 1 + max(s.depth for s in kept)
+        # per level: segments sorted by first row
+        by_level: list[list[_Seg]] = [[] for _ in range(num_levels)]
+        for s in kept:
+            by_level[s.depth].append(s)
+        # per row: page ranges [a, b) of its table read at shared levels
+        covered: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        levels: list[CascadeLevel] = []
+        for segs in by_level:
+            segs.sort(key=lambda s: s.first_row)
+            qo, kv, idx, last = [0], [0], [], []
+            row = 0
+            for s in segs:
+                if s.first_row > row:  # rows with nothing shared at this level
+                    qo.append(s.first_row)
+                    kv.append(len(idx))
+                    last.append(0)
+                lo, hi = s.page_start, s.page_start + s.num_pages
+                table = entries[order[s.first_row]].page_table
+                pages = table[lo:hi]
+                if self.validate:
+                    for r in range(s.first_row, s.first_row + s.rows):
+                        if list(entries[order[r]].page_table[lo:hi]) != list(pages):
+                            raise ValueError(
+                                f"entry {order[r]}: pages {lo}..{hi} differ from the other "
+                                "sequences sharing the same trie nodes"
+                            )
+                idx.extend(pages)
+                qo.append(s.first_row + s.rows)
+                kv.append(len(idx))
+                last.append(ps)
+                for r in range(s.first_row, s.first_row + s.rows):
+                    covered[r].append((lo, hi))
+                row = s.first_row + s.rows
+            if row < n:
+                qo.append(n)
+                kv.append(len(idx))
+                last.append(0)
+            levels.append(CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last)))
+        # last level: each row's pages not read at a shared level (ranges are disjoint)
+        qo, kv, idx, last = list(range(n + 1)), [0], [], []
+        for r, i in enumerate(order):
+            e = entries[i]
+            n_pages = -(-e.seq_len // ps)
+            start = 0
+            for lo, hi in sorted(covered[r]):
+                idx.extend(e.page_table[start:lo])
+                start = hi
+            idx.extend(e.page_table[start:n_pages])
+            kv.append(len(idx))
+            last.append(e.seq_len - (n_pages - 1) * ps)
+        levels.append(CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last)))
+        plan = CascadePlan(ps, n, tuple(levels))
+        return CascadeDecision(
+            tuple(order), plan, True, plain_tokens, plan.kv_tokens_read(), len(kept)
+        )

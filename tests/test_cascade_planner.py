@@ -1,0 +1,186 @@
+"""The cascade planner on hand-built and random trie shapes: grouping, levels, fallback, exactness."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from cascade_helpers import random_kv, reference_decode
+
+from radixkv.attention.cascade import cascade_attention
+from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
+
+
+class FakeNode:
+    """Just the attributes the planner reads (INTERFACES.md node contract)."""
+
+    def __init__(self, parent: FakeNode | None, pages: list[int], page_size: int) -> None:
+        self.parent = parent
+        self.pages = pages
+        self.num_tokens = len(pages) * page_size
+
+    def path_pages(self) -> list[int]:
+        out: list[int] = []
+        n: FakeNode | None = self
+        while n is not None:
+            out = n.pages + out
+            n = n.parent
+        return out
+
+
+class PageIds:
+    def __init__(self, seed: int) -> None:
+        self.free = list(range(4000))
+        random.Random(seed).shuffle(self.free)
+
+    def take(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+
+def _entry(node: FakeNode | None, ids: PageIds, own_tokens: int, ps: int) -> DecodeEntry:
+    shared = node.path_pages() if node is not None else []
+    private = ids.take(-(-own_tokens // ps))
+    return DecodeEntry(node, shared + private, len(shared) * ps + own_tokens, len(shared))
+
+
+def _check_exact(decision, entries, ps: int, h_q: int = 8, h_kv: int = 2, d: int = 16) -> None:
+    k, v = random_kv(4000, ps, h_kv, d, seed=len(entries))
+    q = torch.randn(len(entries), h_q, d, generator=torch.Generator().manual_seed(1))
+    tables = [entries[i].page_table for i in decision.order]
+    lens = [entries[i].seq_len for i in decision.order]
+    ref = reference_decode(q, k, v, tables, lens)
+    out = cascade_attention(q, k, v, decision.plan)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+    assert sorted(decision.order) == list(range(len(entries)))
+    assert decision.kv_tokens_plain == sum(e.seq_len for e in entries)
+    assert decision.kv_tokens_cascade == decision.plan.kv_tokens_read()
+
+
+def _groups_contiguous(decision) -> None:
+    for lvl in decision.plan.levels:
+        assert lvl.qo_indptr[-1] <= decision.plan.num_queries
+        assert list(lvl.qo_indptr) == sorted(lvl.qo_indptr)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_one_group_shares_trunk_once(page_size: int) -> None:
+    ids = PageIds(0)
+    trunk = FakeNode(None, ids.take(64 // page_size * 4), page_size)  # 256 tokens
+    entries = [_entry(trunk, ids, 5 + 3 * r, page_size) for r in range(6)]
+    dec = CascadePlanner(page_size, mode="on", validate=True).plan(entries)
+    assert dec.use_cascade and dec.num_levels == 2 and dec.num_shared_segments == 1
+    assert dec.kv_tokens_cascade == 256 + sum(5 + 3 * r for r in range(6))
+    assert dec.plan.levels[0].qo_indptr == (0, 6)
+    _check_exact(dec, entries, page_size)
+
+
+def test_interleaved_groups_are_made_contiguous_and_nested_levels() -> None:
+    ps = 4
+    ids = PageIds(1)
+    trunk = FakeNode(None, ids.take(8), ps)
+    a = FakeNode(trunk, ids.take(3), ps)
+    a1 = FakeNode(a, ids.take(2), ps)
+    b = FakeNode(trunk, ids.take(5), ps)
+    other = FakeNode(None, ids.take(6), ps)
+    nodes = [a1, b, None, a1, trunk, b, other, a, other, a1]
+    entries = [_entry(n, ids, 2 + r, ps) for r, n in enumerate(nodes)]
+    dec = CascadePlanner(ps, mode="on", validate=True).plan(entries)
+    assert dec.use_cascade
+    # levels: trunk / {other} ; a / b ; a1 ; unique
+    assert dec.num_levels == 4
+    node_of_row = [nodes[i] for i in dec.order]
+    # every group (same node) is one contiguous run of rows
+    for n in set(map(id, nodes)):
+        rows = [r for r, x in enumerate(node_of_row) if id(x) == n]
+        assert rows == list(range(rows[0], rows[0] + len(rows)))
+    shared_tokens = (8 + 3 + 2 + 5 + 6) * ps
+    private_tokens = sum(2 + r for r in range(10))
+    assert dec.kv_tokens_cascade == shared_tokens + private_tokens
+    _groups_contiguous(dec)
+    _check_exact(dec, entries, ps)
+
+
+def test_auto_falls_back_to_plain_when_sharing_is_small() -> None:
+    ps = 16
+    ids = PageIds(2)
+    small = FakeNode(None, ids.take(1), ps)  # 16 shared tokens
+    entries = [_entry(small, ids, 300, ps) for _ in range(4)]
+    auto = CascadePlanner(ps, mode="auto").plan(entries)
+    assert not auto.use_cascade and auto.num_levels == 1
+    assert auto.kv_tokens_cascade == auto.kv_tokens_plain
+    assert auto.order == (0, 1, 2, 3)
+    on = CascadePlanner(ps, mode="on").plan(entries)
+    assert on.use_cascade and on.kv_tokens_cascade == 16 + 4 * 300
+    off = CascadePlanner(ps, mode="off").plan(entries)
+    assert not off.use_cascade
+    for dec in (auto, on, off):
+        _check_exact(dec, entries, ps)
+
+
+def test_auto_keeps_big_segments_and_dissolves_small_ones() -> None:
+    """A 1-page trunk under two 64-page branches: the trunk is read per request, branches once."""
+    ps = 16
+    ids = PageIds(3)
+    trunk = FakeNode(None, ids.take(1), ps)
+    a = FakeNode(trunk, ids.take(64), ps)
+    b = FakeNode(trunk, ids.take(64), ps)
+    entries = [_entry(n, ids, 20, ps) for n in [a, b, a, b, a, b]]
+    dec = CascadePlanner(ps, mode="auto", min_saved_tokens=256, validate=True).plan(entries)
+    assert dec.use_cascade and dec.num_levels == 2 and dec.num_shared_segments == 2
+    assert dec.kv_tokens_cascade == 2 * 64 * ps + 6 * (ps + 20)
+    _check_exact(dec, entries, ps)
+
+
+def test_no_sharing_and_single_entry_are_plain() -> None:
+    ps = 2
+    ids = PageIds(4)
+    entries = [_entry(FakeNode(None, ids.take(3), ps), ids, 3, ps) for _ in range(3)]
+    dec = CascadePlanner(ps, mode="on").plan(entries)
+    assert not dec.use_cascade
+    _check_exact(dec, entries, ps)
+    one = CascadePlanner(ps, mode="on").plan(entries[:1])
+    assert not one.use_cascade and one.order == (0,)
+
+
+def test_bad_input_rejected() -> None:
+    ps = 4
+    ids = PageIds(5)
+    node = FakeNode(None, ids.take(2), ps)
+    planner = CascadePlanner(ps, mode="on", validate=True)
+    with pytest.raises(ValueError, match="empty"):
+        planner.plan([])
+    with pytest.raises(ValueError, match="trie path holds 2 pages"):
+        planner.plan([DecodeEntry(node, [*node.pages, 7], 9, 1)] * 2)
+    with pytest.raises(ValueError, match="never shared"):
+        planner.plan([DecodeEntry(node, node.pages, 8, 2)])
+    with pytest.raises(ValueError, match="needs 3 pages"):
+        planner.plan([DecodeEntry(node, node.pages, 9, 2)])
+    good = _entry(node, ids, 3, ps)
+    bad = DecodeEntry(node, [node.pages[0], 999, *ids.take(1)], 9, 2)
+    with pytest.raises(ValueError, match="differ"):
+        planner.plan([good, bad])
+    with pytest.raises(ValueError, match="cascade mode"):
+        CascadePlanner(ps, mode="sometimes")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_forests_exact(seed: int) -> None:
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2, 4, 16])
+    ids = PageIds(seed)
+    nodes: list[FakeNode | None] = [None]
+    for _ in range(rng.randint(1, 12)):
+        parent = rng.choice(nodes)
+        nodes.append(FakeNode(parent, ids.take(rng.randint(1, 4)), ps))
+    entries = [
+        _entry(rng.choice(nodes), ids, rng.randint(1, 3 * ps), ps)
+        for _ in range(rng.randint(1, 14))
+    ]
+    mode = rng.choice(["on", "auto"])
+    dec = CascadePlanner(ps, mode=mode, min_saved_tokens=4, validate=True).plan(entries)
+    _groups_contiguous(dec)
+    _check_exact(dec, entries, ps, h_q=4, h_kv=rng.choice([1, 2, 4]), d=8)
+    if dec.use_cascade:
+        assert dec.kv_tokens_cascade < dec.kv_tokens_plain
