@@ -1,1 +1,26 @@
+"""The cache layer (torch-free): page pool, radix trie, eviction, hashing, events."""
 
+from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.hashing import page_hashes
+from radixkv.cache.node import TreeNode
+from radixkv.cache.page_pool import PagePool
+from radixkv.cache.radix_cache import InsertResult, MatchResult, RadixCache
+from radixkv.cache.stats import CacheStats
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheStats",
+    "ForeignNodeError",
+    "InsertResult",
+    "InvariantError",
+    "LockError",
+    "MatchResult",
+    "OutOfPages",
+    "PagePool",
+    "RadixCache",
+    "TreeNode",
+    "page_hashes",
+]

@@ -1,0 +1,87 @@
+"""Page hashes: the trie's child-lookup hash, and KV-event hashes compatible with NVIDIA Dynamo.
+
+Two different hashes live here:
+
+* ``default_hash_fn(page_key) -> int``: picks candidate children in the trie. It sees one page
+  in the cache's key encoding (native int64 bytes). Any function of those bytes works, even a
+  constant: the trie always compares tokens before it reuses a page, so a collision only costs
+  speed. Injected with ``RadixCache(..., hash_fn=...)``.
+
+* ``page_hashes(tokens, page_size, namespace)``: per-page *chained* hashes published in
+  ``BlockStored``/``BlockRemoved`` events. They follow Dynamo's KV-router scheme: the local hash
+  of a page is XXH3-64 (seed 1337) of its token ids as little-endian uint32 bytes; the sequence
+  hash of page 0 is its local hash and the sequence hash of page i is XXH3-64 (seed 1337) of
+  the two little-endian uint64s ``[sequence_hash(i - 1), local_hash(i)]``. A sequence hash thus
+  names the whole prefix up to and including that page. When ``namespace`` is not None the
+  chain starts from ``namespace_hash(namespace)`` as if it were a parent page, so two tenants
+  never publish the same hash for the same tokens (Dynamo mixes its cache namespace into a
+  seed instead; with ``namespace=None`` the hashes are Dynamo's exactly).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from radixkv.cache.tokens import TOKEN_BYTES, to_token_bytes
+
+DYNAMO_SEED = 1337
+HashFn = Callable[[bytes], int]
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack2 = struct.Struct("<QQ").pack
+
+
+def default_hash_fn(page_key: bytes) -> int:
+    """Child-lookup hash of one page (key encoding). Collisions are safe, only slower."""
+    return _xxh3(page_key)
+
+
+def namespace_hash(namespace: Any) -> int:
+    """Stable 64-bit hash of a namespace (str, bytes, int, or anything with a stable repr)."""
+    if isinstance(namespace, bytes):
+        data = b"b:" + namespace
+    elif isinstance(namespace, str):
+        data = b"s:" + namespace.encode("utf-8")
+    else:
+        data = b"r:" + repr(namespace).encode("utf-8")
+    return _xxh3(data, DYNAMO_SEED)
+
+
+def local_hashes_of_key(key: bytes, page_size: int) -> list[int]:
+    """Dynamo local block hash of every whole page of ``key`` (key encoding bytes)."""
+    u32 = np.frombuffer(key, np.int64).astype("<u4").tobytes()
+    step = 4 * page_size
+    return [_xxh3(u32[i : i + step], DYNAMO_SEED) for i in range(0, len(u32) - step + 1, step)]
+
+
+def chain_hashes(parent: int | None, local: list[int]) -> list[int]:
+    """Sequence hashes of ``local`` block hashes following a parent sequence hash (or none)."""
+    out: list[int] = []
+    prev = parent
+    for h in local:
+        prev = h if prev is None else _xxh3(_pack2(prev, h), DYNAMO_SEED)
+        out.append(prev)
+    return out
+
+
+def chain_start(namespace: Any) -> int | None:
+    """The parent hash the first page of a namespace chains from (None: no namespace)."""
+    return None if namespace is None else namespace_hash(namespace)
+
+
+def page_hashes(tokens: Any, page_size: int, namespace: Any = None) -> list[int]:
+    """Chained hash of every whole page of ``tokens`` (a trailing partial page is ignored).
+
+    ``page_hashes(t, ps)[i]`` names the prefix ``t[: (i + 1) * ps]`` under ``namespace``; it is
+    what a cache publishes for that page in ``BlockStored``/``BlockRemoved`` events.
+    """
+    if type(page_size) is not int or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    key = to_token_bytes(tokens)
+    whole = len(key) // (TOKEN_BYTES * page_size) * TOKEN_BYTES * page_size
+    return chain_hashes(chain_start(namespace), local_hashes_of_key(key[:whole], page_size))

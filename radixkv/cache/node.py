@@ -1,0 +1,105 @@
+"""TreeNode: one edge-compressed run of whole pages in the radix trie.
+
+A node owns ``key`` (its own tokens, native int64 bytes, a whole number of pages) and the
+KV pages holding them (``pages[i]`` holds tokens ``[i * page_size, (i + 1) * page_size)`` of
+the key). Users and other layers read these attributes; only RadixCache writes them:
+
+* ``parent`` (None for the root), ``children`` (iterable of child nodes),
+* ``num_tokens`` (own key length), ``tokens`` (own key as list[int]), ``pages`` (list copy),
+* ``lock_ref`` (requests using this node or a descendant), ``last_access`` (logical clock),
+  ``hit_count`` (matches that went through the node), ``namespace``,
+* ``depth_tokens`` (tokens from the root to the end of this node).
+
+The root and the per-namespace roots have no tokens and no pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from radixkv.cache.tokens import TOKEN_BYTES, key_to_list
+
+
+class TreeNode:
+    __slots__ = (
+        "_cache",
+        "_children",
+        "_ekey",
+        "_hashes",
+        "_hkey",
+        "_id",
+        "_pages",
+        "depth_tokens",
+        "hit_count",
+        "key",
+        "last_access",
+        "lock_ref",
+        "namespace",
+        "parent",
+    )
+
+    def __init__(
+        self,
+        cache: Any,
+        node_id: int,
+        parent: TreeNode | None,
+        key: bytes,
+        pages: list[int],
+        namespace: Any,
+        depth_tokens: int,
+        clock: int,
+    ) -> None:
+        self._cache = cache  # owner, for foreign-node checks
+        self._id = node_id  # unique within the cache; tie-breaker in the eviction order
+        self.parent = parent
+        # child-lookup hash of the first page -> child, or a list of children on collision
+        self._children: dict[Any, Any] = {}
+        self.key = key
+        self._pages = pages
+        self.namespace = namespace
+        self.depth_tokens = depth_tokens
+        self.lock_ref = 0
+        self.last_access = clock
+        self.hit_count = 0
+        self._hkey: Any = None  # key of this node in parent._children
+        self._ekey: int | None = None  # key in the eviction index while an evictable leaf
+        self._hashes: list[int] | None = None  # event hashes of own pages, computed lazily
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def tokens(self) -> list[int]:
+        return key_to_list(self.key)
+
+    @property
+    def pages(self) -> list[int]:
+        return list(self._pages)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._pages)
+
+    @property
+    def children(self) -> list[TreeNode]:
+        return list(self.iter_children())
+
+    def iter_children(self) -> Iterator[TreeNode]:
+        for c in self._children.values():
+            if type(c) is list:
+                yield from c
+            else:
+                yield c
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self._children
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self._id}, tokens={self.num_tokens}, pages={len(self._pages)}, "
+            f"lock_ref={self.lock_ref}, last_access={self.last_access}, "
+            f"namespace={self.namespace!r})"
+        )

@@ -1,0 +1,169 @@
+"""PagePool: which KV pages are free, held privately by a request, or cached by a trie.
+
+Page ids are ints in ``[0, num_pages)``. Every page is in exactly one state:
+
+* FREE: in the free list, owned by nobody;
+* HELD: returned by ``alloc`` and owned by the caller (a running request) until it either
+  ``free``s it or hands it to ``RadixCache.insert``;
+* CACHED: owned by a RadixCache trie node (set only by the cache through ``_adopt``).
+
+``num_free + num_held + num_cached == num_pages`` always. The pool is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+from radixkv.cache.errors import InvariantError, OutOfPages
+
+FREE, HELD, CACHED = 0, 1, 2
+_STATE_NAMES = ("free", "held", "cached")
+
+
+class PagePool:
+    """A free list of page ids with per-page ownership state."""
+
+    __slots__ = ("_free", "_num_cached", "_state", "num_pages")
+
+    def __init__(self, num_pages: int) -> None:
+        if type(num_pages) is not int or num_pages < 0:
+            raise ValueError(f"num_pages must be a non-negative int, got {num_pages!r}")
+        self.num_pages = num_pages
+        # Reversed so that alloc pops 0, 1, 2, ... first (deterministic, readable tests).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._state = bytearray(num_pages)
+        self._num_cached = 0
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages owned by a trie (CACHED)."""
+        return self._num_cached
+
+    @property
+    def num_held(self) -> int:
+        """Pages allocated to callers and not (yet) in a trie."""
+        return self.num_pages - len(self._free) - self._num_cached
+
+    def state(self, page: int) -> str:
+        """'free', 'held' or 'cached' (ValueError for an out-of-range page)."""
+        self._check_range(page)
+        return _STATE_NAMES[self._state[page]]
+
+    # ----------------------------------------------------------------------------- public ops
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free pages; the caller owns them (HELD). ``n == 0`` returns [].
+
+        Raises OutOfPages (pool unchanged) when fewer than ``n`` pages are free.
+        """
+        if type(n) is not int or n < 0:
+            raise ValueError(f"alloc needs a non-negative int, got {n!r}")
+        free = self._free
+        if n > len(free):
+            raise OutOfPages(n, len(free))
+        if n == 0:
+            return []
+        pages = free[-n:]
+        del free[-n:]
+        pages.reverse()
+        state = self._state
+        for p in pages:
+            state[p] = HELD
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return HELD pages to the free list.
+
+        Raises ValueError (pool unchanged) if any page is out of range, not an int, free
+        already (double free), owned by a trie, or listed twice.
+        """
+        pages = self._check_held(pages)
+        state = self._state
+        for p in pages:
+            state[p] = FREE
+        self._free.extend(pages)
+
+    # ----------------------------------------------------------------------------- cache hooks
+    def _check_held(self, pages: Iterable[int]) -> list[int]:
+        """Validate that every page is HELD and distinct; return them as a list of ints."""
+        out: list[int] = []
+        state = self._state
+        n = self.num_pages
+        for p in pages:
+            if type(p) is not int:
+                if isinstance(p, bool):
+                    raise TypeError(f"page ids must be ints, got {p!r}")
+                try:
+                    p = operator.index(p)
+                except TypeError:
+                    raise TypeError(f"page ids must be ints, got {p!r}") from None
+            if not 0 <= p < n:
+                raise ValueError(f"page {p} is out of range [0, {n})")
+            s = state[p]
+            if s != HELD:
+                why = "free (double free?)" if s == FREE else "owned by the cache"
+                raise ValueError(f"page {p} is not held by the caller: it is {why}")
+            out.append(p)
+        if len(set(out)) != len(out):
+            seen: set[int] = set()
+            dup = next(p for p in out if p in seen or seen.add(p))
+            raise ValueError(f"page {dup} is listed more than once")
+        return out
+
+    def _check_range(self, page: int) -> None:
+        if type(page) is not int or not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page!r} is out of range [0, {self.num_pages})")
+
+    def _adopt(self, pages: list[int]) -> None:
+        """HELD -> CACHED (pages already validated by ``_check_held``)."""
+        state = self._state
+        for p in pages:
+            state[p] = CACHED
+        self._num_cached += len(pages)
+
+    def _release_held(self, pages: list[int]) -> None:
+        """HELD -> FREE for pages already validated by ``_check_held``."""
+        state = self._state
+        for p in pages:
+            state[p] = FREE
+        self._free.extend(pages)
+
+    def _release_cached(self, pages: list[int]) -> None:
+        """CACHED -> FREE (the trie gave the pages up)."""
+        state = self._state
+        for p in pages:
+            state[p] = FREE
+        self._free.extend(pages)
+        self._num_cached -= len(pages)
+
+    # ----------------------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Recount page states; raise InvariantError on any inconsistency."""
+        free = self._free
+        if len(set(free)) != len(free):
+            raise InvariantError("free list holds a page twice")
+        state = self._state
+        if len(state) != self.num_pages:
+            raise InvariantError("state array has the wrong length")
+        for p in free:
+            if not 0 <= p < self.num_pages or state[p] != FREE:
+                raise InvariantError(f"free-listed page {p} is not in state FREE")
+        if state.count(FREE) != len(free):
+            raise InvariantError("a page is FREE but not in the free list")
+        if state.count(CACHED) != self._num_cached:
+            raise InvariantError(
+                f"cached counter {self._num_cached} != recount {state.count(CACHED)}"
+            )
+        if state.count(HELD) + state.count(FREE) + state.count(CACHED) != self.num_pages:
+            raise InvariantError("a page has an unknown state")
+
+    def __repr__(self) -> str:
+        return (
+            f"PagePool(num_pages={self.num_pages}, free={self.num_free}, "
+            f"held={self.num_held}, cached={self._num_cached})"
+        )

@@ -1,0 +1,604 @@
+"""RadixCache: a radix trie mapping page-aligned token prefixes to the KV pages that hold them.
+
+Ownership contract (see also page_pool.py):
+
+* ``match_prefix`` returns the cached pages of the longest cached page-aligned prefix. They
+  stay owned by the trie; the caller must ``lock`` the returned node before the next call that
+  may evict (``alloc``, ``evict``, ``insert`` with duplicates...), and ``unlock`` it when done.
+  An unlocked MatchResult/InsertResult is only valid until the next mutating call.
+* ``insert(tokens, pages)`` takes ownership of every page passed: pages that already are the
+  cached page for their tokens stay; other pages whose tokens were cached already are
+  duplicates and go back to the pool; the rest join the trie. Use ``InsertResult.pages``
+  afterwards, never a freed duplicate.
+* ``alloc(n)`` gives the caller ``n`` HELD pages, evicting unlocked leaves if the pool is short.
+
+Every error leaves the cache and pool unchanged. Not thread-safe. Nodes are described in
+node.py; the fast paths are explained in docs/cache_design.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from radixkv.cache.errors import ForeignNodeError, LockError, OutOfPages
+from radixkv.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventEmitter,
+    Listener,
+)
+from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, get_policy
+from radixkv.cache.hashing import (
+    HashFn,
+    chain_hashes,
+    chain_start,
+    default_hash_fn,
+    local_hashes_of_key,
+)
+from radixkv.cache.node import TreeNode
+from radixkv.cache.page_pool import PagePool
+from radixkv.cache.stats import CacheStats
+from radixkv.cache.tokens import TOKEN_BYTES, key_to_list, to_token_bytes
+
+_SHIFT = 3  # log2(TOKEN_BYTES)
+
+
+class MatchResult(NamedTuple):
+    node: TreeNode  # deepest matched node (the root when nothing matched); lock this
+    pages: list[int]  # cached pages of the matched prefix, in order (a fresh list)
+    num_tokens: int  # matched tokens, a multiple of page_size
+
+
+class InsertResult(NamedTuple):
+    node: TreeNode  # node ending at the last inserted page (the root for an empty insert)
+    pages: list[int]  # canonical pages of the whole inserted prefix
+    num_cached_before: int  # leading tokens that were cached before this insert
+
+
+def _common_pages(key: bytes, qb: bytes, off: int, limit: int, page_size: int) -> int:
+    """Whole pages shared by ``key`` and ``qb[off:limit]`` (vectorised compare)."""
+    n = min(len(key), limit - off) >> _SHIFT
+    a = np.frombuffer(key, np.int64, count=n)
+    b = np.frombuffer(qb, np.int64, count=n, offset=off)
+    diff = np.flatnonzero(a != b)
+    return (int(diff[0]) if diff.size else n) // page_size
+
+
+class RadixCache:
+    """Prefix cache over a PagePool. See the module docstring for the ownership contract."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int = 16,
+        policy: str | EvictionPolicy = "lru",
+        *,
+        hash_fn: HashFn | None = None,
+    ) -> None:
+        if not isinstance(pool, PagePool):
+            raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}")
+        if type(page_size) is not int or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if hash_fn is not None and not callable(hash_fn):
+            raise TypeError("hash_fn must be callable(bytes) -> int")
+        self.pool = pool
+        self.page_size = page_size
+        self._pb = page_size * TOKEN_BYTES  # bytes per page in a key
+        self._hash_fn: HashFn = hash_fn or default_hash_fn
+        self.policy = get_policy(policy)
+        self._index = EvictionIndex(self.policy)
+        self._events = EventEmitter()
+        self._listeners = self._events._listeners  # the same list: a cheap emptiness test
+        self._next_id = 0
+        self._clock = 0
+        self.root = self._new_node(None, b"", [], None, 0)
+        self._ns_roots: dict[Any, TreeNode] = {}
+        self._num_nodes = 1
+        self._cached = 0  # pages in the trie
+        self._evictable = 0  # pages in unlocked nodes
+        # cumulative counters (CacheStats)
+        self._match_queries = self._query_tokens = self._hit_tokens = 0
+        self._insert_calls = self._inserted_pages = self._duplicate_pages = 0
+        self._evicted_pages = self._evicted_nodes = self._splits = self._resets = 0
+
+    # ======================================================================== queries
+    @property
+    def num_cached_pages(self) -> int:
+        return self._cached
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Pages in unlocked nodes: all of them can be freed by repeated leaf eviction."""
+        return self._evictable
+
+    @property
+    def num_locked_pages(self) -> int:
+        return self._cached - self._evictable
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @property
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            match_queries=self._match_queries,
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+            insert_calls=self._insert_calls,
+            inserted_pages=self._inserted_pages,
+            duplicate_pages=self._duplicate_pages,
+            evicted_pages=self._evicted_pages,
+            evicted_nodes=self._evicted_nodes,
+            splits=self._splits,
+            resets=self._resets,
+            cached_pages=self._cached,
+            evictable_pages=self._evictable,
+            locked_pages=self._cached - self._evictable,
+            free_pages=self.pool.num_free,
+            num_nodes=self._num_nodes,
+        )
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node, root first (depth-first preorder)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.iter_children())
+
+    def path_pages(self, node: TreeNode) -> list[int]:
+        """All pages from the root down to and including ``node``."""
+        self._check_node(node)
+        parts = []
+        while node is not None:
+            parts.append(node._pages)
+            node = node.parent
+        out: list[int] = []
+        for p in reversed(parts):
+            out += p
+        return out
+
+    def eviction_order(self) -> list[TreeNode]:
+        """The evictable leaves, next victim first (for inspection and tests)."""
+        return list(self._index)
+
+    # ======================================================================== match
+    def match_prefix(self, tokens: Any, namespace: Any = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` whose length is a multiple of page_size.
+
+        Refreshes access time and hit counts along the matched path, and splits the last
+        node when the match ends inside it (so the returned node ends exactly at the match).
+        """
+        qb = to_token_bytes(tokens)
+        self._match_queries += 1
+        self._query_tokens += len(qb) >> _SHIFT
+        start = self.root if namespace is None else self._ns_roots.get(namespace)
+        limit = len(qb) - len(qb) % self._pb
+        if start is None or limit == 0:
+            return MatchResult(self.root, [], 0)
+        path, off, partial = self._walk(start, qb, limit)
+        if partial is not None:
+            child, m = partial
+            path.append(self._split(child, m))
+            off += m * self._pb
+        if not path:
+            return MatchResult(self.root, [], 0)
+        self._clock += 1
+        clock = self._clock
+        pages: list[int] = []
+        for n in path:
+            n.last_access = clock
+            n.hit_count += 1
+            pages += n._pages
+        last = path[-1]
+        if last._ekey is not None:
+            self._index.refresh(last)
+        ntok = off >> _SHIFT
+        self._hit_tokens += ntok
+        return MatchResult(last, pages, ntok)
+
+    def _walk(
+        self, node: TreeNode, qb: bytes, limit: int
+    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
+        """Follow ``qb[:limit]`` down from ``node`` without mutating anything.
+
+        Returns (fully matched nodes, matched bytes, (child, pages) when the match continues
+        into ``pages`` whole pages of ``child`` but not all of it).
+        """
+        pb = self._pb
+        hash_fn = self._hash_fn
+        path: list[TreeNode] = []
+        off = 0
+        while off < limit:
+            c = node._children.get(hash_fn(qb[off : off + pb]))
+            if c is None:
+                break
+            if type(c) is list:  # hash collision bucket: tokens decide
+                c = next((x for x in c if qb.startswith(x.key[:pb], off)), None)
+                if c is None:
+                    break
+            key = c.key
+            end = off + len(key)
+            if end <= limit and qb.startswith(key, off):  # one memcmp for the whole node
+                path.append(c)
+                off = end
+                node = c
+                continue
+            m = _common_pages(key, qb, off, limit, self.page_size)
+            return path, off, ((c, m) if m else None)
+        return path, off, None
+
+    # ======================================================================== insert
+    def insert(self, tokens: Any, pages: Any, namespace: Any = None) -> InsertResult:
+        """Cache ``tokens`` (whole pages) held in ``pages``; takes ownership of ``pages``.
+
+        ``len(tokens) == len(pages) * page_size`` is required. Each passed page must either
+        be the page already cached for its tokens, or be HELD by the caller (from ``alloc``).
+        """
+        qb = to_token_bytes(tokens)
+        if type(pages) is not list:
+            pages = list(pages)
+        pb = self._pb
+        if len(qb) != len(pages) * pb:
+            raise ValueError(
+                f"insert needs len(tokens) == len(pages) * page_size: got {len(qb) >> _SHIFT} "
+                f"tokens and {len(pages)} pages with page_size {self.page_size}"
+            )
+        if namespace is not None:
+            hash(namespace)  # unhashable namespaces fail before any change
+        start = self.root if namespace is None else self._ns_roots.get(namespace)
+        path: list[TreeNode] = []
+        partial = None
+        if start is not None and pages:
+            path, _, partial = self._walk(start, qb, len(qb))
+        canon: list[int] = []
+        for n in path:
+            canon += n._pages
+        if partial is not None:
+            canon += partial[0]._pages[: partial[1]]
+        ncached = len(canon)
+        head = pages[:ncached]
+        dups = [] if head == canon else [p for p, q in zip(head, canon) if p != q]
+        checked = self.pool._check_held(dups + pages[ncached:])  # raises: nothing changed yet
+        dups, new = checked[: len(dups)], checked[len(dups) :]
+
+        # ---- mutation starts: nothing below can fail
+        self._insert_calls += 1
+        self._clock += 1
+        clock = self._clock
+        if partial is not None:
+            path.append(self._split(*partial))
+        for n in path:
+            n.last_access = clock
+        if new:
+            parent = path[-1] if path else (start or self._make_ns_root(namespace))
+            leaf = self._new_node(
+                parent,
+                qb[ncached * pb :],
+                new,
+                namespace,
+                parent.depth_tokens + len(new) * self.page_size,
+            )
+            if parent._ekey is not None:
+                self._index.discard(parent)
+            self._attach(parent, leaf)
+            self.pool._adopt(new)
+            self._num_nodes += 1
+            self._cached += len(new)
+            self._evictable += len(new)
+            self._inserted_pages += len(new)
+            self._index.add(leaf)
+            node = leaf
+            canon += new
+        else:
+            node = path[-1] if path else self.root
+            if node._ekey is not None:
+                self._index.refresh(node)
+        if dups:
+            self.pool._release_held(dups)
+            self._duplicate_pages += len(dups)
+        if new and self._listeners:
+            hashes = self._node_hashes(leaf)
+            parent_hash = self._last_hash(leaf.parent)
+            self._emit(
+                BlockStored(hashes, parent_hash, key_to_list(leaf.key), self.page_size, namespace)
+            )
+        return InsertResult(node, canon, ncached * self.page_size)
+
+    # ======================================================================== locking
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (counts nest)."""
+        self._check_node(node)
+        root = self.root
+        index = self._index
+        while node is not root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node._pages)
+                if node._ekey is not None:
+                    index.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock(node)``; LockError (nothing changed) if ``node`` is not locked."""
+        self._check_node(node)
+        if node is self.root:
+            return
+        if node.lock_ref <= 0:
+            raise LockError(f"unlock of a node that is not locked: {node!r}")
+        root = self.root
+        while node is not root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node._pages)
+                if not node._children and node._pages:
+                    self._index.add(node)
+            node = node.parent
+
+    # ======================================================================== allocation, eviction
+    def alloc(self, n: int) -> list[int]:
+        """``n`` HELD pages from the pool, evicting unlocked leaves (policy order) if short.
+
+        Raises OutOfPages, with nothing evicted, if free + evictable pages < n.
+        """
+        if type(n) is not int or n < 0:
+            raise ValueError(f"alloc needs a non-negative int, got {n!r}")
+        short = n - self.pool.num_free
+        if short > 0:
+            if short > self._evictable:
+                raise OutOfPages(n, self.pool.num_free + self._evictable, "free or evictable")
+            self.evict(short)
+        return self.pool.alloc(n)
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages from unlocked leaves in policy order; return the count.
+
+        Never frees more than asked: a leaf larger than the remainder loses only its tail pages.
+        """
+        if type(num_pages) is not int or num_pages < 0:
+            raise ValueError(f"evict needs a non-negative int, got {num_pages!r}")
+        freed = 0
+        index = self._index
+        while freed < num_pages and len(index):
+            node = index.first()
+            k = len(node._pages)
+            need = num_pages - freed
+            if k > need:
+                self._truncate(node, need)
+                return num_pages
+            index.discard(node)
+            self._remove_leaf(node)
+            freed += k
+        return freed
+
+    def _truncate(self, node: TreeNode, n: int) -> None:
+        """Drop the last ``n`` pages of an evictable leaf (it stays in the index)."""
+        hashes = self._node_hashes(node) if self._listeners else node._hashes
+        drop = node._pages[-n:]
+        node._pages = node._pages[:-n]
+        node.key = node.key[: -n * self._pb]
+        node.depth_tokens -= n * self.page_size
+        if hashes is not None:
+            node._hashes = hashes[:-n]
+        self.pool._release_cached(drop)
+        self._cached -= n
+        self._evictable -= n
+        self._evicted_pages += n
+        if self._listeners:
+            self._emit(BlockRemoved(hashes[-n:], node.namespace))
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        """Remove an unlocked leaf (already out of the index) and free its pages."""
+        hashes = self._node_hashes(node) if self._listeners else None
+        parent = node.parent
+        self._detach(parent, node)
+        node.parent = None
+        k = len(node._pages)
+        self.pool._release_cached(node._pages)
+        node._pages = []
+        self._num_nodes -= 1
+        self._cached -= k
+        self._evictable -= k
+        self._evicted_pages += k
+        self._evicted_nodes += 1
+        if not parent._children and parent is not self.root and parent.lock_ref == 0:
+            if parent.key:
+                self._index.add(parent)  # a parent whose last child went becomes a candidate
+            else:
+                self._drop_ns_root(parent)
+        if hashes is not None:
+            self._emit(BlockRemoved(hashes, node.namespace))
+
+    def reset(self) -> None:
+        """Drop every unlocked node and free its pages; locked paths stay cached."""
+        self._resets += 1
+        victims: list[TreeNode] = []  # roots of unlocked subtrees
+        stack = [self.root]
+        while stack:
+            for c in stack.pop().iter_children():
+                (stack if c.lock_ref else victims).append(c)
+        if not victims:
+            return
+        everything = not any(c.lock_ref for c in self.root.iter_children())
+        removed: list[TreeNode] = []
+        for v in victims:
+            sub = [v]
+            for n in sub:  # grows while iterating: breadth-first subtree listing
+                sub.extend(n.iter_children())
+            removed += sub
+        hashes = {}
+        if self._listeners and not everything:
+            hashes = {n._id: self._node_hashes(n) for n in removed if n.key}
+        for v in victims:
+            self._detach(v.parent, v)
+            if not v.key:
+                del self._ns_roots[v.namespace]
+        freed: list[int] = []
+        for n in removed:
+            self._index.discard(n)
+            freed += n._pages
+            n._pages = []
+            n.parent = None
+        self.pool._release_cached(freed)
+        self._num_nodes -= len(removed)
+        self._cached -= len(freed)
+        self._evictable -= len(freed)
+        if self._listeners:
+            if everything:
+                self._emit(AllBlocksCleared())
+            else:
+                for n in removed:
+                    if n.key:
+                        self._emit(BlockRemoved(hashes[n._id], n.namespace))
+
+    # ======================================================================== events
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(event)`` synchronously for every BlockStored/BlockRemoved/AllBlocksCleared."""
+        self._events.add(fn)
+
+    def remove_listener(self, fn: Listener) -> None:
+        self._events.remove(fn)
+
+    def _emit(self, event: Any) -> None:
+        self._events.emit(event)
+
+    def _last_hash(self, node: TreeNode) -> int | None:
+        """Chained hash of the last page ending at ``node`` (namespace start for roots)."""
+        if not node.key:
+            return chain_start(node.namespace)
+        return self._node_hashes(node)[-1]
+
+    def _node_hashes(self, node: TreeNode) -> list[int]:
+        """Event hashes of ``node``'s own pages, computed (and cached) lazily top-down."""
+        pending = []
+        n = node
+        while n._hashes is None and n.key:
+            pending.append(n)
+            n = n.parent
+        prev = n._hashes[-1] if n.key else chain_start(n.namespace)
+        for x in reversed(pending):
+            x._hashes = chain_hashes(prev, local_hashes_of_key(x.key, self.page_size))
+            prev = x._hashes[-1]
+        return node._hashes
+
+    # ======================================================================== trie plumbing
+    def _new_node(
+        self,
+        parent: TreeNode | None,
+        key: bytes,
+        pages: list[int],
+        namespace: Any,
+        depth_tokens: int,
+    ) -> TreeNode:
+        self._next_id += 1
+        return TreeNode(
+            self, self._next_id, parent, key, pages, namespace, depth_tokens, self._clock
+        )
+
+    def _make_ns_root(self, namespace: Any) -> TreeNode:
+        node = self._new_node(self.root, b"", [], namespace, 0)
+        node._hkey = ("ns", namespace)  # never equal to an int page hash
+        self.root._children[node._hkey] = node
+        self._ns_roots[namespace] = node
+        self._num_nodes += 1
+        return node
+
+    def _drop_ns_root(self, node: TreeNode) -> None:
+        del self.root._children[node._hkey]
+        del self._ns_roots[node.namespace]
+        node.parent = None
+        self._num_nodes -= 1
+
+    def _attach(self, parent: TreeNode, child: TreeNode) -> None:
+        h = self._hash_fn(child.key[: self._pb])
+        child._hkey = h
+        slot = parent._children.get(h)
+        if slot is None:
+            parent._children[h] = child
+        elif type(slot) is list:
+            slot.append(child)
+        else:
+            parent._children[h] = [slot, child]
+
+    def _detach(self, parent: TreeNode, child: TreeNode) -> None:
+        h = child._hkey
+        slot = parent._children[h]
+        if slot is child:
+            del parent._children[h]
+        else:
+            slot.remove(child)
+            if len(slot) == 1:
+                parent._children[h] = slot[0]
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after its first ``m`` pages; return the new upper node.
+
+        The existing node object keeps the lower part, so references held by callers (and
+        lock counts, which the new node inherits) stay valid.
+        """
+        cut = m * self._pb
+        parent = child.parent
+        upper = self._new_node(
+            parent,
+            child.key[:cut],
+            child._pages[:m],
+            child.namespace,
+            child.depth_tokens - ((len(child.key) - cut) >> _SHIFT),
+        )
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
+        h = child._hkey
+        upper._hkey = h
+        slot = parent._children[h]
+        if slot is child:
+            parent._children[h] = upper
+        else:
+            slot[slot.index(child)] = upper
+        child.key = child.key[cut:]
+        child._pages = child._pages[m:]
+        child.parent = upper
+        self._attach(upper, child)
+        if child._hashes is not None:
+            upper._hashes = child._hashes[:m]
+            child._hashes = child._hashes[m:]
+        self._num_nodes += 1
+        self._splits += 1
+        return upper
+
+    def _check_node(self, node: TreeNode) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"expected a TreeNode, got {type(node).__name__}")
+        if node._cache is not self:
+            raise ForeignNodeError("node belongs to another RadixCache")
+        if node.parent is None and node is not self.root:
+            raise ForeignNodeError("node is no longer in the cache (evicted or reset)")
+
+    # ======================================================================== diagnostics
+    def check_invariants(self) -> None:
+        """Recount everything; raise InvariantError on any violation (see invariants.py)."""
+        from radixkv.cache.invariants import check_cache_invariants
+
+        check_cache_invariants(self)
+
+    def pretty(self, max_tokens_shown: int = 8) -> str:
+        from radixkv.cache.pretty import pretty
+
+        return pretty(self, max_tokens_shown)
+
+    def to_dot(self) -> str:
+        from radixkv.cache.pretty import to_dot
+
+        return to_dot(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(page_size={self.page_size}, policy={self.policy.name!r}, "
+            f"nodes={self._num_nodes}, cached_pages={self._cached}, "
+            f"evictable_pages={self._evictable}, free_pages={self.pool.num_free})"
+        )

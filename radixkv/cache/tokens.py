@@ -1,0 +1,101 @@
+"""Normalising and validating token inputs into the cache's compact key encoding.
+
+The cache stores every key as ``bytes`` holding native int64 token ids (8 bytes a token), so
+keys are compared with one ``memcmp`` (``bytes.startswith``) and sliced without per-token
+Python objects. Token ids must lie in ``[0, 2**32)``: they are hashed as uint32 for KV-event
+compatibility (see hashing.py), and no tokenizer has more ids than that.
+
+Accepted inputs: ``array('q')`` (the fast path: one copy, one vectorised range check),
+``list``/``tuple`` of ints, any other ``array.array`` of integers, 1-D integer numpy arrays and
+1-D integer torch tensors. torch is never imported here: tensors are recognised duck-typed by
+their module name. Everything else (floats, bools arrays, 2-D input, strings, bytes) raises
+TypeError/ValueError naming the problem.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import numpy as np
+
+TOKEN_BYTES = 8  # bytes per token in a key (native int64)
+MAX_TOKEN_ID = 2**32 - 1
+_LIMIT = np.uint64(2**32)
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    module = type(obj).__module__
+    return module.startswith("torch") and hasattr(obj, "detach") and hasattr(obj, "dim")
+
+
+def _from_numpy(a: np.ndarray, what: str) -> bytes:
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got an array of shape {tuple(a.shape)}")
+    kind = a.dtype.kind
+    if kind == "b":
+        raise TypeError(f"{what} must be integer token ids, got a bool array")
+    if kind not in "iu":
+        raise TypeError(f"{what} must be integer token ids, got dtype {a.dtype}")
+    if a.size:
+        if kind == "i" and int(a.min()) < 0:
+            raise ValueError(f"{what} must be non-negative, got {int(a.min())}")
+        if int(a.max()) > MAX_TOKEN_ID:
+            raise ValueError(f"{what} must be < 2**32, got {int(a.max())}")
+    return a.astype(np.int64, copy=False).tobytes()
+
+
+def to_token_bytes(tokens: Any, what: str = "tokens") -> bytes:
+    """Return ``tokens`` as the compact key encoding (native int64 bytes), validated.
+
+    Raises TypeError for non-integer input and ValueError for negative ids, ids >= 2**32 or
+    input that is not one-dimensional. The input is never mutated.
+    """
+    if type(tokens) is array and tokens.typecode == "q":
+        # One vectorised range check: negatives wrap to huge uint64 values.
+        if len(tokens) and np.frombuffer(tokens, np.uint64).max() >= _LIMIT:
+            return _from_numpy(np.frombuffer(tokens, np.int64), what)  # raises
+        return tokens.tobytes()
+    if isinstance(tokens, list | tuple):
+        if not tokens:
+            return b""
+        try:
+            packed = array("q", tokens)
+        except TypeError as e:
+            raise TypeError(f"{what} must be a flat sequence of ints: {e}") from None
+        except OverflowError as e:
+            raise ValueError(f"{what} must be < 2**32: {e}") from None
+        if np.frombuffer(packed, np.uint64).max() >= _LIMIT:
+            return _from_numpy(np.frombuffer(packed, np.int64), what)  # raises
+        return packed.tobytes()
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        raise TypeError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
+    if isinstance(tokens, np.ndarray):
+        return _from_numpy(tokens, what)
+    if _is_torch_tensor(tokens):
+        if tokens.dim() != 1:
+            raise ValueError(f"{what} must be a 1-D tensor, got shape {tuple(tokens.shape)}")
+        if tokens.is_floating_point() or tokens.is_complex():
+            raise TypeError(f"{what} must be an integer tensor, got {tokens.dtype}")
+        return _from_numpy(tokens.detach().cpu().numpy(), what)
+    if isinstance(tokens, array):
+        if tokens.typecode in "fdu" or (tokens.typecode == "w"):
+            raise TypeError(f"{what} must be integer token ids, got array('{tokens.typecode}')")
+        return _from_numpy(np.asarray(tokens), what)
+    try:
+        n = len(tokens)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a sequence of token ids, got {type(tokens).__name__}"
+        ) from None
+    if n == 0:
+        return b""
+    a = np.asarray(tokens)
+    if a.dtype == object:
+        raise TypeError(f"{what} must be a flat sequence of ints")
+    return _from_numpy(a, what)
+
+
+def key_to_list(key: bytes) -> list[int]:
+    """Decode a key (native int64 bytes) into a list of token ids."""
+    return memoryview(key).cast("q").tolist()

@@ -1,0 +1,110 @@
+"""Token inputs: every accepted container gives the same key; bad input fails cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from array import array
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from cache_helpers import HASH_FNS, fill, make_cache, snapshot
+
+from radixkv.cache.tokens import key_to_list, to_token_bytes
+
+TOKS = [3, 1, 4, 1, 5, 9, 2, 6]
+GOOD = [
+    TOKS,
+    tuple(TOKS),
+    array("q", TOKS),
+    array("i", TOKS),
+    array("L", TOKS),
+    np.array(TOKS, np.int64),
+    np.array(TOKS, np.int32),
+    np.array(TOKS, np.uint16),
+    np.array(TOKS, dtype=">i4"),  # non-native byte order
+    np.array(TOKS * 2, np.int64)[::2] * 0 + np.array(TOKS, np.int64),
+    torch.tensor(TOKS),
+    torch.tensor(TOKS, dtype=torch.int32),
+    torch.tensor(TOKS + TOKS)[::2] * 0 + torch.tensor(TOKS),  # non-contiguous
+    range(3, 3),  # empty range handled below
+]
+
+
+@pytest.mark.parametrize("tokens", GOOD[:-1], ids=lambda t: type(t).__name__)
+def test_containers_give_the_same_key(tokens: Any) -> None:
+    key = to_token_bytes(tokens)
+    assert key_to_list(key) == TOKS
+    cache = make_cache(page_size=4)
+    pages = cache.alloc(2)
+    r = cache.insert(tokens, pages)
+    assert cache.match_prefix(TOKS).pages == r.pages
+    assert cache.match_prefix(tokens).pages == r.pages
+    cache.check_invariants()
+
+
+def test_empty_and_range_inputs() -> None:
+    assert to_token_bytes(range(0)) == b""
+    assert key_to_list(to_token_bytes(range(4))) == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match="float32"):  # the dtype is wrong even when empty
+        to_token_bytes(np.zeros(0, np.float32))
+    assert key_to_list(to_token_bytes([2**32 - 1])) == [2**32 - 1]
+
+
+BAD: list[tuple[Any, type[Exception], str]] = [
+    ([1, -2, 3], ValueError, "non-negative"),
+    (array("q", [1, -2]), ValueError, "non-negative"),
+    (np.array([1, -2]), ValueError, "non-negative"),
+    (torch.tensor([1, -2]), ValueError, "non-negative"),
+    ([1, 2**32], ValueError, "2\\*\\*32"),
+    (array("q", [2**40]), ValueError, "2\\*\\*32"),
+    ([1, 2**70], ValueError, "2\\*\\*32"),
+    (np.array([2**40], np.uint64), ValueError, "2\\*\\*32"),
+    ([1.0, 2.0], TypeError, "ints"),
+    ([1, "2"], TypeError, "ints"),
+    ([[1, 2], [3, 4]], TypeError, "ints"),
+    (np.array([1.0, 2.0]), TypeError, "float64"),
+    (np.array([True, False]), TypeError, "bool"),
+    (np.array([[1, 2], [3, 4]]), ValueError, "1-D"),
+    (np.array(5), ValueError, "1-D"),
+    (np.array([1, None], dtype=object), TypeError, "integer"),
+    (torch.tensor([1.0, 2.0]), TypeError, "integer tensor"),
+    (torch.tensor([True, False]), TypeError, "bool"),
+    (torch.tensor([[1, 2]]), ValueError, "1-D"),
+    (array("d", [1.0]), TypeError, "array"),
+    ("1234", TypeError, "str"),
+    (b"\x01\x02", TypeError, "bytes"),
+    (None, TypeError, "NoneType"),
+    (5, TypeError, "int"),
+]
+
+
+@pytest.mark.parametrize(("bad", "exc", "msg"), BAD, ids=[repr(b)[:30] for b, _, _ in BAD])
+@pytest.mark.parametrize("hash_name", list(HASH_FNS))
+def test_bad_tokens_leave_cache_unchanged(bad: Any, exc: type, msg: str, hash_name: str) -> None:
+    cache = make_cache(page_size=2, hash_fn=HASH_FNS[hash_name])
+    fill(cache, [1, 2, 3, 4])
+    held = cache.alloc(2)
+    before = snapshot(cache)
+    with pytest.raises(exc, match=msg):
+        cache.match_prefix(bad)
+    assert snapshot(cache) == before
+    with pytest.raises(exc, match=msg):
+        cache.insert(bad, held)
+    assert snapshot(cache) == before
+    cache.check_invariants()
+
+
+def test_cache_module_does_not_import_torch() -> None:
+    code = (
+        "import sys, radixkv\n"
+        "from radixkv import RadixCache, PagePool\n"
+        "from radixkv.cache import page_hashes\n"
+        "c = RadixCache(PagePool(4), page_size=1)\n"
+        "c.insert([1, 2], c.alloc(2)); c.check_invariants(); c.pretty(); c.to_dot()\n"
+        "page_hashes([1, 2], 1)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
