@@ -193,8 +193,9 @@ def _attend_chunk(
     h_q = q.shape[1]
     grp = h_q // h_kv
     # Gather each segment's K/V once: [S, L, Hkv, D]; all G rows of a segment share it.
-    k = k_cache[c.pages].view(S, -1, h_kv, d)[:, : c.kv_len]
-    v = v_cache[c.pages].view(S, -1, h_kv, d)[:, : c.kv_len]
+    # (index_select over whole pages is several times faster than advanced indexing on CPU)
+    k = k_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
+    v = v_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
     qs = q[c.rows].view(S, G, h_kv, grp, d)
     o = torch.empty(S, G, h_kv, grp, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(S, G, h_kv, grp, dtype=torch.float32, device=q.device)

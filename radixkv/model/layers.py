@@ -33,7 +33,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """``[head_dim // 2]`` fp32 inverse frequencies, with ``linear`` or ``llama3`` scaling applied."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    )
     if scaling is None:
         return inv
     kind = scaling["rope_type"]
@@ -65,12 +67,13 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2] fp32, CPU
-        self._cos = torch.empty(0, head_dim)
-        self._sin = torch.empty(0, head_dim)
+        # explicit CPU: the model may be built under a ``torch.device("meta")`` context
+        self._cos = torch.empty(0, head_dim, device="cpu")
+        self._sin = torch.empty(0, head_dim, device="cpu")
 
     def _grow(self, length: int, device: torch.device) -> None:
         size = max(length, 2 * self._cos.shape[0], 256)
-        pos = torch.arange(size, dtype=torch.int64).float()
+        pos = torch.arange(size, dtype=torch.int64, device="cpu").float()
         freqs = pos.unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [size, D/2] fp32
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)

@@ -1,0 +1,147 @@
+"""Helpers for the model tests: tiny random Hugging Face checkpoints written to a folder.
+
+transformers is the independent reference; these helpers build a model with it, give it weights
+large enough that greedy decoding is not degenerate, save it (safetensors), and write a trained
+byte-level BPE tokenizer.json, a tokenizer_config.json with a ChatML template and a
+generation_config.json next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 320
+EOS_ID = 2  # "<|im_end|>" in the trained tokenizer below
+CHATML = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Prefix caching lets requests that share a system prompt skip recomputing it.",
+    "Pages of keys and values are shared between requests; a radix tree finds them.",
+    "héllo wörld, naïve café — 東京 ✓",
+] * 20
+
+SMALL: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_ID,
+}
+
+
+def hf_config(kind: str, **overrides: Any) -> Any:
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[kind]
+    kw = dict(SMALL)
+    if kind == "qwen3":
+        kw["head_dim"] = 32  # Qwen3 decouples head_dim from hidden_size / heads
+    if kind == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    return cls(**kw)
+
+
+@torch.no_grad()
+def build_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random transformers causal LM of the given family, in fp32, eval mode."""
+    import transformers
+
+    cfg = hf_config(kind, **overrides)
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[kind]
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 1:  # biases (Qwen2 q/k/v)
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name:
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+    return model
+
+
+def write_tokenizer_files(folder: Path, *, eos_in_generation_config: Any = EOS_ID) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    assert tok.token_to_id("<|im_end|>") == EOS_ID
+    tok.save(str(folder / "tokenizer.json"))
+    tok_cfg = {
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    gen = {"eos_token_id": eos_in_generation_config, "bos_token_id": 1}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+
+
+def save_hf_folder(model: Any, folder: Path, **save_kw: Any) -> Path:
+    """save_pretrained (safetensors) plus the tokenizer files; returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' own deprecation chatter
+        model.save_pretrained(folder, safe_serialization=True, **save_kw)
+    write_tokenizer_files(folder)
+    return folder
+
+
+@torch.no_grad()
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    """fp32 logits ``[len(ids), vocab]`` of a full forward pass of the transformers model."""
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
