@@ -1,0 +1,196 @@
+"""Request state: a request group (what the user submitted) and its sequences (one per sample).
+
+A ``Sequence`` moves WAITING -> RUNNING -> FINISHED; preemption sends it RUNNING -> WAITING
+with its tokens kept (it resumes by re-matching its own cached pages). Its KV fields are owned
+by the scheduler's ``SeqKV`` (see kv_manager.py); everything else here is plain data.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from typing import Any
+
+import torch
+
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from radixkv.engine.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of a request: prompt + output token ids and its KV bookkeeping.
+
+    KV fields (mutated only by ``SeqKV``):
+        page_table: pages holding tokens ``[0, num_computed)`` (and, during a step, the slots of
+            the tokens being computed); page i holds tokens ``[i*page_size, (i+1)*page_size)``.
+        num_shared_pages: ``page_table[:num_shared_pages]`` belong to the trie and are protected
+            by the lock on ``locked_node``; the rest are this sequence's private pages.
+        num_computed: tokens whose K/V are in the pool.
+    """
+
+    __slots__ = (
+        "admit_order",
+        "detok",
+        "finish_reason",
+        "generator",
+        "group",
+        "index",
+        "inflight_keys",
+        "live_detok",
+        "locked_node",
+        "num_cached_tokens",
+        "num_computed",
+        "num_prompt_tokens",
+        "num_shared_pages",
+        "page_keys",
+        "page_table",
+        "seq_id",
+        "status",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        group: RequestGroup,
+        index: int,
+        prompt_ids: list[int],
+        generator: torch.Generator | None,
+        detok: IncrementalDetokenizer | None,
+    ) -> None:
+        self.group = group
+        self.index = index
+        self.seq_id = group.request_id if group.params.n == 1 else f"{group.request_id}#{index}"
+        # array('q'): the cache's fast path for keys (slices are one memcpy)
+        self.token_ids: array[int] = array("q", prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.generator = generator
+        self.detok = detok
+        self.live_detok = True  # detokenize every step (else once, at finish)
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.page_table: list[int] = []
+        self.num_shared_pages = 0
+        self.locked_node: Any = None
+        self.num_computed = 0
+        self.num_cached_tokens = -1  # set at first admission
+        self.admit_order = -1
+        self.page_keys: list[Any] = []  # chained page keys for in-batch sharing (lazily grown)
+        self.inflight_keys: list[Any] = []  # keys this sequence announced it is computing
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def namespace(self) -> Any:
+        return self.group.namespace
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :].tolist()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, {self.status.value}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed}, pages={len(self.page_table)}, "
+            f"shared={self.num_shared_pages})"
+        )
+
+
+class RequestGroup:
+    """What one ``add_request`` submitted: a prompt, its params and ``params.n`` sequences."""
+
+    __slots__ = (
+        "_emitted_tokens",
+        "metrics",
+        "namespace",
+        "params",
+        "prompt",
+        "prompt_token_ids",
+        "request_id",
+        "seqs",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        namespace: Any,
+        arrival_time: float,
+        stream: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.namespace = namespace
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.stream = stream  # emit an output every step (else only when finished)
+        self.seqs: list[Sequence] = []
+        self._emitted_tokens: list[int] = []
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def make_output(self) -> RequestOutput:
+        """Snapshot for the user; advances each sequence's emitted-delta cursor."""
+        if len(self._emitted_tokens) != len(self.seqs):
+            self._emitted_tokens = [0] * len(self.seqs)
+        outs = []
+        done = self.finished
+        for s in self.seqs:
+            out_ids = s.output_ids
+            fin = s.finished
+            if s.detok is not None:
+                delta = s.detok.take_delta(fin)
+                text = s.detok.emitted_text
+            else:
+                text, delta = "", ""
+            prev = self._emitted_tokens[s.index]
+            self._emitted_tokens[s.index] = len(out_ids)
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=text,
+                    token_ids=out_ids,
+                    finish_reason=s.finish_reason,
+                    delta_text=delta,
+                    delta_token_ids=out_ids[prev:],
+                    stop_reason=s.stop_reason,
+                )
+            )
+        first = outs[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
+            metrics=self.metrics,
+            outputs=outs,
+            finished=done,
+            namespace=self.namespace,
+        )

@@ -1,0 +1,317 @@
+"""Continuous batching: which sequences run this step and how many tokens each computes.
+
+Each ``schedule()`` builds one mixed batch, in this order:
+
+1. decode: every running sequence whose prompt is done gets one token. When the pool cannot
+   supply a page, the most recently admitted running sequence is preempted (its computed full
+   pages are inserted into the trie, everything is released, it goes back to the front of the
+   queue and later resumes by hitting its own pages);
+2. prefill chunks of running sequences still prefilling, within ``max_prefill_tokens``;
+3. admission of waiting sequences (``lpm``: longest cached prefix first; ``fcfs``: arrival),
+   while the budget, ``max_running_requests`` and the pool allow.
+
+In-batch prefix sharing: a sequence announces the keys (chained hashes) of the full pages it is
+about to compute. A candidate whose first uncached page is being computed by someone else waits:
+that page is inserted when its chunk finishes, and the candidate then hits it instead of
+computing it again. ``n > 1`` samples rely on this to prefill their prompt once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.request import SeqStatus, Sequence
+
+_LPM_MAX_QUEUE = 128  # beyond this many waiting, matching them all each step costs too much
+
+
+def _out_of_pages_error() -> type[Exception]:
+    from radixkv.cache.errors import OutOfPages
+
+    return OutOfPages
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: ``seqs[i]`` computes ``num_new[i]`` tokens starting at its
+    ``num_computed``. ``preempted`` lists sequences sent back to the queue this step."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode: int = 0
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list (in admission order).
+
+    Mutates sequences' status and, through ``SeqKV``, their pages. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        kv: SeqKV,
+        *,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        policy: str,
+    ) -> None:
+        if policy not in ("lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {policy!r}")
+        self.kv = kv
+        self.page_size = kv.page_size
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunked_prefill_size or None
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._inflight: dict[Any, int] = {}  # page key -> sequences computing it
+        self._admit_counter = 0
+        self._out_of_pages = _out_of_pages_error()
+        self.num_preemptions = 0
+        # prefix-cache lookups, counted once per sequence at its first admission
+        self.stat_queries = 0
+        self.stat_query_tokens = 0
+        self.stat_hit_tokens = 0
+
+    # ------------------------------------------------------------------ queue ops
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, *, insert: bool = True) -> None:
+        """End a sequence however it ends: release its pages and locks, drop it from the queues."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(seq)
+        self._drop_inflight(seq)
+        self.kv.release(seq, insert=insert)
+        seq.status = SeqStatus.FINISHED
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_inflight(seq)
+        self.kv.release(seq, insert=True)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self._schedule_decodes(batch)
+        budget = self.max_prefill_tokens - self._schedule_prefill_chunks(batch)
+        self._admit(batch, budget)
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if len(seq.token_ids) - seq.num_computed != 1:
+                i += 1
+                continue
+            try:
+                self.kv.reserve(seq, 1)
+            except self._out_of_pages:
+                victim = self.running[-1]  # most recently admitted
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+                continue  # retry seq with the freed pages
+            batch.add(seq, 1)
+            batch.num_decode += 1
+            i += 1
+
+    def _schedule_prefill_chunks(self, batch: ScheduledBatch) -> int:
+        used = 0
+        for seq in self.running:
+            remaining = len(seq.token_ids) - seq.num_computed
+            if remaining <= 1:
+                continue
+            n = self._chunk(remaining, self.max_prefill_tokens - used, first=used == 0)
+            n = min(n, self._fit(seq, n))
+            if n <= 0:
+                continue
+            self.kv.reserve(seq, n)  # fits: _fit checked the pool
+            batch.add(seq, n)
+            used += n
+        batch.num_prefill_tokens += used
+        return used
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        if not self.waiting:
+            return
+        if self.policy == "lpm" and self.kv.enabled and len(self.waiting) <= _LPM_MAX_QUEUE:
+            # stable sort: among equal matches, arrival order (preempted ones are at the front)
+            scored = [(-self.kv.peek_match_len(s), i, s) for i, s in enumerate(self.waiting)]
+            scored.sort(key=lambda t: (t[0], t[1]))
+            order = [s for _, _, s in scored]
+        else:
+            order = list(self.waiting)
+        used = 0
+        admitted: list[Sequence] = []
+        for seq in order:
+            if len(self.running) >= self.max_running or budget - used <= 0:
+                break
+            hit = self.kv.acquire(seq)
+            if self._computed_elsewhere(seq):
+                self.kv.release(seq, insert=False)
+                continue
+            remaining = len(seq.token_ids) - seq.num_computed
+            first = used == 0 and budget == self.max_prefill_tokens
+            n = self._chunk(remaining, budget - used, first=first)
+            if n <= 0 or not self._has_room(seq, n):
+                self.kv.release(seq, insert=False)
+                break
+            self.kv.reserve(seq, n)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = hit
+                self.stat_queries += 1
+                self.stat_query_tokens += seq.num_prompt_tokens
+                self.stat_hit_tokens += hit
+            seq.status = SeqStatus.RUNNING
+            seq.admit_order = self._admit_counter
+            self._admit_counter += 1
+            self.running.append(seq)
+            admitted.append(seq)
+            self._announce(seq)
+            batch.add(seq, n)
+            used += n
+        if admitted:
+            gone = set(map(id, admitted))
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        batch.num_prefill_tokens += used
+
+    def _chunk(self, remaining: int, budget: int, *, first: bool) -> int:
+        """Tokens to compute this step for a sequence with ``remaining`` uncomputed tokens."""
+        if self.chunk_size is None:
+            # no chunking: all or nothing (a lone prompt may exceed the budget)
+            return remaining if (remaining <= budget or first) else 0
+        return min(remaining, self.chunk_size, budget)
+
+    def _available_pages(self) -> int:
+        return self.kv.cache.pool.num_free + self.kv.cache.num_evictable_pages
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """Largest token count <= n whose pages the pool can supply now."""
+        if self.kv.pages_needed(seq, n) <= self._available_pages():
+            return n
+        slots = (len(seq.page_table) + self._available_pages()) * self.page_size
+        return max(0, slots - seq.num_computed)
+
+    def _has_room(self, seq: Sequence, n: int) -> bool:
+        # keep a page of headroom per running sequence so admissions do not immediately force
+        # preemptions of the decodes already running
+        need = self.kv.pages_needed(seq, n)
+        return need + len(self.running) <= self._available_pages() or (
+            not self.running and need <= self._available_pages()
+        )
+
+    # ------------------------------------------------------------------ after the forward
+    def after_forward(self, batch: ScheduledBatch) -> list[int]:
+        """Record the computed tokens, publish full pages; returns the batch rows whose last
+        computed token is the sequence's last token (they sample a new token)."""
+        rows = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            seq.num_computed += n
+            self.kv.commit(seq)
+            if seq.inflight_keys:
+                self._retire_inflight(seq)
+            if seq.num_computed == len(seq.token_ids):
+                rows.append(i)
+        return rows
+
+    def fail_batch(self, batch: ScheduledBatch) -> None:
+        """A forward failed: give back the slots allocated for it (KV of those is garbage)."""
+        for seq in batch.seqs:
+            self.kv.rollback_uncomputed(seq)
+
+    # ------------------------------------------------------------------ in-batch sharing
+    def _page_key(self, seq: Sequence, i: int) -> Any:
+        keys = seq.page_keys
+        ps = self.page_size
+        toks = seq.token_ids
+        while len(keys) <= i:
+            j = len(keys)
+            prev = keys[-1] if keys else hash(("radixkv-ns", seq.namespace))
+            keys.append(hash((prev, *toks[j * ps : (j + 1) * ps])))
+        return keys[i]
+
+    def _computed_elsewhere(self, seq: Sequence) -> bool:
+        if not self.kv.enabled or not self._inflight:
+            return False
+        j = seq.num_computed // self.page_size
+        if (j + 1) * self.page_size > len(seq.token_ids):
+            return False  # it computes no full page: nothing to share
+        return self._page_key(seq, j) in self._inflight
+
+    def _announce(self, seq: Sequence) -> None:
+        if not self.kv.enabled:
+            return
+        ps = self.page_size
+        first = seq.num_computed // ps
+        last = len(seq.token_ids) // ps  # full pages once the prompt is computed
+        keys = deque((i, self._page_key(seq, i)) for i in range(first, last))
+        for _, k in keys:
+            self._inflight[k] = self._inflight.get(k, 0) + 1
+        seq.inflight_keys = keys  # type: ignore[assignment]
+
+    def _retire_inflight(self, seq: Sequence) -> None:
+        keys = seq.inflight_keys
+        done = seq.num_computed // self.page_size
+        while keys and keys[0][0] < done:
+            self._unref(keys.popleft()[1])  # type: ignore[attr-defined]
+
+    def _drop_inflight(self, seq: Sequence) -> None:
+        for _, k in seq.inflight_keys:
+            self._unref(k)
+        seq.inflight_keys = []
+
+    def _unref(self, key: Any) -> None:
+        c = self._inflight[key] - 1
+        if c:
+            self._inflight[key] = c
+        else:
+            del self._inflight[key]
+
+    def check_invariants(self) -> None:
+        """Queues and announcements are consistent (cheap; called by Engine.check_invariants)."""
+        for s in self.running:
+            assert s.status is SeqStatus.RUNNING, s
+            assert 0 <= s.num_computed <= len(s.token_ids), s
+            need = -(-s.num_computed // self.page_size)
+            assert len(s.page_table) == need, (s, need)
+            assert s.num_shared_pages <= len(s.page_table), s
+            if not self.kv.enabled:
+                assert s.locked_node is None and s.num_shared_pages == 0, s
+        for s in self.waiting:
+            assert s.status is SeqStatus.WAITING, s
+            assert not s.page_table and s.locked_node is None and not s.inflight_keys, s
+        counts: dict[Any, int] = {}
+        for s in self.running:
+            for _, k in s.inflight_keys:
+                counts[k] = counts.get(k, 0) + 1
+        assert counts == self._inflight, "in-flight page announcements out of sync"
+        assert self.kv.num_private_pages == sum(
+            len(s.page_table) - s.num_shared_pages for s in self.running
+        ), "private page count out of sync"

@@ -1,0 +1,71 @@
+"""Helpers for the engine tests: a small saved HF Llama loaded into radixkv, workloads, a loop
+that checks invariants after every step."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from _model_hf_builders import build_hf_model, save_hf_folder
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.outputs import RequestOutput
+from radixkv.engine.params import SamplingParams
+
+VOCAB = 320  # _model_hf_builders.SMALL
+MAX_CONTEXT = 512
+
+
+def make_small_llama(folder: Path) -> tuple[Any, Any]:
+    """(transformers model, radixkv LoadedModel) of the same small random Llama."""
+    from radixkv.model.loader import load_model
+
+    hf = build_hf_model("llama", seed=3)
+    save_hf_folder(hf, folder)
+    return hf, load_model(folder)
+
+
+def shared_prefix_prompts(seed: int, n: int = 10) -> list[list[int]]:
+    """Prompts sharing a system prompt, some sharing more (few-shot), duplicates, a prompt that
+    is a prefix of another, different lengths around page boundaries."""
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(3, VOCAB) for _ in range(k)]  # noqa: E731 (ids 0-2 special)
+    system = tok(37)
+    shot = tok(21)
+    prompts = []
+    for i in range(n):
+        if i % 4 == 0:
+            prompts.append(system + shot + tok(rng.randrange(1, 20)))
+        elif i % 4 == 1:
+            prompts.append(system + tok(rng.randrange(1, 40)))
+        elif i % 4 == 2:
+            prompts.append(list(prompts[-1]))  # duplicate
+        else:
+            prompts.append(tok(rng.randrange(2, 30)))
+    prompts.append(system[:16])  # prefix of the others, page aligned at 16
+    return prompts
+
+
+def run_checked(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    check_every_step: bool = True,
+) -> list[RequestOutput]:
+    """Add all prompts, step to completion checking invariants after every step; outputs in
+    input order. Asserts the drained state (zero locks, zero private pages)."""
+    ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    done: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if check_every_step:
+            engine.check_invariants()
+        steps += 1
+        assert steps < 10_000, "engine did not drain"
+    engine.check_invariants()
+    return [done[i] for i in ids]
