@@ -17,6 +17,21 @@ from radixkv.attention.cascade import (
 TOL = 1e-5
 
 
+@pytest.fixture(autouse=True, params=["fused", "matmul"])
+def kernel_path(request, monkeypatch):
+    """Run every test through both the fused CPU kernel and the portable matmul path."""
+    import radixkv.attention.cascade as cascade_mod
+
+    if request.param == "matmul":
+        monkeypatch.setattr(cascade_mod, "_FUSED_CPU", [False])
+    else:
+        monkeypatch.setattr(cascade_mod, "_FUSED_CPU", [None])
+        assert cascade_mod._fused_cpu_op() is not None, "torch lacks the fused CPU kernel"
+    yield request.param
+    if request.param == "fused":
+        assert cascade_mod._FUSED_CPU[0] is not False, "fused kernel failed and fell back"
+
+
 def _pages(start: int, n: int) -> list[int]:
     # Non-contiguous, shuffled-looking page ids so gathers really index.
     return [(start + 7 * i) % 997 for i in range(n)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -182,12 +182,75 @@ class _Chunk:
     kv_len: int  # padded KV length = n_pages * page_size, trimmed to the max real length
     kv_mask: torch.Tensor | None  # [S, 1, kv_len] bool, True = masked out; None if none
     out_rows: torch.Tensor  # [R] long, rows written back (valid ones, in [S, G] order)
+    first: bool = False  # no earlier chunk wrote these rows: store instead of merging
+    bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive kv_mask
+
+
+# PyTorch's fused CPU attention kernel that also returns the log-sum-exp (the public SDPA does
+# not). It is a private op, so it is probed once and the matmul path is kept as the fallback.
+_FUSED_CPU: list[bool | None] = [None]
+
+
+def _fused_cpu_op() -> object | None:
+    if _FUSED_CPU[0] is False:
+        return None
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_chunk_fused(
+    op: object, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
+    of a strided view, scores never materialised)."""
+    S, G = c.rows.shape
+    h_kv, d = k_cache.shape[2], k_cache.shape[3]
+    h_q = q.shape[1]
+    grp = h_q // h_kv
+    k = k_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
+    v = v_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
+    # every query of the segment x every head of KV group h is one "position" of head h
+    qs = q[c.rows].view(S, G, h_kv, grp, d).transpose(1, 2).reshape(S, h_kv, G * grp, d)
+    mask = None
+    if c.kv_mask is not None:
+        mask = c.bias.get(q.dtype)
+        if mask is None:
+            mask = torch.zeros(c.kv_mask.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(c.kv_mask, float("-inf"))
+            mask = c.bias[q.dtype] = mask.unsqueeze(1)  # [S, 1, 1, L]
+    o, lse = op(qs, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale)[
+        :2
+    ]
+    # o [S, Hkv, G*grp, D], lse [S, Hkv, G*grp] -> rows
+    o = o.float().view(S, h_kv, G, grp, d).transpose(1, 2).reshape(S * G, h_q, d)
+    lse = lse.float().view(S, h_kv, G, grp).transpose(1, 2).reshape(S * G, h_q)
+    if c.row_valid is not None:
+        keep = c.row_valid.reshape(-1)
+        o, lse = o[keep], lse[keep]
+    return o, lse
 
 
 def _attend_chunk(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32."""
+    if q.device.type == "cpu" and (op := _fused_cpu_op()) is not None:
+        try:
+            out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale)
+            _FUSED_CPU[0] = True
+            return out
+        except (RuntimeError, TypeError) as e:
+            if _FUSED_CPU[0]:  # worked before: a real error, not a missing/changed kernel
+                raise
+            _FUSED_CPU[0] = False
+            del e
+    return _attend_chunk_matmul(q, k_cache, v_cache, c, scale)
+
+
+def _attend_chunk_matmul(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Portable path (any device): per-KV-head bmm with an explicit softmax."""
     S, G = c.rows.shape
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
@@ -233,6 +296,7 @@ class TorchCascadeAttention:
         self.plan = plan
         self.device = torch.device(device)
         self._levels: list[list[_Chunk]] = [self._prepare_level(lvl) for lvl in plan.levels]
+        self._mark_first()
 
     def _make_chunk(self, lvl: CascadeLevel, segs: list[int]) -> _Chunk:
         ps = self.plan.page_size
@@ -264,6 +328,14 @@ class TorchCascadeAttention:
             kv_mask=kv_mask,
             out_rows=torch.tensor([x for r in row_lists for x in r], dtype=torch.long, device=dev),
         )
+
+    def _mark_first(self) -> None:
+        seen = torch.zeros(self.plan.num_queries, dtype=torch.bool)
+        for chunks in self._levels:
+            for c in chunks:
+                rows = c.out_rows.cpu()
+                c.first = not bool(seen[rows].any())
+                seen[rows] = True
 
     def _prepare_level(self, lvl: CascadeLevel) -> list[_Chunk]:
         nonempty = [i for i in range(lvl.num_segments) if lvl.kv_last_page_len[i] > 0]
@@ -298,9 +370,10 @@ class TorchCascadeAttention:
         for chunks in self._levels:
             for c in chunks:
                 o_c, lse_c = _attend_chunk(q, k_cache, v_cache, c, scale)
-                o_m, lse_m = merge_state(o[c.out_rows], lse[c.out_rows], o_c, lse_c)
-                o[c.out_rows] = o_m
-                lse[c.out_rows] = lse_m
+                if not c.first:
+                    o_c, lse_c = merge_state(o[c.out_rows], lse[c.out_rows], o_c, lse_c)
+                o.index_copy_(0, c.out_rows, o_c)
+                lse.index_copy_(0, c.out_rows, lse_c)
         out = o.to(q.dtype)
         return (out, lse) if return_lse else out
 
