@@ -61,10 +61,11 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
 
+    def body_struct(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
+
     def body(self) -> bytes:
-        return msgspec.json.encode(
-            ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
-        )
+        return msgspec.json.encode(self.body_struct())
 
     def response(self) -> Response:
         return Response(

@@ -167,7 +167,8 @@ class ServerMetrics:
         ttft: float | None,
         latency: float | None,
     ) -> None:
-        """Record one finished choice (times in seconds; None when unknown)."""
+        """Record one finished choice (times in seconds; None when unknown or already counted:
+        with ``n > 1`` the prompt's tokens and TTFT are passed for its first sample only)."""
         self.requests.labels(finish_reason=finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(cached_tokens)

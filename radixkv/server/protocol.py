@@ -19,7 +19,7 @@ import msgspec
 # Bounds that keep one request from monopolising the server; the engine checks the context length.
 MAX_N = 16
 MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - 1 - MAX_N  # sample i uses seed + i
 
 
 class ProtocolError(ValueError):
@@ -46,8 +46,8 @@ def _check_sampling(req: _SamplingFields) -> None:
         raise ValueError("top_k must be -1 (disabled) or >= 0")
     if not 1 <= req.n <= MAX_N:
         raise ValueError(f"n must be in [1, {MAX_N}]")
-    if req.seed is not None and not -MAX_SEED <= req.seed <= MAX_SEED:
-        raise ValueError("seed out of range")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, {MAX_SEED}]")
     stops = stop_list(req.stop)
     if len(stops) > MAX_STOP_STRINGS:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")

@@ -1,0 +1,3 @@
+from radixkv.server import main
+
+raise SystemExit(main())

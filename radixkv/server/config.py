@@ -1,0 +1,47 @@
+"""Server configuration (frozen, validated on construction)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """How ``build_app`` serves an engine.
+
+    Attributes:
+        model_name: the model id clients must send (and /v1/models lists); None = the engine's.
+        api_keys: API key -> tenant name. None or empty: no auth, one anonymous tenant.
+        admin_key: key for admin endpoints (POST /reset_prefix_cache); None disables them.
+        max_queue: most sequences (each of a request's ``n`` samples counts) admitted and not yet
+            finished; a request that would exceed it gets 503 and nothing is submitted.
+        max_body_bytes: request bodies larger than this get 413.
+        default_max_tokens: chat completions without max_tokens generate up to this many
+            tokens (capped by the context that is left).
+        kv_events: ZMQ endpoint to bind a KV event PUB socket on (e.g. tcp://127.0.0.1:5557).
+        kv_events_replay: optional ZMQ endpoint for the replay ROUTER socket.
+        kv_events_topic: topic frame of every KV event message.
+    """
+
+    model_name: str | None = None
+    api_keys: Mapping[str, str] | None = None
+    admin_key: str | None = None
+    max_queue: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    default_max_tokens: int = 512
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = "kv-events"
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.model_name is not None and not self.model_name:
+            raise ValueError("model_name must be non-empty when given")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events")

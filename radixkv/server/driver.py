@@ -1,0 +1,143 @@
+"""Drives the AsyncEngine for one HTTP request that may hold several prompts (each with ``n``
+samples): submit, merge their output streams, and guarantee release.
+
+Ownership: a ``Submission`` owns one pump task per prompt; each task owns an
+``engine.generate(...)`` async generator. ``close()`` cancels the tasks that are still running,
+which closes their generators, which aborts the engine requests (their locks and pages are
+released by the engine). Every code path that creates a Submission must reach ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.engine.outputs import RequestOutput
+from radixkv.engine.params import SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """What has been sent to the client for one (prompt, sample)."""
+
+    sent_chars: int = 0
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass
+class PromptState:
+    prompt_tokens: int
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+    done: bool = False
+    choices: list[ChoiceState] = field(default_factory=list)
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self.latest is None else int(self.latest.num_cached_tokens)
+
+
+class Submission:
+    """The engine requests of one HTTP request (``len(prompts)`` requests of ``n`` samples)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        namespace: Any,
+        request_id: str,
+    ) -> None:
+        self.engine = engine
+        self.params = params
+        self.request_id = request_id
+        self.start = time.monotonic()
+        self.prompts = [
+            PromptState(len(ids), choices=[ChoiceState() for _ in range(params.n)])
+            for ids in prompts
+        ]
+        self._events: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = (
+            asyncio.Queue()
+        )
+        self._tasks = [
+            asyncio.create_task(self._pump(i, ids, namespace), name=f"{request_id}-{i}")
+            for i, ids in enumerate(prompts)
+        ]
+
+    async def _pump(self, i: int, ids: list[int], namespace: Any) -> None:
+        try:
+            async for out in self.engine.generate(
+                ids, self.params, request_id=f"{self.request_id}-{i}", namespace=namespace
+            ):
+                self._events.put_nowait((i, out))
+        except Exception as e:  # submission error (ValueError, QueueFull) or a failed step
+            self._events.put_nowait((i, e))
+            return
+        self._events.put_nowait((i, None))
+
+    @property
+    def finished(self) -> bool:
+        return all(p.done for p in self.prompts)
+
+    async def next_event(self) -> tuple[int, RequestOutput | BaseException | None]:
+        """The next (prompt index, output | error | None=stream ended); updates the state."""
+        i, item = await self._events.get()
+        p = self.prompts[i]
+        if isinstance(item, BaseException):
+            p.error, p.done = item, True
+        elif item is None:
+            p.done = True
+        else:
+            p.latest = item
+            if item.finished:
+                p.done = True
+        return i, item
+
+    async def wait_started(self) -> BaseException | None:
+        """Until every prompt has its first output (or any prompt fails); returns the first error."""
+        while not all(p.latest is not None or p.done for p in self.prompts):
+            _, item = await self.next_event()
+            if isinstance(item, BaseException):
+                return item
+        return next((p.error for p in self.prompts if p.error is not None), None)
+
+    async def wait_finished(self) -> BaseException | None:
+        while not self.finished:
+            _, item = await self.next_event()
+            if isinstance(item, BaseException):
+                return item
+        return None
+
+    def has_pending_events(self) -> bool:
+        return not self._events.empty()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.prompt_tokens for p in self.prompts)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(p.cached_tokens for p in self.prompts)
+
+    async def close(self) -> None:
+        """Cancel what still runs (aborting its engine requests) and wait for the tasks to end."""
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+async def until_disconnect(receive: Any) -> None:
+    """Returns when the client has disconnected (ASGI ``http.disconnect``)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

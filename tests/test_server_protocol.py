@@ -1,0 +1,231 @@
+"""Request decoding/validation, auth and tenant namespaces, metrics registries, config (no engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixkv.server import protocol as P
+from radixkv.server.auth import ANONYMOUS, Authenticator, load_api_keys
+from radixkv.server.config import ServerConfig
+from radixkv.server.errors import APIError
+from radixkv.server.metrics import ServerMetrics
+
+
+def _cmpl(**kw: object) -> bytes:
+    return json.dumps({"model": "m", "prompt": "hi", **kw}).encode()
+
+
+def test_completion_defaults_and_prompt_shapes() -> None:
+    r = P.decode_request(_cmpl(), P.CompletionRequest)
+    assert r.max_tokens == 16 and r.n == 1 and r.temperature == 1.0 and not r.stream
+    assert r.prompts() == ["hi"]
+    assert P.decode_request(_cmpl(prompt=[1, 2]), P.CompletionRequest).prompts() == [[1, 2]]
+    assert P.decode_request(_cmpl(prompt=["a", "b"]), P.CompletionRequest).prompts() == ["a", "b"]
+    assert P.decode_request(_cmpl(prompt=[[1], [2, 3]]), P.CompletionRequest).prompts() == [
+        [1],
+        [2, 3],
+    ]
+    r = P.decode_request(
+        _cmpl(stop="x", stream=True, stream_options={"include_usage": True}), P.CompletionRequest
+    )
+    assert (
+        P.stop_list(r.stop) == ["x"]
+        and r.stream_options is not None
+        and r.stream_options.include_usage
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[]", None),
+        (_cmpl(foo=1), "foo"),
+        (_cmpl(max_tokens="5"), "max_tokens"),
+        (_cmpl(max_tokens=0), None),
+        (_cmpl(max_tokens=1.5), "max_tokens"),
+        (_cmpl(temperature=-0.1), None),
+        (_cmpl(temperature=2.5), None),
+        (_cmpl(top_p=0), None),
+        (_cmpl(top_p=1.01), None),
+        (_cmpl(n=0), None),
+        (_cmpl(n=P.MAX_N + 1), None),
+        (_cmpl(stop=[""]), None),
+        (_cmpl(stop=["a"] * (P.MAX_STOP_STRINGS + 1)), None),
+        (_cmpl(stop=5), "stop"),
+        (_cmpl(prompt=""), None),
+        (_cmpl(prompt=[]), None),
+        (_cmpl(prompt=[1, "a"]), None),
+        (_cmpl(prompt=[-1]), None),
+        (_cmpl(prompt=None), "prompt"),
+        (_cmpl(stream="yes"), "stream"),
+        (_cmpl(stream_options={"include_usage": True}), None),  # without stream
+        (_cmpl(stream=True, stream_options={"bogus": 1}), "stream_options"),
+        (_cmpl(echo=True), None),
+        (_cmpl(logprobs=2), None),
+        (_cmpl(presence_penalty=0.5), None),
+        (_cmpl(seed=2**70), None),
+        (_cmpl(seed=-1), None),
+        (_cmpl(cache_salt=""), None),
+        (json.dumps({"prompt": "x"}).encode(), "model"),
+    ],
+)
+def test_completion_rejects(body: bytes, param: str | None) -> None:
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request(body, P.CompletionRequest)
+    assert e.value.message
+    if param is not None:
+        assert e.value.param == param
+
+
+def _chat(**kw: object) -> bytes:
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+    ).encode()
+
+
+def test_chat_decoding() -> None:
+    r = P.decode_request(_chat(), P.ChatCompletionRequest)
+    assert r.max_tokens is None
+    assert r.template_messages() == [{"role": "user", "content": "hi"}]
+    parts = [
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        }
+    ]
+    r = P.decode_request(_chat(messages=parts, max_completion_tokens=7), P.ChatCompletionRequest)
+    assert r.max_tokens == 7
+    assert r.template_messages() == [{"role": "system", "content": "ab"}]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _chat(messages=[]),
+        _chat(messages=[{"role": "wizard", "content": "x"}]),
+        _chat(messages=[{"role": "user", "content": "x", "extra": 1}]),
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]),
+        _chat(messages="hi"),
+        _chat(max_tokens=3, max_completion_tokens=4),
+        _chat(max_completion_tokens=0),
+        _chat(prompt="x"),
+    ],
+)
+def test_chat_rejects(body: bytes) -> None:
+    with pytest.raises(P.ProtocolError):
+        P.decode_request(body, P.ChatCompletionRequest)
+
+
+def test_usage_shape() -> None:
+    u = P.make_usage(10, 3, 8)
+    assert json.loads(P.encode(u)) == {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+
+
+def test_auth_and_namespaces(tmp_path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"key-aaaaaaaa": "alice", "key-bbbbbbbb": "bob"}))
+    auth = Authenticator(load_api_keys(keys), admin_key="admin-secret")
+    a = auth.authenticate("Bearer key-aaaaaaaa")
+    b = auth.authenticate("bearer key-bbbbbbbb")
+    assert (a.tenant, b.tenant) == ("alice", "bob")
+    for bad in (
+        None,
+        "",
+        "Bearer",
+        "Basic key-aaaaaaaa",
+        "Bearer nope-nope-nope",
+        "Bearer admin-secret",
+    ):
+        with pytest.raises(APIError) as e:
+            auth.authenticate(bad)
+        assert e.value.status == 401
+    # the namespace comes from the tenant; a salt narrows within it and can never reach another tenant
+    assert a.namespace(None) == ("alice",)
+    assert a.namespace("s") == ("alice", "s")
+    assert b.namespace("alice") != a.namespace(None)
+    assert b.namespace("s") != a.namespace("s")
+    auth.require_admin("Bearer admin-secret")
+    with pytest.raises(APIError) as e:
+        auth.require_admin("Bearer key-aaaaaaaa")
+    assert e.value.status == 401
+    with pytest.raises(APIError) as e:
+        Authenticator(None, None).require_admin("Bearer x")
+    assert e.value.status == 403
+    # keys off: one anonymous tenant, salt still splits
+    open_auth = Authenticator(None, None)
+    anon = open_auth.authenticate(None)
+    assert anon.tenant == ANONYMOUS and anon.namespace(None) is None
+    assert anon.namespace("x") == (ANONYMOUS, "x")
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["not json", "[]", "{}", '{"short": "t"}', '{"long-enough-key": ""}', '{"long-enough-key": 3}'],
+)
+def test_bad_key_files(tmp_path, content: str) -> None:
+    f = tmp_path / "k.json"
+    f.write_text(content)
+    with pytest.raises(ValueError):
+        load_api_keys(f)
+
+
+def test_missing_key_file(tmp_path) -> None:
+    with pytest.raises(ValueError, match="cannot read"):
+        load_api_keys(tmp_path / "absent.json")
+
+
+def test_metrics_registries_are_per_app() -> None:
+    class Stats:
+        prefix_cache_query_tokens = 100
+        prefix_cache_hit_tokens = 75
+        prefix_cache_hit_rate = 0.75
+        kv_pages_used = 3
+        kv_pages_total = 10
+        num_running = 2
+        num_waiting = 1
+        evicted_pages = 4
+
+    m1, m2 = ServerMetrics(lambda: Stats()), ServerMetrics(None)
+    m1.observe_finished(
+        finish_reason="stop",
+        prompt_tokens=10,
+        cached_tokens=8,
+        completion_tokens=5,
+        ttft=0.1,
+        latency=0.5,
+    )
+    t1, t2 = m1.render().decode(), m2.render().decode()
+    assert 'radixkv_requests_total{finish_reason="stop"} 1.0' in t1
+    assert "radixkv_prefix_cache_hit_rate 0.75" in t1
+    assert "radixkv_prefix_cache_hits_tokens_total 75.0" in t1
+    assert "radixkv_kv_pages_total 10.0" in t1 and "radixkv_num_requests_waiting 1.0" in t1
+    assert "radixkv_time_per_output_token_seconds_count 1.0" in t1
+    assert 'finish_reason="stop"' not in t2 and "hit_rate" not in t2
+
+    def broken() -> object:
+        raise RuntimeError("boom")
+
+    assert b"radixkv_prompt_tokens_total" in ServerMetrics(broken).render()  # scrape survives
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_queue": 0},
+        {"max_body_bytes": 10},
+        {"default_max_tokens": 0},
+        {"model_name": ""},
+        {"kv_events_replay": "tcp://127.0.0.1:1"},
+    ],
+)
+def test_config_validation(kw: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        ServerConfig(**kw)  # type: ignore[arg-type]
