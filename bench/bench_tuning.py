@@ -144,7 +144,6 @@ def bench_page(trace: list[tuple[list[int], list[int]]]) -> list[dict[str, Any]]
 def bench_chunk(quick: bool) -> list[dict[str, Any]]:
     """Engine: one long prompt + short requests, arriving together, per chunked_prefill_size."""
     from radixkv.engine.engine import Engine
-
     from radixkv.engine.params import SamplingParams
 
     rng = random.Random(1)

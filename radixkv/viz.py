@@ -179,9 +179,11 @@ def _label(
     max_pages_shown: int,
     token_text: Callable[[Sequence[int]], str] | None,
 ) -> str:
-    if is_root:
+    if is_root or int(node.num_tokens) == 0:
+        # the root, or a per-namespace root (no tokens, no pages)
         ns = node.namespace
-        return "root" if ns is None else f"root\nns={ns!r}"
+        name = "root" if is_root else "namespace"
+        return name if ns is None else f"{name}\n{ns!r}"
     toks = list(node.tokens)
     if token_text is not None:
         text = token_text(toks)
@@ -255,7 +257,8 @@ def draw_tree(
         fig = ax.get_figure()
         assert fig is not None
 
-    times = [int(n.last_access) for n in nodes]
+    structural = {i for i, n in enumerate(nodes) if i in root_set or int(n.num_tokens) == 0}
+    times = [int(n.last_access) for i, n in enumerate(nodes) if i not in structural]
     t_lo, t_hi = min(times, default=0), max(times, default=0)
     colour_map = colormaps[cmap]
     highlighted = {id(n) for n in highlight}
@@ -271,11 +274,11 @@ def draw_tree(
     for i, n in enumerate(nodes):
         x, lvl = pos[i]
         frac = 0.5 if t_hi == t_lo else (int(n.last_access) - t_lo) / (t_hi - t_lo)
-        face = "white" if i in root_set else colour_map(0.15 + 0.8 * frac)
+        face = "white" if i in structural else colour_map(0.15 + 0.8 * frac)
         # light text on dark fills, dark text on light ones
         r, g, b = face[:3] if not isinstance(face, str) else (1.0, 1.0, 1.0)
         text_colour = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
-        if int(n.lock_ref) > 0 and i not in root_set:
+        if int(n.lock_ref) > 0 and i not in structural:
             edge, lw = "crimson", 3.0
         elif id(n) in highlighted:
             edge, lw = "darkorange", 3.0
@@ -294,7 +297,7 @@ def draw_tree(
             zorder=3,
             bbox={"boxstyle": "round,pad=0.35", "fc": face, "ec": edge, "lw": lw},
         )
-        if id(n) in highlighted and int(n.lock_ref) > 0 and i not in root_set:
+        if id(n) in highlighted and int(n.lock_ref) > 0 and i not in structural:
             # locked and highlighted: keep both cues visible
             ax.plot([x], [-lvl + 0.42], marker="v", color="darkorange", ms=8, zorder=4)
         if id(n) in notes:

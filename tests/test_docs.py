@@ -1,0 +1,111 @@
+"""The docs build strictly, the benchmark report renders, and every notebook executes.
+
+The mkdocs build and the notebooks run in subprocesses: their own libraries' deprecation
+warnings must not trip pytest's warnings-as-errors, and a notebook kernel needs its own process
+anyway. Notebooks are executed on a copy; the committed files (with their outputs) are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "docs" / "notebooks"
+# Every notebook the docs link to; a missing or extra file fails test_notebook_list.
+NOTEBOOKS: list[str] = ["01_radix_tree.ipynb"]
+
+sys.path.insert(0, str(ROOT / "bench"))
+import make_report  # noqa: E402
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # the kernel spec may launch "python" from PATH: make it this interpreter
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+    env["MPLBACKEND"] = "Agg"
+    env["TQDM_DISABLE"] = "1"
+    return env
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the API reference was generated from docstrings, not left as a bare ::: directive
+    api = (site / "api" / "viz" / "index.html").read_text(encoding="utf-8")
+    assert "draw_tree" in api and ":::" not in api
+    assert (site / "concepts" / "index.html").exists()
+
+
+def test_make_report_renders_results(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [
+        {"policy": pol, "pool_fraction": f, "pool_pages": int(1000 * f), "hit_rate": h,
+         "ideal_hit_rate": 0.8}
+        for pol, f, h in [("lru", 0.1, 0.3), ("lru", 1.0, 0.8), ("lfu", 0.1, 0.5), ("lfu", 1.0, 0.8)]
+    ]  # fmt: skip
+    (results / "bench_tuning.json").write_text(
+        json.dumps({"machine": "test box", "date": "2030-01-02", "pool_policy": rows})
+    )
+    (results / "zz_custom.json").write_text(json.dumps({"x": 1.5, "nested": {"a": {"b": 2}}}))
+    out = tmp_path / "docs" / "benchmarks.md"
+    text = make_report.build_report(results, out, tmp_path / "docs" / "img")
+    assert out.read_text() == text
+    assert "*Machine:* test box" in text and "*Date:* 2030-01-02" in text
+    assert "| lfu | 0.1 | 100 | 0.5 | 0.8 |" in text
+    assert "![" in text and (tmp_path / "docs" / "img" / "bench_tuning.png").stat().st_size > 1000
+    # an unknown file is still rendered, after the known sections, with a fallback date
+    assert text.index("## zz_custom") > text.index("## Tuning")
+    assert "(file time)" in text
+    # a known file whose data does not fit its plot is rendered without a plot
+    (results / "bench_cascade.json").write_text(json.dumps({"rows": [{"unexpected": 1}]}))
+    text = make_report.build_report(results, out, tmp_path / "docs" / "img")
+    assert "## Cascade attention" in text and "bench_cascade.png" not in text
+
+
+def test_notebook_list() -> None:
+    found = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
+    assert found == sorted(NOTEBOOKS)
+
+
+_RUNNER = """
+import sys, nbformat
+from nbclient import NotebookClient
+nb = nbformat.read(sys.argv[1], as_version=4)
+NotebookClient(nb, kernel_name="python3", timeout=240,
+               resources={"metadata": {"path": sys.argv[2]}}).execute()
+errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+          if o.get("output_type") == "error"]
+assert not errors, errors
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_executes(name: str) -> None:
+    path = NOTEBOOK_DIR / name
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(path), str(ROOT)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    # committed notebooks carry their outputs, so the docs show results without running them
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(c.get("outputs") is not None for c in code)
+    assert any(c.get("outputs") for c in code), f"{name} was committed without outputs"
+    print(f"{name}: {time.monotonic() - t0:.1f}s")

@@ -1,0 +1,166 @@
+"""radixkv.viz: the table, the layout and the matplotlib drawing of a real RadixCache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from radixkv.cache.page_pool import PagePool
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.viz import draw_tree, layout_tree, node_table, save_tree
+
+PS = 4
+
+
+def _serve(cache: RadixCache, tokens: list[int], namespace: object = None) -> None:
+    """match -> lock -> alloc -> insert -> unlock, as the engine does."""
+    m = cache.match_prefix(tokens, namespace=namespace)
+    cache.lock(m.node)
+    n_full = len(tokens) // PS
+    pages = m.pages + cache.alloc(n_full - len(m.pages))
+    cache.insert(tokens[: n_full * PS], pages, namespace=namespace)
+    cache.unlock(m.node)
+
+
+@pytest.fixture
+def cache() -> RadixCache:
+    c = RadixCache(PagePool(64), page_size=PS)
+    sys_prompt = list(range(100, 112))  # 3 pages shared by everyone
+    _serve(c, [*sys_prompt, 1, 2, 3, 4, 5, 6, 7, 8])
+    _serve(c, [*sys_prompt, 9, 9, 9, 9])
+    _serve(c, [*sys_prompt, 1, 2, 3, 4, 7, 7, 7, 7])  # splits the first leaf after one page
+    _serve(c, [50] * 8, namespace="t2")
+    c.check_invariants()
+    return c
+
+
+def _labels(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].texts]
+
+
+def test_node_table_matches_the_trie(cache: RadixCache) -> None:
+    rows = node_table(cache)
+    nodes = list(cache.iter_nodes())
+    assert len(rows) == len(nodes) == cache.num_nodes
+    assert rows[0].parent is None and rows[0].level == 0 and rows[0].num_tokens == 0
+    assert sum(len(r.pages) for r in rows) == cache.num_cached_pages
+    for r, n in zip(rows, nodes):
+        assert r.pages == tuple(n.pages) and r.lock_ref == n.lock_ref
+        assert r.hit_count == n.hit_count and r.namespace == n.namespace
+        if r.parent is not None:
+            parent = rows[r.parent]
+            assert nodes[r.parent] is n.parent
+            assert r.level == parent.level + 1
+            assert r.depth_tokens == parent.depth_tokens + r.num_tokens
+    # the shared system prompt: one node of 3 pages with two children below it
+    shared = [r for r in rows if r.num_tokens == 12]
+    assert len(shared) == 1
+    assert sum(1 for r in rows if r.parent == shared[0].index) == 2
+
+
+def test_layout_is_tidy(cache: RadixCache) -> None:
+    pos = layout_tree(cache)
+    rows = node_table(cache)
+    assert set(pos) == {r.index for r in rows}
+    kids: dict[int, list[int]] = {}
+    for r in rows:
+        assert pos[r.index][1] == r.level
+        if r.parent is not None:
+            kids.setdefault(r.parent, []).append(r.index)
+    leaves = [r.index for r in rows if r.index not in kids]
+    xs = sorted(pos[i][0] for i in leaves)
+    assert xs == [float(i) for i in range(len(leaves))]  # leaves on distinct columns
+    for parent, children in kids.items():
+        cx = [pos[c][0] for c in children]
+        assert min(cx) <= pos[parent][0] <= max(cx)
+
+
+def test_layout_of_a_deep_chain_does_not_recurse() -> None:
+    c = RadixCache(PagePool(1200), page_size=1)
+    toks: list[int] = []
+    for i in range(1100):  # each insert extends the last: a chain deeper than the recursion limit
+        toks.append(i)
+        m = c.match_prefix(toks)
+        c.insert(toks, m.pages + c.alloc(1))
+    pos = layout_tree(c)
+    assert max(lvl for _, lvl in pos.values()) == 1100
+
+
+def test_draw_tree_labels_locks_and_recency(cache: RadixCache) -> None:
+    m = cache.match_prefix([*list(range(100, 112)), 9, 9, 9, 9, 0])
+    cache.lock(m.node)
+    before = cache.stats
+    fig = draw_tree(cache, title="t", highlight=[m.node], annotations={m.node: "branch X"})
+    assert cache.stats == before  # drawing mutates nothing
+    cache.check_invariants()
+
+    labels = _labels(fig)
+    assert "branch X" in labels
+    assert any(lbl.startswith("root") for lbl in labels)
+    assert any("namespace" in lbl and "'t2'" in lbl for lbl in labels)
+    texts = {t.get_text(): t for t in fig.axes[0].texts}
+    # the locked leaf and its locked parent have a red border; unlocked nodes do not
+    for n in cache.iter_nodes():
+        if n.num_tokens == 0:
+            continue
+        label = next(lbl for lbl in labels if f"hits {n.hit_count} · lock {n.lock_ref}" in lbl
+                     and f"{n.num_tokens} tok" in lbl and str(n.pages[0]) in lbl)  # fmt: skip
+        edge = texts[label].get_bbox_patch().get_edgecolor()
+        is_red = edge[0] > 0.8 and edge[1] < 0.2
+        assert is_red == (n.lock_ref > 0), (label, edge)
+    # recency: the most recently used node is drawn in the brightest colour of the map
+    newest = max((n for n in cache.iter_nodes() if n.num_tokens), key=lambda n: n.last_access)
+    lbl = next(t for t in labels if f"pages {newest.pages[0]}" in t)
+    from matplotlib import colormaps
+
+    face = texts[lbl].get_bbox_patch().get_facecolor()
+    assert tuple(round(x, 3) for x in face) == tuple(
+        round(x, 3) for x in colormaps["viridis"](0.95)
+    )
+    cache.unlock(m.node)
+
+
+def test_token_text_and_elision() -> None:
+    c = RadixCache(PagePool(8), page_size=PS)
+    _serve(c, list(range(16)))
+    fig = draw_tree(c, token_text=lambda ids: "w" * 40, max_pages_shown=2)
+    node_label = next(t for t in _labels(fig) if "tok" in t)
+    assert node_label.startswith("'" + "w" * 17 + "…'")
+    assert "pages 0,1,+2" in node_label
+    fig = draw_tree(c, max_tokens_shown=3)
+    assert any(t.startswith("[0,1,2,+13]") for t in _labels(fig))
+
+
+def test_empty_cache_and_given_axes() -> None:
+    from matplotlib.figure import Figure
+
+    c = RadixCache(PagePool(4), page_size=PS)
+    fig = draw_tree(c)
+    assert _labels(fig) == ["root"]
+    outer = Figure()
+    ax = outer.add_subplot()
+    assert draw_tree(c, ax=ax) is outer
+
+
+def test_save_tree_writes_files(cache: RadixCache, tmp_path: Path) -> None:
+    png, svg = tmp_path / "t.png", tmp_path / "t.svg"
+    save_tree(cache, str(png), title="x")
+    save_tree(cache, str(svg))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in svg.read_bytes()[:500]
+
+
+def test_no_pyplot_and_lazy_matplotlib() -> None:
+    code = (
+        "import sys, radixkv.viz as v\n"
+        "assert 'matplotlib' not in sys.modules, 'imported eagerly'\n"
+        "from radixkv import PagePool, RadixCache\n"
+        "v.draw_tree(RadixCache(PagePool(2), page_size=1)).savefig('/dev/null', format='png')\n"
+        "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
