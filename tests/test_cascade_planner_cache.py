@@ -1,0 +1,99 @@
+"""The cascade planner on real RadixCache trees: requests lock matched nodes, the trie splits
+under them as other branches are inserted, and the plan stays exact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from cascade_helpers import random_kv, reference_decode
+
+from radixkv.attention.cascade import cascade_attention
+from radixkv.cache.page_pool import PagePool
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
+
+
+class Running:
+    """A decoding request as the engine holds it: a locked node plus private pages."""
+
+    def __init__(self, cache: RadixCache, tokens: list[int], extra: int) -> None:
+        m = cache.match_prefix(tokens)
+        cache.lock(m.node)
+        self.node = m.node
+        self.shared = list(m.pages)
+        ps = cache.page_size
+        self.seq_len = m.num_tokens + extra
+        n_private = -(-self.seq_len // ps) - len(self.shared)
+        self.private = cache.alloc(n_private)
+
+    def entry(self, cache: RadixCache) -> DecodeEntry:
+        shared = cache.path_pages(self.node)
+        assert shared == self.shared  # splits never change a locked path's pages
+        return DecodeEntry(self.node, shared + self.private, self.seq_len, len(shared))
+
+
+def _insert(cache: RadixCache, tokens: list[int]) -> None:
+    ps = cache.page_size
+    n = len(tokens) // ps
+    m = cache.match_prefix(tokens)
+    fresh = cache.alloc(n - len(m.pages))
+    r = cache.insert(tokens[: n * ps], list(m.pages) + fresh)
+    del r
+
+
+def _exact(cache: RadixCache, running: list[Running], planner: CascadePlanner):
+    entries = [r.entry(cache) for r in running]
+    dec = planner.plan(entries)
+    ps = cache.page_size
+    k, v = random_kv(cache.pool.num_pages, ps, 2, 16, seed=len(entries))
+    q = torch.randn(len(entries), 4, 16, generator=torch.Generator().manual_seed(0))
+    tables = [entries[i].page_table for i in dec.order]
+    lens = [entries[i].seq_len for i in dec.order]
+    out = cascade_attention(q, k, v, dec.plan)
+    ref = reference_decode(q, k, v, tables, lens)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+    return dec
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tree_of_thought_branches_share_the_prompt(page_size: int) -> None:
+    cache = RadixCache(PagePool(2000), page_size=page_size)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000) for _ in range(8 * 16)]
+    _insert(cache, prompt)
+    running = [Running(cache, [*prompt, 5000 + b], 3 + b) for b in range(5)]
+    dec = _exact(cache, running, CascadePlanner(page_size, mode="on", validate=True))
+    assert dec.use_cascade and dec.num_levels == 2
+    assert dec.kv_tokens_cascade == 128 + sum(3 + b for b in range(5))
+    cache.check_invariants()
+
+
+def test_nested_branches_after_splits_under_locked_nodes() -> None:
+    ps = 4
+    cache = RadixCache(PagePool(2000), page_size=ps)
+    rng = random.Random(1)
+    trunk = [rng.randrange(1000) for _ in range(32)]
+    a = [*trunk, *[rng.randrange(1000) for _ in range(16)]]
+    _insert(cache, a)
+    r_a = [Running(cache, [*a, 1], 2), Running(cache, [*a, 2], 5)]
+    # a second branch diverging mid-way through the locked node splits it under r_a
+    b = [*trunk, *[rng.randrange(1000) for _ in range(12)]]
+    _insert(cache, b)
+    r_b = [Running(cache, [*b, 3], 1), Running(cache, [*b, 4], 4), Running(cache, [*b, 5], 7)]
+    # deeper sharing under a: a1 extends a
+    a1 = [*a, *[rng.randrange(1000) for _ in range(8)]]
+    _insert(cache, a1)
+    r_a1 = [Running(cache, [*a1, 6], 3), Running(cache, [*a1, 7], 2)]
+    lone = Running(cache, [rng.randrange(1000) for _ in range(9)], 9)  # nothing cached
+    running = [r_b[0], r_a1[0], lone, r_a[0], r_b[1], r_a1[1], r_a[1], r_b[2]]
+    dec = _exact(cache, running, CascadePlanner(ps, mode="on", validate=True))
+    # trunk (shared by 7) / a (4), b (3) / a1 (2) / own
+    assert dec.num_levels == 4
+    assert dec.num_shared_segments == 4
+    shared = 32 + 16 + 12 + 8
+    assert dec.kv_tokens_cascade == shared + sum(r.seq_len - len(r.shared) * ps for r in running)
+    for r in running:
+        cache.unlock(r.node)
+    cache.check_invariants()
