@@ -199,6 +199,7 @@ class ServerState:
         namespace = principal.namespace(req.cache_salt)
         sub = Submission(self.engine, prompts, params, namespace=namespace, request_id=rid)
         released = False
+        handed_off = False  # True once an SSEResponse owns the release
 
         async def release() -> None:
             nonlocal released
@@ -220,7 +221,7 @@ class ServerState:
                 response: Response = SSEResponse(
                     body, headers=R.cache_headers(sub, rid), cleanup=release
                 )
-                released = True  # the response owns the submission from here on
+                handed_off = True  # the response owns the submission from here on
                 return response
             err = await _until(sub.wait_finished(), request.receive)
             if err is not None:
@@ -236,7 +237,7 @@ class ServerState:
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         finally:
-            if not released:
+            if not handed_off:
                 await release()
 
     async def _stream(

@@ -1,0 +1,59 @@
+"""Shared helpers for the server tests: a live server on 127.0.0.1 and calls into its loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from radixkv.engine.async_engine import AsyncEngine
+from radixkv.server.app import ServerState, build_app
+from radixkv.server.config import ServerConfig
+from radixkv.server.runner import BackgroundServer
+
+MODEL = "radixkv-tiny"
+
+
+@contextmanager
+def live_server(
+    config: ServerConfig | None = None, **engine_kwargs: Any
+) -> Iterator[tuple[BackgroundServer, ServerState]]:
+    """A radixkv-tiny server on a free loopback port; its engine is shut down with it."""
+    engine = AsyncEngine(MODEL, **{"num_pages": 2048, **engine_kwargs})
+    app = build_app(engine, config or ServerConfig(), owns_engine=True)
+    with BackgroundServer(app) as srv:
+        yield srv, app.state.radixkv
+
+
+def in_loop(st: ServerState, fn: Callable[[], Awaitable[Any]], timeout: float = 30) -> Any:
+    """Run ``fn()`` in the server's event loop (where the AsyncEngine lives) and wait for it."""
+    assert st.loop is not None
+
+    async def call() -> Any:
+        return await fn()
+
+    return asyncio.run_coroutine_threadsafe(call(), st.loop).result(timeout)
+
+
+def wait_drained(st: ServerState, timeout: float = 20) -> Any:
+    """Until the server and its engine hold no request; returns the final engine stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = in_loop(st, st.engine.stats)
+        if st.in_flight == 0 and stats.num_running == 0 and stats.num_waiting == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not drained: in_flight={st.in_flight} stats={stats}")
+        time.sleep(0.02)
+
+
+def assert_clean(st: ServerState) -> None:
+    """Engine invariants hold, every lock count is zero and no private page remains."""
+    wait_drained(st)
+    in_loop(st, st.engine.check_invariants)
+    core = st.engine.engine
+    for node in core.cache.iter_nodes():
+        assert node.lock_ref == 0 or node.parent is None, f"lock_ref {node.lock_ref} after drain"
+    assert core.pool.num_free + core.cache.num_cached_pages == core.pool.num_pages
