@@ -1,0 +1,204 @@
+"""Model-level benchmarks of the paged KV runner on radixkv-tiny (CPU by default).
+
+1. Prefill of T=4096 tokens whose first P tokens are already cached (P in 0, 1024, 2048, 3968),
+   against a prefill of the T-P uncached tokens alone. Target: ratio <= 1.2.
+2. One decode step, batch 32, context 2048: paged torch backend against the same model with
+   contiguous (unpaged) per-sequence KV and SDPA. Target: ratio <= 1.5.
+
+Prints a table and writes bench/results/bench_model.json. Usage:
+    python bench/bench_model.py [--device cpu] [--repeats 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.kv.kv_pool import KVPool
+from radixkv.model.loader import load_model
+from radixkv.model.runner import ModelRunner, SeqInput
+
+RESULTS = Path(__file__).parent / "results" / "bench_model.json"
+
+
+def _time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def bench_prefill(runner: ModelRunner, repeats: int, total: int, prefixes: list[int]) -> list[dict]:
+    ps = runner.kv_pool.page_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (total,), generator=gen).tolist()
+    n_pages = (total + ps - 1) // ps
+    cached_pages = list(range(n_pages))
+    alone_pages = list(range(n_pages, 2 * n_pages))
+    rows = []
+    for p in prefixes:
+        if p:
+            runner.forward([SeqInput(ids[:p], cached_pages, 0)])  # the prefix is now in the pool
+        t_cached = _time(
+            lambda p=p: runner.forward([SeqInput(ids[p:], cached_pages, p)]),
+            repeats,
+            runner.device,
+        )
+        t_alone = _time(
+            lambda p=p: runner.forward([SeqInput(ids[p:], alone_pages, 0)]),
+            repeats,
+            runner.device,
+        )
+        rows.append(
+            {
+                "T": total,
+                "P": p,
+                "cached_prefix_ms": 1e3 * t_cached,
+                "uncached_alone_ms": 1e3 * t_alone,
+                "ratio": t_cached / t_alone,
+                "target": 1.2,
+            }
+        )
+    return rows
+
+
+class ContiguousSDPA(AttentionBackend):
+    """Baseline for the decode benchmark: per-sequence contiguous KV ``[B, Hkv, L, D]``, SDPA.
+
+    Only supports what the benchmark does: every sequence decodes one token at the same position.
+    """
+
+    name = "contiguous"
+
+    def __init__(self, pool: KVPool, hq: int, hkv: int, d: int, batch: int, max_len: int) -> None:
+        super().__init__(pool, hq, hkv, d)
+        shape = (pool.num_layers, batch, hkv, max_len, d)
+        self.k = torch.randn(shape, dtype=pool.dtype, device=pool.device)
+        self.v = torch.randn(shape, dtype=pool.dtype, device=pool.device)
+        self.pos = 0
+
+    def plan(self, layout: BatchLayout) -> None:
+        self.pos = layout.num_past[0]
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        kc, vc = self.k[layer], self.v[layer]
+        kc[:, :, self.pos] = k
+        vc[:, :, self.pos] = v
+        length = self.pos + 1
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kc[:, :, :length], vc[:, :, :length], scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+
+def bench_decode(lm, device: torch.device, repeats: int, batch: int, context: int) -> dict:  # type: ignore[no-untyped-def]
+    c = lm.config
+    ps = 16
+    per_seq = (context + ps - 1) // ps
+    kv = KVPool(
+        c.num_layers, batch * per_seq, ps, c.num_kv_heads, c.head_dim, lm.model.dtype, device
+    )
+    kv.k.normal_()
+    kv.v.normal_()
+    runner = ModelRunner(lm.model, kv, backend="torch")
+    gen = torch.Generator().manual_seed(1)
+    # scattered pages, as after a while of allocation and eviction
+    perm = torch.randperm(batch * per_seq, generator=gen).tolist()
+    seqs = [
+        SeqInput([i % 200], perm[i * per_seq : (i + 1) * per_seq], context - 1)
+        for i in range(batch)
+    ]
+    t_paged = _time(lambda: runner.forward(seqs), repeats, device)
+
+    base = ContiguousSDPA(kv, c.num_heads, c.num_kv_heads, c.head_dim, batch, context)
+    ids = torch.tensor([i % 200 for i in range(batch)], device=device)
+    pos = torch.full((batch,), context - 1, device=device)
+    idx = torch.arange(batch, device=device)
+    layout = BatchLayout.build([s.page_table for s in seqs], [context - 1] * batch, [1] * batch)
+
+    @torch.inference_mode()
+    def contiguous_step() -> torch.Tensor:
+        base.plan(layout)
+        return lm.model(ids, pos, base, idx, max_position=context - 1)
+
+    t_contig = _time(contiguous_step, repeats, device)
+    return {
+        "batch": batch,
+        "context": context,
+        "page_size": ps,
+        "paged_torch_ms": 1e3 * t_paged,
+        "contiguous_sdpa_ms": 1e3 * t_contig,
+        "ratio": t_paged / t_contig,
+        "target": 1.5,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    lm = load_model("radixkv-tiny", device=device)
+    c = lm.config
+    total = 1024 if args.quick else 4096
+    prefixes = [0, 256, 512, 992] if args.quick else [0, 1024, 2048, 3968]
+    kv = KVPool(c.num_layers, 2 * total // 16 + 2, 16, c.num_kv_heads, c.head_dim, c.dtype, device)
+    runner = ModelRunner(lm.model, kv, backend="torch")
+    prefill_rows = bench_prefill(runner, args.repeats, total, prefixes)
+    batch, context = (8, 512) if args.quick else (32, 2048)
+    decode = bench_decode(lm, device, max(args.repeats, 10), batch, context)
+
+    print(
+        f"radixkv-tiny on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}"
+    )
+    print("\nprefill with a cached prefix vs the uncached tokens alone")
+    print(f"{'T':>6} {'P':>6} {'cached ms':>10} {'alone ms':>10} {'ratio':>7} {'target':>7}")
+    for r in prefill_rows:
+        print(
+            f"{r['T']:>6} {r['P']:>6} {r['cached_prefix_ms']:>10.1f} "
+            f"{r['uncached_alone_ms']:>10.1f} {r['ratio']:>7.2f} {'<=1.2':>7}"
+        )
+    print(f"\ndecode step, batch {decode['batch']}, context {decode['context']}")
+    print(f"{'paged torch ms':>15} {'contiguous ms':>14} {'ratio':>7} {'target':>7}")
+    print(
+        f"{decode['paged_torch_ms']:>15.2f} {decode['contiguous_sdpa_ms']:>14.2f} "
+        f"{decode['ratio']:>7.2f} {'<=1.5':>7}"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "model": lm.name,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "quick": args.quick,
+        "prefill_cached_prefix": prefill_rows,
+        "decode": decode,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
