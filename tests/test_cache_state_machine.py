@@ -261,7 +261,7 @@ class ConstantHashCacheMachine(CacheMachine):
 
 
 # Scaled from the loaded profile: about 25 s per machine under "ci", far more under "fuzz".
-_steps = settings(max_examples=settings.default.max_examples * 12, stateful_step_count=50)
+_steps = settings(max_examples=settings.default.max_examples * 10, stateful_step_count=50)
 CacheMachine.TestCase.settings = _steps
 ConstantHashCacheMachine.TestCase.settings = _steps
 TestCacheStateMachine = CacheMachine.TestCase

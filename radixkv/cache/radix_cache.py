@@ -42,7 +42,7 @@ from radixkv.cache.hashing import (
 from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.stats import CacheStats
-from radixkv.cache.tokens import TOKEN_BYTES, key_to_list, to_token_bytes
+from radixkv.cache.tokens import TOKEN_BYTES, check_range, encode_tokens, key_to_list
 
 _SHIFT = 3  # log2(TOKEN_BYTES)
 
@@ -174,14 +174,18 @@ class RadixCache:
         Refreshes access time and hit counts along the matched path, and splits the last
         node when the match ends inside it (so the returned node ends exactly at the match).
         """
-        qb = to_token_bytes(tokens)
-        self._match_queries += 1
-        self._query_tokens += len(qb) >> _SHIFT
+        qb = encode_tokens(tokens)
         start = self.root if namespace is None else self._ns_roots.get(namespace)
         limit = len(qb) - len(qb) % self._pb
         if start is None or limit == 0:
-            return MatchResult(self.root, [], 0)
-        path, off, partial = self._walk(start, qb, limit)
+            check_range(qb)
+            path, off, partial = [], 0, None
+        else:
+            path, off, partial = self._walk(start, qb, limit)
+            # The matched part equals stored (validated) keys: only the rest needs checking.
+            check_range(qb, off + (partial[1] * self._pb if partial else 0))
+        self._match_queries += 1
+        self._query_tokens += len(qb) >> _SHIFT
         if partial is not None:
             child, m = partial
             path.append(self._split(child, m))
@@ -240,11 +244,12 @@ class RadixCache:
         ``len(tokens) == len(pages) * page_size`` is required. Each passed page must either
         be the page already cached for its tokens, or be HELD by the caller (from ``alloc``).
         """
-        qb = to_token_bytes(tokens)
+        qb = encode_tokens(tokens)
         if type(pages) is not list:
             pages = list(pages)
         pb = self._pb
         if len(qb) != len(pages) * pb:
+            check_range(qb)  # a bad token id is the more useful error
             raise ValueError(
                 f"insert needs len(tokens) == len(pages) * page_size: got {len(qb) >> _SHIFT} "
                 f"tokens and {len(pages)} pages with page_size {self.page_size}"
@@ -262,6 +267,7 @@ class RadixCache:
         if partial is not None:
             canon += partial[0]._pages[: partial[1]]
         ncached = len(canon)
+        check_range(qb, ncached * pb)  # the cached part equals stored, validated keys
         head = pages[:ncached]
         dups = [] if head == canon else [p for p, q in zip(head, canon) if p != q]
         checked = self.pool._check_held(dups + pages[ncached:])  # raises: nothing changed yet

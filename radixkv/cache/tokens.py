@@ -51,23 +51,34 @@ def to_token_bytes(tokens: Any, what: str = "tokens") -> bytes:
     Raises TypeError for non-integer input and ValueError for negative ids, ids >= 2**32 or
     input that is not one-dimensional. The input is never mutated.
     """
+    key = encode_tokens(tokens, what)
+    check_range(key, 0, what)
+    return key
+
+
+def check_range(key: bytes, start: int = 0, what: str = "tokens") -> None:
+    """ValueError unless every token of ``key[start:]`` (a byte offset) is in [0, 2**32)."""
+    # One vectorised pass: negative ids wrap to huge uint64 values.
+    if len(key) > start and np.frombuffer(key, np.uint64, offset=start).max() >= _LIMIT:
+        _from_numpy(np.frombuffer(key, np.int64, offset=start), what)  # raises
+
+
+def encode_tokens(tokens: Any, what: str = "tokens") -> bytes:
+    """The key encoding of ``tokens`` with types and shape checked but, for ``array('q')``,
+    lists and tuples, the id *range* not yet checked: callers must ``check_range`` every part
+    they do not prove valid otherwise (the cache skips the part that equals a stored key,
+    which was validated when it was inserted)."""
     if type(tokens) is array and tokens.typecode == "q":
-        # One vectorised range check: negatives wrap to huge uint64 values.
-        if len(tokens) and np.frombuffer(tokens, np.uint64).max() >= _LIMIT:
-            return _from_numpy(np.frombuffer(tokens, np.int64), what)  # raises
         return tokens.tobytes()
     if isinstance(tokens, list | tuple):
         if not tokens:
             return b""
         try:
-            packed = array("q", tokens)
+            return array("q", tokens).tobytes()
         except TypeError as e:
             raise TypeError(f"{what} must be a flat sequence of ints: {e}") from None
         except OverflowError as e:
             raise ValueError(f"{what} must be < 2**32: {e}") from None
-        if np.frombuffer(packed, np.uint64).max() >= _LIMIT:
-            return _from_numpy(np.frombuffer(packed, np.int64), what)  # raises
-        return packed.tobytes()
     if isinstance(tokens, str | bytes | bytearray | memoryview):
         raise TypeError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
@@ -79,7 +90,7 @@ def to_token_bytes(tokens: Any, what: str = "tokens") -> bytes:
             raise TypeError(f"{what} must be an integer tensor, got {tokens.dtype}")
         return _from_numpy(tokens.detach().cpu().numpy(), what)
     if isinstance(tokens, array):
-        if tokens.typecode in "fdu" or (tokens.typecode == "w"):
+        if tokens.typecode in "fduw":
             raise TypeError(f"{what} must be integer token ids, got array('{tokens.typecode}')")
         return _from_numpy(np.asarray(tokens), what)
     try:

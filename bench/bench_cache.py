@@ -1,0 +1,271 @@
+"""Benchmark of the radix prefix cache on SGLang's generated-shared-prefix workload.
+
+64 groups x 16 prompts (1,024 requests, shuffled); each group shares a 2,048-token system
+prompt, each request adds a 128-token question and, when it finishes, 256 output tokens.
+Vocabulary 150,000. Each request runs the engine's flow: match the prompt, lock the match,
+alloc pages for the uncached rest, insert prompt + output (whole pages) on finish, unlock.
+Then half of the cache is evicted. Measured per page size (1, 16, 64): mean and p99 of
+match, insert, lock+unlock and eviction (per page), the hit rate (ideal 0.882), and bytes of
+trie metadata per cached token (tracemalloc over a replay of the same inserts).
+
+    python bench/bench_cache.py            # full run, writes bench/results/bench_cache.json
+    python bench/bench_cache.py --quick    # small smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import tracemalloc
+from array import array
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixkv.cache import PagePool, RadixCache
+
+TARGETS_PS16 = {
+    "match_us": 8.0,
+    "insert_us": 25.0,
+    "evict_us_per_page": 1.0,
+    "bytes_per_token": 16.0,
+}
+
+
+def make_workload(
+    groups: int, prompts: int, sys_len: int, q_len: int, out_len: int, vocab: int, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prompt, output) token arrays per request, shuffled."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for _ in range(groups):
+        system = rng.integers(0, vocab, sys_len, dtype=np.int64)
+        for _ in range(prompts):
+            q = rng.integers(0, vocab, q_len, dtype=np.int64)
+            out = rng.integers(0, vocab, out_len, dtype=np.int64)
+            reqs.append((np.concatenate([system, q]), out))
+    order = rng.permutation(len(reqs))
+    return [reqs[i] for i in order]
+
+
+def as_container(a: np.ndarray, kind: str) -> Any:
+    if kind == "array":
+        out = array("q")
+        out.frombytes(a.tobytes())
+        return out
+    return a.tolist()
+
+
+def stats_us(ns: list[int], per: list[int] | None = None) -> dict[str, float]:
+    v = np.asarray(ns, dtype=np.float64) / 1e3
+    if per is not None:
+        v = v / np.maximum(np.asarray(per, dtype=np.float64), 1)
+    if v.size == 0:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan"), "n": 0}
+    return {
+        "mean": float(v.mean()),
+        "p50": float(np.percentile(v, 50)),
+        "p99": float(np.percentile(v, 99)),
+        "n": int(v.size),
+    }
+
+
+def run_one(reqs: list[tuple[Any, Any]], page_size: int, kind: str) -> dict[str, Any]:
+    """Replay the request flow once, timing every cache call."""
+    total_tokens = sum(len(p) + len(o) for p, o in reqs)
+    pool = PagePool(total_tokens // page_size + 1024)  # big enough: nothing evicted mid-run
+    cache = RadixCache(pool, page_size=page_size)
+    prompts = [as_container(p, kind) for p, _ in reqs]
+    fulls = [as_container(np.concatenate([p, o]), kind) for p, o in reqs]
+    t_match: list[int] = []
+    t_insert: list[int] = []
+    t_lock: list[int] = []
+    clock = time.perf_counter_ns
+    gc.collect()
+    for prompt, full in zip(prompts, fulls):
+        t0 = clock()
+        m = cache.match_prefix(prompt)
+        t1 = clock()
+        cache.lock(m.node)
+        t2 = clock()
+        n_whole = len(full) // page_size
+        n_total = -(-len(full) // page_size)  # the request's page table covers every token
+        new = cache.alloc(n_total - len(m.pages))
+        keep = n_whole - len(m.pages)
+        pages = m.pages + new[:keep]
+        tokens = full[: n_whole * page_size]
+        t3 = clock()
+        cache.insert(tokens, pages)
+        t4 = clock()
+        cache.unlock(m.node)
+        t5 = clock()
+        if len(new) > keep:
+            pool.free(new[keep:])  # the partial last page stays private: freed
+        t_match.append(t1 - t0)
+        t_insert.append(t4 - t3)
+        t_lock.append((t2 - t1) + (t5 - t4))
+    st = cache.stats
+    hit_rate = st.hit_rate
+    cache.check_invariants()
+    cached = cache.num_cached_pages
+    # evict half the cache in request-sized chunks (the pages one finished request adds)
+    chunk = max(1, (len(reqs[0][0]) - 2048 + len(reqs[0][1])) // page_size) if reqs else 1
+    target = cached // 2
+    t_evict: list[int] = []
+    n_evict: list[int] = []
+    freed_total = 0
+    while freed_total < target:
+        k = min(chunk, target - freed_total)
+        t0 = clock()
+        freed = cache.evict(k)
+        t1 = clock()
+        t_evict.append(t1 - t0)
+        n_evict.append(freed)
+        freed_total += freed
+        if freed == 0:
+            break
+    cache.check_invariants()
+    return {
+        "match_us": stats_us(t_match),
+        "insert_us": stats_us(t_insert),
+        "lock_unlock_us": stats_us(t_lock),
+        "evict_us_per_page": stats_us(t_evict, n_evict),
+        "evict_chunk_pages": chunk,
+        "evicted_pages": freed_total,
+        "hit_rate": hit_rate,
+        "cached_pages": cached,
+        "cached_tokens": cached * page_size,
+        "num_nodes": st.num_nodes,
+    }
+
+
+def metadata_bytes(reqs: list[tuple[Any, Any]], page_size: int) -> dict[str, float]:
+    """Bytes the trie allocates per cached token (tracemalloc; inputs built beforehand)."""
+    total_tokens = sum(len(p) + len(o) for p, o in reqs)
+    pool = PagePool(total_tokens // page_size + 1024)
+    fulls = [as_container(np.concatenate([p, o]), "array") for p, o in reqs]
+    page_lists = []
+    for full in fulls:
+        n = len(full) // page_size
+        page_lists.append((full[: n * page_size], n))
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    cache = RadixCache(pool, page_size=page_size)
+    for tokens, n in page_lists:
+        m = cache.match_prefix(tokens)
+        new = cache.alloc(n - len(m.pages))
+        cache.insert(tokens, m.pages + new)
+        del m, new
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    cached_tokens = cache.num_cached_pages * page_size
+    return {
+        "trie_bytes": after - before,
+        "cached_tokens": cached_tokens,
+        "bytes_per_token": (after - before) / max(cached_tokens, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small workload, for smoke tests")
+    ap.add_argument("--page-sizes", default="1,16,64")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="replays per setting; the fastest is reported"
+    )
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/bench_cache[_quick].json)"
+    )
+    args = ap.parse_args(argv)
+    groups, prompts = (8, 4) if args.quick else (64, 16)
+    cfg = dict(groups=groups, prompts=prompts, sys_len=2048, q_len=128, out_len=256, vocab=150_000)
+    reqs = make_workload(**cfg, seed=args.seed)
+    ideal = (groups * (prompts - 1) * cfg["sys_len"]) / (
+        groups * prompts * (cfg["sys_len"] + cfg["q_len"])
+    )
+    page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    results: dict[str, Any] = {}
+    rows = []
+    for ps in page_sizes:
+        kinds = ["array", "list"] if ps == 16 else ["array"]
+        for kind in kinds:
+            # Best of N replays: the machine is shared, so the fastest replay is the one
+            # least disturbed by other processes (every replay does identical work).
+            runs = [run_one(reqs, ps, kind) for _ in range(max(1, args.repeat))]
+            r = min(runs, key=lambda x: x["match_us"]["mean"] + x["insert_us"]["mean"])
+            r["replays"] = len(runs)
+            if kind == "array":
+                r["metadata"] = metadata_bytes(reqs, ps)
+            results[f"ps{ps}_{kind}"] = r
+            rows.append((ps, kind, r))
+
+    hdr = (
+        f"{'page':>4} {'input':>5} | {'match mean/p99 us':>18} | {'insert mean/p99 us':>18} | "
+        f"{'lock+unlock us':>15} | {'evict us/page':>14} | {'hit':>5} | {'B/token':>7} | nodes"
+    )
+    print(f"radix cache bench: {groups} groups x {prompts} prompts, ideal hit rate {ideal:.3f}")
+    print(hdr)
+    print("-" * len(hdr))
+    for ps, kind, r in rows:
+        meta = r.get("metadata", {}).get("bytes_per_token")
+        print(
+            f"{ps:>4} {kind:>5} | {r['match_us']['mean']:8.2f} / {r['match_us']['p99']:7.2f} | "
+            f"{r['insert_us']['mean']:8.2f} / {r['insert_us']['p99']:7.2f} | "
+            f"{r['lock_unlock_us']['mean']:6.2f} / {r['lock_unlock_us']['p99']:6.2f} | "
+            f"{r['evict_us_per_page']['mean']:5.3f} / {r['evict_us_per_page']['p99']:6.3f} | "
+            f"{r['hit_rate']:.3f} | {meta if meta is None else f'{meta:7.2f}'} | {r['num_nodes']}"
+        )
+    ref = results.get("ps16_array")
+    verdict = {}
+    if ref is not None:
+        got = {
+            "match_us": ref["match_us"]["mean"],
+            "insert_us": ref["insert_us"]["mean"],
+            "evict_us_per_page": ref["evict_us_per_page"]["mean"],
+            "bytes_per_token": ref["metadata"]["bytes_per_token"],
+        }
+        verdict = {
+            k: {"value": got[k], "target": t, "met": got[k] <= t} for k, t in TARGETS_PS16.items()
+        }
+        print("targets at page_size 16 (array('q') input):")
+        for k, v in verdict.items():
+            print(
+                f"  {k:<18} {v['value']:8.3f}  <= {v['target']:<5}  {'ok' if v['met'] else 'MISSED'}"
+            )
+    out = {
+        "benchmark": "bench_cache",
+        "workload": {
+            **cfg,
+            "requests": groups * prompts,
+            "ideal_hit_rate": ideal,
+            "quick": args.quick,
+        },
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        "results": results,
+        "targets_ps16": verdict,
+    }
+    name = "bench_cache_quick.json" if args.quick else "bench_cache.json"
+    path = Path(args.out) if args.out else Path(__file__).parent / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
