@@ -59,6 +59,9 @@ class InsertResult(NamedTuple):
     num_cached_before: int  # leading tokens that were cached before this insert
 
 
+_tuple_new = tuple.__new__  # builds the NamedTuples without their Python-level __new__
+
+
 def _common_pages(key: bytes, qb: bytes, off: int, limit: int, page_size: int) -> int:
     """Whole pages shared by ``key`` and ``qb[off:limit]`` (vectorised compare)."""
     n = min(len(key), limit - off) >> _SHIFT
@@ -204,7 +207,7 @@ class RadixCache:
             self._index.refresh(last)
         ntok = off >> _SHIFT
         self._hit_tokens += ntok
-        return MatchResult(last, pages, ntok)
+        return _tuple_new(MatchResult, (last, pages, ntok))
 
     def _walk(
         self, node: TreeNode, qb: bytes, limit: int
@@ -314,7 +317,7 @@ class RadixCache:
             self._emit(
                 BlockStored(hashes, parent_hash, key_to_list(leaf.key), self.page_size, namespace)
             )
-        return InsertResult(node, canon, ncached * self.page_size)
+        return _tuple_new(InsertResult, (node, canon, ncached * self.page_size))
 
     # ======================================================================== locking
     def lock(self, node: TreeNode) -> None:
