@@ -108,3 +108,23 @@ def test_cache_module_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("tail_len", [1, 511, 512, 513, 2000])
+@pytest.mark.parametrize("bad", [-1, 2**32, -(2**63)])
+def test_bad_id_after_a_cached_prefix(tail_len: int, bad: int) -> None:
+    """Only the unmatched tail is range-checked; a bad id there still fails cleanly."""
+    cache = make_cache(num_pages=2000, page_size=2)
+    fill(cache, [1, 2, 3, 4])
+    query = array("q", [1, 2, 3, 4, *([7] * (tail_len - 1)), bad])
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"non-negative|2\*\*32"):
+        cache.match_prefix(query)
+    assert snapshot(cache) == before
+    n = len(query) // 2 * 2
+    pages = cache.alloc(n // 2)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"non-negative|2\*\*32"):
+        cache.insert(query[:n] if n == len(query) else query[: n - 2] + query[-2:], pages)
+    assert snapshot(cache) == before
+    cache.check_invariants()

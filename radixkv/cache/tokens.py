@@ -22,6 +22,10 @@ import numpy as np
 TOKEN_BYTES = 8  # bytes per token in a key (native int64)
 MAX_TOKEN_ID = 2**32 - 1
 _LIMIT = np.uint64(2**32)
+# The high 32 bits of every int64 lane, for short runs: a token id is in [0, 2**32) exactly
+# when those bits are zero (negative ids have them all set).
+_SHORT = 4096  # bytes (512 tokens): below this one big-int AND beats a numpy call
+_HIGH_HALVES = int.from_bytes(b"\0\0\0\0\xff\xff\xff\xff" * (_SHORT // 8), "little")
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -58,8 +62,14 @@ def to_token_bytes(tokens: Any, what: str = "tokens") -> bytes:
 
 def check_range(key: bytes, start: int = 0, what: str = "tokens") -> None:
     """ValueError unless every token of ``key[start:]`` (a byte offset) is in [0, 2**32)."""
-    # One vectorised pass: negative ids wrap to huge uint64 values.
-    if len(key) > start and np.frombuffer(key, np.uint64, offset=start).max() >= _LIMIT:
+    n = len(key) - start
+    if n <= 0:
+        return
+    if n <= _SHORT:
+        bad = int.from_bytes(key[start:], "little") & _HIGH_HALVES
+    else:  # one vectorised pass: negative ids wrap to huge uint64 values
+        bad = np.frombuffer(key, np.uint64, offset=start).max() >= _LIMIT
+    if bad:
         _from_numpy(np.frombuffer(key, np.int64, offset=start), what)  # raises
 
 
