@@ -160,3 +160,16 @@ def test_registry_and_plan_errors() -> None:
     backend.plan(BatchLayout.build([[0]], [0], [2]))
     with pytest.raises(ValueError, match="planned 2 tokens"):
         backend.forward(0, torch.zeros(3, HQ, D), torch.zeros(3, HKV, D), torch.zeros(3, HKV, D))
+
+
+def test_backend_used_inside_and_outside_inference_mode() -> None:
+    kv = _random_pool(4, 16, seed=9)
+    backend = get_backend("torch", kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    layout = BatchLayout.build([[0, 1, 2], [5, 6]], [9, 4], [1, 1])
+    q, k = torch.randn(2, HQ, D), torch.randn(2, HKV, D)
+    with torch.inference_mode():
+        backend.plan(layout)
+        first = backend.forward(0, q, k, k)
+    backend.plan(layout)
+    second = backend.forward(0, q, k, k)  # reuses the gather buffer made under inference mode
+    torch.testing.assert_close(first, second)

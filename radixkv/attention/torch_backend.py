@@ -1,10 +1,15 @@
 """Pure-PyTorch paged attention: the CPU default, also correct (if not fastest) on a GPU.
 
-Per step (``plan``): flat write slots for all new tokens; decode sequences (one new token) are
-batched through a padded page index ``[B, max_pages]`` plus a key mask; prefill sequences keep their
-page list and a few query chunks with bottom-right causal masks. Per layer (``forward``): one
-``index_copy_`` writes the new K/V, one ``index_select`` of whole pages gathers each key set into a
-contiguous buffer, and ``scaled_dot_product_attention`` does the maths. No per-token Python loops.
+Per step (``plan``): flat write slots of all new tokens; decode sequences (one new token on a
+non-empty past) are cut into small groups, each with a padded page index ``[g, max_pages]`` and a
+key mask; prefill sequences keep their page list and a few query chunks with bottom-right causal
+masks. Per layer (``forward``): one ``index_copy_`` writes the new K/V, one ``index_select`` of whole
+pages per group gathers its keys into a reused buffer, and ``scaled_dot_product_attention`` does
+the maths. No per-token Python loops.
+
+Why groups and a reused buffer: on a CPU the gather is a memory copy as large as the KV it
+reads. Gathering a few sequences at a time into the same buffer keeps the copy in cache while
+SDPA reads it, and never touches freshly allocated memory (page faults cost more than the copy).
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.attention.paged_ops import gather_pages, token_slots
+from radixkv.attention.paged_ops import token_slots
 from radixkv.kv.kv_pool import KVPool
 
 # Queries of a prefill with cached/past tokens are processed in chunks of this many rows: each
 # chunk attends keys 0 .. its last position, so only a chunk-sized triangle is wasted on masking.
 PREFILL_QUERY_CHUNK = 256
+# Decode sequences are gathered a group at a time; a group's K+V stays under this many bytes
+# (but holds at least one sequence).
+DECODE_GROUP_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -34,11 +42,38 @@ class _Prefill:
 
 
 @dataclass
-class _Decode:
-    token_idx: torch.Tensor | None  # [B] rows of the batch; None when the batch is all decode
-    pages: torch.Tensor  # [B, max_pages] int64 (padded with a valid page)
-    kv_len: int  # max_pages * page_size trimmed to the longest sequence
-    mask: torch.Tensor | None  # [B, 1, 1, kv_len] bool (True = attend); None if no padding
+class _DecodeGroup:
+    rows: torch.Tensor  # [g] rows of these sequences' tokens in the ragged batch
+    first_row: int  # rows are first_row .. first_row+g-1 when contiguous, else -1
+    pages: torch.Tensor  # [g * max_pages] int64, each sequence padded with a valid page
+    num_seqs: int
+    kv_len: int  # keys per sequence after padding, trimmed to the longest sequence
+    mask: torch.Tensor | None  # [g, 1, 1, kv_len] bool (True = attend); None without padding
+
+
+class _GatherBuffer:
+    """Grow-only scratch for gathered pages, reused by every layer and step (never returned)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self._row = pool.page_size * pool.num_kv_heads * pool.head_dim
+        self._buf = torch.empty(0, self._row, dtype=pool.dtype, device=pool.device)
+
+    def gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """``cache [N, ps, H, D]`` pages ``[n]`` -> ``[n, ps*H*D]`` view of the buffer."""
+        n = pages.shape[0]
+        if n > self._buf.shape[0]:
+            # a normal tensor even when first used under inference_mode, so later calls outside
+            # inference mode may still write into it
+            with torch.inference_mode(False):
+                self._buf = torch.empty(
+                    max(n, 2 * self._buf.shape[0]),
+                    self._row,
+                    dtype=cache.dtype,
+                    device=cache.device,
+                )
+        out = self._buf[:n]
+        torch.index_select(cache.view(cache.shape[0], self._row), 0, pages, out=out)
+        return out
 
 
 class TorchAttention(AttentionBackend):
@@ -57,18 +92,19 @@ class TorchAttention(AttentionBackend):
         super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
         self._slots: torch.Tensor | None = None
         self._prefills: list[_Prefill] = []
-        self._decode: _Decode | None = None
+        self._groups: list[_DecodeGroup] = []
         self._num_tokens = 0
+        self._kbuf = _GatherBuffer(kv_pool)
+        self._vbuf = _GatherBuffer(kv_pool)
 
+    # ---- plan --------------------------------------------------------------------------------
     def plan(self, layout: BatchLayout) -> None:
         pool = self.kv_pool
         ps, dev = pool.page_size, pool.device
         layout.validate(ps, pool.num_pages)
         slots: list[torch.Tensor] = []
         prefills: list[_Prefill] = []
-        dec_rows: list[int] = []
-        dec_pages: list[list[int]] = []
-        dec_lens: list[int] = []
+        decodes: list[tuple[int, list[int], int]] = []  # (row, pages, kv_len)
         start = 0
         for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
             total = past + new
@@ -76,16 +112,14 @@ class TorchAttention(AttentionBackend):
             pt_cpu = torch.tensor(pt[:n_pages], dtype=torch.int64)
             slots.append(token_slots(pt_cpu, past, total, ps))
             if new == 1 and past > 0:
-                dec_rows.append(start)
-                dec_pages.append(list(pt[:n_pages]))
-                dec_lens.append(total)
+                decodes.append((start, list(pt[:n_pages]), total))
             else:
                 prefills.append(self._plan_prefill(start, past, new, pt_cpu))
             start += new
         self._num_tokens = start
         self._slots = torch.cat(slots).to(dev, non_blocking=True)
         self._prefills = prefills
-        self._decode = self._plan_decode(dec_rows, dec_pages, dec_lens, start) if dec_rows else None
+        self._groups = self._plan_decode(decodes)
 
     def _plan_prefill(self, start: int, past: int, new: int, pt_cpu: torch.Tensor) -> _Prefill:
         dev = self.kv_pool.device
@@ -102,27 +136,48 @@ class TorchAttention(AttentionBackend):
             chunks.append((a, b, mask))
         return _Prefill(start, start + new, past, pt_cpu.to(dev), chunks)
 
-    def _plan_decode(
-        self, rows: list[int], pages: list[list[int]], lens: list[int], num_tokens: int
-    ) -> _Decode:
-        ps, dev = self.kv_pool.page_size, self.kv_pool.device
-        max_pages = max(len(p) for p in pages)
-        padded = [p + [p[0]] * (max_pages - len(p)) for p in pages]
+    def _plan_decode(self, decodes: list[tuple[int, list[int], int]]) -> list[_DecodeGroup]:
+        pool = self.kv_pool
+        page_bytes = 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
+        page_bytes *= pool.k.element_size()
+        groups: list[_DecodeGroup] = []
+        i = 0
+        while i < len(decodes):
+            j, biggest = i + 1, len(decodes[i][1])
+            while j < len(decodes):
+                widest = max(biggest, len(decodes[j][1]))
+                if (j + 1 - i) * widest * page_bytes > DECODE_GROUP_BYTES:
+                    break
+                biggest, j = widest, j + 1
+            groups.append(self._make_group(decodes[i:j]))
+            i = j
+        return groups
+
+    def _make_group(self, seqs: list[tuple[int, list[int], int]]) -> _DecodeGroup:
+        dev = self.kv_pool.device
+        rows = [r for r, _, _ in seqs]
+        lens = [n for _, _, n in seqs]
+        max_pages = max(len(p) for _, p, _ in seqs)
+        flat: list[int] = []
+        for _, p, _ in seqs:
+            flat.extend(p + [p[0]] * (max_pages - len(p)))
         kv_len = max(lens)
         mask = None
         if any(n != kv_len for n in lens):
             lens_t = torch.tensor(lens, dtype=torch.int64)
             mask = (torch.arange(kv_len).unsqueeze(0) < lens_t.unsqueeze(1)).to(dev)
             mask = mask[:, None, None, :]
-        all_decode = len(rows) == num_tokens
-        del ps
-        return _Decode(
-            token_idx=None if all_decode else torch.tensor(rows, dtype=torch.int64, device=dev),
-            pages=torch.tensor(padded, dtype=torch.int64, device=dev),
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        return _DecodeGroup(
+            rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            first_row=rows[0] if contiguous else -1,
+            pages=torch.tensor(flat, dtype=torch.int64, device=dev),
+            num_seqs=len(seqs),
             kv_len=kv_len,
             mask=mask,
         )
 
+    # ---- forward -----------------------------------------------------------------------------
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -133,28 +188,30 @@ class TorchAttention(AttentionBackend):
         pool = self.kv_pool
         pool.write(layer, self._slots, k, v)
         kc, vc = pool.k[layer], pool.v[layer]
-        dec = self._decode
-        if dec is not None and dec.token_idx is None:
-            return self._attend_decode(dec, q, kc, vc)
         out = torch.empty_like(q)
         for item in self._prefills:
             self._attend_prefill(item, q, k, v, kc, vc, out)
-        if dec is not None:
-            assert dec.token_idx is not None
-            out.index_copy_(0, dec.token_idx, self._attend_decode(dec, q[dec.token_idx], kc, vc))
+        for group in self._groups:
+            if group.first_row >= 0:
+                rows = slice(group.first_row, group.first_row + group.num_seqs)
+                out[rows] = self._attend_decode(group, q[rows], kc, vc)
+            else:
+                o = self._attend_decode(group, q.index_select(0, group.rows), kc, vc)
+                out.index_copy_(0, group.rows, o)
         return out
 
     def _attend_decode(
-        self, dec: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+        self, group: _DecodeGroup, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
     ) -> torch.Tensor:
-        b, hq, d = q.shape
+        g, hq, d = q.shape
         hkv = self.num_kv_heads
-        # [B, L, Hkv, D] -> [B, Hkv, L, D] views; queries grouped per kv head so GQA needs no copy
-        keys = gather_pages(kc, dec.pages)[:, : dec.kv_len].transpose(1, 2)
-        vals = gather_pages(vc, dec.pages)[:, : dec.kv_len].transpose(1, 2)
-        qg = q.view(b, hkv, hq // hkv, d)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=dec.mask, scale=self.scale)
-        return o.reshape(b, hq, d)
+        shape = (g, -1, hkv, d)
+        # [g, L, Hkv, D] -> [g, Hkv, L, D] views; queries grouped per kv head: GQA without copies
+        keys = self._kbuf.gather(kc, group.pages).view(shape)[:, : group.kv_len].transpose(1, 2)
+        vals = self._vbuf.gather(vc, group.pages).view(shape)[:, : group.kv_len].transpose(1, 2)
+        qg = q.view(g, hkv, hq // hkv, d)
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=group.mask, scale=self.scale)
+        return o.reshape(g, hq, d)
 
     def _attend_prefill(
         self,
@@ -179,8 +236,10 @@ class TorchAttention(AttentionBackend):
             out[s:e] = o[0].transpose(0, 1)
             return
         kv_len = item.num_past + (e - s)
-        keys = gather_pages(kc, item.pages)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1,Hkv,L,D]
-        vals = gather_pages(vc, item.pages)[:kv_len].transpose(0, 1).unsqueeze(0)
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        # [L, Hkv, D] -> [1, Hkv, L, D]
+        keys = self._kbuf.gather(kc, item.pages).view(shape)[:kv_len].transpose(0, 1).unsqueeze(0)
+        vals = self._vbuf.gather(vc, item.pages).view(shape)[:kv_len].transpose(0, 1).unsqueeze(0)
         for a, b, mask in item.chunks:
             n_keys = item.num_past + b
             o = F.scaled_dot_product_attention(
