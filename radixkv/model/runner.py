@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,6 +65,7 @@ class ModelRunner:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
         )
+        self._cascade: Any = None  # CascadeDecodeBackend, created on the first cascade step
 
     @property
     def backend_name(self) -> str:
@@ -93,9 +95,15 @@ class ModelRunner:
         return layout
 
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[SeqInput], *, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: Sequence[SeqInput], *, all_logits: bool = False, cascade: Any = None
+    ) -> torch.Tensor:
         """fp32 logits ``[len(seqs), vocab]`` of each sequence's last new token, or with
-        ``all_logits=True`` ``[sum of new tokens, vocab]`` for every new token in batch order."""
+        ``all_logits=True`` ``[sum of new tokens, vocab]`` for every new token in batch order.
+
+        ``cascade``: for a decode-only batch, a ``CascadeDecision`` from
+        :class:`radixkv.engine.cascade_planner.CascadePlanner` over these sequences (in this
+        order): shared prefixes are then read once per group (same logits, fewer KV reads)."""
         layout = self._validate(seqs)
         ids: list[int] = []
         positions: list[int] = []
@@ -108,5 +116,14 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         idx_t = None if all_logits else torch.tensor(last, dtype=torch.int64).to(dev)
-        self.attn.plan(layout)
-        return self.model(ids_t, pos_t, self.attn, idx_t, max_position=max(positions))
+        attn = self.attn if cascade is None else self._cascade_attn(cascade)
+        attn.plan(layout)
+        return self.model(ids_t, pos_t, attn, idx_t, max_position=max(positions))
+
+    def _cascade_attn(self, decision: Any) -> AttentionBackend:
+        from radixkv.attention.cascade_backend import CascadeDecodeBackend
+
+        if self._cascade is None:
+            self._cascade = CascadeDecodeBackend(self.attn)
+        self._cascade.set_plan(decision.plan, decision.order)
+        return self._cascade

@@ -1,0 +1,113 @@
+"""ModelRunner decode steps through a cascade plan give the logits of plain paged decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixkv.attention.base import BatchLayout
+from radixkv.attention.cascade_backend import CascadeDecodeBackend
+from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
+from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
+from radixkv.kv.kv_pool import KVPool
+from radixkv.model.loader import load_model
+from radixkv.model.runner import ModelRunner, SeqInput
+
+
+class Node:
+    def __init__(self, parent: Node | None, num_tokens: int) -> None:
+        self.parent = parent
+        self.num_tokens = num_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("radixkv-tiny", device="cpu")
+
+
+def _runner(tiny, ps: int) -> ModelRunner:
+    c = tiny.config
+    kv = KVPool(c.num_layers, 128, ps, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    return ModelRunner(tiny.model, kv, backend="torch")
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_runner_cascade_decode_matches_plain(tiny, page_size: int) -> None:
+    ps = page_size
+    rng = random.Random(0)
+    plain, casc = _runner(tiny, ps), _runner(tiny, ps)
+    free = list(range(128))
+    rng.shuffle(free)
+
+    def take(n: int) -> list[int]:
+        out = free[:n]
+        del free[:n]
+        return out
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 250) for _ in range(n)]
+
+    # trunk (48 tokens) -> branch a (+16); requests: 2 under a, 2 under the trunk, 1 alone
+    trunk_t, a_t = tokens(48), tokens(16)
+    trunk_p, a_p = take(48 // ps), take(16 // ps)
+    trunk = Node(None, 48)
+    a = Node(trunk, 16)
+    prefills = [SeqInput(trunk_t, trunk_p, 0), SeqInput(a_t, trunk_p + a_p, 48)]
+    for s in prefills:
+        plain.forward([s])
+        casc.forward([s])
+    reqs = []  # (node, shared pages, own tokens so far, own pages)
+    for node, shared_pages, shared_len in [
+        (a, trunk_p + a_p, 64),
+        (a, trunk_p + a_p, 64),
+        (trunk, trunk_p, 48),
+        (trunk, trunk_p, 48),
+        (None, [], 0),
+    ]:
+        own = tokens(rng.randint(1, 5))
+        own_pages = take(-(-(shared_len + len(own) + 6) // ps) - len(shared_pages))
+        reqs.append([node, shared_pages, shared_len, own, own_pages])
+        s = SeqInput(own, shared_pages + own_pages, shared_len)
+        first = plain.forward([s])
+        casc.forward([s])
+        own.append(int(first.argmax(-1)))  # the token the first decode step feeds
+    # decode 5 steps; the batch order is scrambled so the plan must reorder rows
+    batch = [3, 0, 4, 2, 1]
+    planner = CascadePlanner(ps, mode="on", validate=True)
+    for _ in range(5):
+        seqs, entries = [], []
+        for i in batch:
+            node, sp, sl, own, op = reqs[i]
+            num_past = sl + len(own) - 1
+            seqs.append(SeqInput([own[-1]], sp + op, num_past))
+            entries.append(DecodeEntry(node, sp + op, num_past + 1, len(sp)))
+        dec = planner.plan(entries)
+        assert dec.use_cascade and dec.num_levels == 3
+        lp = plain.forward(seqs)
+        lc = casc.forward(seqs, cascade=dec)
+        assert (lp - lc).abs().max().item() <= 1e-4
+        for i, tok in zip(batch, lp.argmax(-1).tolist()):
+            reqs[i][3].append(tok)
+    assert torch.allclose(plain.kv_pool.k, casc.kv_pool.k, atol=1e-5)
+
+
+def test_cascade_backend_rejects_mismatched_batches(tiny) -> None:
+    ps = 4
+    runner = _runner(tiny, ps)
+    node = Node(None, 8)
+    entries = [DecodeEntry(node, [0, 1, 2 + i], 9 + i, 2) for i in range(2)]
+    dec = CascadePlanner(ps, mode="on").plan(entries)
+    be = CascadeDecodeBackend(runner.attn)
+    with pytest.raises(RuntimeError, match="set_plan"):
+        be.plan(BatchLayout.build([[0, 1, 2]], [8], [1]))
+    be.set_plan(dec.plan, dec.order)
+    with pytest.raises(ValueError, match="decode-only"):
+        be.plan(BatchLayout.build([[0, 1, 2], [0, 1, 3]], [8, 8], [1, 2]))
+    with pytest.raises(ValueError, match="reads 9 tokens"):
+        be.plan(BatchLayout.build([[0, 1, 2], [0, 1, 3]], [9, 9], [1, 1]))
+    with pytest.raises(ValueError, match="permutation"):
+        be.set_plan(dec.plan, (0, 0))
+    be.plan(BatchLayout.build([[0, 1, 2], [0, 1, 3]], [8, 9], [1, 1]))
+    assert FlashInferCascadeAttention is not None  # importable on CPU
