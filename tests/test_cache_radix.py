@@ -83,6 +83,19 @@ def test_split_at_every_offset(hash_fn: Any, page_size: int, k: int) -> None:
     cache.check_invariants()
 
 
+def test_peek_prefix_changes_nothing(hash_fn: Any) -> None:
+    cache = make_cache(page_size=2, hash_fn=hash_fn)
+    fill(cache, [1, 2, 3, 4, 5, 6])
+    before = snapshot(cache)
+    assert cache.peek_prefix([1, 2, 3, 4, 9]) == 4  # would split, but does not
+    assert cache.peek_prefix([1, 2, 3, 4, 5, 6, 7]) == 6
+    assert cache.peek_prefix([1]) == 0 and cache.peek_prefix([1, 2], namespace="x") == 0
+    assert snapshot(cache) == before and cache.num_nodes == 2
+    with pytest.raises(ValueError):
+        cache.peek_prefix([1, 2, 3, 4, -5])
+    assert cache.match_prefix([1, 2, 3, 4, 9]).num_tokens == 4
+
+
 def test_split_during_insert(hash_fn: Any) -> None:
     cache = make_cache(page_size=2, hash_fn=hash_fn)
     a = fill(cache, [1, 2, 3, 4, 5, 6])

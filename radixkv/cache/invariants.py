@@ -11,7 +11,8 @@ Checked (InvariantError names the first violation):
   are registered, empty of tokens and never childless;
 * locks: lock_ref >= 0, a parent's count >= each child's, the root is never counted;
 * counters: cached, evictable and node counts equal a recount;
-* eviction index: holds exactly the unlocked leaves that own pages, under their current key.
+* eviction index: holds exactly the unlocked leaves that own pages, under their current key;
+* event hashes cached on nodes (only once a listener was added) equal a fresh computation.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from radixkv.cache.errors import InvariantError
+from radixkv.cache.hashing import chain_hashes, chain_start, local_hashes_of_key
 from radixkv.cache.page_pool import CACHED
 
 if TYPE_CHECKING:
@@ -42,6 +44,9 @@ def check_cache_invariants(cache: RadixCache) -> None:
     cached = evictable = nodes = 0
     expected_index: dict[int, int] = {}
     ns_seen: dict[object, object] = {}
+    # event hashes are checked only when some node caches them (recomputing costs a hash pass)
+    verify_hashes = any(n._hashes is not None for n in cache.iter_nodes())
+    last_hash: dict[int, int | None] = {}  # node id -> chained hash of its last page
     stack = [root]
     while stack:
         node = stack.pop()
@@ -91,8 +96,12 @@ def check_cache_invariants(cache: RadixCache) -> None:
             _fail(f"{node!r}: namespace differs from its parent's")
         if node.depth_tokens != parent.depth_tokens + len(node.key) // 8:
             _fail(f"{node!r}: depth_tokens does not add up")
-        if node._hashes is not None and len(node._hashes) != len(node._pages):
-            _fail(f"{node!r}: cached event hashes do not match its pages")
+        if verify_hashes:
+            prev = last_hash[parent._id] if parent.key else chain_start(node.namespace)
+            fresh = chain_hashes(prev, local_hashes_of_key(node.key, ps))
+            last_hash[node._id] = fresh[-1]
+            if node._hashes is not None and node._hashes != fresh:
+                _fail(f"{node!r}: cached event hashes differ from a fresh computation")
         for p in node._pages:
             if p in seen_pages:
                 _fail(f"page {p} is owned by two nodes")
@@ -123,4 +132,3 @@ def check_cache_invariants(cache: RadixCache) -> None:
         )
     if len(cache._index) != len(stored):
         _fail("eviction index has duplicate keys")
-    del ps

@@ -209,6 +209,21 @@ class RadixCache:
         self._hit_tokens += ntok
         return _tuple_new(MatchResult, (last, pages, ntok))
 
+    def peek_prefix(self, tokens: Any, namespace: Any = None) -> int:
+        """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
+        or hit-count refresh, no stats (for schedulers that only want to estimate hits)."""
+        qb = encode_tokens(tokens)
+        start = self.root if namespace is None else self._ns_roots.get(namespace)
+        limit = len(qb) - len(qb) % self._pb
+        if start is None or limit == 0:
+            check_range(qb)
+            return 0
+        _, off, partial = self._walk(start, qb, limit)
+        if partial is not None:
+            off += partial[1] * self._pb
+        check_range(qb, off)
+        return off >> _SHIFT
+
     def _walk(
         self, node: TreeNode, qb: bytes, limit: int
     ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
