@@ -44,6 +44,19 @@ def _time(fn: Callable[[], object], repeats: int, device: torch.device) -> float
     return min(samples)
 
 
+def cost_model_ratio(cfg, total: int, prefix: int) -> float:  # type: ignore[no-untyped-def]
+    """FLOP-model floor of the ratio: the new tokens' linear layers are the same either way, but
+    with a cached prefix each new token also attends to the prefix (attention pairs grow)."""
+    h, a = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    a_kv = cfg.num_kv_heads * cfg.head_dim
+    linear = 2 * (2 * h * a + 2 * h * a_kv + 3 * h * cfg.intermediate_size)  # per token per layer
+    per_pair = 4 * a  # q.k and p.v, per (query, key) pair per layer
+    n = total - prefix
+    pairs_cached = n * prefix + n * (n + 1) / 2
+    pairs_alone = n * (n + 1) / 2
+    return (n * linear + pairs_cached * per_pair) / (n * linear + pairs_alone * per_pair)
+
+
 def bench_prefill(runner: ModelRunner, repeats: int, total: int, prefixes: list[int]) -> list[dict]:
     ps = runner.kv_pool.page_size
     gen = torch.Generator().manual_seed(0)
@@ -52,6 +65,7 @@ def bench_prefill(runner: ModelRunner, repeats: int, total: int, prefixes: list[
     cached_pages = list(range(n_pages))
     alone_pages = list(range(n_pages, 2 * n_pages))
     rows = []
+    t_full = _time(lambda: runner.forward([SeqInput(ids, alone_pages, 0)]), repeats, runner.device)
     for p in prefixes:
         if p:
             runner.forward([SeqInput(ids[:p], cached_pages, 0)])  # the prefix is now in the pool
@@ -73,6 +87,9 @@ def bench_prefill(runner: ModelRunner, repeats: int, total: int, prefixes: list[
                 "uncached_alone_ms": 1e3 * t_alone,
                 "ratio": t_cached / t_alone,
                 "target": 1.2,
+                "flop_model_floor": cost_model_ratio(runner.model.config, total, p),
+                "full_prefill_ms": 1e3 * t_full,
+                "saved_vs_full": 1 - t_cached / t_full,
             }
         )
     return rows
@@ -180,12 +197,20 @@ def main() -> None:
         f"radixkv-tiny on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}"
     )
     print("\nprefill with a cached prefix vs the uncached tokens alone")
-    print(f"{'T':>6} {'P':>6} {'cached ms':>10} {'alone ms':>10} {'ratio':>7} {'target':>7}")
+    print(
+        f"{'T':>6} {'P':>6} {'cached ms':>10} {'alone ms':>10} {'ratio':>7} {'target':>7} "
+        f"{'flop floor':>10} {'saved vs full T':>16}"
+    )
     for r in prefill_rows:
         print(
             f"{r['T']:>6} {r['P']:>6} {r['cached_prefix_ms']:>10.1f} "
-            f"{r['uncached_alone_ms']:>10.1f} {r['ratio']:>7.2f} {'<=1.2':>7}"
+            f"{r['uncached_alone_ms']:>10.1f} {r['ratio']:>7.2f} {'<=1.2':>7} "
+            f"{r['flop_model_floor']:>10.2f} {100 * r['saved_vs_full']:>15.0f}%"
         )
+    print(
+        "(flop floor: the ratio a FLOP count predicts, since each new token must also attend to "
+        "the P cached ones;\n saved vs full T: time saved against prefilling all T tokens)"
+    )
     print(f"\ndecode step, batch {decode['batch']}, context {decode['context']}")
     print(f"{'paged torch ms':>15} {'contiguous ms':>14} {'ratio':>7} {'target':>7}")
     print(

@@ -77,6 +77,10 @@ class FlashInferAttention(AttentionBackend):
         super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
         if kv_pool.device.type != "cuda":
             raise ValueError("the flashinfer backend needs the KV pool on a CUDA device")
+        if kv_pool.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"the flashinfer backend needs a fp16/bf16 KV pool, got {kv_pool.dtype}"
+            )
         fi = _import_flashinfer()
         dev = kv_pool.device
         # Separate workspaces: both wrappers hold a live plan during the same step.
@@ -87,7 +91,7 @@ class FlashInferAttention(AttentionBackend):
         # Tensor-core decode (prefill kernels) handles any GQA group size and is faster for big
         # groups; the CUDA-core decode kernels are specialised for small ones.
         self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._decode_ws, "NHD", use_tensor_cores=group > 4 or group not in (1, 2, 4)
+            self._decode_ws, "NHD", use_tensor_cores=group not in (1, 2, 4)
         )
         self._slots: torch.Tensor | None = None
         self._num_tokens = 0

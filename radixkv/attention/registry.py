@@ -1,12 +1,15 @@
 """Backend registry: ``get_backend("auto" | "torch" | "flashinfer", ...)``.
 
-``"auto"`` picks flashinfer when the pool is on CUDA and flashinfer imports, else torch. flashinfer is
+``"auto"`` picks flashinfer when the pool is on CUDA in fp16/bf16 and flashinfer is installed,
+else torch. flashinfer is
 only imported inside :mod:`radixkv.attention.flashinfer_backend`, and only when chosen.
 """
 
 from __future__ import annotations
 
 import importlib.util
+
+import torch
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.kv.kv_pool import KVPool
@@ -24,7 +27,8 @@ def resolve_backend_name(name: str, kv_pool: KVPool) -> str:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if name == "auto":
         on_cuda = kv_pool.device.type == "cuda"
-        return "flashinfer" if on_cuda and flashinfer_available() else "torch"
+        half = kv_pool.dtype in (torch.float16, torch.bfloat16)  # FlashInfer has no fp32 kernels
+        return "flashinfer" if on_cuda and half and flashinfer_available() else "torch"
     return name
 
 
