@@ -161,6 +161,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(ns=namespaces, tokens=token_seqs)
     def match(self, ns: Any, tokens: list[int]) -> None:
+        before = snapshot(self.cache)
+        assert self.cache.peek_prefix(tokens, ns) == len(self.longest(ns, tokens)) * self.ps
+        assert snapshot(self.cache) == before  # peeking changes nothing
         self.check_match(ns, tokens)
 
     @rule(ns=namespaces, tokens=token_seqs)
