@@ -185,9 +185,12 @@ def test_queue_full_is_503_and_recovers() -> None:
         long = {**GOOD_CMPL, "max_tokens": 3000, "ignore_eos": True, "n": 2, "stream": True}
         with c.stream("POST", "/v1/completions", json=long) as r:
             assert r.status_code == 200
-            next(r.iter_lines())
+            lines = r.iter_lines()  # keep a reference: a collected iterator closes the stream
+            next(lines)
             err = _assert_error(c.post("/v1/completions", json=GOOD_CMPL), 503)
             assert err["code"] == "queue_full"
+            assert st.in_flight == 2
+            next(lines)  # still streaming
         wait_drained(st)
         assert c.post("/v1/completions", json=GOOD_CMPL).status_code == 200
         assert_clean(st)
