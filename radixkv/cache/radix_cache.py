@@ -18,12 +18,9 @@ node.py; the fast paths are explained in docs/cache_design.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from radixkv.cache.errors import ForeignNodeError, LockError, OutOfPages
+from radixkv.cache.errors import LockError, OutOfPages
 from radixkv.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -34,17 +31,13 @@ from radixkv.cache.events import (
 from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, get_policy
 from radixkv.cache.hashing import (
     HashFn,
-    chain_hashes,
-    chain_start,
     default_hash_fn,
-    local_hashes_of_key,
 )
 from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.stats import CacheStats
-from radixkv.cache.tokens import TOKEN_BYTES, check_range, encode_tokens, key_to_list
-
-_SHIFT = 3  # log2(TOKEN_BYTES)
+from radixkv.cache.tokens import TOKEN_SHIFT, check_range, encode_tokens, key_to_list
+from radixkv.cache.trie import TrieStore
 
 
 class MatchResult(NamedTuple):
@@ -62,16 +55,7 @@ class InsertResult(NamedTuple):
 _tuple_new = tuple.__new__  # builds the NamedTuples without their Python-level __new__
 
 
-def _common_pages(key: bytes, qb: bytes, off: int, limit: int, page_size: int) -> int:
-    """Whole pages shared by ``key`` and ``qb[off:limit]`` (vectorised compare)."""
-    n = min(len(key), limit - off) >> _SHIFT
-    a = np.frombuffer(key, np.int64, count=n)
-    b = np.frombuffer(qb, np.int64, count=n, offset=off)
-    diff = np.flatnonzero(a != b)
-    return (int(diff[0]) if diff.size else n) // page_size
-
-
-class RadixCache:
+class RadixCache(TrieStore):
     """Prefix cache over a PagePool. See the module docstring for the ownership contract."""
 
     def __init__(
@@ -88,25 +72,18 @@ class RadixCache:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError("hash_fn must be callable(bytes) -> int")
-        self.pool = pool
-        self.page_size = page_size
-        self._pb = page_size * TOKEN_BYTES  # bytes per page in a key
-        self._hash_fn: HashFn = hash_fn or default_hash_fn
         self.policy = get_policy(policy)
+        super().__init__(page_size, hash_fn or default_hash_fn)
+        self.pool = pool
         self._index = EvictionIndex(self.policy)
         self._events = EventEmitter()
         self._listeners = self._events._listeners  # the same list: a cheap emptiness test
-        self._next_id = 0
-        self._clock = 0
-        self.root = self._new_node(None, b"", [], None, 0)
-        self._ns_roots: dict[Any, TreeNode] = {}
-        self._num_nodes = 1
         self._cached = 0  # pages in the trie
         self._evictable = 0  # pages in unlocked nodes
         # cumulative counters (CacheStats)
         self._match_queries = self._query_tokens = self._hit_tokens = 0
         self._insert_calls = self._inserted_pages = self._duplicate_pages = 0
-        self._evicted_pages = self._evicted_nodes = self._splits = self._resets = 0
+        self._evicted_pages = self._evicted_nodes = self._resets = 0
 
     # ======================================================================== queries
     @property
@@ -146,26 +123,6 @@ class RadixCache:
             num_nodes=self._num_nodes,
         )
 
-    def iter_nodes(self) -> Iterator[TreeNode]:
-        """Every node, root first (depth-first preorder)."""
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.iter_children())
-
-    def path_pages(self, node: TreeNode) -> list[int]:
-        """All pages from the root down to and including ``node``."""
-        self._check_node(node)
-        parts = []
-        while node is not None:
-            parts.append(node._pages)
-            node = node.parent
-        out: list[int] = []
-        for p in reversed(parts):
-            out += p
-        return out
-
     def eviction_order(self) -> list[TreeNode]:
         """The evictable leaves, next victim first (for inspection and tests)."""
         return list(self._index)
@@ -188,7 +145,7 @@ class RadixCache:
             # The matched part equals stored (validated) keys: only the rest needs checking.
             check_range(qb, off + (partial[1] * self._pb if partial else 0))
         self._match_queries += 1
-        self._query_tokens += len(qb) >> _SHIFT
+        self._query_tokens += len(qb) >> TOKEN_SHIFT
         if partial is not None:
             child, m = partial
             path.append(self._split(child, m))
@@ -205,7 +162,7 @@ class RadixCache:
         last = path[-1]
         if last._ekey is not None:
             self._index.refresh(last)
-        ntok = off >> _SHIFT
+        ntok = off >> TOKEN_SHIFT
         self._hit_tokens += ntok
         return _tuple_new(MatchResult, (last, pages, ntok))
 
@@ -222,38 +179,7 @@ class RadixCache:
         if partial is not None:
             off += partial[1] * self._pb
         check_range(qb, off)
-        return off >> _SHIFT
-
-    def _walk(
-        self, node: TreeNode, qb: bytes, limit: int
-    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
-        """Follow ``qb[:limit]`` down from ``node`` without mutating anything.
-
-        Returns (fully matched nodes, matched bytes, (child, pages) when the match continues
-        into ``pages`` whole pages of ``child`` but not all of it).
-        """
-        pb = self._pb
-        hash_fn = self._hash_fn
-        path: list[TreeNode] = []
-        off = 0
-        while off < limit:
-            c = node._children.get(hash_fn(qb[off : off + pb]))
-            if c is None:
-                break
-            if type(c) is list:  # hash collision bucket: tokens decide
-                c = next((x for x in c if qb.startswith(x.key[:pb], off)), None)
-                if c is None:
-                    break
-            key = c.key
-            end = off + len(key)
-            if end <= limit and qb.startswith(key, off):  # one memcmp for the whole node
-                path.append(c)
-                off = end
-                node = c
-                continue
-            m = _common_pages(key, qb, off, limit, self.page_size)
-            return path, off, ((c, m) if m else None)
-        return path, off, None
+        return off >> TOKEN_SHIFT
 
     # ======================================================================== insert
     def insert(self, tokens: Any, pages: Any, namespace: Any = None) -> InsertResult:
@@ -269,7 +195,7 @@ class RadixCache:
         if len(qb) != len(pages) * pb:
             check_range(qb)  # a bad token id is the more useful error
             raise ValueError(
-                f"insert needs len(tokens) == len(pages) * page_size: got {len(qb) >> _SHIFT} "
+                f"insert needs len(tokens) == len(pages) * page_size: got {len(qb) >> TOKEN_SHIFT} "
                 f"tokens and {len(pages)} pages with page_size {self.page_size}"
             )
         if namespace is not None:
@@ -490,118 +416,6 @@ class RadixCache:
 
     def _emit(self, event: Any) -> None:
         self._events.emit(event)
-
-    def _last_hash(self, node: TreeNode) -> int | None:
-        """Chained hash of the last page ending at ``node`` (namespace start for roots)."""
-        if not node.key:
-            return chain_start(node.namespace)
-        return self._node_hashes(node)[-1]
-
-    def _node_hashes(self, node: TreeNode) -> list[int]:
-        """Event hashes of ``node``'s own pages, computed (and cached) lazily top-down."""
-        pending = []
-        n = node
-        while n._hashes is None and n.key:
-            pending.append(n)
-            n = n.parent
-        prev = n._hashes[-1] if n.key else chain_start(n.namespace)
-        for x in reversed(pending):
-            x._hashes = chain_hashes(prev, local_hashes_of_key(x.key, self.page_size))
-            prev = x._hashes[-1]
-        return node._hashes
-
-    # ======================================================================== trie plumbing
-    def _new_node(
-        self,
-        parent: TreeNode | None,
-        key: bytes,
-        pages: list[int],
-        namespace: Any,
-        depth_tokens: int,
-    ) -> TreeNode:
-        self._next_id += 1
-        return TreeNode(
-            self, self._next_id, parent, key, pages, namespace, depth_tokens, self._clock
-        )
-
-    def _make_ns_root(self, namespace: Any) -> TreeNode:
-        node = self._new_node(self.root, b"", [], namespace, 0)
-        node._hkey = ("ns", namespace)  # never equal to an int page hash
-        self.root._children[node._hkey] = node
-        self._ns_roots[namespace] = node
-        self._num_nodes += 1
-        return node
-
-    def _drop_ns_root(self, node: TreeNode) -> None:
-        del self.root._children[node._hkey]
-        del self._ns_roots[node.namespace]
-        node.parent = None
-        self._num_nodes -= 1
-
-    def _attach(self, parent: TreeNode, child: TreeNode) -> None:
-        h = self._hash_fn(child.key[: self._pb])
-        child._hkey = h
-        slot = parent._children.get(h)
-        if slot is None:
-            parent._children[h] = child
-        elif type(slot) is list:
-            slot.append(child)
-        else:
-            parent._children[h] = [slot, child]
-
-    def _detach(self, parent: TreeNode, child: TreeNode) -> None:
-        h = child._hkey
-        slot = parent._children[h]
-        if slot is child:
-            del parent._children[h]
-        else:
-            slot.remove(child)
-            if len(slot) == 1:
-                parent._children[h] = slot[0]
-
-    def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Split ``child`` after its first ``m`` pages; return the new upper node.
-
-        The existing node object keeps the lower part, so references held by callers (and
-        lock counts, which the new node inherits) stay valid.
-        """
-        cut = m * self._pb
-        parent = child.parent
-        upper = self._new_node(
-            parent,
-            child.key[:cut],
-            child._pages[:m],
-            child.namespace,
-            child.depth_tokens - ((len(child.key) - cut) >> _SHIFT),
-        )
-        upper.lock_ref = child.lock_ref
-        upper.last_access = child.last_access
-        upper.hit_count = child.hit_count
-        h = child._hkey
-        upper._hkey = h
-        slot = parent._children[h]
-        if slot is child:
-            parent._children[h] = upper
-        else:
-            slot[slot.index(child)] = upper
-        child.key = child.key[cut:]
-        child._pages = child._pages[m:]
-        child.parent = upper
-        self._attach(upper, child)
-        if child._hashes is not None:
-            upper._hashes = child._hashes[:m]
-            child._hashes = child._hashes[m:]
-        self._num_nodes += 1
-        self._splits += 1
-        return upper
-
-    def _check_node(self, node: TreeNode) -> None:
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"expected a TreeNode, got {type(node).__name__}")
-        if node._cache is not self:
-            raise ForeignNodeError("node belongs to another RadixCache")
-        if node.parent is None and node is not self.root:
-            raise ForeignNodeError("node is no longer in the cache (evicted or reset)")
 
     # ======================================================================== diagnostics
     def check_invariants(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 TOKEN_BYTES = 8  # bytes per token in a key (native int64)
+TOKEN_SHIFT = 3  # log2(TOKEN_BYTES): byte offsets >> TOKEN_SHIFT are token counts
 MAX_TOKEN_ID = 2**32 - 1
 _LIMIT = np.uint64(2**32)
 # The high 32 bits of every int64 lane, for short runs: a token id is in [0, 2**32) exactly
