@@ -80,6 +80,15 @@ def test_chat_template_renders_like_transformers(base: Path) -> None:
     assert ours.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
 
 
+def test_chat_template_helpers() -> None:
+    tmpl = (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m['content'] | tojson }}{% endfor %}|{{ strftime_now('%Y') | length }}"
+    )
+    msgs = [{"role": "user", "content": 'a"b'}, {"role": "user", "content": "c"}]
+    assert render_chat_template(tmpl, msgs) == '"a\\"b"|4'
+
+
 def test_chat_template_errors() -> None:
     with pytest.raises(ChatTemplateError, match="does not compile"):
         render_chat_template("{% for %}", [{"role": "user", "content": "x"}])

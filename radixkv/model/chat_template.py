@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
@@ -22,10 +23,18 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # the same environment options and helpers Hugging Face templates are written against
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     try:
         return env.from_string(template)
