@@ -1,1 +1,1 @@
-
+"""Attention over paged KV: backend interface, torch and flashinfer backends, registry."""

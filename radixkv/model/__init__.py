@@ -1,1 +1,1 @@
-
+"""Llama-family models: config, layers, HF loader, tokenizers, radixkv-tiny, and ModelRunner."""
