@@ -109,6 +109,35 @@ class ServerState:
         self.publisher: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (set at startup)
 
+    # ------------------------------------------------------------ lifecycle
+    async def startup(self) -> None:
+        """Bind the KV event publisher (if configured) and start listening to the cache.
+
+        Called by the app's lifespan; a host that does not run ASGI lifespan events (some
+        ingress wrappers) calls it itself, in the loop that will serve requests."""
+        self.loop = asyncio.get_running_loop()
+        if self.config.kv_events is not None and self.publisher is None:
+            from radixkv.server.kv_events import KVEventPublisher
+
+            device = getattr(self.engine.engine.kv_pool, "device", None)
+            self.publisher = KVEventPublisher(
+                self.config.kv_events,
+                topic=self.config.kv_events_topic,
+                replay_endpoint=self.config.kv_events_replay,
+                medium="GPU" if getattr(device, "type", "cpu") == "cuda" else "CPU",
+            )
+            self.engine.engine.cache.add_listener(self.publisher.listener)
+
+    async def shutdown(self, *, shutdown_engine: bool = False) -> None:
+        """Stop publishing (flushing what is queued) and optionally shut the engine down."""
+        if self.publisher is not None:
+            with contextlib.suppress(ValueError):
+                self.engine.engine.cache.remove_listener(self.publisher.listener)
+            self.publisher.close()
+            self.publisher = None
+        if shutdown_engine:
+            await self.engine.shutdown()
+
     # ------------------------------------------------------------ request preparation
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -334,29 +363,11 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        st.loop = asyncio.get_running_loop()
-        cache = engine.engine.cache
-        if config.kv_events is not None:
-            from radixkv.server.kv_events import KVEventPublisher
-
-            device = getattr(engine.engine.kv_pool, "device", None)
-            medium = "GPU" if getattr(device, "type", "cpu") == "cuda" else "CPU"
-            st.publisher = KVEventPublisher(
-                config.kv_events,
-                topic=config.kv_events_topic,
-                replay_endpoint=config.kv_events_replay,
-                medium=medium,
-            )
-            cache.add_listener(st.publisher.listener)
+        await st.startup()
         try:
             yield
         finally:
-            if st.publisher is not None:
-                with contextlib.suppress(ValueError):
-                    cache.remove_listener(st.publisher.listener)
-                st.publisher.close()
-            if owns_engine:
-                await engine.shutdown()
+            await st.shutdown(shutdown_engine=owns_engine)
 
     app = FastAPI(
         title="radixkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
