@@ -1,0 +1,148 @@
+"""Build and run a radixkv fleet on Ray Serve (the Python API behind ``radixkv serve-ray``).
+
+::
+
+    from radixkv.cluster import ClusterConfig, build_cluster_app
+    app = build_cluster_app(ClusterConfig(model="radixkv-tiny", replicas=4))
+    serve.run(app, name="radixkv", route_prefix="/")   # OpenAI routes at http://host:8000/v1/...
+
+``router="affinity"`` (default) routes with :class:`RadixAffinityRouter`; ``router="default"``
+with Ray Serve's default (power of two choices), for comparison. :func:`fleet_engine_stats`
+reads every replica's own engine counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.cluster._ray import import_serve
+from radixkv.cluster.affinity import AffinityConfig
+
+serve = import_serve()
+
+REPLICA_DEPLOYMENT = "RadixKVReplica"
+INGRESS_DEPLOYMENT = "RadixKVIngress"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """A fleet's shape (validated on construction).
+
+    Attributes:
+        model: model name or local HF folder, loaded by every replica (and the ingress loads
+            its tokenizer).
+        replicas: number of engine replicas.
+        router: "affinity" (RadixAffinityRouter) or "default" (Ray Serve's).
+        engine_kwargs: AsyncEngine/Engine keyword arguments (page_size, num_pages, ...).
+        server_kwargs: ServerConfig fields (api_keys, admin_key, max_queue, ...).
+        router_kwargs: AffinityConfig fields (imbalance_abs, imbalance_rel, ...).
+        replica_num_cpus / ingress_num_cpus: Ray CPU reservation per actor (fractions allowed).
+        max_ongoing_requests: per replica; beyond it Ray's back-pressure tries the next choice.
+        stats_period_s: how often Ray pulls each replica's routing stats.
+        summary_max_hashes: bound on the page hashes a replica reports.
+        torch_threads: intra-op threads per replica (None: torch's default).
+        ingress_replicas: number of ingress replicas (each has its own router state).
+    """
+
+    model: str = "radixkv-tiny"
+    replicas: int = 2
+    router: str = "affinity"
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    server_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    router_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    replica_num_cpus: float = 1.0
+    ingress_num_cpus: float = 0.1
+    max_ongoing_requests: int = 64
+    stats_period_s: float = 1.0
+    summary_max_hashes: int = 2048
+    torch_threads: int | None = 1
+    ingress_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if self.router not in ("affinity", "default"):
+            raise ValueError(f"router must be 'affinity' or 'default', got {self.router!r}")
+        if not self.replica_num_cpus >= 0 or not self.ingress_num_cpus >= 0:
+            raise ValueError("num_cpus must be >= 0")
+        if not isinstance(self.max_ongoing_requests, int) or self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
+        if not self.stats_period_s > 0:
+            raise ValueError(f"stats_period_s must be > 0, got {self.stats_period_s}")
+        if not isinstance(self.ingress_replicas, int) or self.ingress_replicas < 1:
+            raise ValueError(f"ingress_replicas must be >= 1, got {self.ingress_replicas!r}")
+        AffinityConfig(**self.router_kwargs)  # fail here, not inside a replica
+
+    @property
+    def page_size(self) -> int:
+        return int(self.engine_kwargs.get("page_size", 16))
+
+
+def build_cluster_app(config: ClusterConfig | None = None) -> Any:
+    """The Ray Serve application (ingress bound to the engine replicas) for ``config``."""
+    from ray.serve.config import RequestRouterConfig
+
+    from radixkv.cluster.deployment import RadixKVIngress, RadixKVReplica
+    from radixkv.cluster.router import PinnablePowerOfTwoRouter, RadixAffinityRouter
+
+    cfg = config or ClusterConfig()
+    router_cls = RadixAffinityRouter if cfg.router == "affinity" else PinnablePowerOfTwoRouter
+    router_config = RequestRouterConfig(
+        request_router_class=router_cls,
+        request_router_kwargs=dict(cfg.router_kwargs) if cfg.router == "affinity" else {},
+        request_routing_stats_period_s=cfg.stats_period_s,
+    )
+    replica = RadixKVReplica.options(
+        name=REPLICA_DEPLOYMENT,
+        num_replicas=cfg.replicas,
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        request_router_config=router_config,
+        ray_actor_options={"num_cpus": cfg.replica_num_cpus},
+    ).bind(
+        cfg.model,
+        dict(cfg.engine_kwargs),
+        dict(cfg.server_kwargs),
+        summary_max_hashes=cfg.summary_max_hashes,
+        torch_threads=cfg.torch_threads,
+    )
+    return RadixKVIngress.options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=cfg.ingress_replicas,
+        max_ongoing_requests=max(256, cfg.max_ongoing_requests * cfg.replicas),
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+    ).bind(replica, cfg.model, cfg.page_size, dict(cfg.server_kwargs))
+
+
+def replica_actor_names(app_name: str) -> list[str]:
+    """Ray actor names (in namespace "serve") of the app's engine replicas, sorted."""
+    import ray
+
+    prefix = f"#{REPLICA_DEPLOYMENT}#"
+    names = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"] if isinstance(entry, dict) else str(entry)
+        if name.startswith("SERVE_REPLICA::") and f"{app_name}{prefix}" in name:
+            names.append(name)
+    return sorted(names)
+
+
+def fleet_engine_stats(app_name: str, *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Every engine replica's own EngineStats (as dicts with a "replica" key), one per replica.
+
+    Calls are pinned to each replica through the router (``pin_replica``); a replica that is
+    gone or does not answer in time is skipped. Call from synchronous code (the driver).
+    """
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name)
+    names = replica_actor_names(app_name)
+    calls = [(n, handle.engine_stats.remote(pin_replica=n.rsplit("#", 1)[-1])) for n in names]
+    out = []
+    for name, call in calls:
+        try:
+            got = call.result(timeout_s=timeout_s)
+        except Exception:
+            continue
+        if isinstance(got, dict) and got.get("replica") == name:
+            out.append(got)
+    return out

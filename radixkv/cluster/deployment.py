@@ -1,0 +1,255 @@
+"""Ray Serve deployments: engine replicas serving the server's app, and a routing ingress.
+
+::
+
+    HTTP -> Ray Serve proxy -> RadixKVIngress (reads the body, tokenizes, hashes pages)
+         -> DeploymentHandle + RadixAffinityRouter (picks a replica by prefix)
+         -> RadixKVReplica (AsyncEngine + radixkv.server's FastAPI app, unmodified)
+
+:class:`RadixKVReplica` builds an :class:`~radixkv.engine.async_engine.AsyncEngine` and the
+server's app (:func:`radixkv.server.app.build_app`) around it, runs the app's lifespan, and
+serves forwarded requests with :func:`~radixkv.cluster.asgi_bridge.call_app`: every route,
+error shape, header (``x-cached-tokens``...) and metric is the server's own. It also answers
+``record_routing_stats()`` (a bounded summary of its trie for the router) and
+``engine_stats()`` (the engine's own counters, for hit rates).
+
+:class:`RadixKVIngress` is the HTTP entry point. It forwards each request to a replica through
+a handle, retrying on another replica when the chosen one dies before answering: a
+non-streamed request is retried whenever its replica dies (nothing reached the client yet); a
+streamed one only until its first bytes were sent, after that the stream ends with an
+OpenAI-shaped error event. Either way the client gets a clean answer, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from radixkv.cluster._ray import import_serve
+
+serve = import_serve()
+
+from ray.exceptions import RayActorError, RayTaskError  # noqa: E402
+from ray.serve.exceptions import BackPressureError  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+from starlette.responses import Response, StreamingResponse  # noqa: E402
+
+from radixkv.cluster.asgi_bridge import ForwardedRequest, Lifespan, call_app  # noqa: E402
+from radixkv.cluster.hinting import PromptHasher, load_tokenizer  # noqa: E402
+from radixkv.cluster.summary import CacheSummary  # noqa: E402
+
+log = logging.getLogger("radixkv.cluster")
+
+REPLICA_HEADER = "x-radixkv-replica"
+
+
+@serve.deployment
+class RadixKVReplica:
+    """One engine + the server's app. Args are plain data (Ray pickles them per replica)."""
+
+    async def __init__(
+        self,
+        model: str = "radixkv-tiny",
+        engine_kwargs: dict[str, Any] | None = None,
+        server_kwargs: dict[str, Any] | None = None,
+        *,
+        summary_max_hashes: int = 2048,
+        torch_threads: int | None = 1,
+    ) -> None:
+        import torch
+
+        from radixkv.engine.async_engine import AsyncEngine
+        from radixkv.server.app import build_app
+        from radixkv.server.config import ServerConfig
+
+        if torch_threads is not None:
+            # Several replicas share a machine's cores: one intra-op pool each, not one per core.
+            torch.set_num_threads(torch_threads)
+        self.engine = AsyncEngine(model, **(engine_kwargs or {}))
+        cache = self.engine.engine.cache
+        self.summary = CacheSummary(cache.page_size, max_hashes=summary_max_hashes)
+        cache.add_listener(self.summary.listener)
+        self.app = build_app(self.engine, ServerConfig(**(server_kwargs or {})), owns_engine=True)
+        self.lifespan = Lifespan(self.app)
+        await self.lifespan.startup()
+        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        self._header = [(REPLICA_HEADER.encode(), self.name.encode())]
+
+    async def handle_http(
+        self, request: ForwardedRequest, prefix_hashes: list[int] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Serve one forwarded request with the server's app; yields its ASGI messages.
+        (``prefix_hashes`` is the router's hint; the app recomputes what it needs.)"""
+        async for msg in call_app(self.app, request, extra_headers=self._header):
+            yield msg
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Bounded trie summary for RadixAffinityRouter (Ray calls this periodically)."""
+        stats = await asyncio.wait_for(self.engine.stats(), timeout=10)
+        queue_len = stats.num_running + stats.num_waiting
+        return self.summary.snapshot(queue_len=queue_len, replica=self.name).to_stats()
+
+    async def engine_stats(self, pin_replica: str | None = None) -> dict[str, Any]:
+        """The engine's own counters (EngineStats as a dict) plus this replica's name.
+        (``pin_replica`` is read by the router, which sends the call to that replica.)"""
+        stats = msgspec.to_builtins(await self.engine.stats())
+        stats["replica"] = self.name
+        return stats
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def __del__(self) -> None:
+        await self.lifespan.shutdown()
+
+
+def _is_replica_failure(e: BaseException) -> bool:
+    """The replica (not the request) failed: it died, became unreachable, or shed load."""
+    if isinstance(e, RayActorError | BackPressureError):
+        return True
+    return isinstance(e, RayTaskError) and isinstance(getattr(e, "cause", None), RayActorError)
+
+
+def _sse_error(message: str) -> bytes:
+    err = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+
+def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {
+        k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.lower() != b"content-length"
+    }
+
+
+@serve.deployment
+class RadixKVIngress:
+    """HTTP entry: hash the prompt for the router, forward to a replica, relay the answer."""
+
+    def __init__(
+        self,
+        replicas: Any,  # DeploymentHandle of RadixKVReplica
+        model: str = "radixkv-tiny",
+        page_size: int = 16,
+        server_kwargs: dict[str, Any] | None = None,
+        *,
+        max_attempts: int = 3,
+    ) -> None:
+        server_kwargs = server_kwargs or {}
+        self.replicas = replicas
+        self.hasher = PromptHasher(
+            load_tokenizer(model),
+            page_size,
+            api_keys=server_kwargs.get("api_keys"),
+            admin_key=server_kwargs.get("admin_key"),
+        )
+        self.max_body_bytes = int(server_kwargs.get("max_body_bytes", 4 * 1024 * 1024))
+        self.max_attempts = max_attempts
+
+    def _call(self, fwd: ForwardedRequest, hashes: list[int]) -> Any:
+        return self.replicas.options(stream=True).handle_http.remote(fwd, prefix_hashes=hashes)
+
+    async def __call__(self, request: Request) -> Response:
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                break  # forwarded truncated past the limit: the replica's app answers 413
+        path: str = request.scope["path"]
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"  # the app's routes are relative to the prefix
+        fwd = ForwardedRequest(
+            method=request.method,
+            path=path,
+            query_string=request.url.query.encode("latin-1"),
+            headers=list(request.headers.raw),
+            body=body,
+            client=tuple(request.client) if request.client else None,  # type: ignore[arg-type]
+        )
+        hint = self.hasher.hint(fwd.path, request.headers.get("authorization"), body)
+        if hint.stream:
+            return await self._streamed(fwd, hint.hashes)
+        return await self._buffered(fwd, hint.hashes)
+
+    async def _buffered(self, fwd: ForwardedRequest, hashes: list[int]) -> Response:
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            start: dict[str, Any] | None = None
+            chunks: list[bytes] = []
+            gen = self._call(fwd, hashes)
+            try:
+                async for msg in gen:
+                    if msg["type"] == "http.response.start":
+                        start = msg
+                    else:
+                        chunks.append(msg.get("body", b""))
+            except Exception as e:
+                if not _is_replica_failure(e):
+                    raise
+                last = e
+                log.warning("replica failed (attempt %d): %r; retrying", attempt + 1, e)
+                continue
+            assert start is not None
+            return Response(b"".join(chunks), start["status"], headers=_headers(start["headers"]))
+        return _unavailable(last)
+
+    async def _streamed(self, fwd: ForwardedRequest, hashes: list[int]) -> Response:
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            gen = self._call(fwd, hashes)
+            try:
+                start = await gen.__anext__()
+            except StopAsyncIteration:
+                return _unavailable(None)
+            except Exception as e:
+                if not _is_replica_failure(e):
+                    raise
+                last = e
+                log.warning("replica failed (attempt %d): %r; retrying", attempt + 1, e)
+                continue
+            return StreamingResponse(
+                _relay(gen), start["status"], headers=_headers(start["headers"])
+            )
+        return _unavailable(last)
+
+
+async def _relay(gen: Any) -> AsyncIterator[bytes]:
+    """Body chunks of a started stream; a replica lost mid-stream ends it with an error event."""
+    done = False
+    try:
+        async for msg in gen:
+            if msg["type"] == "http.response.body":
+                if msg.get("body"):
+                    yield msg["body"]
+                if not msg.get("more_body", False):
+                    done = True
+    except Exception as e:
+        if not _is_replica_failure(e):
+            raise
+        log.warning("replica failed mid-stream: %r", e)
+        yield _sse_error(f"the replica serving this stream failed: {type(e).__name__}")
+    finally:
+        if not done:
+            gen.cancel()  # the client left (or the replica failed): abort on the replica
+
+
+def _unavailable(err: BaseException | None) -> Response:
+    body = {
+        "error": {
+            "message": f"no replica could serve the request: {type(err).__name__ if err else 'none'}",
+            "type": "server_error",
+            "param": None,
+            "code": "replica_unavailable",
+        }
+    }
+    return Response(
+        json.dumps(body).encode(),
+        503,
+        headers={"retry-after": "1"},
+        media_type="application/json",
+    )

@@ -1,0 +1,104 @@
+"""Where routing tokenization happens: the ingress turns an HTTP request into page hashes.
+
+The ingress holds the *same tokenizer* as the engine replicas (loaded from the same model name
+or folder) and computes, for each request, exactly the token ids the replica's server app will
+compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat: the chat template,
+then ``encode(text, add_special_tokens=False)``) and the namespace it will use (the
+authenticated tenant plus ``cache_salt``). Their chained page hashes
+(:func:`radixkv.cache.hashing.page_hashes`, Dynamo-compatible) travel with the forwarded
+request as the router's hint. The replica tokenizes again for its engine (the request is
+forwarded unchanged); tokenizing is microseconds per kilobyte, far below a prefill.
+
+Anything the ingress cannot parse gets no hint (it is forwarded anyway and the replica answers
+with its usual 400/401): routing never rejects a request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from radixkv.cache.hashing import page_hashes
+from radixkv.server import protocol as P
+from radixkv.server.auth import Authenticator
+from radixkv.server.errors import APIError
+
+
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer the engine would load for ``model`` (no weights are loaded)."""
+    from radixkv.model.tiny import TINY_NAME, tiny_tokenizer
+
+    if str(model) == TINY_NAME:
+        return tiny_tokenizer()
+    from radixkv.model.config import ModelConfig
+    from radixkv.model.loader import _load_tokenizer
+
+    folder = Path(model)
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    return _load_tokenizer(folder, cfg)
+
+
+@dataclass(frozen=True)
+class RoutingHint:
+    """What the router needs from a request (plain data, pickled by Ray)."""
+
+    hashes: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    stream: bool = False
+
+
+class PromptHasher:
+    """``hint(path, authorization, body) -> RoutingHint`` (see the module doc)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        page_size: int,
+        *,
+        api_keys: dict[str, str] | None = None,
+        admin_key: str | None = None,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.tokenizer = tokenizer
+        self.page_size = page_size
+        self.auth = Authenticator(api_keys, admin_key)
+
+    def token_ids(self, path: str, body: bytes) -> tuple[list[int], Any] | None:
+        """(prompt token ids, decoded request), or None when it is not a generation request
+        the replica would accept."""
+        try:
+            if path == "/v1/completions":
+                req: Any = P.decode_request(body, P.CompletionRequest)
+                prompts = req.prompts()
+                if not prompts:
+                    return None
+                first = prompts[0]  # a batch is routed by its first prompt
+                ids = list(self.tokenizer.encode(first)) if isinstance(first, str) else first
+                return ids, req
+            if path == "/v1/chat/completions":
+                req = P.decode_request(body, P.ChatCompletionRequest)
+                text = self.tokenizer.apply_chat_template(
+                    req.template_messages(), add_generation_prompt=True
+                )
+                return list(self.tokenizer.encode(text, add_special_tokens=False)), req
+        except (P.ProtocolError, ValueError, TypeError):
+            return None
+        return None
+
+    def hint(self, path: str, authorization: str | None, body: bytes) -> RoutingHint:
+        got = self.token_ids(path, body)
+        if got is None:
+            return RoutingHint()
+        ids, req = got
+        try:
+            namespace = self.auth.authenticate(authorization).namespace(req.cache_salt)
+        except APIError:
+            return RoutingHint(stream=bool(req.stream))
+        return RoutingHint(
+            hashes=page_hashes(ids, self.page_size, namespace),
+            num_tokens=len(ids),
+            stream=bool(req.stream),
+        )

@@ -1,0 +1,260 @@
+"""Prefix-affinity scoring without Ray: hashes, ranking, load guards, the trie summary, hints."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from radixkv.cache.hashing import page_hashes
+from radixkv.cache.page_pool import PagePool
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.cluster.affinity import (
+    AffinityConfig,
+    AffinityState,
+    ReplicaSummary,
+    longest_chain,
+)
+from radixkv.cluster.hinting import PromptHasher, load_tokenizer
+from radixkv.cluster.summary import CacheSummary
+
+PS = 4
+
+
+def dynamo_hashes(tokens: list[int], page_size: int) -> list[int]:
+    """Dynamo's KV-router block hashes, written out independently of radixkv.cache.hashing."""
+    out: list[int] = []
+    for i in range(len(tokens) // page_size):
+        page = np.asarray(tokens[i * page_size : (i + 1) * page_size], dtype="<u4").tobytes()
+        local = xxhash.xxh3_64_intdigest(page, seed=1337)
+        seq = (
+            local if not out else xxhash.xxh3_64_intdigest(struct.pack("<QQ", out[-1], local), 1337)
+        )
+        out.append(seq)
+    return out
+
+
+def test_page_hashes_are_dynamo_compatible() -> None:
+    rng = random.Random(0)
+    for n in (0, 3, 16, 17, 64, 100):
+        toks = [rng.randrange(0, 200_000) for _ in range(n)]
+        assert page_hashes(toks, 16) == dynamo_hashes(toks, 16)
+    toks = list(range(40))
+    assert page_hashes(toks, 16, namespace="t") != page_hashes(toks, 16)
+
+
+def test_longest_chain_takes_the_deepest_held_hash() -> None:
+    h = [11, 12, 13, 14]
+    assert longest_chain(h, set()) == 0
+    assert longest_chain(h, {11}) == 1
+    assert longest_chain(h, {13}) == 3  # a chained hash names its whole prefix
+    assert longest_chain(h, {11, 12, 13, 14, 99}) == 4
+    assert longest_chain([], {1}) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"imbalance_abs": -1},
+        {"imbalance_rel": 0.5},
+        {"min_match_pages": 0},
+        {"min_match_ratio": 1.5},
+        {"recent_per_replica": -1},
+        {"provisional_ttl_s": 0},
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        AffinityConfig(**kwargs)
+    with pytest.raises(TypeError):
+        AffinityConfig(imbalance_abs=1.5)  # type: ignore[arg-type]
+
+
+def summary(hashes: list[int], *, cached: int | None = None, queue: int = 0) -> dict:
+    return ReplicaSummary(
+        block_hashes=hashes,
+        cached_tokens=len(hashes) * PS if cached is None else cached,
+        queue_len=queue,
+        page_size=PS,
+    ).to_stats()
+
+
+def test_stats_affinity_picks_the_longest_match_and_ranks_everyone() -> None:
+    s = AffinityState()
+    h = page_hashes(list(range(32)), PS)  # 8 pages
+    s.update_stats("a", summary(h[:2]))
+    s.update_stats("b", summary(h[:6]))
+    s.update_stats("c", summary([]))
+    d = s.rank(["a", "b", "c"], h)
+    assert d.order[0] == "b" and d.reason == "affinity"
+    assert sorted(d.order) == ["a", "b", "c"]
+    assert d.order.index("a") < d.order.index("c")
+    assert d.match_pages == {"a": 2, "b": 6, "c": 0}
+
+
+def test_router_record_gives_affinity_before_stats_arrive() -> None:
+    s = AffinityState()
+    h = page_hashes(list(range(40)), PS)
+    first = s.rank(["a", "b", "c"], h)
+    assert first.reason == "weak"  # nobody holds it yet
+    s.picked("r1", first.order[0], h)
+    again = s.rank(["a", "b", "c"], h)
+    assert again.order[0] == first.order[0] and again.reason == "affinity"
+    # Ray confirmed another replica: both now count as holders, the actual one is not loaded more
+    s.routed("r1", "c")
+    assert s.load("c") == 1 and s.load(first.order[0]) == (1 if first.order[0] == "c" else 0)
+    s.completed("r1", "c")
+    assert s.load("c") == 0
+
+
+def test_weak_match_goes_to_least_cached() -> None:
+    s = AffinityState(AffinityConfig(min_match_pages=2, min_match_ratio=0.5))
+    h = page_hashes(list(range(40)), PS)  # 10 pages
+    s.update_stats("a", summary(h[:1], cached=800))  # 1 page: weak
+    s.update_stats("b", summary([], cached=400))
+    s.update_stats("c", summary([], cached=100))
+    assert s.rank(["a", "b", "c"], h).order == ["c", "b", "a"]
+    # a 5-page match is strong
+    s.update_stats("a", summary(h[:5], cached=800))
+    d = s.rank(["a", "b", "c"], h)
+    assert d.order[0] == "a" and d.reason == "affinity"
+
+
+def test_new_prefixes_spread_by_cached_estimate() -> None:
+    s = AffinityState()
+    owners = []
+    for g in range(4):
+        h = page_hashes([1000 * g + i for i in range(64)], PS)
+        d = s.rank(["a", "b", "c", "d"], h)
+        s.picked(f"r{g}", d.order[0], h)
+        s.routed(f"r{g}", d.order[0])
+        s.completed(f"r{g}", d.order[0])
+        owners.append(d.order[0])
+    assert sorted(owners) == ["a", "b", "c", "d"]  # each new group on an empty replica
+
+
+def test_imbalance_falls_back_to_least_loaded_and_spreads_a_hot_prefix() -> None:
+    s = AffinityState(AffinityConfig(imbalance_abs=2, imbalance_rel=1.5))
+    h = page_hashes(list(range(64)), PS)
+    replicas = ["a", "b", "c", "d"]
+    for r in replicas:
+        s.update_stats(r, summary([]))
+    chosen = []
+    for i in range(12):  # nothing completes: load piles up
+        d = s.rank(replicas, h)
+        s.picked(f"r{i}", d.order[0], h)
+        s.routed(f"r{i}", d.order[0])
+        chosen.append(d.order[0])
+    assert chosen[:3] == [chosen[0]] * 3  # affinity holds while within the thresholds
+    assert len(set(chosen)) == 4  # then the hot prefix spreads over the fleet
+    loads = [s.load(r) for r in replicas]
+    assert max(loads) - min(loads) <= 3
+
+
+def test_both_thresholds_must_trip() -> None:
+    h = page_hashes(list(range(64)), PS)
+    s = AffinityState(AffinityConfig(imbalance_abs=1, imbalance_rel=10.0))
+    s.update_stats("a", summary(h, queue=8))
+    s.update_stats("b", summary([], queue=1))
+    assert s.rank(["a", "b"], h).order[0] == "a"  # 8 <= 10 * 1: relative test holds
+    s.update_stats("a", summary(h, queue=11))
+    d = s.rank(["a", "b"], h)
+    assert d.order == ["b", "a"] and d.reason == "imbalance"
+    s2 = AffinityState(AffinityConfig(imbalance_abs=20, imbalance_rel=1.0))
+    s2.update_stats("a", summary(h, queue=15))
+    s2.update_stats("b", summary([], queue=0))
+    assert s2.rank(["a", "b"], h).order[0] == "a"  # absolute gap 15 <= 20
+
+
+def test_no_prefix_requests_balance_load() -> None:
+    s = AffinityState()
+    s.update_stats("a", summary([], queue=3))
+    s.update_stats("b", summary([], queue=1))
+    d = s.rank(["a", "b"], [])
+    assert d.order == ["b", "a"] and d.reason == "no-prefix"
+    assert s.rank([], [1]).order == []
+
+
+def test_dead_replicas_are_forgotten_and_bad_stats_ignored() -> None:
+    s = AffinityState()
+    h = page_hashes(list(range(16)), PS)
+    s.picked("r", "a", h)
+    s.routed("r", "a")
+    assert s.load("a") == 1
+    s.remove_replica("a")
+    assert s.load("a") == 0 and longest_chain(h, s.holds("a")) == 0
+    s.completed("r")  # after the replica is gone: a no-op
+    s.update_stats("b", {"block_hashes": "not a list"})
+    s.update_stats("b", None)
+    assert s.cached_estimate("b") == 0
+    s.picked("x", "b", h)
+    s.set_replicas(["c"])
+    assert s.load("b") == 0
+
+
+def test_provisional_picks_expire() -> None:
+    now = [0.0]
+    s = AffinityState(AffinityConfig(provisional_ttl_s=5.0), clock=lambda: now[0])
+    s.picked("r", "a", [1, 2])
+    assert s.load("a") == 1
+    now[0] = 10.0
+    s.rank(["a"], [1])
+    assert s.load("a") == 0
+
+
+def test_cache_summary_tracks_the_trie_through_events() -> None:
+    cache = RadixCache(PagePool(16), page_size=PS)
+    summ = CacheSummary(PS, max_hashes=3)
+    cache.add_listener(summ.listener)
+    a = list(range(12))  # 3 pages
+    b = [*range(8), 100, 101, 102, 103]  # shares 2 pages with a
+    cache.insert(a, cache.alloc(3))
+    cache.insert(b, cache.alloc(3))  # the 2 shared pages are duplicates: the cache frees them
+    want = set(page_hashes(a, PS)) | set(page_hashes(b, PS))
+    assert len(summ) == len(want) and all(h in summ for h in want)
+    snap = summ.snapshot(queue_len=2, replica="x")
+    assert snap.block_hashes[0] == page_hashes(b, PS)[-1]  # most recently stored first
+    assert len(snap.block_hashes) == 3 and snap.truncated
+    assert snap.cached_tokens == 4 * PS and snap.queue_len == 2
+    assert ReplicaSummary.from_stats(snap.to_stats()) == snap
+    cache.evict(16)
+    assert len(summ) == 0 and summ.snapshot().cached_tokens == 0
+    cache.insert(a, cache.alloc(3))
+    cache.reset()
+    assert len(summ) == 0
+    with pytest.raises(ValueError):
+        CacheSummary(0)
+
+
+def test_prompt_hasher_matches_the_server_tokenization() -> None:
+    tok = load_tokenizer("radixkv-tiny")
+    hasher = PromptHasher(tok, 16)
+    prompt = "hello world " * 10
+    h = hasher.hint("/v1/completions", None, b'{"model": "m", "prompt": "%s"}' % prompt.encode())
+    assert h.hashes == page_hashes(tok.encode(prompt), 16) and h.num_tokens == len(
+        tok.encode(prompt)
+    )
+    assert not h.stream
+    ids = list(range(40))
+    h = hasher.hint(
+        "/v1/completions", None, b'{"model": "m", "prompt": %s, "stream": true}' % str(ids).encode()
+    )
+    assert h.hashes == page_hashes(ids, 16) and h.stream
+    msgs = [{"role": "user", "content": "x" * 50}]
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "%s"}]}' % (b"x" * 50)
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    want = page_hashes(tok.encode(text, add_special_tokens=False), 16)
+    assert hasher.hint("/v1/chat/completions", None, body).hashes == want and want
+    # unparsable or non-generation requests: no hint, never an exception
+    assert hasher.hint("/v1/completions", None, b"{bad").hashes == []
+    assert hasher.hint("/v1/models", None, b"").hashes == []
+    # tenants: the namespace the server would use, and no hint for a bad key
+    keyed = PromptHasher(tok, 16, api_keys={"key-alice-1": "alice"})
+    body = b'{"model": "m", "prompt": %s, "cache_salt": "s"}' % str(ids).encode()
+    assert keyed.hint("/v1/completions", "Bearer key-alice-1", body).hashes == page_hashes(
+        ids, 16, ("alice", "s")
+    )
+    assert keyed.hint("/v1/completions", "Bearer wrong-key-1", body).hashes == []
