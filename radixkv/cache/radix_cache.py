@@ -56,7 +56,17 @@ _tuple_new = tuple.__new__  # builds the NamedTuples without their Python-level 
 
 
 class RadixCache(TrieStore):
-    """Prefix cache over a PagePool. See the module docstring for the ownership contract."""
+    """Prefix cache over a PagePool. See the module docstring for the ownership contract.
+
+    Args:
+        pool: the PagePool whose page ids the trie owns; use one pool per cache.
+        page_size: tokens per KV page; only whole pages are cached.
+        policy: eviction order, "lru" (default) or "lfu", or an object with a ``name`` and a
+            ``key(node) -> int`` method (smaller keys are evicted first).
+        hash_fn: child-lookup hash of one page, given as the page's tokens in the key encoding
+            (native int64 bytes). Defaults to XXH3-64. Any function works, even a constant:
+            tokens are always compared before a page is reused.
+    """
 
     def __init__(
         self,
