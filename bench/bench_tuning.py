@@ -6,7 +6,8 @@ Parts:
   alone (no model): a few hot system prompts (Zipf popularity) asked many questions, interleaved
   with one-off long documents that are never reused (a "scan" that pollutes an LRU cache).
 * ``page``: the same trace with an unbounded pool at page sizes 1, 4, 16, 64: hit rate lost to
-  page alignment, trie size, and the mean cost of match and insert.
+  page alignment, trie size, and the median cost of match and insert; also a trace of short (20-60 token) shared prefixes,
+  where alignment costs more.
 * ``chunk``: the engine on radixkv-tiny, one long prompt arriving with a batch of short ones, for
   several ``chunked_prefill_size`` values: time to first token of the short requests vs of the
   long one, and total time.
@@ -24,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +39,18 @@ sys.path.insert(0, str(ROOT / "bench"))
 from make_report import machine_description  # noqa: E402
 
 VOCAB = 32_000
+NUM_HOT = 32
 
 
 def make_trace(
-    num_requests: int, *, num_hot: int = 8, doc_share: float = 0.4, seed: int = 0
-) -> list[tuple[list[int], list[int]]]:
+    num_requests: int, *, num_hot: int = NUM_HOT, doc_share: float = 0.4, seed: int = 0
+) -> tuple[list[tuple[list[int], list[int]]], int]:
     """(prompt, output) pairs: hot system prompts + unique questions, and one-off documents.
 
     System prompt lengths are drawn around 1,000 tokens (not page multiples, so page alignment
     costs something); questions 64 tokens; outputs 64 tokens; documents 1,000 tokens + question.
-    Hot prompt i is chosen with probability proportional to 1 / (i + 1) (Zipf).
+    Hot prompt i is chosen with probability proportional to 1 / (i + 1) (Zipf). Also returns
+    the total length of the hot prompts in tokens (the "hot set").
     """
     rng = random.Random(seed)
 
@@ -62,7 +66,7 @@ def make_trace(
         else:
             prompt = rng.choices(hot, weights)[0] + run(64)
         trace.append((prompt, run(64)))
-    return trace
+    return trace, sum(len(h) for h in hot)
 
 
 def replay(trace: list[tuple[list[int], list[int]]], *, num_pages: int, page_size: int,
@@ -70,21 +74,22 @@ def replay(trace: list[tuple[list[int], list[int]]], *, num_pages: int, page_siz
     """Serve every request the way the engine does, through the cache alone.
 
     match (capped at len - 1) -> lock -> alloc the rest -> insert prompt + output full pages ->
-    free the private partial page -> unlock. Returns hit counts and mean op times (us).
+    free the private partial page -> unlock. Returns hit counts and median op times (us).
     """
     pool = PagePool(num_pages)
     cache = RadixCache(pool, page_size=page_size, policy=policy)
     hit = total = 0
     t_match: list[float] = []
     t_insert: list[float] = []
-    for prompt, output in trace:
+    for prompt_list, output in trace:
+        prompt = array("q", prompt_list)  # the documented fast path for token ids
         t0 = time.perf_counter()
         m = cache.match_prefix(prompt[:-1])
         t_match.append(time.perf_counter() - t0)
         hit += m.num_tokens
         total += len(prompt)
         cache.lock(m.node)
-        full = prompt + output
+        full = prompt + array("q", output)
         need = math.ceil(len(full) / page_size) - len(m.pages)
         pages = list(m.pages) + cache.alloc(need)
         n_full = len(full) // page_size
@@ -102,22 +107,31 @@ def replay(trace: list[tuple[list[int], list[int]]], *, num_pages: int, page_siz
         "cached_pages": cache.num_cached_pages,
         "nodes": sum(1 for _ in cache.iter_nodes()),
         "evicted_pages": int(getattr(cache.stats, "evicted_pages", 0)),
-        "match_us": 1e6 * statistics.fmean(t_match),
-        "insert_us": 1e6 * statistics.fmean(t_insert),
+        "match_us": 1e6 * statistics.median(t_match),
+        "insert_us": 1e6 * statistics.median(t_insert),
     }
 
 
-def bench_pool(trace: list[tuple[list[int], list[int]]], page_size: int) -> list[dict[str, Any]]:
+def _enough(trace: list[tuple[list[int], list[int]]], page_size: int) -> int:
+    """A pool that never evicts: every page any request could ever need."""
+    return sum(math.ceil((len(p) + len(o)) / page_size) for p, o in trace) + 1
+
+
+def bench_pool(
+    trace: list[tuple[list[int], list[int]]], page_size: int, hot_pages: int
+) -> list[dict[str, Any]]:
+    """Hit rate per policy for pools from a quarter of the hot set to 8x it."""
     max_pages = max(math.ceil((len(p) + len(o)) / page_size) for p, o in trace)
-    unbounded = replay(trace, num_pages=10**7, page_size=page_size, policy="lru")
-    working_set = unbounded["cached_pages"]
+    unbounded = replay(
+        trace, num_pages=_enough(trace, page_size), page_size=page_size, policy="lru"
+    )
     rows = []
-    for frac in (0.02, 0.05, 0.1, 0.2, 0.4, 1.0):
-        num_pages = max(int(working_set * frac), 2 * max_pages)
+    for mult in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0):
+        num_pages = max(int(hot_pages * mult), 2 * max_pages)
         for policy in ("lru", "lfu"):
             r = replay(trace, num_pages=num_pages, page_size=page_size, policy=policy)
             rows.append({
-                "policy": policy, "pool_fraction": frac, "pool_pages": num_pages,
+                "policy": policy, "pool_vs_hot_set": mult, "pool_pages": num_pages,
                 "hit_rate": round(r["hit_rate"], 4),
                 "ideal_hit_rate": round(unbounded["hit_rate"], 4),
                 "evicted_pages": r["evicted_pages"],
@@ -125,19 +139,33 @@ def bench_pool(trace: list[tuple[list[int], list[int]]], page_size: int) -> list
     return rows
 
 
-def bench_page(trace: list[tuple[list[int], list[int]]]) -> list[dict[str, Any]]:
+def make_short_trace(num_requests: int, seed: int = 2) -> list[tuple[list[int], list[int]]]:
+    """Short shared prefixes: 64 few-shot style prompts of 20-60 tokens, 16-token questions."""
+    rng = random.Random(seed)
+    hot = [[rng.randrange(VOCAB) for _ in range(rng.randrange(20, 60))] for _ in range(64)]
+    return [
+        (rng.choice(hot) + [rng.randrange(VOCAB) for _ in range(16)],
+         [rng.randrange(VOCAB) for _ in range(16)])
+        for _ in range(num_requests)
+    ]  # fmt: skip
+
+
+def bench_page(workloads: dict[str, list[tuple[list[int], list[int]]]]) -> list[dict[str, Any]]:
+    """Per workload and page size, with a pool that never evicts: what alignment costs."""
     rows = []
-    for ps in (1, 4, 16, 64):
-        r = replay(trace, num_pages=10**7, page_size=ps, policy="lru")
-        rows.append({
-            "page_size": ps, "hit_rate": round(r["hit_rate"], 4), "nodes": r["nodes"],
-            "cached_pages": r["cached_pages"], "match_us": round(r["match_us"], 2),
-            "insert_us": round(r["insert_us"], 2),
-            "mean_partial_page_tokens": (ps - 1) / 2,
-        })  # fmt: skip
-    base = rows[0]["hit_rate"]
-    for row in rows:
-        row["hit_rate_lost_to_alignment"] = round(base - row["hit_rate"], 4)
+    for name, trace in workloads.items():
+        base = None
+        for ps in (1, 4, 16, 64):
+            r = replay(trace, num_pages=_enough(trace, ps), page_size=ps, policy="lru")
+            base = r["hit_rate"] if base is None else base
+            rows.append({
+                "workload": name, "page_size": ps, "hit_rate": round(r["hit_rate"], 4),
+                "hit_rate_lost_to_alignment": round(base - r["hit_rate"], 4),
+                "nodes": r["nodes"], "cached_pages": r["cached_pages"],
+                "match_us_median": round(r["match_us"], 2),
+                "insert_us_median": round(r["insert_us"], 2),
+                "mean_partial_page_tokens": (ps - 1) / 2,
+            })  # fmt: skip
     return rows
 
 
@@ -152,9 +180,9 @@ def bench_chunk(quick: bool) -> list[dict[str, Any]]:
     for chunk in (256, 512, 1024, 4096):
         engine = Engine("radixkv-tiny", chunked_prefill_size=chunk, max_prefill_tokens=chunk,
                         enable_prefix_cache=False, seed=0)  # fmt: skip
-        vocab = engine.tokenizer.vocab_size if hasattr(engine, "tokenizer") else 256
-        long_prompt = [rng.randrange(3, vocab) for _ in range(long_len)]
-        shorts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(n_short)]
+        # plain byte ids: valid for radixkv-tiny's byte-level vocabulary (special ids above)
+        long_prompt = [rng.randrange(3, 256) for _ in range(long_len)]
+        shorts = [[rng.randrange(3, 256) for _ in range(32)] for _ in range(n_short)]
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         outs = engine.generate([long_prompt, *shorts], params, use_tqdm=False)
@@ -177,18 +205,24 @@ def main() -> int:
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     n = 300 if args.quick else 2000
-    trace = make_trace(n)
+    trace, hot_tokens = make_trace(n)
+    # running a subset of parts keeps the other parts' last results
+    old = json.loads(args.out.read_text()) if args.out.exists() else {}
     result: dict[str, Any] = {
+        k: v for k, v in old.items() if k in ("pool_policy", "page_size", "chunk_size")
+    }
+    result |= {
         "machine": machine_description(),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "trace": f"{n} requests: 8 Zipf-hot ~1000-token system prompts + 64-token question, "
+        "trace": f"{n} requests: {NUM_HOT} Zipf-hot ~1000-token system prompts + 64-token question, "
         "40% one-off ~1000-token documents; 64 output tokens each",
     }
     if "pool" in parts:
-        result["pool_policy"] = bench_pool(trace, page_size=16)
+        result["pool_policy"] = bench_pool(trace, page_size=16, hot_pages=hot_tokens // 16)
         _print("hit rate vs pool size (page_size 16)", result["pool_policy"])
     if "page" in parts:
-        result["page_size"] = bench_page(trace)
+        shared = {"long prefixes (trace above)": trace, "short prefixes": make_short_trace(n)}
+        result["page_size"] = bench_page(shared)
         _print("page size (unbounded pool)", result["page_size"])
     if "chunk" in parts:
         result["chunk_size"] = bench_chunk(args.quick)

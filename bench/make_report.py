@@ -185,13 +185,15 @@ def plot_tuning(data: Any, fig: Any) -> None:
     """Hit rate vs pool size, one line per policy."""
     rows = _records(data, "pool_policy", "pool_size")
     ax = fig.add_subplot()
+    xkey = "pool_vs_hot_set" if "pool_vs_hot_set" in rows[0] else "pool_pages"
     for policy in sorted({r["policy"] for r in rows}):
-        pts = sorted((r["pool_fraction"], r["hit_rate"]) for r in rows if r["policy"] == policy)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        pts = sorted((r[xkey], r["hit_rate"]) for r in rows if r["policy"] == policy)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy.upper())
     ideal = [r["ideal_hit_rate"] for r in rows if "ideal_hit_rate" in r]
     if ideal:
         ax.axhline(ideal[0], color="0.5", ls="--", lw=1, label="ideal (infinite pool)")
-    ax.set_xlabel("pool size / working set")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("pool size / hot set" if xkey == "pool_vs_hot_set" else "pool pages")
     ax.set_ylabel("token hit rate")
     ax.set_title("Hit rate vs pool size")
     ax.legend()

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # only for annotations; matplotlib stays a lazy import
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["NodeRow", "draw_tree", "layout_tree", "node_table", "save_tree"]
+__all__ = ["NodeRow", "draw_tree", "find_node", "layout_tree", "node_table", "save_tree"]
 
 
 class _Node(Protocol):
@@ -133,6 +133,39 @@ def node_table(cache: _Cache) -> list[NodeRow]:
     ]
 
 
+def find_node(cache: Any, tokens: Sequence[int], namespace: Any = None) -> Any:
+    """The deepest node whose root-to-node path is a prefix of ``tokens``, without touching it.
+
+    Unlike ``cache.match_prefix`` this reads only public node attributes: it refreshes no access
+    time, counts no hit and splits nothing, so a picture can point at "where this request
+    ends" without changing what it pictures. The result ends at a node boundary (it may be
+    shorter than what ``match_prefix`` would return, which can split a node). Returns
+    ``cache.root`` (or the namespace's root) when nothing matches.
+    """
+    toks = [int(t) for t in tokens]
+    node = cache.root
+    if namespace is not None:
+        ns_root = next(
+            (c for c in node.children if int(c.num_tokens) == 0 and c.namespace == namespace),
+            None,
+        )
+        if ns_root is None:
+            return node
+        node = ns_root
+    pos = 0
+    while True:
+        nxt = None
+        for child in node.children:
+            k = int(child.num_tokens)
+            if k and child.namespace == namespace and list(child.tokens) == toks[pos : pos + k]:
+                nxt = child
+                break
+        if nxt is None:
+            return node
+        node = nxt
+        pos += int(nxt.num_tokens)
+
+
 def layout_tree(cache: _Cache) -> dict[int, tuple[float, int]]:
     """A tidy layout: node index -> (x, level).
 
@@ -209,6 +242,7 @@ def draw_tree(
     token_text: Callable[[Sequence[int]], str] | None = None,
     highlight: Iterable[Any] = (),
     annotations: Mapping[Any, str] | None = None,
+    highlight_label: str = "highlighted",
     cmap: str = "viridis",
     figsize: tuple[float, float] | None = None,
     dpi: int = 90,
@@ -218,8 +252,9 @@ def draw_tree(
     Each node is a box labelled with (the start of) its own token run, its token count, its own
     page ids, its hit count and its lock count. The fill colour shows recency (``last_access``,
     darkest = least recently used, brightest = most recently used, per ``cmap``); a locked node
-    has a thick red border; nodes in ``highlight`` get a thick orange border (use it for
-    shared pages or the path of one request). Edges are drawn from parent to child.
+    has a thick red border; nodes in ``highlight`` get a thick orange border instead (use it for
+    shared pages or the path of one request; the lock count stays in the label). Edges are
+    drawn from parent to child.
 
     Args:
         cache: a ``RadixCache`` (anything with ``iter_nodes()`` yielding nodes with the
@@ -230,6 +265,7 @@ def draw_tree(
         max_pages_shown: page ids shown per node before eliding.
         token_text: optional ``ids -> str`` (e.g. ``tokenizer.decode``) to label nodes with text.
         highlight: nodes to outline in orange.
+        highlight_label: legend text for the orange outline.
         annotations: extra text drawn under a node, keyed by node object.
         cmap: matplotlib colormap name for recency.
         figsize: figure size in inches; by default it grows with the tree.
@@ -250,7 +286,7 @@ def draw_tree(
 
     if ax is None:
         if figsize is None:
-            figsize = (min(2.3 * width + 1.0, 24.0), min(1.35 * depth + 0.8, 16.0))
+            figsize = (min(2.3 * width + 1.0, 24.0), min(0.9 * depth + 1.2, 16.0))
         fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
         ax = fig.add_subplot()
     else:
@@ -278,10 +314,10 @@ def draw_tree(
         # light text on dark fills, dark text on light ones
         r, g, b = face[:3] if not isinstance(face, str) else (1.0, 1.0, 1.0)
         text_colour = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
-        if int(n.lock_ref) > 0 and i not in structural:
+        if id(n) in highlighted:  # the caller's emphasis wins over the lock cue
+            edge, lw = "darkorange", 3.5
+        elif int(n.lock_ref) > 0 and i not in structural:
             edge, lw = "crimson", 3.0
-        elif id(n) in highlighted:
-            edge, lw = "darkorange", 3.0
         else:
             edge, lw = "0.3", 1.0
         label = _label(n, i in root_set, max_tokens_shown, max_pages_shown, token_text)
@@ -297,9 +333,6 @@ def draw_tree(
             zorder=3,
             bbox={"boxstyle": "round,pad=0.35", "fc": face, "ec": edge, "lw": lw},
         )
-        if id(n) in highlighted and int(n.lock_ref) > 0 and i not in structural:
-            # locked and highlighted: keep both cues visible
-            ax.plot([x], [-lvl + 0.42], marker="v", color="darkorange", ms=8, zorder=4)
         if id(n) in notes:
             # offset in points so the note sits just under the box whatever the figure's scale
             ax.annotate(
@@ -318,7 +351,7 @@ def draw_tree(
         Patch(fc="white", ec="crimson", lw=2.5, label="locked (lock > 0)"),
     ]
     if highlighted:
-        handles.append(Patch(fc="white", ec="darkorange", lw=2.5, label="highlighted"))
+        handles.append(Patch(fc="white", ec="darkorange", lw=2.5, label=highlight_label))
     ax.legend(
         handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7,
         frameon=False, ncols=len(handles),

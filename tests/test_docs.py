@@ -19,7 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "docs" / "notebooks"
 # Every notebook the docs link to; a missing or extra file fails test_notebook_list.
-NOTEBOOKS: list[str] = ["01_radix_tree.ipynb"]
+NOTEBOOKS: list[str] = [
+    "01_radix_tree.ipynb",
+    "02_branch_sharing.ipynb",
+    "03_multi_turn_chat.ipynb",
+    "04_embedding.ipynb",
+]
 
 sys.path.insert(0, str(ROOT / "bench"))
 import make_report  # noqa: E402
@@ -53,7 +58,7 @@ def test_make_report_renders_results(tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
     rows = [
-        {"policy": pol, "pool_fraction": f, "pool_pages": int(1000 * f), "hit_rate": h,
+        {"policy": pol, "pool_vs_hot_set": f, "pool_pages": int(1000 * f), "hit_rate": h,
          "ideal_hit_rate": 0.8}
         for pol, f, h in [("lru", 0.1, 0.3), ("lru", 1.0, 0.8), ("lfu", 0.1, 0.5), ("lfu", 1.0, 0.8)]
     ]  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.radix_cache import RadixCache
-from radixkv.viz import draw_tree, layout_tree, node_table, save_tree
+from radixkv.viz import draw_tree, find_node, layout_tree, node_table, save_tree
 
 PS = 4
 
@@ -93,7 +93,7 @@ def test_draw_tree_labels_locks_and_recency(cache: RadixCache) -> None:
     m = cache.match_prefix([*list(range(100, 112)), 9, 9, 9, 9, 0])
     cache.lock(m.node)
     before = cache.stats
-    fig = draw_tree(cache, title="t", highlight=[m.node], annotations={m.node: "branch X"})
+    fig = draw_tree(cache, title="t", annotations={m.node: "branch X"})
     assert cache.stats == before  # drawing mutates nothing
     cache.check_invariants()
 
@@ -120,6 +120,14 @@ def test_draw_tree_labels_locks_and_recency(cache: RadixCache) -> None:
     assert tuple(round(x, 3) for x in face) == tuple(
         round(x, 3) for x in colormaps["viridis"](0.95)
     )
+    # a highlighted node is outlined orange, locked or not; the lock count stays in its label
+    fig = draw_tree(cache, highlight=[m.node], highlight_label="shared")
+    texts = {t.get_text(): t for t in fig.axes[0].texts}
+    lbl = next(t for t in texts if f"pages {m.node.pages[0]}" in t)
+    assert "lock 1" in lbl
+    edge = texts[lbl].get_bbox_patch().get_edgecolor()
+    assert edge[0] > 0.9 and 0.4 < edge[1] < 0.7 and edge[2] < 0.1  # darkorange
+    assert "shared" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     cache.unlock(m.node)
 
 
@@ -164,3 +172,21 @@ def test_no_pyplot_and_lazy_matplotlib() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+def test_find_node_reads_without_touching(cache: RadixCache) -> None:
+    sys_prompt = list(range(100, 112))
+    before = cache.stats
+    times = {id(n): n.last_access for n in cache.iter_nodes()}
+    leaf = find_node(cache, [*sys_prompt, 9, 9, 9, 9, 5, 5])
+    assert leaf.depth_tokens == 16 and leaf.tokens == [9, 9, 9, 9]
+    # ends at a node boundary: 14 shared tokens stop at the 12-token system-prompt node
+    mid = find_node(cache, [*sys_prompt, 9, 9])
+    assert mid.depth_tokens == 12 and mid is leaf.parent
+    assert find_node(cache, [7, 7, 7, 7]) is cache.root
+    # namespaces are separate: the same tokens are found only under their own namespace
+    assert find_node(cache, [50] * 8, namespace="t2").depth_tokens == 8
+    assert find_node(cache, [50] * 8).depth_tokens == 0
+    assert find_node(cache, [50] * 8, namespace="nope") is cache.root
+    assert cache.stats == before
+    assert times == {id(n): n.last_access for n in cache.iter_nodes()}
