@@ -9,9 +9,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from radixkv.engine.async_engine import AsyncEngine
-from radixkv.server.app import ServerState, build_app
+from radixkv.server.app import build_app
 from radixkv.server.config import ServerConfig
 from radixkv.server.runner import BackgroundServer
+from radixkv.server.state import ServerState
 
 MODEL = "radixkv-tiny"
 

@@ -14,9 +14,9 @@ import zmq
 from server_helpers import MODEL, live_server, wait_drained
 
 from radixkv.cache.hashing import chain_start, page_hashes
-from radixkv.server.app import ServerState
 from radixkv.server.config import ServerConfig
 from radixkv.server.kv_events import END_SEQ, BlockRemoved, BlockSet, BlockStored, decode_batch
+from radixkv.server.state import ServerState
 
 ADMIN = "admin-key-0123"
 

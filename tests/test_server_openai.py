@@ -14,9 +14,9 @@ import openai
 import pytest
 from server_helpers import MODEL, assert_clean, live_server
 
-from radixkv.server.app import ServerState
 from radixkv.server.config import ServerConfig
 from radixkv.server.runner import BackgroundServer
+from radixkv.server.state import ServerState
 
 ADMIN = "admin-key-0123"
 BODY_LIMIT = 64 * 1024

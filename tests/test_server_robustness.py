@@ -17,9 +17,9 @@ import openai
 import pytest
 from server_helpers import MODEL, assert_clean, in_loop, live_server, wait_drained
 
-from radixkv.server.app import ServerState
 from radixkv.server.config import ServerConfig
 from radixkv.server.runner import BackgroundServer
+from radixkv.server.state import ServerState
 
 ADMIN = "admin-key-0123"
 

@@ -133,11 +133,3 @@ class Submission:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-
-
-async def until_disconnect(receive: Any) -> None:
-    """Returns when the client has disconnected (ASGI ``http.disconnect``)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

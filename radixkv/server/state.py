@@ -1,0 +1,246 @@
+"""Everything the routes share (``app.state.radixkv``): config, auth, metrics, the engine, and
+how one OpenAI request becomes engine requests and an HTTP response."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixkv.engine.async_engine import AsyncEngine, QueueFull
+from radixkv.engine.params import SamplingParams
+from radixkv.server import protocol as P
+from radixkv.server import render as R
+from radixkv.server.auth import Authenticator, Principal
+from radixkv.server.config import ServerConfig
+from radixkv.server.driver import Submission
+from radixkv.server.errors import APIError, bad_request
+from radixkv.server.metrics import ServerMetrics
+from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
+
+log = logging.getLogger("radixkv.server")
+
+
+class ServerState:
+    """Everything the routes share (``app.state.radixkv``)."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.auth = Authenticator(config.api_keys, config.admin_key)
+        self.last_stats: Any = None
+        self.metrics = ServerMetrics(stats_fn=lambda: self.last_stats)
+        core = engine.engine
+        self.tokenizer = core.tokenizer
+        self.max_context: int = core.max_context
+        self.vocab_size: int = core.vocab_size
+        self.model_name = config.model_name or str(getattr(core.model, "name", "radixkv"))
+        self.created = int(time.time())
+        self.in_flight = 0  # sequences admitted and not yet released
+        self.publisher: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (set at startup)
+
+    # ------------------------------------------------------------ lifecycle
+    async def startup(self) -> None:
+        """Bind the KV event publisher (if configured) and start listening to the cache.
+
+        Called by the app's lifespan; a host that does not run ASGI lifespan events (some
+        ingress wrappers) calls it itself, in the loop that will serve requests."""
+        self.loop = asyncio.get_running_loop()
+        if self.config.kv_events is not None and self.publisher is None:
+            from radixkv.server.kv_events import KVEventPublisher
+
+            device = getattr(self.engine.engine.kv_pool, "device", None)
+            self.publisher = KVEventPublisher(
+                self.config.kv_events,
+                topic=self.config.kv_events_topic,
+                replay_endpoint=self.config.kv_events_replay,
+                medium="GPU" if getattr(device, "type", "cpu") == "cuda" else "CPU",
+            )
+            self.engine.engine.cache.add_listener(self.publisher.listener)
+
+    async def shutdown(self, *, shutdown_engine: bool = False) -> None:
+        """Stop publishing (flushing what is queued) and optionally shut the engine down."""
+        if self.publisher is not None:
+            with contextlib.suppress(ValueError):
+                self.engine.engine.cache.remove_listener(self.publisher.listener)
+            self.publisher.close()
+            self.publisher = None
+        if shutdown_engine:
+            await self.engine.shutdown()
+
+    # ------------------------------------------------------------ request preparation
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise bad_request("prompt encodes to no tokens", "prompt")
+            return ids
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+        return prompt
+
+    def chat_ids(self, req: P.ChatCompletionRequest) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req.template_messages(), add_generation_prompt=True
+            )
+        except ValueError as e:  # ChatTemplateError is a ValueError
+            raise bad_request(f"chat template rejected the messages: {e}", "messages") from None
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise bad_request("messages render to no tokens", "messages")
+        return ids
+
+    def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
+        total = len(ids) + max_tokens
+        if total > self.max_context:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_context} tokens. However, you "
+                f"requested {total} tokens ({len(ids)} in the {param}, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or max_tokens.",
+                param,
+                code="context_length_exceeded",
+            )
+
+    @staticmethod
+    def sampling_params(
+        req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                max_tokens=max_tokens,
+                stop=tuple(P.stop_list(req.stop)),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                seed=req.seed,
+            )
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+
+    # ------------------------------------------------------------ running a request
+    async def run(
+        self,
+        request: Request,
+        principal: Principal,
+        req: P.CompletionRequest | P.ChatCompletionRequest,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        chat: bool,
+    ) -> Response:
+        seqs = len(prompts) * params.n
+        if self.in_flight + seqs > self.config.max_queue:
+            raise APIError(
+                503,
+                f"Server is at capacity ({self.in_flight} sequences in flight, max_queue="
+                f"{self.config.max_queue}); retry later",
+                code="queue_full",
+                headers={"retry-after": "1"},
+            )
+        self.in_flight += seqs
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        namespace = principal.namespace(req.cache_salt)
+        sub = Submission(self.engine, prompts, params, namespace=namespace, request_id=rid)
+        released = False
+        handed_off = False  # True once an SSEResponse owns the release
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                await sub.close()
+                self.in_flight -= seqs
+
+        try:
+            created = int(time.time())
+            if req.stream:
+                err = await wait_or_disconnect(sub.wait_started(), request.receive)
+                if err is not None:
+                    raise _engine_error(err)
+                include_usage = req.stream_options is not None and req.stream_options.include_usage
+                body = self._stream(
+                    sub, rid, req.model, created, chat=chat, include_usage=include_usage
+                )
+                response: Response = SSEResponse(
+                    body, headers=R.cache_headers(sub, rid), cleanup=release
+                )
+                handed_off = True  # the response owns the submission from here on
+                return response
+            err = await wait_or_disconnect(sub.wait_finished(), request.receive)
+            if err is not None:
+                raise _engine_error(err)
+            for i in range(len(sub.prompts)):
+                R.take_deltas(sub, i, self.metrics)
+            payload = (R.chat_response if chat else R.completion_response)(
+                sub, rid, req.model, created
+            )
+            return Response(
+                P.encode(payload), media_type="application/json", headers=R.cache_headers(sub, rid)
+            )
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening; the requests were aborted
+        finally:
+            if not handed_off:
+                await release()
+
+    async def _stream(
+        self,
+        sub: Submission,
+        rid: str,
+        model: str,
+        created: int,
+        *,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        chunk = R.chat_chunk if chat else R.completion_chunk
+        if chat:
+            yield R.chat_role_chunk(rid, model, created, sub.params.n)
+        for i in range(len(sub.prompts)):
+            deltas = R.take_deltas(sub, i, self.metrics)
+            if deltas:
+                yield chunk(rid, model, created, deltas)
+        while not sub.finished:
+            i, item = await sub.next_event()
+            if isinstance(item, BaseException):
+                yield R.sse(_engine_error(item).body_struct())
+                break
+            deltas = R.take_deltas(sub, i, self.metrics)
+            if deltas:
+                yield chunk(rid, model, created, deltas)
+        if include_usage:
+            yield R.usage_chunk(sub, rid, model, created, chat)
+        yield R.SSE_DONE
+
+
+def _engine_error(err: BaseException) -> APIError:
+    if isinstance(err, QueueFull):
+        return APIError(503, str(err), code="queue_full", headers={"retry-after": "1"})
+    if isinstance(err, ValueError | TypeError):
+        return bad_request(str(err))
+    log.error("request failed in the engine: %r", err)
+    return APIError(500, f"The engine failed while serving the request: {err}")

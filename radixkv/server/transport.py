@@ -1,0 +1,104 @@
+"""HTTP plumbing: a size-limited body read, disconnect-aware waiting, and an SSE response that
+always notices a vanished client and always releases what the request holds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from radixkv.server.errors import APIError, bad_request
+
+log = logging.getLogger("radixkv.server")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready."""
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that always notices a client disconnect (even while no token is flowing),
+    always closes its iterator, and always runs ``cleanup`` exactly once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        headers: dict[str, str],
+        cleanup: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(
+            content, headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        )
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.create_task(self.stream_response(send))
+        listen = asyncio.create_task(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stream, listen):
+                t.cancel()
+            results = await asyncio.gather(stream, listen, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._cleanup()
+        err = results[0]
+        if isinstance(err, Exception) and not isinstance(err, OSError):
+            log.error("stream failed: %r", err)
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Returns when the client has disconnected (ASGI ``http.disconnect``)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def wait_or_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
+    """Await ``work`` unless the client disconnects first (then cancel it, raise ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(until_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone
+    return task.result()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise APIError(
+                    413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes"
+                )
+        except ValueError:
+            raise bad_request("Invalid Content-Length header") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
