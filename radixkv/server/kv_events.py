@@ -122,7 +122,10 @@ class KVEventPublisher:
         max_batch_events: int = 256,
         medium: str | None = None,
     ) -> None:
-        import zmq  # optional dependency (radixkv[events]); imported only when events are on
+        try:
+            import zmq  # optional dependency (radixkv[events]); imported only when events are on
+        except ImportError:
+            raise ImportError("KV events need pyzmq: pip install 'radixkv[events]'") from None
 
         if max_batch_events < 1 or buffer_batches < 1:
             raise ValueError("max_batch_events and buffer_batches must be >= 1")
