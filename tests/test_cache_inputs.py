@@ -128,3 +128,25 @@ def test_bad_id_after_a_cached_prefix(tail_len: int, bad: int) -> None:
         cache.insert(query[:n] if n == len(query) else query[: n - 2] + query[-2:], pages)
     assert snapshot(cache) == before
     cache.check_invariants()
+
+
+def test_array_input_is_not_kept_or_locked() -> None:
+    """array('q') input is read through a view: the cache keeps no reference to it, and the
+    caller can resize it again once a call returns or raises."""
+    cache = make_cache(page_size=2)
+    toks = array("q", [1, 2, 3, 4])
+    r = cache.insert(toks, cache.alloc(2))
+    toks.append(5)  # BufferError if the cache still held a view
+    m = cache.match_prefix(toks)
+    assert m.pages == r.pages and cache.peek_prefix(toks) == 4
+    toks[0] = 9  # mutating the caller's array afterwards does not touch the cache
+    toks.append(6)
+    assert all(type(n.key) is bytes for n in cache.iter_nodes())
+    assert cache.match_prefix([1, 2, 3, 4]).pages == r.pages
+    bad = array("q", [1, 2, -3])
+    with pytest.raises(ValueError):
+        cache.match_prefix(bad)
+    bad.append(7)
+    with pytest.raises(ValueError):
+        cache.insert(array("q", [1, 2, 3, 4, -1, 0]), cache.alloc(3))
+    cache.check_invariants()

@@ -55,6 +55,14 @@ class InsertResult(NamedTuple):
 _tuple_new = tuple.__new__  # builds the NamedTuples without their Python-level __new__
 
 
+def _release(view: memoryview) -> None:
+    """Give the caller's array back (it cannot be resized while viewed)."""
+    try:  # noqa: SIM105 (contextlib.suppress costs more than the release itself)
+        view.release()
+    except BufferError:  # a derived buffer still lives in a traceback: it goes with it
+        pass
+
+
 class RadixCache(TrieStore):
     """Prefix cache over a PagePool. See the module docstring for the ownership contract.
 
@@ -145,6 +153,13 @@ class RadixCache(TrieStore):
         node when the match ends inside it (so the returned node ends exactly at the match).
         """
         qb = encode_tokens(tokens)
+        try:
+            return self._match_prefix(qb, namespace)
+        finally:
+            if type(qb) is memoryview:
+                _release(qb)
+
+    def _match_prefix(self, qb: bytes | memoryview, namespace: Any) -> MatchResult:
         start = self.root if namespace is None else self._ns_roots.get(namespace)
         limit = len(qb) - len(qb) % self._pb
         if start is None or limit == 0:
@@ -180,6 +195,13 @@ class RadixCache(TrieStore):
         """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
         or hit-count refresh, no stats (for schedulers that only want to estimate hits)."""
         qb = encode_tokens(tokens)
+        try:
+            return self._peek_prefix(qb, namespace)
+        finally:
+            if type(qb) is memoryview:
+                _release(qb)
+
+    def _peek_prefix(self, qb: bytes | memoryview, namespace: Any) -> int:
         start = self.root if namespace is None else self._ns_roots.get(namespace)
         limit = len(qb) - len(qb) % self._pb
         if start is None or limit == 0:
@@ -199,6 +221,13 @@ class RadixCache(TrieStore):
         be the page already cached for its tokens, or be HELD by the caller (from ``alloc``).
         """
         qb = encode_tokens(tokens)
+        try:
+            return self._insert(qb, pages, namespace)
+        finally:
+            if type(qb) is memoryview:
+                _release(qb)
+
+    def _insert(self, qb: bytes | memoryview, pages: Any, namespace: Any) -> InsertResult:
         if type(pages) is not list:
             pages = list(pages)
         pb = self._pb
@@ -239,7 +268,7 @@ class RadixCache(TrieStore):
             parent = path[-1] if path else (start or self._make_ns_root(namespace))
             leaf = self._new_node(
                 parent,
-                qb[ncached * pb :],
+                bytes(qb[ncached * pb :]),  # the new key (a copy when qb is a memoryview)
                 new,
                 namespace,
                 parent.depth_tokens + len(new) * self.page_size,

@@ -58,10 +58,10 @@ def to_token_bytes(tokens: Any, what: str = "tokens") -> bytes:
     """
     key = encode_tokens(tokens, what)
     check_range(key, 0, what)
-    return key
+    return bytes(key)
 
 
-def check_range(key: bytes, start: int = 0, what: str = "tokens") -> None:
+def check_range(key: bytes | memoryview, start: int = 0, what: str = "tokens") -> None:
     """ValueError unless every token of ``key[start:]`` (a byte offset) is in [0, 2**32)."""
     n = len(key) - start
     if n <= 0:
@@ -74,18 +74,22 @@ def check_range(key: bytes, start: int = 0, what: str = "tokens") -> None:
         _from_numpy(np.frombuffer(key, np.int64, offset=start), what)  # raises
 
 
-def encode_tokens(tokens: Any, what: str = "tokens") -> bytes:
+def encode_tokens(tokens: Any, what: str = "tokens") -> bytes | memoryview:
     """The key encoding of ``tokens`` with types and shape checked but, for ``array('q')``,
     lists and tuples, the id *range* not yet checked: callers must ``check_range`` every part
     they do not prove valid otherwise (the cache skips the part that equals a stored key,
-    which was validated when it was inserted)."""
+    which was validated when it was inserted).
+
+    An ``array('q')`` is not copied: the result is a read-only byte view of it, which the
+    caller must drop (or ``release()``) before returning, so the array can be resized again.
+    """
     if type(tokens) is array and tokens.typecode == "q":
-        return tokens.tobytes()
+        return memoryview(tokens).cast("B").toreadonly()
     if isinstance(tokens, list | tuple):
         if not tokens:
             return b""
         try:
-            return array("q", tokens).tobytes()
+            return memoryview(array("q", tokens)).cast("B").toreadonly()
         except TypeError as e:
             raise TypeError(f"{what} must be a flat sequence of ints: {e}") from None
         except OverflowError as e:

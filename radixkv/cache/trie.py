@@ -64,28 +64,31 @@ class TrieStore:
         return out
 
     def _walk(
-        self, node: TreeNode, qb: bytes, limit: int
+        self, node: TreeNode, qb: bytes | memoryview, limit: int
     ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
         """Follow ``qb[:limit]`` down from ``node`` without mutating anything.
 
-        Returns (fully matched nodes, matched bytes, (child, pages) when the match continues
-        into ``pages`` whole pages of ``child`` but not all of it).
+        ``qb`` is a query in the key encoding (bytes, or a read-only byte memoryview of the
+        caller's array: no copy). Returns (fully matched nodes, matched bytes, (child, pages)
+        when the match continues into ``pages`` whole pages of ``child`` but not all of it).
         """
         pb = self._pb
         hash_fn = self._hash_fn
+        mv = qb if type(qb) is memoryview else memoryview(qb)  # slices without copying
         path: list[TreeNode] = []
         off = 0
         while off < limit:
-            c = node._children.get(hash_fn(qb[off : off + pb]))
+            c = node._children.get(hash_fn(mv[off : off + pb]))
             if c is None:
                 break
             if type(c) is list:  # hash collision bucket: tokens decide
-                c = next((x for x in c if qb.startswith(x.key[:pb], off)), None)
+                page = mv[off : off + pb]
+                c = next((x for x in c if x.key.startswith(page)), None)
                 if c is None:
                     break
             key = c.key
             end = off + len(key)
-            if end <= limit and qb.startswith(key, off):  # one memcmp for the whole node
+            if end <= limit and key.startswith(mv[off:end]):  # one memcmp for the whole node
                 path.append(c)
                 off = end
                 node = c
