@@ -2,12 +2,12 @@
 
 Each ``schedule()`` builds one mixed batch, in this order:
 
-1. decode: every running sequence whose prompt is done gets one token. When the pool cannot
-   supply a page, the most recently admitted running sequence is preempted (its computed full
-   pages are inserted into the trie, everything is released, it goes back to the front of the
-   queue and later resumes by hitting its own pages);
-2. prefill chunks of running sequences still prefilling, within ``max_prefill_tokens``;
-3. admission of waiting sequences (``lpm``: longest cached prefix first; ``fcfs``: arrival),
+1. running sequences, oldest first: one decode token each, or the next prefill chunk of those
+   still prefilling (within ``max_prefill_tokens``). When the pool cannot supply a page, the
+   most recently admitted running sequence is preempted (its computed full pages are inserted
+   into the trie, everything is released, it goes back to the front of the queue and later
+   resumes by hitting its own pages), so the oldest sequence always progresses;
+2. admission of waiting sequences (``lpm``: longest cached prefix first; ``fcfs``: arrival),
    while the budget, ``max_running_requests`` and the pool allow.
 
 In-batch prefix sharing: a sequence announces the keys (chained hashes) of the full pages it is
@@ -117,46 +117,44 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self._schedule_decodes(batch)
-        budget = self.max_prefill_tokens - self._schedule_prefill_chunks(batch)
-        self._admit(batch, budget)
+        self._schedule_running(batch)
+        self._admit(batch, self.max_prefill_tokens - batch.num_prefill_tokens)
         return batch
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+    def _schedule_running(self, batch: ScheduledBatch) -> None:
+        """Oldest first: each running sequence decodes one token or computes its next prefill
+        chunk. A sequence that cannot get even one page preempts the most recently admitted
+        running sequence (itself, if it is the newest), so the oldest always progresses."""
+        used = 0
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if len(seq.token_ids) - seq.num_computed != 1:
+            remaining = len(seq.token_ids) - seq.num_computed
+            decode = remaining == 1
+            n = (
+                1
+                if decode
+                else self._chunk(remaining, self.max_prefill_tokens - used, first=used == 0)
+            )
+            if n <= 0:
                 i += 1
                 continue
-            try:
-                self.kv.reserve(seq, 1)
-            except self._out_of_pages:
-                victim = self.running[-1]  # most recently admitted
+            n = min(n, self._fit(seq, n))
+            if n <= 0:
+                victim = self.running[-1]  # most recently admitted, not yet in this batch
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
                 continue  # retry seq with the freed pages
-            batch.add(seq, 1)
-            batch.num_decode += 1
-            i += 1
-
-    def _schedule_prefill_chunks(self, batch: ScheduledBatch) -> int:
-        used = 0
-        for seq in self.running:
-            remaining = len(seq.token_ids) - seq.num_computed
-            if remaining <= 1:
-                continue
-            n = self._chunk(remaining, self.max_prefill_tokens - used, first=used == 0)
-            n = min(n, self._fit(seq, n))
-            if n <= 0:
-                continue
             self.kv.reserve(seq, n)  # fits: _fit checked the pool
             batch.add(seq, n)
-            used += n
+            if decode:
+                batch.num_decode += 1
+            else:
+                used += n
+            i += 1
         batch.num_prefill_tokens += used
-        return used
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         if not self.waiting:
