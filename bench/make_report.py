@@ -52,6 +52,11 @@ SECTIONS: list[tuple[str, str, str]] = [
         "decode, beside the KV-bytes ratio.",
     ),
     (
+        "bench_server",
+        "HTTP server",
+        "`bench/bench_server.py`: the OpenAI-compatible server under concurrent streaming load.",
+    ),
+    (
         "bench_model",
         "Model forward",
         "`bench/bench_model.py`: the paged model forward on its own.",
@@ -81,9 +86,12 @@ def machine_description() -> str:
                 break
     except OSError:
         pass
+    load = ""
+    if hasattr(os, "getloadavg"):  # a busy machine makes timings slower: say so
+        load = f", load average {os.getloadavg()[0]:.1f}"
     return (
         f"{platform.node() or 'unknown host'}: {cpu}, {os.cpu_count()} logical CPUs, "
-        f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}{load}"
     )
 
 
@@ -128,20 +136,36 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
 _META_KEYS = {"machine", "date", "timestamp", "time", "meta", "env", "environment", "platform"}
 
 
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> one level of dotted keys (lists are kept as values)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
 def render_value(name: str, value: Any, level: int = 3) -> str:
     """Markdown for one top-level entry of a result file."""
     h = "#" * level
     if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
-        return f"{h} {name}\n\n{_table(value)}\n"
+        return f"{h} {name}\n\n{_table([_flatten(r) for r in value])}\n"
     if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
-        flat = all(not isinstance(x, (dict, list)) for v in value.values() for x in v.values())
-        if flat:
-            return f"{h} {name}\n\n{_table([{'': k, **v} for k, v in value.items()])}\n"
-    if isinstance(value, dict) and all(not isinstance(v, (dict, list)) for v in value.values()):
-        return f"{h} {name}\n\n{_table([{'metric': k, 'value': v} for k, v in value.items()])}\n"
-    if isinstance(value, dict):
-        parts = [render_value(k, v, min(level + 1, 6)) for k, v in value.items()]
-        return f"{h} {name}\n\n" + "\n".join(parts)
+        flat = {k: _flatten(v) for k, v in value.items()}
+        cols: list[str] = []
+        for f in flat.values():
+            cols.extend(c for c in f if c not in cols)
+        if len(cols) > 10 and len(flat) <= 8:
+            # many metrics, few configurations: one column per configuration
+            rows = [{"metric": c, **{k: f.get(c, "") for k, f in flat.items()}} for c in cols]
+            return f"{h} {name}\n\n{_table(rows)}\n"
+        return f"{h} {name}\n\n{_table([{'': k, **f} for k, f in flat.items()])}\n"
+    if isinstance(value, dict) and value:
+        rows = [{"metric": k, "value": v} for k, v in _flatten(value).items()]
+        return f"{h} {name}\n\n{_table(rows)}\n"
     body = json.dumps(value, indent=2, default=str)
     return f"{h} {name}\n\n```json\n{body}\n```\n"
 
@@ -193,6 +217,8 @@ def plot_tuning(data: Any, fig: Any) -> None:
     if ideal:
         ax.axhline(ideal[0], color="0.5", ls="--", lw=1, label="ideal (infinite pool)")
     ax.set_xscale("log", base=2)
+    xs = sorted({r[xkey] for r in rows})
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
     ax.set_xlabel("pool size / hot set" if xkey == "pool_vs_hot_set" else "pool pages")
     ax.set_ylabel("token hit rate")
     ax.set_title("Hit rate vs pool size")
@@ -232,30 +258,53 @@ def plot_cascade(data: Any, fig: Any) -> None:
     ax.grid(alpha=0.3)
 
 
-PLOTS: dict[str, Callable[[Any, Any], None]] = {
-    "bench_tuning": plot_tuning,
-    "bench_engine": plot_engine,
-    "bench_cascade": plot_cascade,
+def plot_chunk(data: Any, fig: Any) -> None:
+    """Chunked-prefill size vs the long prompt's TTFT and the short requests' worst stall."""
+    rows = sorted(_records(data, "chunk_size"), key=lambda r: r["chunked_prefill_size"])
+    xs = [r["chunked_prefill_size"] for r in rows]
+    ax = fig.add_subplot()
+    ax.plot(
+        xs, [r["long_ttft_s"] for r in rows], marker="o", label="long prompt: time to first token"
+    )
+    ax.plot(xs, [r["short_max_token_gap_s"] for r in rows], marker="s",
+            label="short requests: worst gap between tokens")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("chunked_prefill_size (tokens)")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"A {rows[0]['long_prompt_tokens']}-token prompt arriving during decode")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+# file stem -> [(image name suffix, plotter)]
+PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
+    "bench_tuning": [("", plot_tuning), ("_chunk", plot_chunk)],
+    "bench_engine": [("", plot_engine)],
+    "bench_cascade": [("", plot_cascade)],
 }
 
 
-def make_plot(stem: str, data: Any, img_dir: Path) -> Path | None:
-    """Draw the plot registered for ``stem`` into ``img_dir``; None if none or data missing."""
-    fn = PLOTS.get(stem)
-    if fn is None:
-        return None
+def make_plots(stem: str, data: Any, img_dir: Path) -> list[Path]:
+    """Draw the plots registered for ``stem`` into ``img_dir``; skip those whose data is missing."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 3.8), dpi=100, layout="constrained")
-    try:
-        fn(data, fig)
-    except (KeyError, TypeError, ValueError) as e:
-        print(f"make_report: no plot for {stem}: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
-    img_dir.mkdir(parents=True, exist_ok=True)
-    out = img_dir / f"{stem}.png"
-    fig.savefig(out)
-    return out
+    made = []
+    for suffix, fn in PLOTS.get(stem, []):
+        fig = Figure(figsize=(6.4, 3.8), dpi=100, layout="constrained")
+        try:
+            fn(data, fig)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            print(
+                f"make_report: no {fn.__name__} for {stem}: {type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
+            continue
+        img_dir.mkdir(parents=True, exist_ok=True)
+        out = img_dir / f"{stem}{suffix}.png"
+        fig.savefig(out)
+        made.append(out)
+    return made
 
 
 def build_report(
@@ -280,8 +329,7 @@ def build_report(
         title, desc = titles.get(stem, (stem, f"`bench/results/{path.name}`."))
         machine, date = _meta(data, path)
         parts.append(f"## {title}\n\n{desc}\n\n*Machine:* {machine}  \n*Date:* {date}\n")
-        img = make_plot(stem, data, img_dir)
-        if img is not None:
+        for img in make_plots(stem, data, img_dir):
             rel = os.path.relpath(img, out.parent).replace(os.sep, "/")
             parts.append(f"![{title}]({rel})\n")
         parts.append(render_file(data))
