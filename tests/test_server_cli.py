@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -59,3 +65,60 @@ def test_bad_flags(tmp_path) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
+
+
+def test_main_reports_bad_settings(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        main(["--api-keys", str(bad)])
+    assert e.value.code == 2
+    assert "API keys" in capsys.readouterr().err
+
+
+def test_radixkv_serve_process(tmp_path) -> None:
+    """The real command: start, answer, shut down gracefully on SIGINT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixkv.server",
+        "--port",
+        str(port),
+        "--num-pages",
+        "128",
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[0].decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        body = {"model": "radixkv-tiny", "prompt": "hi", "max_tokens": 2}
+        assert (
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code
+            == 200
+        )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out = proc.communicate(timeout=30)[0].decode()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0].decode()
+    assert proc.returncode == 0, out

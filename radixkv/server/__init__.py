@@ -119,7 +119,8 @@ def build_from_args(args: argparse.Namespace) -> Any:
 
 
 def cli_entry(args: argparse.Namespace) -> int:
-    """Run ``radixkv serve`` until interrupted; returns the exit code."""
+    """Run ``radixkv serve`` until interrupted (SIGINT/SIGTERM: graceful shutdown); returns the
+    exit code. Raises ValueError on bad settings (before anything is loaded where possible)."""
     import uvicorn
 
     app, _ = build_from_args(args)
@@ -128,6 +129,11 @@ def cli_entry(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m radixkv.server`` (the same flags as ``radixkv serve``)."""
+    """``radixkv serve`` / ``python -m radixkv.server``: parse flags, serve; bad settings exit 2."""
     parser = add_serve_arguments(argparse.ArgumentParser(prog="radixkv serve"))
-    return cli_entry(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return cli_entry(args)
+    except ValueError as e:
+        parser.error(str(e))  # prints usage + the message, exits 2
+        raise AssertionError("unreachable") from e
