@@ -416,3 +416,19 @@ def test_collision_buckets_are_exact() -> None:
     assert cache.evict(12) == 12
     assert cache.root._children == {}
     cache.check_invariants()
+
+
+def test_user_hash_fn_gets_bytes() -> None:
+    seen: list[type] = []
+
+    def fn(page: bytes) -> int:
+        seen.append(type(page))
+        return hash(page) & 3  # few buckets: collisions too
+
+    cache = make_cache(page_size=2, hash_fn=fn)
+    for first in range(6):
+        fill(cache, array("q", [first, first, 1, 1]))
+        fill(cache, [first, first, 2, 2])
+    assert cache.match_prefix(np.array([3, 3, 2, 2])).num_tokens == 4
+    assert set(seen) == {bytes}
+    cache.check_invariants()

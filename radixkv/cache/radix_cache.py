@@ -71,8 +71,9 @@ class RadixCache(TrieStore):
         page_size: tokens per KV page; only whole pages are cached.
         policy: eviction order, "lru" (default) or "lfu", or an object with a ``name`` and a
             ``key(node) -> int`` method (smaller keys are evicted first).
-        hash_fn: child-lookup hash of one page, given as the page's tokens in the key encoding
-            (native int64 bytes). Defaults to XXH3-64. Any function works, even a constant:
+        hash_fn: child-lookup hash of one page, given as ``bytes`` holding the page's tokens in
+            the key encoding (native int64); it must return the same int for equal bytes.
+            Defaults to XXH3-64. Any function works, even a constant:
             tokens are always compared before a page is reused.
     """
 
@@ -91,7 +92,15 @@ class RadixCache(TrieStore):
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError("hash_fn must be callable(bytes) -> int")
         self.policy = get_policy(policy)
-        super().__init__(page_size, hash_fn or default_hash_fn)
+        if hash_fn is None:
+            hash_fn = default_hash_fn  # C code that reads the query view in place
+        else:
+            user_fn = hash_fn  # walks slice a view of the query: hand the user bytes
+
+            def hash_fn(page: Any) -> int:
+                return user_fn(bytes(page))
+
+        super().__init__(page_size, hash_fn)
         self.pool = pool
         self._index = EvictionIndex(self.policy)
         self._events = EventEmitter()
