@@ -1,0 +1,179 @@
+"""The ``radixkv`` command line: demo, generate, bench-cache, serve."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from radixkv.engine.benchmark import format_table, measure, shared_system_prompt_chats
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+    from radixkv.model.loader import load_model
+
+    t0 = time.perf_counter()
+    lm = load_model(args.model, device=args.device or "cpu")
+    prompts = shared_system_prompt_chats(
+        lm.tokenizer,
+        num_requests=args.requests,
+        system_words=args.system_words,
+        question_words=12,
+        seed=args.seed,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    n_tok = sum(map(len, prompts))
+    print(
+        f"radixkv demo: {len(prompts)} chat requests on {lm.name} sharing a "
+        f"{_shared(prompts)}-token system prompt ({n_tok:,} prompt tokens, {args.max_tokens} output tokens each, "
+        f"torch threads={torch.get_num_threads()})"
+    )
+    results = []
+    engine = None
+    for cache_on in (False, True):
+        engine = Engine(lm, enable_prefix_cache=cache_on, num_pages=args.num_pages, seed=args.seed)
+        desc = f"cache {'on' if cache_on else 'off'}"
+        results.append(measure(engine, prompts, params, name="shared-system", desc=desc))
+        engine.check_invariants()
+    off, on = results
+    print()
+    print(format_table(results))
+    print()
+    print(
+        f"prefix cache: time to first token {1 - on.ttft_mean_s / off.ttft_mean_s:.0%} lower "
+        f"(p99 {1 - on.ttft_p99_s / off.ttft_p99_s:.0%} lower), throughput "
+        f"{on.throughput_tok_s / off.throughput_tok_s:.1f}x, "
+        f"{on.prefill_saved:,} of {on.prompt_tokens:,} prompt tokens served from cache"
+    )
+    if engine is not None and args.tree:
+        print("\ncache tree after the run (cache on):")
+        lines = engine.cache.pretty(max_tokens_shown=6).splitlines()
+        print("\n".join(lines[: args.tree_lines]))
+        if len(lines) > args.tree_lines:
+            print(f"... ({len(lines) - args.tree_lines} more lines)")
+    print(f"\ndone in {time.perf_counter() - t0:.1f}s")
+    if args.json:
+        import msgspec
+
+        Path(args.json).write_text(json.dumps([msgspec.to_builtins(r) for r in results], indent=2))
+    return 0
+
+
+def _shared(prompts: list[list[int]]) -> int:
+    a, b = prompts[0], prompts[1] if len(prompts) > 1 else prompts[0]
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+
+    engine = Engine(args.model, device=args.device, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed if args.temperature > 0 else None,
+        stop=args.stop or (),
+    )
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if args.stream:
+        for out in engine.stream(prompt, params):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    else:
+        out = engine.generate(prompt, params, use_tqdm=False)[0]
+        print(out.text)
+        print(
+            f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "
+            f"ttft={out.metrics.ttft * 1e3:.0f}ms]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _bench_cache(argv: list[str]) -> int:
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_cache.py"
+    if not path.is_file():
+        print(f"bench-cache: {path} not found (run from a source checkout)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("radixkv_bench_cache", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return int(mod.main(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="radixkv", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="shared-system-prompt workload, prefix cache off vs on")
+    d.add_argument("--model", default="radixkv-tiny")
+    d.add_argument("--requests", type=int, default=32)
+    d.add_argument("--system-words", type=int, default=150, help="system prompt length (words)")
+    d.add_argument("--max-tokens", type=int, default=16)
+    d.add_argument("--num-pages", type=int, default=None)
+    d.add_argument("--device", default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-tree", dest="tree", action="store_false", help="skip the cache tree")
+    d.add_argument("--tree-lines", type=int, default=24)
+    d.add_argument("--json", default=None, help="also write the results here")
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="radixkv-tiny")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--stream", action="store_true")
+    g.add_argument("--device", default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+    sub.add_parser(
+        "bench-cache", help="cache micro-benchmarks (bench/bench_cache.py)", add_help=False
+    )
+    sub.add_parser("serve", help="OpenAI-compatible server (radixkv serve --help)", add_help=False)
+    sub.add_parser(
+        "serve-ray", help="the server on Ray Serve with prefix-affinity routing", add_help=False
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # serve and bench-cache own their flags; hand them the rest of the command line untouched
+    if argv and argv[0] == "serve":
+        from radixkv.server import main as serve_main
+
+        return int(serve_main(argv[1:]) or 0)
+    if argv and argv[0] == "serve-ray":  # needs the `ray` extra; imported only here
+        from radixkv.cluster.cli import main as serve_ray_main
+
+        return int(serve_ray_main(argv[1:]) or 0)
+    if argv and argv[0] == "bench-cache":
+        return _bench_cache(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return {"demo": _demo, "generate": _generate}[args.command](args)
+    except (ValueError, TypeError) as e:
+        print(f"radixkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

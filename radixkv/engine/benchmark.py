@@ -1,0 +1,183 @@
+"""Workloads and measurements shared by ``radixkv demo`` and bench/bench_engine.py.
+
+``measure(engine, prompts, params)`` submits every prompt at once, runs the engine to completion
+and reports what a prefix cache changes: hit rate, time to first token (mean, p99), throughput
+and prefill tokens computed vs saved.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+
+
+class WorkloadResult(msgspec.Struct, kw_only=True):
+    name: str
+    cache: bool
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    prefill_computed: int  # prompt tokens actually run through the model
+    prefill_saved: int  # prompt tokens served from the cache
+    hit_rate: float  # prefill_saved / prompt_tokens
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    wall_s: float
+    throughput_tok_s: float  # (prompt + output tokens) / wall
+    output_tok_s: float
+    steps: int
+    preemptions: int
+    time_schedule_s: float
+    time_forward_s: float
+    time_sample_s: float
+    time_postprocess_s: float
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no data."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, round(q / 100 * len(s) + 0.5) - 1))
+    return s[k]
+
+
+def measure(
+    engine: Engine,
+    prompts: Sequence[Any],
+    params: SamplingParams,
+    *,
+    name: str = "workload",
+    use_tqdm: bool = True,
+    desc: str | None = None,
+) -> WorkloadResult:
+    """Run ``prompts`` (all arriving now) to completion on ``engine`` and measure."""
+    from tqdm.auto import tqdm
+
+    before = engine.stats()
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    done: dict[str, Any] = {}
+    with tqdm(total=len(ids), desc=desc or name, unit="req", disable=not use_tqdm) as bar:
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+                    bar.update(1)
+    wall = time.perf_counter() - t0
+    outs = [done[i] for i in ids]
+    after = engine.stats()
+    ttfts = [o.metrics.ttft or 0.0 for o in outs]
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs) * params.n
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    computed = after.prefill_tokens_computed - before.prefill_tokens_computed
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    return WorkloadResult(
+        name=name,
+        cache=engine.config.enable_prefix_cache,
+        requests=len(outs),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        prefill_computed=computed,
+        prefill_saved=hits,
+        hit_rate=hits / max(1, prompt_tokens),
+        ttft_mean_s=sum(ttfts) / len(ttfts),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        wall_s=wall,
+        throughput_tok_s=(prompt_tokens + output_tokens) / wall,
+        output_tok_s=output_tokens / wall,
+        steps=after.num_steps - before.num_steps,
+        preemptions=after.num_preemptions - before.num_preemptions,
+        time_schedule_s=after.time_schedule - before.time_schedule,
+        time_forward_s=after.time_forward - before.time_forward,
+        time_sample_s=after.time_sample - before.time_sample,
+        time_postprocess_s=after.time_postprocess - before.time_postprocess,
+    )
+
+
+def format_table(results: Sequence[WorkloadResult]) -> str:
+    """A fixed-width comparison table, one row per result."""
+    head = (
+        f"{'workload':<22} {'cache':>5} {'hit rate':>8} {'TTFT mean':>10} {'TTFT p99':>10} "
+        f"{'tok/s':>9} {'prefill run':>11} {'saved':>9} {'wall s':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.name:<22} {'on' if r.cache else 'off':>5} {r.hit_rate:>8.1%} "
+            f"{r.ttft_mean_s * 1e3:>8.0f}ms {r.ttft_p99_s * 1e3:>8.0f}ms "
+            f"{r.throughput_tok_s:>9.0f} {r.prefill_computed:>11,} {r.prefill_saved:>9,} "
+            f"{r.wall_s:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- workloads
+_WORDS = ["cache", "prefix", "token", "page", "radix", "tree", "attention", "request", "batch", "decode", "prefill", "system", "prompt", "user", "answer", "question", "model", "engine", "memory", "shared", "branch", "chat", "turn", "document", "key", "value", "evict", "lock", "node", "hit", "miss", "latency", "throughput", "schedule", "kernel"]
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+def shared_system_prompt_chats(
+    tokenizer: Any, *, num_requests: int, system_words: int, question_words: int, seed: int = 0
+) -> list[list[int]]:
+    """Chat prompts (rendered with the tokenizer's chat template when it has one) that share one
+    long system prompt and differ in a short user question."""
+    rng = random.Random(seed)
+    system = "You are a careful assistant. Follow these rules. " + _text(rng, system_words)
+    prompts = []
+    for i in range(num_requests):
+        q = f"Question {i}: " + _text(rng, question_words) + "?"
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            prompts.append(tokenizer.encode(system + "\n" + q + "\n"))
+    return prompts
+
+
+def shared_prefix_tokens(
+    *, num_requests: int, prefix_len: int, unique_len: int, vocab: int, seed: int = 0
+) -> list[list[int]]:
+    """``num_requests`` token prompts: one shared ``prefix_len`` prefix + ``unique_len`` own."""
+    rng = random.Random(seed)
+    hi = min(vocab, 256)  # plain byte ids: valid for every tokenizer we ship
+    prefix = [rng.randrange(hi) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(hi) for _ in range(unique_len)] for _ in range(num_requests)]
+
+
+def generated_shared_prefix(
+    *,
+    num_groups: int,
+    prompts_per_group: int,
+    system_len: int,
+    question_len: int,
+    vocab: int,
+    seed: int = 0,
+) -> tuple[list[list[int]], float]:
+    """SGLang's generated-shared-prefix shape: groups of prompts sharing a per-group system
+    prompt, each with its own question, shuffled. Returns (prompts, ideal hit rate), the ideal
+    being every system prompt computed once: (n - groups) * system / total prompt tokens."""
+    rng = random.Random(seed)
+    hi = min(vocab, 256)
+    prompts = []
+    for _ in range(num_groups):
+        system = [rng.randrange(hi) for _ in range(system_len)]
+        for _ in range(prompts_per_group):
+            prompts.append(system + [rng.randrange(hi) for _ in range(question_len)])
+    rng.shuffle(prompts)
+    n = len(prompts)
+    ideal = (n - num_groups) * system_len / (n * (system_len + question_len))
+    return prompts, ideal
