@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.outputs import EngineStats, RequestOutput
@@ -55,6 +56,7 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         seed: int = 0,
+        cascade: str = "auto",
     ) -> None:
         self.config = EngineConfig(
             page_size=page_size,
@@ -71,6 +73,9 @@ class Engine:
             dtype=dtype,
             seed=seed,
         )
+        # decode steps read shared prefixes once per group when it pays ("auto"), whenever
+        # anything is shared ("on"), or never ("off"); see engine/cascade_planner.py
+        self.cascade_planner = CascadePlanner(self.config.page_size, mode=cascade)
         c = build_components(model, self.config)
         self.model, self.tokenizer, self.runner = c.model, c.tokenizer, c.runner
         self.kv_pool, self.pool, self.cache = c.kv_pool, c.pool, c.cache
@@ -92,6 +97,7 @@ class Engine:
         self._next_id = 0
         self._num_pins = 0  # trie locks held by open sessions (see session.py)
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
+        self._kv_bytes_per_token = self.kv_pool.bytes_per_page // self.page_size
 
     # ------------------------------------------------------------------ submission
     def add_request(
@@ -195,7 +201,12 @@ class Engine:
             return self._drain_outputs()
         t1 = time.perf_counter()
         try:
-            logits = self.runner.forward(self._model_inputs(batch))  # [B, vocab] fp32
+            inputs = self._model_inputs(batch)
+            cascade = self._plan_cascade(batch)
+            if cascade is None:
+                logits = self.runner.forward(inputs)  # [B, vocab] fp32
+            else:
+                logits = self.runner.forward(inputs, cascade=cascade)
         except Exception:
             self._fail_batch(batch)
             raise
@@ -221,6 +232,26 @@ class Engine:
             SeqInput(s.token_ids[s.num_computed : s.num_computed + n], s.page_table, s.num_computed)
             for s, n in zip(batch.seqs, batch.num_new)
         ]
+
+    def _plan_cascade(self, batch: ScheduledBatch) -> Any:
+        """Count the step's decode KV reads; return a CascadeDecision when the batch is all
+        decode and the planner finds sharing that pays, else None (plain paged decode)."""
+        dec_seqs = [s for s, n in zip(batch.seqs, batch.num_new) if n == 1 and s.num_computed]
+        plain = sum(s.num_computed + 1 for s in dec_seqs)
+        read = plain
+        decision = None
+        if len(dec_seqs) == len(batch.seqs) > 1 and self.cascade_planner.mode != "off":
+            entries = [
+                DecodeEntry(s.locked_node, s.page_table, s.num_computed + 1, s.num_shared_pages)
+                for s in dec_seqs
+            ]
+            d = self.cascade_planner.plan(entries)
+            if d.use_cascade:
+                decision, read = d, d.kv_tokens_cascade
+                self._stats.cascade_steps += 1
+        self._stats.kv_bytes_read_plain += plain * self._kv_bytes_per_token
+        self._stats.kv_bytes_read_cascade += read * self._kv_bytes_per_token
+        return decision
 
     def _on_scheduled(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()

@@ -92,3 +92,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     time_forward: float = 0.0
     time_sample: float = 0.0
     time_postprocess: float = 0.0
+    # decode attention KV traffic (bytes, all layers, K+V), summed over decode rows of every
+    # step: what plain paged decode reads vs what was read with cascade (shared prefixes read
+    # once per group); equal when cascade is off or did not pay
+    kv_bytes_read_plain: int = 0
+    kv_bytes_read_cascade: int = 0
+    cascade_steps: int = 0
