@@ -149,36 +149,40 @@ def bench_end_to_end(
         "page_size": page_size,
     }
     texts = {}
-    for mode in ("off", "on"):
+    for mode in ("off", "auto"):
         try:
             eng = Engine("radixkv-tiny", page_size=page_size, cascade=mode, seed=0)
         except TypeError as e:
             print(f"end-to-end part skipped (engine has no cascade=): {e}", file=sys.stderr)
             return None
         eng.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # cache the trunk
-        for p in prompts:  # prefill every branch first, so the timed part is decode
-            eng.add_request(p, params)
+        for p in prompts:
+            eng.add_request(p, params, stream=False)
         decode_tokens = 0
         t_decode = 0.0
         finished: list[Any] = []
         while eng.has_unfinished():
+            before = eng.stats()
             t0 = time.perf_counter()
             outs = eng.step()
             dt_ = time.perf_counter() - t0
-            stats = eng.stats()
-            running = getattr(stats, "num_running", branches)
-            if getattr(stats, "num_waiting", 0) == 0:  # all branches admitted: decode steps
+            after = eng.stats()
+            if after.prefill_tokens_computed == before.prefill_tokens_computed:  # decode-only
                 t_decode += dt_
-                decode_tokens += running
-            finished.extend(o for o in outs if getattr(o, "finished", False))
+                decode_tokens += after.generated_tokens - before.generated_tokens
+            finished.extend(o for o in outs if o.finished)
         stats = eng.stats()
         texts[mode] = sorted(tuple(o.token_ids) for o in finished)
         out[f"decode_tok_per_s_{mode}"] = round(decode_tokens / max(t_decode, 1e-9), 1)
-        for key in ("kv_bytes_read_plain", "kv_bytes_read_cascade", "cascade_steps"):
-            if hasattr(stats, key):
-                out[f"{key}_{mode}"] = getattr(stats, key)
-    out["speedup"] = round(out["decode_tok_per_s_on"] / out["decode_tok_per_s_off"], 2)
-    out["outputs_identical"] = texts["on"] == texts["off"]
+        out[f"decode_s_{mode}"] = round(t_decode, 3)
+        out[f"kv_bytes_read_plain_{mode}"] = stats.kv_bytes_read_plain
+        out[f"kv_bytes_read_cascade_{mode}"] = stats.kv_bytes_read_cascade
+        out[f"cascade_steps_{mode}"] = stats.cascade_steps
+    out["speedup"] = round(out["decode_tok_per_s_auto"] / out["decode_tok_per_s_off"], 2)
+    out["kv_bytes_ratio"] = round(
+        out["kv_bytes_read_plain_auto"] / max(1, out["kv_bytes_read_cascade_auto"]), 2
+    )
+    out["outputs_identical"] = texts["auto"] == texts["off"]
     return out
 
 
@@ -276,6 +280,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--suffix", type=int, default=128)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--e2e-prompt", type=int, default=2048, help="shared prompt tokens")
+    ap.add_argument("--e2e-branches", type=int, default=None, help="default 16 quick, 32 full")
+    ap.add_argument("--e2e-gen", type=int, default=None, help="default 32 quick, 128 full")
     args = ap.parse_args()
     torch.manual_seed(0)
     batches = [1, 4, 32] if args.quick else [1, 4, 16, 32, 64]
@@ -312,7 +319,9 @@ def main() -> None:
     }
     if not args.skip_e2e:
         e2e = bench_end_to_end(
-            prompt_len=2048, branches=16 if args.quick else 32, gen=32 if args.quick else 128,
+            prompt_len=args.e2e_prompt,
+            branches=args.e2e_branches or (16 if args.quick else 32),
+            gen=args.e2e_gen or (32 if args.quick else 128),
             page_size=args.page_size,
         )  # fmt: skip
         if e2e is not None:
@@ -320,7 +329,8 @@ def main() -> None:
             print(
                 f"tree-of-thought ({e2e['branches']} branches x {e2e['gen_tokens']} tokens on a "
                 f"{e2e['prompt_len']}-token prompt): decode {e2e['decode_tok_per_s_off']} tok/s "
-                f"off, {e2e['decode_tok_per_s_on']} tok/s on ({e2e['speedup']}x), outputs "
+                f"off, {e2e['decode_tok_per_s_auto']} tok/s cascade=auto ({e2e['speedup']}x; KV "
+                f"bytes read {e2e['kv_bytes_ratio']}x fewer), outputs "
                 f"identical: {e2e['outputs_identical']}"
             )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
