@@ -1,0 +1,183 @@
+"""Fleet prefix-cache hit rate and completion time: Ray Serve's default router vs RadixAffinityRouter.
+
+For 2 and 4 radixkv-tiny replicas (fresh fleets for each router), a shared-prefix workload of G
+groups x P requests in random order is sent over HTTP through the cluster ingress. Reported per
+fleet: hit rate from the engines' own counters (and the best possible: every group on one replica
+after its first request), completion time of the whole workload, request latency p50/p99, and
+how many replicas each group touched. Writes bench/results/bench_cluster.json.
+
+    python bench/bench_cluster.py [--groups 16 --per-group 8 --prefix 512 --concurrency 8]
+
+Runs on the CPU; a local Ray is started with --num-cpus (replicas get a fraction each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from radixkv.cluster._ray import import_serve  # noqa: E402
+from radixkv.cluster.workload import SharedPrefixWorkload, fleet_hit_rate, run_workload  # noqa: E402
+
+PAGE = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_running(serve: Any, apps: list[str], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications
+        states = [str(status[a].status) if a in status else "MISSING" for a in apps]
+        if all(s.endswith("RUNNING") for s in states):
+            return
+        if time.monotonic() > deadline or any(s.endswith("DEPLOY_FAILED") for s in states):
+            raise RuntimeError(f"fleets not running: {status}")
+        time.sleep(0.5)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--per-group", type=int, default=8)
+    ap.add_argument("--prefix", type=int, default=512, help="shared prefix tokens per group")
+    ap.add_argument("--suffix", type=int, default=32, help="unique tokens per request")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--num-cpus", type=float, default=4)
+    ap.add_argument("--num-pages", type=int, default=2048, help="KV pages per replica")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_cluster.json"))
+    args = ap.parse_args(argv)
+
+    serve = import_serve()
+    import ray
+
+    from radixkv.cluster.app import ClusterConfig, build_cluster_app, fleet_engine_stats
+
+    wl = SharedPrefixWorkload(
+        groups=args.groups,
+        per_group=args.per_group,
+        prefix_tokens=args.prefix,
+        suffix_tokens=args.suffix,
+        seed=args.seed,
+    )
+    items = wl.items()
+    best = wl.best_hit_tokens(PAGE) / wl.prompt_tokens()
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    ray.init(
+        num_cpus=args.num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+    )
+    rows: list[dict[str, Any]] = []
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for n in args.replicas:
+            share = max(0.05, (args.num_cpus - 0.5) / (2 * n))
+            apps, targets = {}, []
+            for router in ("default", "affinity"):
+                cfg = ClusterConfig(
+                    replicas=n,
+                    router=router,
+                    engine_kwargs={"page_size": PAGE, "num_pages": args.num_pages},
+                    replica_num_cpus=share,
+                    ingress_num_cpus=0.1,
+                )
+                apps[router] = app = f"{router}{n}"
+                targets.append(serve.RunTarget(build_cluster_app(cfg), app, f"/{app}"))
+            serve.run_many(targets, wait_for_applications_running=False)
+            _wait_running(serve, list(apps.values()))
+            for router, app in apps.items():
+                run_workload(  # warm-up: one request per replica-ish, unrelated prefixes
+                    f"http://127.0.0.1:{port}/{app}",
+                    SharedPrefixWorkload(groups=n, per_group=1, seed=999).items(),
+                    concurrency=n,
+                )
+                before = fleet_engine_stats(app)
+                res = run_workload(
+                    f"http://127.0.0.1:{port}/{app}",
+                    items,
+                    max_tokens=args.max_tokens,
+                    concurrency=args.concurrency,
+                )
+                after = fleet_engine_stats(app)
+                lat = [o.latency_s for o in res.outcomes if o.status == 200]
+                spread = [len(res.replicas_of(g)) for g in range(wl.groups)]
+                rows.append(
+                    {
+                        "replicas": n,
+                        "router": router,
+                        "requests": len(items),
+                        "ok": sum(o.status == 200 for o in res.outcomes),
+                        "hit_rate": round(fleet_hit_rate(before, after), 4),
+                        "best_hit_rate": round(best, 4),
+                        "completion_s": round(res.wall_s, 3),
+                        "latency_p50_s": round(statistics.median(lat), 4) if lat else None,
+                        "latency_p99_s": round(_pct(lat, 0.99), 4),
+                        "replicas_per_group_mean": round(statistics.mean(spread), 2),
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+            for app in apps.values():
+                serve.delete(app)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    print()
+    head = f"{'replicas':>8} {'router':>9} {'hit rate':>9} {'best':>6} {'time s':>7} {'p50 s':>7} {'p99 s':>7} {'repl/group':>10}"
+    print(head)
+    for r in rows:
+        print(
+            f"{r['replicas']:>8} {r['router']:>9} {r['hit_rate']:>9.3f} {r['best_hit_rate']:>6.3f} "
+            f"{r['completion_s']:>7.2f} {r['latency_p50_s'] or 0:>7.3f} {r['latency_p99_s']:>7.3f} "
+            f"{r['replicas_per_group_mean']:>10.2f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "workload": {
+            "groups": wl.groups,
+            "per_group": wl.per_group,
+            "prefix_tokens": wl.prefix_tokens,
+            "suffix_tokens": wl.suffix_tokens,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "page_size": PAGE,
+        },
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Ray num_cpus={args.num_cpus}",
+        "date": time.strftime("%Y-%m-%d"),
+        "model": "radixkv-tiny",
+        "results": rows,
+    }
+    out.write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
