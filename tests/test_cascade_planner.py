@@ -119,6 +119,18 @@ def test_auto_falls_back_to_plain_when_sharing_is_small() -> None:
         _check_exact(dec, entries, ps)
 
 
+def test_auto_needs_enough_saved_tokens_per_step() -> None:
+    ps = 16
+    ids = PageIds(6)
+    trunk = FakeNode(None, ids.take(40), ps)  # 640 tokens shared by 3: saves 1280 a step
+    entries = [_entry(trunk, ids, 10, ps) for _ in range(3)]
+    assert not CascadePlanner(ps, mode="auto").plan(entries).use_cascade
+    low = CascadePlanner(ps, mode="auto", min_step_saved_tokens=1024).plan(entries)
+    assert low.use_cascade and low.kv_tokens_cascade == 640 + 30
+    with pytest.raises(ValueError, match="min_step_saved_tokens"):
+        CascadePlanner(ps, min_step_saved_tokens=-1)
+
+
 def test_auto_keeps_big_segments_and_dissolves_small_ones() -> None:
     """A 1-page trunk under two 64-page branches: the trunk is read per request, branches once."""
     ps = 16
@@ -179,7 +191,9 @@ def test_random_forests_exact(seed: int) -> None:
         for _ in range(rng.randint(1, 14))
     ]
     mode = rng.choice(["on", "auto"])
-    dec = CascadePlanner(ps, mode=mode, min_saved_tokens=4, validate=True).plan(entries)
+    dec = CascadePlanner(
+        ps, mode=mode, min_saved_tokens=4, min_step_saved_tokens=8, validate=True
+    ).plan(entries)
     _groups_contiguous(dec)
     _check_exact(dec, entries, ps, h_q=4, h_kv=rng.choice([1, 2, 4]), d=8)
     if dec.use_cascade:

@@ -14,8 +14,11 @@ share, so that a shared prefix's KV is read once per group rather than once per 
 * The last level holds, per sequence, every page of its table not read at a shared level: its
   private pages (partial last page included) and any shared pages too small to pay.
 * Mode ``"auto"`` falls back to the plain one-level plan when the whole step saves fewer than
-  ``min_step_saved_fraction`` of the plain reads; ``"on"`` keeps every segment shared by two or
-  more sequences; ``"off"`` always plans plain decode.
+  ``min_step_saved_tokens`` KV tokens (per layer) or ``min_step_saved_fraction`` of the plain
+  reads: each extra level costs a kernel call and a merge, which on 2 CPU cores (radixkv-tiny
+  heads) only pays from about 3,000 saved tokens a step (measured with bench/bench_cascade.py).
+  ``"on"`` keeps every segment shared by two or more sequences; ``"off"`` always plans plain
+  decode.
 
 The planner reads the trie (``node.parent``, ``node.num_tokens``) and never mutates it or the
 sequences; the caller must hold the locks for the duration of the step. Shared pages are always
@@ -98,7 +101,8 @@ class CascadePlanner:
         page_size: int,
         *,
         mode: str = "auto",
-        min_saved_tokens: int = 256,
+        min_saved_tokens: int = 512,
+        min_step_saved_tokens: int = 3072,
         min_step_saved_fraction: float = 0.1,
         validate: bool = False,
     ) -> None:
@@ -106,11 +110,14 @@ class CascadePlanner:
             raise ValueError(f"cascade mode must be one of {CASCADE_MODES}, got {mode!r}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if min_saved_tokens < 0 or not 0.0 <= min_step_saved_fraction <= 1.0:
-            raise ValueError("min_saved_tokens must be >= 0 and min_step_saved_fraction in [0, 1]")
+        if min(min_saved_tokens, min_step_saved_tokens) < 0:
+            raise ValueError("min_saved_tokens and min_step_saved_tokens must be >= 0")
+        if not 0.0 <= min_step_saved_fraction <= 1.0:
+            raise ValueError("min_step_saved_fraction must be in [0, 1]")
         self.page_size = page_size
         self.mode = mode
         self.min_saved_tokens = min_saved_tokens
+        self.min_step_saved_tokens = min_step_saved_tokens
         self.min_step_saved_fraction = min_step_saved_fraction
         self.validate = validate  # check every member's pages of a shared segment are identical
 
@@ -143,7 +150,10 @@ class CascadePlanner:
         order = self._assign_rows(root)
         decision = self._build(entries, order, kept, plain_tokens)
         saved = plain_tokens - decision.kv_tokens_cascade
-        if self.mode == "auto" and saved < self.min_step_saved_fraction * plain_tokens:
+        if self.mode == "auto" and (
+            saved < self.min_step_saved_tokens
+            or saved < self.min_step_saved_fraction * plain_tokens
+        ):
             return self._plain(entries, plain_tokens)
         return decision
 
