@@ -159,9 +159,10 @@ class _Held:
 
 
 class _Replica:
-    __slots__ = ("inflight", "provisional", "recent", "stats", "stats_set", "unseen")
+    __slots__ = ("inflight", "provisional", "raw", "recent", "stats", "stats_set", "unseen")
 
     def __init__(self) -> None:
+        self.raw: object = None  # the last stats object seen (Ray keeps it until it changes)
         self.stats: ReplicaSummary | None = None
         self.stats_set: frozenset[int] = frozenset()
         self.recent: OrderedDict[int, None] = OrderedDict()  # routed page hashes, LRU order
@@ -208,11 +209,12 @@ class AffinityState:
 
     def update_stats(self, rid: str, stats: Mapping[str, Any] | ReplicaSummary | None) -> None:
         """Take a replica's latest routing stats (a no-op when unchanged or unparsable)."""
-        summary = stats if isinstance(stats, ReplicaSummary) else ReplicaSummary.from_stats(stats)
-        if summary is None:
-            return
         rep = self._get(rid)
-        if rep.stats == summary:
+        if stats is None or stats is rep.raw:
+            return  # the same object as last time: nothing to parse
+        rep.raw = stats
+        summary = stats if isinstance(stats, ReplicaSummary) else ReplicaSummary.from_stats(stats)
+        if summary is None or rep.stats == summary:
             return
         rep.stats = summary
         rep.stats_set = frozenset(summary.block_hashes)
