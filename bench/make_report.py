@@ -57,6 +57,11 @@ SECTIONS: list[tuple[str, str, str]] = [
         "`bench/bench_server.py`: the OpenAI-compatible server under concurrent streaming load.",
     ),
     (
+        "bench_cluster",
+        "Cluster: prefix-affinity routing",
+        "`bench/bench_cluster.py`: replicas behind the prefix-affinity router vs round robin.",
+    ),
+    (
         "bench_model",
         "Model forward",
         "`bench/bench_model.py`: the paged model forward on its own.",
@@ -164,6 +169,12 @@ def render_value(name: str, value: Any, level: int = 3) -> str:
             return f"{h} {name}\n\n{_table(rows)}\n"
         return f"{h} {name}\n\n{_table([{'': k, **f} for k, f in flat.items()])}\n"
     if isinstance(value, dict) and value:
+        dicts = {k: v for k, v in value.items() if isinstance(v, dict)}
+        rest = {k: v for k, v in value.items() if k not in dicts}
+        if len(dicts) >= 2:  # e.g. {"off": {...}, "on": {...}, "speedup": 3.1}: two tables
+            rows = [{"metric": k, "value": v} for k, v in rest.items()]
+            body = render_value(name, dicts, level).split("\n", 2)[2]  # drop the heading
+            return f"{h} {name}\n\n{_table(rows)}\n\n{body}"
         rows = [{"metric": k, "value": v} for k, v in _flatten(value).items()]
         return f"{h} {name}\n\n{_table(rows)}\n"
     body = json.dumps(value, indent=2, default=str)
@@ -227,15 +238,24 @@ def plot_tuning(data: Any, fig: Any) -> None:
 
 
 def plot_engine(data: Any, fig: Any) -> None:
-    """Mean time to first token per workload and cache setting."""
-    rows = _records(data, "rows", "results", "workloads")
-    key = "ttft_mean_s" if "ttft_mean_s" in rows[0] else "ttft_mean"
-    labels = [f"{r.get('workload', '?')}\ncache {r.get('cache', '?')}" for r in rows]
+    """Mean and p99 time to first token per workload, prefix cache off vs on."""
+    parts = [(k, v) for k, v in data.items() if isinstance(v, dict) and "off" in v and "on" in v]
+    if not parts:
+        raise KeyError("no workload with 'off' and 'on' results")
     ax = fig.add_subplot()
-    ax.bar(range(len(rows)), [r[key] for r in rows], color="tab:blue")
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("mean time to first token (s)")
-    ax.set_title("TTFT, prefix cache off vs on")
+    width = 0.2
+    for j, (label, key, colour) in enumerate([
+        ("cache off, mean", ("off", "ttft_mean_s"), "tab:red"),
+        ("cache off, p99", ("off", "ttft_p99_s"), "lightcoral"),
+        ("cache on, mean", ("on", "ttft_mean_s"), "tab:green"),
+        ("cache on, p99", ("on", "ttft_p99_s"), "lightgreen"),
+    ]):  # fmt: skip
+        xs = [i + (j - 1.5) * width for i in range(len(parts))]
+        ax.bar(xs, [v[key[0]][key[1]] for _, v in parts], width, label=label, color=colour)
+    ax.set_xticks(range(len(parts)), [k.replace("_", " ") for k, _ in parts], fontsize=8)
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("Engine on radixkv-tiny: TTFT, prefix cache off vs on")
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
 
 
