@@ -222,5 +222,26 @@ def main() -> int:
     return 0 if ok else 1
 
 
+# ------------------------------------------------------------------------------------------------
+# Cascade (shared-prefix) decode attention, issue 5: FlashInfer's multi-level cascade and the
+# per-level wrappers against the torch cascade in fp32, plus timings (see bench/bench_cascade.py).
+def check_cascade() -> bool:
+    """Run ``bench_cascade.gpu_check_cascade``; write gpu_check_cascade.json next to the rest."""
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from bench_cascade import gpu_check_cascade
+
+        rows = gpu_check_cascade("cuda")
+        result: dict[str, Any] = {"rows": rows, "ok": all(r["ok"] for r in rows)}
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc()}
+    (out_dir / "gpu_check_cascade.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"gpu_check cascade: {'OK' if result['ok'] else 'FAILED'}")
+    return bool(result["ok"])
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.exit(rc if check_cascade() else 1)
