@@ -114,3 +114,15 @@ def test_notebook_executes(name: str) -> None:
     assert code and all(c.get("outputs") is not None for c in code)
     assert any(c.get("outputs") for c in code), f"{name} was committed without outputs"
     print(f"{name}: {time.monotonic() - t0:.1f}s")
+
+
+def test_index_cache_snippet_runs() -> None:
+    """The torch-free quick-start on the docs' front page is real code, not a sketch."""
+    import re
+
+    text = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    cache_blocks = [b for b in blocks if "RadixCache(" in b]
+    assert cache_blocks, "the front page lost its cache example"
+    for block in cache_blocks:
+        exec(compile(block, "docs/index.md", "exec"), {})
