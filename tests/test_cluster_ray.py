@@ -99,6 +99,26 @@ def _wait_running(serve: Any, apps: list[str], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def _serve() -> Any:
+    from radixkv.cluster._ray import import_serve
+
+    return import_serve()
+
+
+def _router_view(app: str, *, settle_s: float = 10.0) -> dict[str, dict[str, int]]:
+    """The ingress's affinity router state, once its in-flight counts have settled to zero
+    (completion callbacks arrive asynchronously) or after ``settle_s``."""
+    serve = _serve()
+    deadline = time.monotonic() + settle_s
+    while True:
+        views = serve.get_app_handle(app).router_state.remote().result(timeout_s=30)
+        assert len(views) == 1, views  # one ingress replica, one router
+        view = views[0]
+        if all(v["inflight"] == 0 for v in view.values()) or time.monotonic() > deadline:
+            return view
+        time.sleep(0.2)
+
+
 def _stats(app: str) -> list[dict[str, Any]]:
     from radixkv.cluster.app import fleet_engine_stats
 
@@ -126,6 +146,10 @@ def test_affinity_hit_rate_beats_default_routing(
             assert len(split) <= 1, split
             used = {o.replica for o in res.outcomes}
             assert len(used) >= 3  # groups were spread over the fleet, not piled on one replica
+            view = _router_view(AFFINITY)  # the router's own accounting balances out
+            assert len(view) == REPLICAS
+            assert all(v["inflight"] == 0 and v["provisional"] == 0 for v in view.values()), view
+            assert all(v["recent"] > 0 for v in view.values() if v["cached_estimate"]), view
     with capsys.disabled():
         print(
             f"\n[cluster] best {best:.3f}  affinity {rates[AFFINITY]:.3f} ({walls[AFFINITY]:.1f}s)"
@@ -148,35 +172,45 @@ def test_hot_prefix_spreads_once_thresholds_trip(fleets: dict[str, str]) -> None
 
 def test_replica_killed_mid_run(fleets: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     wl = SharedPrefixWorkload(groups=6, per_group=5, prefix_tokens=128, suffix_tokens=16, seed=3)
-    killed: dict[str, str] = {}
+    killed: dict[str, Any] = {}
     lock = threading.Lock()
+    serve = _serve()
+    ingress = serve.get_app_handle(AFFINITY)
 
-    def kill_after_some(outcome: Any, n_done: int) -> None:
+    def kill_busiest(outcome: Any, n_done: int) -> None:
         with lock:
-            if killed or n_done < 6 or not outcome.replica:
+            if killed or n_done < 6:
                 return
-            killed["name"] = outcome.replica
-        ray.kill(ray.get_actor(outcome.replica, namespace="serve"), no_restart=True)
+            killed["pending"] = True
+        # the replica with the most requests in flight, as the router sees it right now
+        view = ingress.router_state.remote().result(timeout_s=30)[0]
+        uid, info = max(view.items(), key=lambda kv: kv[1]["inflight"])
+        name = f"SERVE_REPLICA::{AFFINITY}#RadixKVReplica#{uid}"
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        killed.update(name=name, inflight=info["inflight"])
 
     res = run_workload(
         fleets[AFFINITY],
         wl.items(),
         concurrency=6,
-        max_tokens=24,
+        max_tokens=64,
         stream_every=3,
         timeout_s=90,
-        on_done=kill_after_some,
+        on_done=kill_busiest,
     )
-    assert killed, "no replica was killed"
-    on_dead = [o for o in res.outcomes if o.replica == killed["name"]]
+    assert "name" in killed, "no replica was killed"
+    failures = ingress.ingress_stats.remote().result(timeout_s=30)
     with capsys.disabled():
         print(
-            f"\n[cluster] killed {killed['name'].rsplit('#', 1)[-1]}: "
+            f"\n[cluster] killed a replica with {killed['inflight']} in flight: "
             f"{sum(o.status == 200 and not o.streamed_error for o in res.outcomes)} ok, "
             f"{sum(o.streamed_error for o in res.outcomes)} streams cut, "
             f"{sum(o.status == 503 for o in res.outcomes)} x 503 of {len(res.outcomes)}; "
-            f"{len(on_dead)} answered by it"
+            f"ingress {failures}"
         )
+    if killed["inflight"] >= 2:  # (one alone might finish between the look and the kill)
+        assert failures["retries"] + failures["streams_cut"] + failures["unavailable"] >= 1
+    assert failures["streams_cut"] == sum(o.streamed_error for o in res.outcomes)
     # every request was answered: success (possibly after a retry elsewhere) or a clean error
     for o in res.outcomes:
         assert o.status in (200, 503), o
@@ -188,6 +222,9 @@ def test_replica_killed_mid_run(fleets: dict[str, str], capsys: pytest.CaptureFi
     after = run_workload(fleets[AFFINITY], _fresh(wl, 12), concurrency=4, max_tokens=2)
     assert [o.status for o in after.outcomes] == [200] * 12, after.outcomes
     assert killed["name"] not in {o.replica for o in after.outcomes}
+    view = _router_view(AFFINITY)
+    assert killed["name"].rsplit("#", 1)[-1] not in view, view  # forgotten by the router
+    assert all(v["inflight"] == 0 for v in view.values()), view
 
 
 def _fresh(wl: SharedPrefixWorkload, n: int) -> list[Item]:

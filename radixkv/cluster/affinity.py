@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -243,6 +244,20 @@ class AffinityState:
             return frozenset()
         return _Held(rep.stats_set, rep.recent)
 
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Per replica: load, confirmed in-flight, provisional picks, remembered hashes,
+        estimated cached tokens (for tests and debugging)."""
+        return {
+            rid: {
+                "load": self.load(rid),
+                "inflight": len(rep.inflight),
+                "provisional": len(rep.provisional),
+                "recent": len(rep.recent),
+                "cached_estimate": self.cached_estimate(rid),
+            }
+            for rid, rep in self._replicas.items()
+        }
+
     # ------------------------------------------------------------------ routing callbacks
     def _remember(self, rep: _Replica, hashes: Sequence[int]) -> None:
         cap = self.config.recent_per_replica
@@ -338,3 +353,19 @@ class AffinityState:
         if over and max(matches[r] for r in over) > best:
             reason = "imbalance"  # the best match was skipped for load
         return Decision(ok + over, reason, matches, loads)
+
+
+# Routers register their state here (this module is imported normally in every process, while
+# Ray Serve ships the router class itself pickled by value, with a private copy of its globals).
+_LIVE: weakref.WeakSet[AffinityState] = weakref.WeakSet()
+
+
+def track(state: AffinityState) -> AffinityState:
+    """Make ``state`` visible to :func:`live_snapshots` (for as long as it is alive)."""
+    _LIVE.add(state)
+    return state
+
+
+def live_snapshots() -> list[dict[str, dict[str, int]]]:
+    """:meth:`AffinityState.snapshot` of every tracked state in this process."""
+    return [s.snapshot() for s in list(_LIVE)]

@@ -149,6 +149,18 @@ class RadixKVIngress:
         )
         self.max_body_bytes = int(server_kwargs.get("max_body_bytes", 4 * 1024 * 1024))
         self.max_attempts = max_attempts
+        # failure counters (ingress_stats): retries after a replica failed, streams cut
+        # mid-way by a replica failure, requests answered 503 after every attempt failed
+        self.failures = {"retries": 0, "streams_cut": 0, "unavailable": 0}
+
+    async def ingress_stats(self) -> dict[str, int]:
+        return dict(self.failures)
+
+    async def router_state(self) -> list[dict[str, dict[str, int]]]:
+        """The affinity routers' view of the fleet in this ingress (load, in-flight, ...)."""
+        from radixkv.cluster.affinity import live_snapshots
+
+        return live_snapshots()
 
     def _call(self, fwd: ForwardedRequest, hashes: list[int]) -> Any:
         return self.replicas.options(stream=True).handle_http.remote(fwd, prefix_hashes=hashes)
@@ -193,10 +205,11 @@ class RadixKVIngress:
                     raise
                 last = e
                 log.warning("replica failed (attempt %d): %r; retrying", attempt + 1, e)
+                self.failures["retries"] += 1
                 continue
             assert start is not None
             return Response(b"".join(chunks), start["status"], headers=_headers(start["headers"]))
-        return _unavailable(last)
+        return _unavailable(last, self.failures)
 
     async def _streamed(self, fwd: ForwardedRequest, hashes: list[int]) -> Response:
         last: BaseException | None = None
@@ -205,20 +218,21 @@ class RadixKVIngress:
             try:
                 start = await gen.__anext__()
             except StopAsyncIteration:
-                return _unavailable(None)
+                return _unavailable(None, self.failures)
             except Exception as e:
                 if not _is_replica_failure(e):
                     raise
                 last = e
                 log.warning("replica failed (attempt %d): %r; retrying", attempt + 1, e)
+                self.failures["retries"] += 1
                 continue
             return StreamingResponse(
-                _relay(gen), start["status"], headers=_headers(start["headers"])
+                _relay(gen, self.failures), start["status"], headers=_headers(start["headers"])
             )
-        return _unavailable(last)
+        return _unavailable(last, self.failures)
 
 
-async def _relay(gen: Any) -> AsyncIterator[bytes]:
+async def _relay(gen: Any, failures: dict[str, int]) -> AsyncIterator[bytes]:
     """Body chunks of a started stream; a replica lost mid-stream ends it with an error event."""
     done = False
     try:
@@ -232,13 +246,16 @@ async def _relay(gen: Any) -> AsyncIterator[bytes]:
         if not _is_replica_failure(e):
             raise
         log.warning("replica failed mid-stream: %r", e)
+        failures["streams_cut"] += 1
         yield _sse_error(f"the replica serving this stream failed: {type(e).__name__}")
     finally:
         if not done:
             gen.cancel()  # the client left (or the replica failed): abort on the replica
 
 
-def _unavailable(err: BaseException | None) -> Response:
+def _unavailable(err: BaseException | None, failures: dict[str, int] | None = None) -> Response:
+    if failures is not None:
+        failures["unavailable"] += 1
     body = {
         "error": {
             "message": f"no replica could serve the request: {type(err).__name__ if err else 'none'}",

@@ -41,7 +41,12 @@ from ray.serve.request_router import (  # noqa: E402
     RunningReplica,
 )
 
-from radixkv.cluster.affinity import AffinityConfig, AffinityState, Decision  # noqa: E402
+from radixkv.cluster.affinity import (  # noqa: E402
+    AffinityConfig,
+    AffinityState,
+    Decision,
+    track,
+)
 
 log = logging.getLogger("radixkv.cluster.router")
 
@@ -78,7 +83,9 @@ class RadixAffinityRouter(RequestRouter):
     """Prefix-affinity routing with load guards; see the module doc."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.affinity = AffinityState(AffinityConfig(**kwargs))
+        # Ray Serve pickles this class by value (a private copy of this module's globals), so
+        # the state is tracked in the affinity module, which every process imports normally.
+        self.affinity = track(AffinityState(AffinityConfig(**kwargs)))
         self.last_decision: Decision | None = None
 
     def _state(self) -> AffinityState:
