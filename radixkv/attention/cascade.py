@@ -122,9 +122,9 @@ class CascadePlan:
                     f"level {li} covers rows up to {lvl.qo_indptr[-1]} > num_queries "
                     f"{self.num_queries}"
                 )
+            if any(lp > self.page_size for lp in lvl.kv_last_page_len):
+                raise ValueError(f"level {li}: kv_last_page_len above page_size")
             for i in range(lvl.num_segments):
-                if any(lp > self.page_size for lp in lvl.kv_last_page_len):
-                    raise ValueError(f"level {li}: kv_last_page_len above page_size")
                 if lvl.kv_last_page_len[i] > 0:
                     for r in range(lvl.qo_indptr[i], lvl.qo_indptr[i + 1]):
                         covered[r] = True
@@ -286,10 +286,12 @@ def _attend_chunk_matmul(
 class TorchCascadeAttention:
     """Plan once per decode step, then run for every layer (like FlashInfer's plan/run).
 
-    ``plan`` turns the :class:`CascadePlan` into index tensors on ``device``; ``forward`` reads
-    ``k_cache``/``v_cache`` (never writes them) and returns ``[N, Hq, D]`` in ``q``'s dtype.
-    One-row segments of a level (the per-request level) are batched with padding to the
-    longest one; each multi-row (shared) segment is one matmul over all its rows.
+    The constructor turns the :class:`CascadePlan` into index tensors on ``device`` (once per
+    step); ``forward`` (per layer) reads ``k_cache``/``v_cache``, never writes them, and returns
+    ``[N, Hq, D]`` in ``q``'s dtype. One-row segments of a level (the per-request level) are
+    batched with padding to the longest one; each multi-row (shared) segment gathers its pages
+    once and attends all its rows' queries in one kernel call (PyTorch's fused CPU attention,
+    or per-KV-head batched matmuls elsewhere).
     """
 
     def __init__(self, plan: CascadePlan, device: torch.device | str = "cpu") -> None:
