@@ -40,3 +40,12 @@ def test_bad_flags_exit_with_a_usage_error(
         main(argv)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_radixkv_cli_hands_serve_ray_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from radixkv.cli import main as radixkv_main
+
+    with pytest.raises(SystemExit) as e:
+        radixkv_main(["serve-ray", "--help"])
+    assert e.value.code == 0
+    assert "--replicas" in capsys.readouterr().out

@@ -166,11 +166,14 @@ class RadixKVIngress:
         return self.replicas.options(stream=True).handle_http.remote(fwd, prefix_hashes=hashes)
 
     async def __call__(self, request: Request) -> Response:
-        body = b""
+        parts: list[bytes] = []
+        size = 0
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > self.max_body_bytes:
                 break  # forwarded truncated past the limit: the replica's app answers 413
+        body = b"".join(parts)
         path: str = request.scope["path"]
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):
@@ -207,7 +210,8 @@ class RadixKVIngress:
                 log.warning("replica failed (attempt %d): %r; retrying", attempt + 1, e)
                 self.failures["retries"] += 1
                 continue
-            assert start is not None
+            if start is None:  # cannot happen with call_app, which always answers
+                return _unavailable(None, self.failures)
             return Response(b"".join(chunks), start["status"], headers=_headers(start["headers"]))
         return _unavailable(last, self.failures)
 
