@@ -271,6 +271,9 @@ def plot_cascade(data: Any, fig: Any) -> None:
             ax.plot([q[0] for q in pts], [q[2] for q in pts], ls="--", color=line.get_color(),
                     label=f"P={p} bytes ratio")  # fmt: skip
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    bs = sorted({r["batch"] for r in rows})
+    ax.set_xticks(bs, [str(b) for b in bs])
     ax.set_xlabel("batch size (requests sharing the prefix)")
     ax.set_ylabel("speedup over plain paged decode")
     ax.set_title("Cascade decode attention")
