@@ -19,6 +19,7 @@ computing it again. ``n > 1`` samples rely on this to prefill their prompt once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +166,8 @@ class Scheduler:
             scored.sort(key=lambda t: (t[0], t[1]))
             order = [s for _, _, s in scored]
         else:
-            order = list(self.waiting)
+            # a long queue: look at its head only (deferred candidates cost a match each)
+            order = list(itertools.islice(self.waiting, _LPM_MAX_QUEUE))
         used = 0
         admitted: list[Sequence] = []
         for seq in order:
