@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     best = wl.best_hit_tokens(PAGE) / wl.prompt_tokens()
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     ray.init(
+        address="local",  # always a fresh local cluster, never one named by RAY_ADDRESS
         num_cpus=args.num_cpus,
         include_dashboard=False,
         log_to_driver=False,

@@ -50,6 +50,7 @@ def fleets() -> Iterator[dict[str, str]]:
 
     root = str(Path(__file__).resolve().parents[1])
     ray.init(
+        address="local",  # always a fresh local cluster, never one named by RAY_ADDRESS
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,
