@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.invariants import check_engine_invariants
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
@@ -25,7 +26,7 @@ from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import make_generator, sample
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.setup import EngineConfig, build_components
-from radixkv.engine.validate import normalise_prompt
+from radixkv.engine.validate import as_prompt_list, normalise_prompt
 
 Prompt = str | Sequence[int]
 
@@ -334,7 +335,7 @@ class Engine:
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. All prompts are validated before
         any is queued. Other queued requests progress too (their outputs are not returned)."""
-        plist = _as_prompt_list(prompts)
+        plist = as_prompt_list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             params_list = [params] * len(plist)
         else:
@@ -437,33 +438,7 @@ class Engine:
         free + cached + private == total; each running sequence's shared pages are exactly its
         locked node's path; no page is held twice. When nothing is queued or running and no
         session pins anything: every lock count is zero and no private page remains."""
-        self.cache.check_invariants()
-        self.scheduler.check_invariants()
-        pool, cache, kv = self.pool, self.cache, self._seqkv
-        total = pool.num_free + cache.num_cached_pages + kv.num_private_pages
-        assert total == pool.num_pages, (
-            f"pages: free {pool.num_free} + cached {cache.num_cached_pages} + private "
-            f"{kv.num_private_pages} != {pool.num_pages}"
-        )
-        seen: set[int] = set()
-        for node in cache.iter_nodes():
-            seen.update(node.pages)
-        for s in self.scheduler.running:
-            if s.locked_node is not None:
-                assert s.locked_node is cache.root or s.locked_node.lock_ref > 0, (
-                    f"{s}: locked node has lock_ref 0"
-                )
-                path = cache.path_pages(s.locked_node)
-                assert path == s.page_table[: s.num_shared_pages], f"{s}: shared pages != path"
-            private = s.page_table[s.num_shared_pages :]
-            assert seen.isdisjoint(private), f"{s}: a private page is also elsewhere"
-            seen.update(private)
-        assert len(seen) + pool.num_free == pool.num_pages, "a page is held twice"
-        if not self._groups and not self._num_pins:
-            assert kv.num_private_pages == 0, "private pages remain after drain"
-            for node in cache.iter_nodes():
-                if node.parent is not None:
-                    assert node.lock_ref == 0, f"lock_ref {node.lock_ref} after drain"
+        check_engine_invariants(self)
 
     def reset_prefix_cache(self) -> None:
         """Drop every unlocked cache entry (running requests keep theirs)."""
@@ -474,23 +449,6 @@ class Engine:
         from radixkv.engine.session import Session
 
         return Session(self, prompt, namespace=namespace)
-
-
-def _as_prompt_list(prompts: Any) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
-    if not isinstance(prompts, Iterable):
-        raise TypeError(
-            f"prompts must be a string, a list of strings or of token-id lists, got {type(prompts).__name__}"
-        )
-    plist = list(prompts)
-    if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
-        return [plist]  # one tokenised prompt
-    if not plist:
-        raise ValueError("prompts is empty")
-    return plist
 
 
 __all__ = ["Engine", "EngineConfig", "SeqStatus"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -35,3 +36,22 @@ def normalise_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> tuple[str 
             raise ValueError(f"prompt token {i} = {t} is outside the vocabulary [0, {vocab_size})")
         ids.append(t)
     return None, ids
+
+
+def as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (text or a list of token ids) or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, list | tuple):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Iterable):
+        raise TypeError(
+            "prompts must be a string, a list of strings or of token-id lists, "
+            f"got {type(prompts).__name__}"
+        )
+    plist = list(prompts)
+    if not plist:
+        raise ValueError("prompts is empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
+        return [plist]  # one tokenised prompt
+    return plist
