@@ -185,7 +185,10 @@ class AsyncEngine:
             while self._commands:
                 cmds, self._commands = self._commands, []
                 for c in cmds:
-                    c()
+                    try:
+                        c()
+                    except Exception:  # a command must never kill the loop
+                        log.exception("engine command failed")
             if not self.engine.has_unfinished():
                 self._wake.clear()
                 if not self._commands:
