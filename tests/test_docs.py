@@ -36,6 +36,9 @@ def _env() -> dict[str, str]:
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+    # one intra-op thread: radixkv-tiny's matmuls are tiny, and on a busy 2-core machine two
+    # spinning OpenMP threads make a decode step ~100x slower than one thread does
+    env["OMP_NUM_THREADS"] = "1"
     env["MPLBACKEND"] = "Agg"
     env["TQDM_DISABLE"] = "1"
     return env
