@@ -246,6 +246,7 @@ def draw_tree(
     cmap: str = "viridis",
     figsize: tuple[float, float] | None = None,
     dpi: int = 90,
+    max_nodes: int = 300,
 ) -> Figure:
     """Draw the trie of ``cache`` and return the matplotlib ``Figure``.
 
@@ -270,6 +271,8 @@ def draw_tree(
         cmap: matplotlib colormap name for recency.
         figsize: figure size in inches; by default it grows with the tree.
         dpi: resolution of a new figure.
+        max_nodes: refuse (ValueError) to draw a larger trie, whose labels could not be read
+            anyway; use `node_table` for big caches, or raise the limit.
 
     Returns:
         The figure holding the drawing (new unless ``ax`` was given).
@@ -279,6 +282,11 @@ def draw_tree(
     from matplotlib.patches import Patch
 
     nodes, _children, roots = _collect(cache)
+    if len(nodes) > max_nodes:
+        raise ValueError(
+            f"draw_tree: the trie has {len(nodes)} nodes (max_nodes={max_nodes}); a drawing that "
+            "size is unreadable: use node_table(cache), or pass a larger max_nodes"
+        )
     pos = layout_tree(cache)
     root_set = set(roots)
     width = max((x for x, _ in pos.values()), default=0.0) + 1.0

@@ -190,3 +190,10 @@ def test_find_node_reads_without_touching(cache: RadixCache) -> None:
     assert find_node(cache, [50] * 8, namespace="nope") is cache.root
     assert cache.stats == before
     assert times == {id(n): n.last_access for n in cache.iter_nodes()}
+
+
+def test_too_big_a_trie_is_refused_clearly(cache: RadixCache) -> None:
+    n = cache.num_nodes
+    with pytest.raises(ValueError, match=f"{n} nodes"):
+        draw_tree(cache, max_nodes=n - 1)
+    assert draw_tree(cache, max_nodes=n) is not None
