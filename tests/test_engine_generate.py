@@ -264,3 +264,40 @@ def test_stream_close_aborts_and_abort_releases(small: tuple[Any, Any]) -> None:
     eng.check_invariants()
     with pytest.raises(ValueError, match="unknown"):
         eng.abort(other)  # already finished
+
+
+def test_chunks_are_published_before_the_prompt_finishes(small: tuple[Any, Any]) -> None:
+    _, lm = small
+    ps = 4
+    eng = Engine(lm, page_size=ps, num_pages=400, chunked_prefill_size=16, max_prefill_tokens=16)
+    prompt = list(range(3, 3 + 70))
+    eng.add_request(prompt, GREEDY)
+    eng.step()  # first chunk: 16 tokens
+    assert eng.cache.match_prefix(prompt).num_tokens == 16
+    eng.step()
+    assert eng.cache.match_prefix(prompt).num_tokens == 32
+    # a second request with the same prompt now starts from the published chunks
+    rid = eng.add_request(prompt, GREEDY, stream=False)
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+        eng.check_invariants()
+    assert outs[rid].num_cached_tokens >= 32
+
+
+def test_preempted_request_resumes_from_its_own_pages(small: tuple[Any, Any]) -> None:
+    _, lm = small
+    ps = 4
+    # two long decodes that cannot both fit: the newer is preempted and later resumes
+    eng = Engine(lm, page_size=ps, num_pages=30, max_prefill_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    a, b = list(range(3, 40)), list(range(100, 137))
+    outs = run_checked(eng, [a, b], params)
+    st = eng.stats()
+    assert st.num_preemptions >= 1
+    # resuming hit pages: fewer prompt tokens were recomputed than a restart from scratch
+    restart_cost = st.num_preemptions * len(a)
+    assert st.prefill_tokens_computed < len(a) + len(b) + restart_cost
+    ref = Engine(lm, page_size=ps, num_pages=200).generate([a, b], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
