@@ -114,7 +114,10 @@ def bench_attention(
     t_plain, t_casc = float("inf"), float("inf")
     for _ in range(3):
         t_plain = min(t_plain, _time(lambda: plain(q, k_new, v_new), reps))
-        t_casc = min(t_casc, _time(run_cascade, reps))
+        if decision.use_cascade:
+            t_casc = min(t_casc, _time(run_cascade, reps))
+    if not decision.use_cascade:  # nothing shared (B=1): the engine runs plain decode
+        t_casc = t_plain
     bytes_ratio = (batch * prefix + batch * suffix) / (prefix + batch * suffix)
     return {
         "batch": batch,

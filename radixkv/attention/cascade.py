@@ -186,6 +186,9 @@ class _Chunk:
     bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive kv_mask
 
 
+# Budget of gathered KV tokens per padded batch of one-row segments (see _prepare_level).
+SINGLE_CHUNK_TOKENS = 4096
+
 # PyTorch's fused CPU attention kernel that also returns the log-sum-exp (the public SDPA does
 # not). It is a private op, so it is probed once and the matmul path is kept as the fallback.
 _FUSED_CPU: list[bool | None] = [None]
@@ -344,8 +347,17 @@ class TorchCascadeAttention:
         single = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] == 1]
         multi = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] > 1]
         chunks = [self._make_chunk(lvl, [i]) for i in multi]
-        if single:
-            chunks.append(self._make_chunk(lvl, single))
+        # One-row segments go in padded batches of at most SINGLE_CHUNK_TOKENS gathered tokens:
+        # longest first, so each batch pads little, and no gather buffer grows so large that
+        # allocating it (fresh pages from the OS every call) costs more than the attention.
+        ps = self.plan.page_size
+        single.sort(key=lambda i: -lvl.segment_kv_len(i, ps))
+        start = 0
+        while start < len(single):
+            width = -(-lvl.segment_kv_len(single[start], ps) // ps) * ps  # padded tokens/row
+            n = max(1, SINGLE_CHUNK_TOKENS // width)
+            chunks.append(self._make_chunk(lvl, single[start : start + n]))
+            start += n
         return chunks
 
     def forward(
