@@ -205,3 +205,32 @@ def test_bad_plans_and_inputs_rejected() -> None:
         cascade_attention(torch.randn(1, 2, 8), *random_kv(8, 2, 2, 8), plan)
     with pytest.raises(ValueError, match="do not fit"):
         cascade_attention(torch.randn(1, 3, 8), k, v, plan)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_matches_torch_backend_decode(page_size: int) -> None:
+    """Against the model's own torch backend decode (same pool, same batch, GQA)."""
+    from radixkv.attention.base import BatchLayout
+    from radixkv.attention.torch_backend import TorchAttention
+    from radixkv.kv.kv_pool import KVPool
+
+    ps, h_q, h_kv, d = page_size, 8, 2, 16
+    pool = KVPool(1, 1000, ps, h_kv, d, torch.float32, "cpu")
+    k, v = random_kv(1000, ps, h_kv, d, seed=9)
+    pool.k[0].copy_(k)
+    pool.v[0].copy_(v)
+    shared = _pages(5, 64 // ps)
+    uniq = [(1, _pages(300 + 37 * r, -(-(r + 1) * 5 // ps)), (r + 1) * 5) for r in range(5)]
+    tables = [shared + u[1] for u in uniq]
+    lens = [64 + u[2] for u in uniq]
+    backend = TorchAttention(pool, h_q, h_kv, d)
+    backend.plan(BatchLayout.build(tables, [n - 1 for n in lens], [1] * 5))
+    q = torch.randn(5, h_q, d)
+    # the new token's K/V: write the values already in its slot, so both see the same pool
+    slots = [t[(n - 1) // ps] * ps + (n - 1) % ps for t, n in zip(tables, lens)]
+    k_new = pool.k[0].reshape(-1, h_kv, d)[slots].clone()
+    v_new = pool.v[0].reshape(-1, h_kv, d)[slots].clone()
+    out_backend = backend.forward(0, q, k_new, v_new)
+    plan = CascadePlan(ps, 5, (level(ps, [(5, shared, 64)]), level(ps, uniq)))
+    out = cascade_attention(q, pool.k[0], pool.v[0], plan)
+    assert (out - out_backend).abs().max().item() <= 1e-5
