@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="shared-system-prompt workload, prefix cache off vs on")
     d.add_argument("--model", default="radixkv-tiny")
-    d.add_argument("--requests", type=int, default=32)
-    d.add_argument("--system-words", type=int, default=150, help="system prompt length (words)")
+    d.add_argument("--requests", type=int, default=48)
+    d.add_argument("--system-words", type=int, default=200, help="system prompt length (words)")
     d.add_argument("--max-tokens", type=int, default=16)
     d.add_argument("--num-pages", type=int, default=None)
     d.add_argument("--device", default=None)
