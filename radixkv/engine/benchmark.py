@@ -122,7 +122,43 @@ def format_table(results: Sequence[WorkloadResult]) -> str:
 
 
 # ---------------------------------------------------------------------------- workloads
-_WORDS = ["cache", "prefix", "token", "page", "radix", "tree", "attention", "request", "batch", "decode", "prefill", "system", "prompt", "user", "answer", "question", "model", "engine", "memory", "shared", "branch", "chat", "turn", "document", "key", "value", "evict", "lock", "node", "hit", "miss", "latency", "throughput", "schedule", "kernel"]
+_WORDS = [
+    "cache",
+    "prefix",
+    "token",
+    "page",
+    "radix",
+    "tree",
+    "attention",
+    "request",
+    "batch",
+    "decode",
+    "prefill",
+    "system",
+    "prompt",
+    "user",
+    "answer",
+    "question",
+    "model",
+    "engine",
+    "memory",
+    "shared",
+    "branch",
+    "chat",
+    "turn",
+    "document",
+    "key",
+    "value",
+    "evict",
+    "lock",
+    "node",
+    "hit",
+    "miss",
+    "latency",
+    "throughput",
+    "schedule",
+    "kernel",
+]
 
 
 def _text(rng: random.Random, n_words: int) -> str:
