@@ -36,6 +36,9 @@ class Engine:
 
     Args mirror :class:`EngineConfig` (validated there); ``model`` is a name
     (``"radixkv-tiny"``), a local Hugging Face folder, or an already loaded ``LoadedModel``.
+    ``cascade`` (``"auto"`` | ``"on"`` | ``"off"``): decode steps whose sequences share cached
+    prefixes read each shared prefix's KV once per group (engine/cascade_planner.py); "auto"
+    does so when the step saves enough reads. ``stats()`` reports KV bytes read with and without.
 
     Not thread-safe: drive it from one thread (``AsyncEngine`` does that for asyncio code).
     """
