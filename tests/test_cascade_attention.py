@@ -23,13 +23,13 @@ def kernel_path(request, monkeypatch):
     import radixkv.attention.cascade as cascade_mod
 
     if request.param == "matmul":
-        monkeypatch.setattr(cascade_mod, "_FUSED_CPU", [False])
+        monkeypatch.setattr(cascade_mod, "USE_FUSED_CPU", False)
     else:
-        monkeypatch.setattr(cascade_mod, "_FUSED_CPU", [None])
-        assert cascade_mod._fused_cpu_op() is not None, "torch lacks the fused CPU kernel"
+        monkeypatch.setattr(cascade_mod, "_FUSED_STATE", {})
+        assert cascade_mod._fused_cpu_op(torch.float32) is not None, "no fused CPU kernel"
     yield request.param
     if request.param == "fused":
-        assert cascade_mod._FUSED_CPU[0] is not False, "fused kernel failed and fell back"
+        assert False not in cascade_mod._FUSED_STATE.values(), "fused kernel failed, fell back"
 
 
 def _pages(start: int, n: int) -> list[int]:

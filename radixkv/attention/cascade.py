@@ -190,12 +190,14 @@ class _Chunk:
 SINGLE_CHUNK_TOKENS = 4096
 
 # PyTorch's fused CPU attention kernel that also returns the log-sum-exp (the public SDPA does
-# not). It is a private op, so it is probed once and the matmul path is kept as the fallback.
-_FUSED_CPU: list[bool | None] = [None]
+# not). It is a private op, so it is probed once per dtype and the matmul path is kept as the
+# fallback. USE_FUSED_CPU = False forces the portable path (tests run both).
+USE_FUSED_CPU = True
+_FUSED_STATE: dict[torch.dtype, bool] = {}  # dtype -> the fused kernel worked / failed
 
 
-def _fused_cpu_op() -> object | None:
-    if _FUSED_CPU[0] is False:
+def _fused_cpu_op(dtype: torch.dtype) -> object | None:
+    if not USE_FUSED_CPU or _FUSED_STATE.get(dtype) is False:
         return None
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -237,16 +239,16 @@ def _attend_chunk(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32."""
-    if q.device.type == "cpu" and (op := _fused_cpu_op()) is not None:
+    if q.device.type == "cpu" and (op := _fused_cpu_op(q.dtype)) is not None:
         try:
             out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale)
-            _FUSED_CPU[0] = True
-            return out
-        except (RuntimeError, TypeError) as e:
-            if _FUSED_CPU[0]:  # worked before: a real error, not a missing/changed kernel
+        except (RuntimeError, TypeError):
+            if _FUSED_STATE.get(q.dtype):  # worked before: a real error, not a missing kernel
                 raise
-            _FUSED_CPU[0] = False
-            del e
+            _FUSED_STATE[q.dtype] = False
+        else:
+            _FUSED_STATE[q.dtype] = True
+            return out
     return _attend_chunk_matmul(q, k_cache, v_cache, c, scale)
 
 
