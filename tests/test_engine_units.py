@@ -107,7 +107,7 @@ def test_sampler_mixed_batch_and_errors() -> None:
 class _ByteTok:
     """A byte-level decoder: ids are bytes (multi-byte characters span tokens)."""
 
-    def decode(self, ids) -> str:  # type: ignore[no-untyped-def]
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # type: ignore[no-untyped-def]
         return bytes(ids).decode("utf-8", errors="replace")
 
 

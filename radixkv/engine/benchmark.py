@@ -60,7 +60,7 @@ def measure(
     desc: str | None = None,
 ) -> WorkloadResult:
     """Run ``prompts`` (all arriving now) to completion on ``engine`` and measure."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     before = engine.stats()
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context
 
 
 class _Decoder(Protocol):
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -32,14 +32,22 @@ class IncrementalDetokenizer:
         "_ids",
         "_prefix_offset",
         "_read_offset",
+        "_skip_special",
         "_stops",
         "_tok",
         "stop_matched",
         "text",
     )
 
-    def __init__(self, tokenizer: _Decoder, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str],
+        skip_special_tokens: bool = False,
+    ) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -54,8 +62,8 @@ class IncrementalDetokenizer:
         if self.stop_matched is not None:
             raise RuntimeError("detokenizer: token added after a stop string matched")
         self._ids.append(token_id)
-        prev = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prev = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prev) or full.endswith("\ufffd"):
             return False  # incomplete character: wait for more tokens
         old_len = len(self.text)
@@ -64,12 +72,15 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return self._check_stop(old_len)
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
+
     def flush(self) -> None:
         """At finish: append whatever is still pending (even an incomplete character)."""
         if self.stop_matched is not None or self._read_offset == len(self._ids):
             return
-        prev = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prev = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prev):
             self.text += full[len(prev) :]
         self._prefix_offset = self._read_offset = len(self._ids)

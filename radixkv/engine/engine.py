@@ -164,7 +164,9 @@ class Engine:
             if params.temperature > 0:
                 seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
                 gen = make_generator(seed)
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens
+            )
             seq = Seq(group, i, ids, gen, detok)
             seq.live_detok = live_detok
             group.seqs.append(seq)
@@ -353,7 +355,8 @@ class Engine:
         for g in groups:
             self._enqueue(g)
             ids.add(g.request_id)
-        from tqdm.auto import tqdm
+        # plain tqdm: tqdm.auto warns in notebooks without ipywidgets
+        from tqdm import tqdm
 
         pending = len(groups)
         with tqdm(total=pending, disable=not use_tqdm, desc="generate", unit="req") as bar:

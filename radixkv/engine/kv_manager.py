@@ -29,10 +29,11 @@ class SeqKV:
 
     # ------------------------------------------------------------------ lookups
     def peek_match_len(self, seq: Sequence) -> int:
-        """Tokens a fresh ``acquire`` would hit now (no lock taken)."""
+        """Tokens a fresh ``acquire`` would hit now (no lock taken, nothing in the cache changes:
+        no split, no recency or hit-count refresh, so LFU/LRU order and stats stay honest)."""
         if not self.enabled or len(seq.token_ids) <= 1:
             return 0
-        return self.cache.match_prefix(seq.token_ids[:-1], namespace=seq.namespace).num_tokens
+        return self.cache.peek_prefix(seq.token_ids[:-1], namespace=seq.namespace)
 
     # ------------------------------------------------------------------ admission
     def acquire(self, seq: Sequence) -> int:

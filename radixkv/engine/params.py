@@ -28,6 +28,8 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS tokens.
         seed: per-request seed; the same seed gives the same samples (sample i of an n > 1
             request uses ``seed + i``). None draws from the engine's seeded generator.
+        skip_special_tokens: leave special tokens (chat markers, EOS) out of ``text``, as
+            vLLM and SGLang do by default; ``token_ids`` always keeps them.
 
     Raises:
         ValueError: on any out-of-range value or wrongly typed field (the message names it).
@@ -42,6 +44,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     seed: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -71,6 +74,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(
+                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "temperature", float(self.temperature))

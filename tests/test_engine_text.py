@@ -1,0 +1,65 @@
+"""Output text leaves special tokens out by default; LPM's look-ahead changes nothing in the cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine("radixkv-tiny", page_size=4, num_pages=256, attention_backend="torch")
+
+
+def _special_ids(eng: Engine) -> list[int]:
+    tok = eng.tokenizer
+    return [i for i in range(256, tok.vocab_size) if i not in tok.eos_token_ids]
+
+
+def test_special_tokens_skipped_in_text_by_default(engine: Engine) -> None:
+    special = _special_ids(engine)
+    assert special, "radixkv-tiny has special tokens"
+    prompt = list(b"special tokens: ")
+    params_keep = SamplingParams(
+        max_tokens=1, temperature=0, ignore_eos=True, skip_special_tokens=False
+    )
+    out = engine.generate([prompt], params_keep, use_tqdm=False)[0]
+    first = out.token_ids[0]
+    text_keep = engine.tokenizer.decode([first], skip_special_tokens=False)
+    assert out.text == text_keep
+    skipped = engine.generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert skipped.token_ids == out.token_ids
+    assert skipped.text == engine.tokenizer.decode([first], skip_special_tokens=True)
+    if first in special:
+        assert skipped.text == "" and out.text != ""
+    # the decoder itself: a special id renders only when asked to
+    sid = special[0]
+    assert engine.tokenizer.decode([sid], skip_special_tokens=False) != ""
+    assert engine.tokenizer.decode([sid], skip_special_tokens=True) == ""
+
+
+def test_skip_special_tokens_is_validated() -> None:
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens="yes")  # type: ignore[arg-type]
+
+
+def test_lpm_lookahead_does_not_touch_hit_counts() -> None:
+    eng = Engine("radixkv-tiny", page_size=4, num_pages=256, attention_backend="torch")
+    system = list(b"a shared system prompt for every request. ")
+    eng.generate([system + list(b"warm")], SamplingParams(max_tokens=2, temperature=0), False)
+    before = eng.cache.stats.match_queries
+    hits_before = {id(n): n.hit_count for n in eng.cache.iter_nodes()}
+    for i in range(6):
+        eng.add_request(system + list(f"question {i}".encode()), SamplingParams(max_tokens=2))
+    waiting = list(eng.scheduler.waiting)
+    assert len(waiting) == 6
+    assert all(eng.scheduler.kv.peek_match_len(seq) >= 40 for seq in waiting)
+    assert eng.cache.stats.match_queries == before
+    assert {id(n): n.hit_count for n in eng.cache.iter_nodes()} == hits_before
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_invariants()
