@@ -33,7 +33,13 @@ def fuzz(session: nox.Session) -> None:
     """The Hypothesis state machines with the long profile (many more examples)."""
     _install(session)
     session.run(
-        "pytest", "-q", "-p", "no:cacheprovider", "tests/", "-k", "fuzz or state_machine",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/",
+        "-k",
+        "fuzz or state_machine",
         env={"RADIXKV_HYPOTHESIS_PROFILE": "fuzz"},
     )
 
@@ -42,8 +48,32 @@ def fuzz(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run every benchmark in bench/ and regenerate docs/benchmarks.md."""
     _install(session, "test")
-    for script in ("bench_cache.py", "bench_model.py", "bench_engine.py", "bench_cascade.py"):
+    scripts = (
+        "bench_cache.py",
+        "bench_model.py",
+        "bench_engine.py",
+        "bench_cascade.py",
+        "bench_tuning.py",
+        "bench_server.py",
+    )
+    for script in scripts:
         session.run("python", f"bench/{script}", *session.posargs)
+    session.run("python", "bench/make_report.py")
+
+
+@nox.session(python="3.11")
+def bench_cluster(session: nox.Session) -> None:
+    """The Ray Serve fleet benchmark (starts a local Ray; slower, so kept apart)."""
+    _install(session, "test")
+    session.run("python", "bench/bench_cluster.py", *session.posargs)
+    session.run("python", "bench/make_report.py")
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with warnings as errors."""
+    _install(session)
+    session.run("python", "-m", "mkdocs", "build", "--strict", "--site-dir", "site")
 
 
 @nox.session(python="3.11")
