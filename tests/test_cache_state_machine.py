@@ -263,8 +263,9 @@ class ConstantHashCacheMachine(CacheMachine):
     hash_fn = staticmethod(constant_hash)
 
 
-# Scaled from the loaded profile: about 25 s per machine under "ci", far more under "fuzz".
-_steps = settings(max_examples=settings.default.max_examples * 10, stateful_step_count=50)
+# Scaled from the loaded profile: under "ci" 60 x 30 runs of 50 steps, about half a minute per
+# hash variant on 2 quiet cores (about a minute for both); far more under "fuzz".
+_steps = settings(max_examples=settings.default.max_examples * 30, stateful_step_count=50)
 CacheMachine.TestCase.settings = _steps
 ConstantHashCacheMachine.TestCase.settings = _steps
 TestCacheStateMachine = CacheMachine.TestCase
