@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixkv.attention.paged_ops import token_slots
 from radixkv.kv.kv_pool import KVPool
 
 
@@ -112,6 +113,29 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = float(scale) if scale is not None else head_dim**-0.5
+        self._slots: torch.Tensor | None = None  # [T] flat pool slot of each new token
+        self._num_tokens = 0
+
+    def _plan_slots(self, layout: BatchLayout) -> None:
+        """Record the step's write slots (ragged batch order) on the pool's device."""
+        ps = self.kv_pool.page_size
+        slots = [
+            token_slots(torch.tensor(pt[: (past + new + ps - 1) // ps]), past, past + new, ps)
+            for pt, past, new in zip(
+                layout.page_tables, layout.num_past, layout.num_new, strict=True
+            )
+        ]
+        self._num_tokens = sum(layout.num_new)
+        self._slots = torch.cat(slots).to(self.kv_pool.device, non_blocking=True)
+
+    def _write_new_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The first half of every ``forward``: check the step was planned for ``q``'s tokens,
+        then write the new K/V of layer ``layer`` into their slots (mutates the pool)."""
+        if self._slots is None:
+            raise RuntimeError(f"{type(self).__name__}.forward called before plan()")
+        if q.shape[0] != self._num_tokens:
+            raise ValueError(f"planned {self._num_tokens} tokens, got q with {q.shape[0]}")
+        self.kv_pool.write(layer, self._slots, k, v)
 
     @abstractmethod
     def plan(self, layout: BatchLayout) -> None:
@@ -122,12 +146,3 @@ class AttentionBackend(ABC):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Write ``k``/``v`` into the pool for layer ``layer``, attend, return ``[T, Hq, D]``."""
-
-
-def write_slots(layout: BatchLayout, page_size: int) -> list[int]:
-    """Flat pool slots of every new token, in ragged batch order."""
-    slots: list[int] = []
-    for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
-        for i in range(past, past + new):
-            slots.append(pt[i // page_size] * page_size + i % page_size)
-    return slots

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from radixkv.attention.base import AttentionBackend, BatchLayout, write_slots
+from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade import CascadePlan, TorchCascadeAttention
 
 
@@ -48,7 +48,6 @@ class CascadeDecodeBackend(AttentionBackend):
         self._order: tuple[int, ...] = ()
         self._impl: Any = None
         self._fi: Any = None  # FlashInferCascadeAttention, created on first use
-        self._slots: torch.Tensor | None = None
         self._order_t: torch.Tensor | None = None
 
     def set_plan(self, plan: CascadePlan, order: Sequence[int]) -> None:
@@ -80,7 +79,7 @@ class CascadeDecodeBackend(AttentionBackend):
                     f"{layout.num_past[i] + 1}"
                 )
         dev = pool.device
-        self._slots = torch.tensor(write_slots(layout, pool.page_size), device=dev)
+        self._plan_slots(layout)
         identity = self._order == tuple(range(n))
         self._order_t = None if identity else torch.tensor(self._order, device=dev)
         if dev.type == "cuda" and self.inner_name == "flashinfer":
@@ -106,10 +105,8 @@ class CascadeDecodeBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        if self._slots is None:
-            raise RuntimeError("CascadeDecodeBackend.forward called before plan()")
+        self._write_new_kv(layer, q, k, v)
         pool = self.kv_pool
-        pool.write(layer, self._slots, k, v)
         order = self._order_t
         q_rows = q if order is None else q.index_select(0, order)
         out = self._impl(q_rows, pool.k[layer], pool.v[layer])

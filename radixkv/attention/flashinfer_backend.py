@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.attention.paged_ops import token_slots
 from radixkv.kv.kv_pool import KVPool
 
 # Per wrapper. FlashInfer's examples use 128 MiB; its split-KV scratch grows with batch size and
@@ -93,8 +92,6 @@ class FlashInferAttention(AttentionBackend):
         self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
             self._decode_ws, "NHD", use_tensor_cores=group not in (1, 2, 4)
         )
-        self._slots: torch.Tensor | None = None
-        self._num_tokens = 0
         self._pre_rows: torch.Tensor | None = None  # token rows of prefill seqs (mixed batch)
         self._dec_rows: torch.Tensor | None = None
         self._has_prefill = False
@@ -104,7 +101,7 @@ class FlashInferAttention(AttentionBackend):
         pool = self.kv_pool
         ps, dev = pool.page_size, pool.device
         layout.validate(ps, pool.num_pages)
-        slots: list[torch.Tensor] = []
+        self._plan_slots(layout)
         pre_tables, pre_lens, pre_qo = [], [], [0]
         dec_tables, dec_lens = [], []
         pre_rows: list[int] = []
@@ -113,7 +110,6 @@ class FlashInferAttention(AttentionBackend):
         for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
             total = past + new
             pt_list = list(pt[: (total + ps - 1) // ps])
-            slots.append(token_slots(torch.tensor(pt_list, dtype=torch.int64), past, total, ps))
             if new == 1 and past > 0:
                 dec_tables.append(pt_list)
                 dec_lens.append(total)
@@ -124,8 +120,6 @@ class FlashInferAttention(AttentionBackend):
                 pre_qo.append(pre_qo[-1] + new)
                 pre_rows.extend(range(start, start + new))
             start += new
-        self._num_tokens = start
-        self._slots = torch.cat(slots).to(dev, non_blocking=True)
         self._has_prefill, self._has_decode = bool(pre_tables), bool(dec_tables)
         mixed = self._has_prefill and self._has_decode
         self._pre_rows = torch.tensor(pre_rows, device=dev) if mixed else None
@@ -166,12 +160,8 @@ class FlashInferAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        if self._slots is None:
-            raise RuntimeError("FlashInferAttention.forward called before plan()")
-        if q.shape[0] != self._num_tokens:
-            raise ValueError(f"planned {self._num_tokens} tokens, got q with {q.shape[0]}")
+        self._write_new_kv(layer, q, k, v)
         pool = self.kv_pool
-        pool.write(layer, self._slots, k, v)
         cache = (pool.k[layer], pool.v[layer])
         q = q.contiguous()
         if not self._has_decode:

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.attention.paged_ops import token_slots
 from radixkv.kv.kv_pool import KVPool
 
 # Queries of a prefill with cached/past tokens are processed in chunks of this many rows: each
@@ -90,19 +89,17 @@ class TorchAttention(AttentionBackend):
         scale: float | None = None,
     ) -> None:
         super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
-        self._slots: torch.Tensor | None = None
         self._prefills: list[_Prefill] = []
         self._groups: list[_DecodeGroup] = []
-        self._num_tokens = 0
         self._kbuf = _GatherBuffer(kv_pool)
         self._vbuf = _GatherBuffer(kv_pool)
 
     # ---- plan --------------------------------------------------------------------------------
     def plan(self, layout: BatchLayout) -> None:
         pool = self.kv_pool
-        ps, dev = pool.page_size, pool.device
+        ps = pool.page_size
         layout.validate(ps, pool.num_pages)
-        slots: list[torch.Tensor] = []
+        self._plan_slots(layout)
         prefills: list[_Prefill] = []
         decodes: list[tuple[int, list[int], int]] = []  # (row, pages, kv_len)
         start = 0
@@ -110,14 +107,11 @@ class TorchAttention(AttentionBackend):
             total = past + new
             n_pages = (total + ps - 1) // ps
             pt_cpu = torch.tensor(pt[:n_pages], dtype=torch.int64)
-            slots.append(token_slots(pt_cpu, past, total, ps))
             if new == 1 and past > 0:
                 decodes.append((start, list(pt[:n_pages]), total))
             else:
                 prefills.append(self._plan_prefill(start, past, new, pt_cpu))
             start += new
-        self._num_tokens = start
-        self._slots = torch.cat(slots).to(dev, non_blocking=True)
         self._prefills = prefills
         self._groups = self._plan_decode(decodes)
 
@@ -181,12 +175,8 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        if self._slots is None:
-            raise RuntimeError("TorchAttention.forward called before plan()")
-        if q.shape[0] != self._num_tokens:
-            raise ValueError(f"planned {self._num_tokens} tokens, got q with {q.shape[0]}")
+        self._write_new_kv(layer, q, k, v)
         pool = self.kv_pool
-        pool.write(layer, self._slots, k, v)
         kc, vc = pool.k[layer], pool.v[layer]
         out = torch.empty_like(q)
         for item in self._prefills:
