@@ -53,13 +53,13 @@ def _pair(
     return out
 
 
-def part_a(lm: Any, quick: bool) -> dict[str, Any]:
+def part_a(lm: Any, quick: bool, **kw: Any) -> dict[str, Any]:
     n, prefix, unique, out_len = (10, 1024, 64, 8) if quick else (50, 4096, 128, 32)
     prompts = shared_prefix_tokens(
         num_requests=n, prefix_len=prefix, unique_len=unique, vocab=lm.config.vocab_size
     )
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    off, on = _pair(lm, prompts, params, "a: shared prefix")
+    off, on = _pair(lm, prompts, params, "a: shared prefix", **kw)
     ttft_cut = 1 - on.ttft_mean_s / off.ttft_mean_s
     speedup = on.throughput_tok_s / off.throughput_tok_s
     ideal = 1 - (prefix + n * unique) / (n * (prefix + unique))
@@ -75,7 +75,7 @@ def part_a(lm: Any, quick: bool) -> dict[str, Any]:
     }
 
 
-def part_b(lm: Any, quick: bool) -> dict[str, Any]:
+def part_b(lm: Any, quick: bool, **kw: Any) -> dict[str, Any]:
     groups, per, system, question, out_len = (4, 4, 256, 32, 8) if quick else (8, 8, 512, 64, 16)
     prompts, ideal = generated_shared_prefix(
         num_groups=groups,
@@ -85,7 +85,7 @@ def part_b(lm: Any, quick: bool) -> dict[str, Any]:
         vocab=lm.config.vocab_size,
     )
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    off, on = _pair(lm, prompts, params, "b: gen-shared-prefix")
+    off, on = _pair(lm, prompts, params, "b: gen-shared-prefix", **kw)
     return {
         "workload": {
             "groups": groups,
@@ -123,12 +123,12 @@ class _Timer:
         setattr(obj, name, timed)
 
 
-def part_c(lm: Any, quick: bool) -> dict[str, Any]:
+def part_c(lm: Any, quick: bool, **kw: Any) -> dict[str, Any]:
     batch, prefix, unique, out_len = (64, 256, 16, 24) if quick else (64, 1024, 64, 96)
     prompts = shared_prefix_tokens(
         num_requests=batch, prefix_len=prefix, unique_len=unique, vocab=lm.config.vocab_size, seed=7
     )
-    eng = Engine(lm, max_running_requests=batch)
+    eng = Engine(lm, max_running_requests=batch, **kw)
     sch = eng.scheduler
     timers = {n: _Timer(sch, n) for n in ("schedule", "after_forward", "finish")}
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
@@ -179,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="a,b,c")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--prefill-budget",
+        default=None,
+        choices=("tokens", "attention"),
+        help="Engine prefill_budget (default: the Engine's)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,13 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         },
         "quick": args.quick,
     }
+    kw = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
+    report["engine_kw"] = kw
     t0 = time.perf_counter()
     if "a" in parts:
-        report["a_shared_prefix"] = part_a(lm, args.quick)
+        report["a_shared_prefix"] = part_a(lm, args.quick, **kw)
     if "b" in parts:
-        report["b_generated_shared_prefix"] = part_b(lm, args.quick)
+        report["b_generated_shared_prefix"] = part_b(lm, args.quick, **kw)
     if "c" in parts:
-        report["c_bookkeeping_batch64"] = part_c(lm, args.quick)
+        report["c_bookkeeping_batch64"] = part_c(lm, args.quick, **kw)
     report["machine"]["load_average_at_end"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - t0
 

@@ -58,6 +58,11 @@ CONFIGS = [
     pytest.param(dict(page_size=16, num_pages=100), id="page-16"),
     pytest.param(dict(num_pages=40, max_prefill_tokens=64), id="tiny-pool"),
     pytest.param(dict(num_pages=40, enable_prefix_cache=False), id="tiny-pool-off"),
+    pytest.param(dict(prefill_budget="attention", max_prefill_tokens=24), id="attn-budget"),
+    pytest.param(
+        dict(prefill_budget="attention", max_prefill_tokens=24, chunked_prefill_size=None),
+        id="attn-budget-unchunked",
+    ),
 ]
 
 

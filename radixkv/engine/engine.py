@@ -21,6 +21,7 @@ from radixkv.engine.invariants import check_engine_invariants
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
+from radixkv.engine.prefill_cost import attention_cost_ratio
 from radixkv.engine.request import RequestGroup, SeqStatus
 from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import make_generator, sample
@@ -53,6 +54,7 @@ class Engine:
         max_running_requests: int = 256,
         max_prefill_tokens: int = 8192,
         chunked_prefill_size: int | None = 2048,
+        prefill_budget: str = "tokens",
         schedule_policy: str = "lpm",
         enable_prefix_cache: bool = True,
         eviction_policy: str = "lru",
@@ -69,6 +71,7 @@ class Engine:
             max_running_requests=max_running_requests,
             max_prefill_tokens=max_prefill_tokens,
             chunked_prefill_size=chunked_prefill_size,
+            prefill_budget=prefill_budget,
             schedule_policy=schedule_policy,
             enable_prefix_cache=enable_prefix_cache,
             eviction_policy=eviction_policy,
@@ -94,6 +97,8 @@ class Engine:
             max_prefill_tokens=self.config.max_prefill_tokens,
             chunked_prefill_size=self.config.chunked_prefill_size,
             policy=self.config.schedule_policy,
+            prefill_budget=self.config.prefill_budget,
+            attention_ratio=attention_cost_ratio(c.model.config),
         )
         self._rng = random.Random(self.config.seed)
         self._groups: dict[str, RequestGroup] = {}  # live (unfinished) requests

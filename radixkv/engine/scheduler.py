@@ -3,7 +3,8 @@
 Each ``schedule()`` builds one mixed batch, in this order:
 
 1. running sequences, oldest first: one decode token each, or the next prefill chunk of those
-   still prefilling (within ``max_prefill_tokens``). When the pool cannot supply a page, the
+   still prefilling (within ``max_prefill_tokens``; with ``prefill_budget="attention"`` a chunk
+   of n tokens on p computed ones counts n + (n*p + n*n/2) / R, see prefill_cost.py). When the pool cannot supply a page, the
    most recently admitted running sequence is preempted (its computed full pages are inserted
    into the trie, everything is released, it goes back to the front of the queue and later
    resumes by hitting its own pages), so the oldest sequence always progresses;
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.prefill_cost import PREFILL_BUDGETS, chunk_cost, max_chunk
 from radixkv.engine.request import SeqStatus, Sequence
 
 _LPM_MAX_QUEUE = 128  # beyond this many waiting, matching them all each step costs too much
@@ -45,6 +47,7 @@ class ScheduledBatch:
     num_new: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
+    prefill_cost: float = 0.0  # num_prefill_tokens in the scheduler's budget units
     num_decode: int = 0
 
     def add(self, seq: Sequence, n: int) -> None:
@@ -69,15 +72,26 @@ class Scheduler:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None,
         policy: str,
+        prefill_budget: str = "tokens",
+        attention_ratio: float | None = None,
     ) -> None:
+        """``prefill_budget="attention"`` needs ``attention_ratio`` (R in prefill_cost.py)."""
         if policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {policy!r}")
+        if prefill_budget not in PREFILL_BUDGETS:
+            raise ValueError(
+                f"prefill_budget must be one of {PREFILL_BUDGETS}, got {prefill_budget!r}"
+            )
+        if prefill_budget == "attention" and not (attention_ratio and attention_ratio > 0):
+            raise ValueError("prefill_budget='attention' needs attention_ratio > 0")
         self.kv = kv
         self.page_size = kv.page_size
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunked_prefill_size or None
         self.policy = policy
+        # None: the budget counts new tokens only
+        self._ratio = attention_ratio if prefill_budget == "attention" else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._inflight: dict[Any, int] = {}  # page key -> sequences computing it
@@ -119,14 +133,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._schedule_running(batch)
-        self._admit(batch, self.max_prefill_tokens - batch.num_prefill_tokens)
+        self._admit(batch, self.max_prefill_tokens - batch.prefill_cost)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch) -> None:
         """Oldest first: each running sequence decodes one token or computes its next prefill
         chunk. A sequence that cannot get even one page preempts the most recently admitted
         running sequence (itself, if it is the newest), so the oldest always progresses."""
-        used = 0
+        used = 0.0  # budget units
+        tokens = 0
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -135,7 +150,9 @@ class Scheduler:
             n = (
                 1
                 if decode
-                else self._chunk(remaining, self.max_prefill_tokens - used, first=used == 0)
+                else self._chunk(
+                    remaining, self.max_prefill_tokens - used, seq.num_computed, first=used == 0
+                )
             )
             if n <= 0:
                 i += 1
@@ -153,11 +170,13 @@ class Scheduler:
             if decode:
                 batch.num_decode += 1
             else:
-                used += n
+                used += chunk_cost(n, seq.num_computed, self._ratio)
+                tokens += n
             i += 1
-        batch.num_prefill_tokens += used
+        batch.num_prefill_tokens += tokens
+        batch.prefill_cost += used
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: float) -> None:
         if not self.waiting:
             return
         if self.policy == "lpm" and self.kv.enabled and len(self.waiting) <= _LPM_MAX_QUEUE:
@@ -168,7 +187,8 @@ class Scheduler:
         else:
             # a long queue: look at its head only (deferred candidates cost a match each)
             order = list(itertools.islice(self.waiting, _LPM_MAX_QUEUE))
-        used = 0
+        used = 0.0  # budget units
+        tokens = 0
         admitted: list[Sequence] = []
         for seq in order:
             if len(self.running) >= self.max_running or budget - used <= 0:
@@ -179,7 +199,7 @@ class Scheduler:
                 continue
             remaining = len(seq.token_ids) - seq.num_computed
             first = used == 0 and budget == self.max_prefill_tokens
-            n = self._chunk(remaining, budget - used, first=first)
+            n = self._chunk(remaining, budget - used, seq.num_computed, first=first)
             if n <= 0 or not self._has_room(seq, n):
                 self.kv.release(seq, insert=False)
                 break
@@ -196,18 +216,27 @@ class Scheduler:
             admitted.append(seq)
             self._announce(seq)
             batch.add(seq, n)
-            used += n
+            used += chunk_cost(n, seq.num_computed, self._ratio)
+            tokens += n
         if admitted:
             gone = set(map(id, admitted))
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
-        batch.num_prefill_tokens += used
+        batch.num_prefill_tokens += tokens
+        batch.prefill_cost += used
 
-    def _chunk(self, remaining: int, budget: int, *, first: bool) -> int:
-        """Tokens to compute this step for a sequence with ``remaining`` uncomputed tokens."""
+    def _chunk(self, remaining: int, budget: float, past: int, *, first: bool) -> int:
+        """Tokens to compute this step for a sequence with ``remaining`` uncomputed tokens after
+        ``past`` computed ones, within ``budget`` (budget units). The step's first prefill
+        always progresses: with the attention budget, by at least a page."""
         if self.chunk_size is None:
             # no chunking: all or nothing (a lone prompt may exceed the budget)
-            return remaining if (remaining <= budget or first) else 0
-        return min(remaining, self.chunk_size, budget)
+            fits = chunk_cost(remaining, past, self._ratio) <= budget
+            return remaining if (fits or first) else 0
+        n = min(remaining, self.chunk_size, max_chunk(budget, past, self._ratio))
+        if first and self._ratio is not None:
+            # a very long context may price even a page above the budget: take a page anyway
+            n = max(n, min(remaining, self.chunk_size, self.page_size))
+        return n
 
     def _available_pages(self) -> int:
         return self.kv.cache.pool.num_free + self.kv.cache.num_evictable_pages

@@ -20,7 +20,9 @@ def _pos_int(name: str, v: Any) -> None:
 class EngineConfig:
     """Engine knobs. ``num_pages`` wins over ``kv_cache_memory`` (bytes); with neither, the KV
     pool gets 1 GiB on the CPU or half the free memory on a GPU. ``chunked_prefill_size`` None
-    or 0 disables chunking."""
+    or 0 disables chunking. ``prefill_budget`` says what ``max_prefill_tokens`` counts: new tokens
+    ("tokens") or new tokens plus their attention to past ones ("attention", see
+    engine/prefill_cost.py)."""
 
     page_size: int = 16
     num_pages: int | None = None
@@ -28,6 +30,7 @@ class EngineConfig:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = 2048
+    prefill_budget: str = "tokens"
     schedule_policy: str = "lpm"
     enable_prefix_cache: bool = True
     eviction_policy: str = "lru"
@@ -46,6 +49,10 @@ class EngineConfig:
         _pos_int("max_prefill_tokens", self.max_prefill_tokens)
         if self.chunked_prefill_size not in (None, 0):
             _pos_int("chunked_prefill_size", self.chunked_prefill_size)
+        if self.prefill_budget not in ("tokens", "attention"):
+            raise ValueError(
+                f"prefill_budget must be 'tokens' or 'attention', got {self.prefill_budget!r}"
+            )
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(
                 f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}"

@@ -1,0 +1,106 @@
+"""The attention-aware prefill budget: its cost model, and that the scheduler splits a step
+whose new tokens attend to a long cached prefix, while a lone long prompt still progresses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from engine_helpers import make_small_llama
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+from radixkv.engine.prefill_cost import attention_cost_ratio, chunk_cost, max_chunk
+from radixkv.model.tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    return make_small_llama(tmp_path_factory.mktemp("small-llama"))
+
+
+def test_ratio_of_tiny_and_cost_model() -> None:
+    r = attention_cost_ratio(tiny_config())
+    assert r == pytest.approx(1536.0)
+    assert chunk_cost(128, 4096, None) == 128
+    assert chunk_cost(128, 4096, r) == pytest.approx(128 + (128 * 4096 + 128 * 128 / 2) / r)
+
+
+@pytest.mark.parametrize("past", [0, 1, 100, 4096, 100_000])
+@pytest.mark.parametrize("budget", [0, 1, 7.5, 1000, 8192])
+def test_max_chunk_is_the_largest_that_fits(past: int, budget: float) -> None:
+    for ratio in (None, 3.0, 1536.0):
+        n = max_chunk(budget, past, ratio)
+        assert n >= 0
+        assert chunk_cost(n, past, ratio) <= budget
+        assert chunk_cost(n + 1, past, ratio) > budget
+
+
+def test_engine_rejects_unknown_budget() -> None:
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Engine("radixkv-tiny", num_pages=16, prefill_budget="flops")
+
+
+def _record(eng: Engine) -> list[tuple[list[int], list[int], float]]:
+    """Wraps the scheduler: per step, (new tokens per row, past tokens per row, prefill cost)."""
+    rec: list[tuple[list[int], list[int], float]] = []
+    sch = eng.scheduler
+    orig = sch.schedule
+
+    def schedule() -> Any:
+        b = orig()
+        rec.append((list(b.num_new), [s.num_computed for s in b.seqs], b.prefill_cost))
+        return b
+
+    sch.schedule = schedule  # type: ignore[method-assign]
+    return rec
+
+
+def test_attention_budget_splits_the_step_over_a_cached_prefix(small: tuple[Any, Any]) -> None:
+    _, lm = small
+    ratio = attention_cost_ratio(lm.config)
+    prefix = [3 + (i % 90) for i in range(160)]
+    prompts = [prefix + [100 + 8 * i + j for j in range(8)] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = {}
+    prefill_steps = {}
+    for budget in ("tokens", "attention"):
+        eng = Engine(lm, page_size=4, num_pages=400, max_prefill_tokens=128, prefill_budget=budget)
+        eng.generate([prompts[0]], params, use_tqdm=False)  # the prefix is cached now
+        rec = _record(eng)
+        outs[budget] = [o.token_ids for o in eng.generate(prompts[1:], params, use_tqdm=False)]
+        eng.check_invariants()
+        prefill_steps[budget] = sum(1 for new, _, _ in rec if any(n > 1 for n in new))
+        for new, past, cost in rec:
+            prefill = [(n, p) for n, p in zip(new, past) if n > 1]
+            if budget == "attention" and len(prefill) > 1:
+                assert cost == pytest.approx(sum(chunk_cost(n, p, ratio) for n, p in prefill))
+                assert cost <= 128
+    # 11 x 8 new tokens fit 128 tokens in one step; with their attention to 160 cached
+    # tokens priced in, they do not
+    assert prefill_steps["tokens"] == 1
+    assert prefill_steps["attention"] > 1
+    assert outs["tokens"] == outs["attention"]
+
+
+@pytest.mark.parametrize("chunk", [2048, None])
+def test_long_prompt_progresses_under_a_tiny_budget(small: tuple[Any, Any], chunk: Any) -> None:
+    _, lm = small
+    eng = Engine(
+        lm,
+        page_size=4,
+        num_pages=400,
+        max_prefill_tokens=2,
+        chunked_prefill_size=chunk,
+        prefill_budget="attention",
+    )
+    rec = _record(eng)
+    prompt = [3 + (i % 90) for i in range(150)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = eng.generate([prompt], params, use_tqdm=False)[0]
+    assert len(out.token_ids) == 2
+    ref = Engine(lm, page_size=4, num_pages=400).generate([prompt], params, use_tqdm=False)
+    assert out.token_ids == ref[0].token_ids
+    if chunk is not None:
+        assert all(new[0] >= 2 for new, _, _ in rec[:-2])  # a page (or the rest) per step
+        assert len(rec) > 3  # really chunked
