@@ -4,10 +4,11 @@ Each ``schedule()`` builds one mixed batch, in this order:
 
 1. running sequences, oldest first: one decode token each, or the next prefill chunk of those
    still prefilling (within ``max_prefill_tokens``; with ``prefill_budget="attention"`` a chunk
-   of n tokens on p computed ones counts n + (n*p + n*n/2) / R, see prefill_cost.py). When the pool cannot supply a page, the
-   most recently admitted running sequence is preempted (its computed full pages are inserted
-   into the trie, everything is released, it goes back to the front of the queue and later
-   resumes by hitting its own pages), so the oldest sequence always progresses;
+   of n tokens on p computed ones counts n + (n*p + n*n/2) / R, see prefill_cost.py). When the
+   pool cannot supply a page, the most recently admitted running sequence is preempted (its
+   computed full pages are inserted into the trie, everything is released, it goes back to the
+   front of the queue and later resumes by hitting its own pages), so the oldest sequence
+   always progresses;
 2. admission of waiting sequences (``lpm``: longest cached prefix first; ``fcfs``: arrival),
    while the budget, ``max_running_requests`` and the pool allow.
 
