@@ -56,13 +56,9 @@ CONFIGS = [
     pytest.param(dict(chunked_prefill_size=7, enable_prefix_cache=False), id="chunked-off"),
     pytest.param(dict(page_size=1, num_pages=2000), id="page-1"),
     pytest.param(dict(page_size=16, num_pages=100), id="page-16"),
-    # the tokens budget packs big enough steps on this small model to force preemption
-    pytest.param(
-        dict(num_pages=40, max_prefill_tokens=64, prefill_budget="tokens"), id="tiny-pool"
-    ),
+    pytest.param(dict(num_pages=40, max_prefill_tokens=64), id="tiny-pool"),
     pytest.param(dict(num_pages=40, enable_prefix_cache=False), id="tiny-pool-off"),
     pytest.param(dict(prefill_budget="attention", max_prefill_tokens=24), id="attn-budget"),
-    pytest.param(dict(prefill_budget="tokens", max_prefill_tokens=24), id="tokens-budget"),
     pytest.param(
         dict(prefill_budget="attention", max_prefill_tokens=24, chunked_prefill_size=None),
         id="attn-budget-unchunked",
@@ -278,15 +274,7 @@ def test_stream_close_aborts_and_abort_releases(small: tuple[Any, Any]) -> None:
 def test_chunks_are_published_before_the_prompt_finishes(small: tuple[Any, Any]) -> None:
     _, lm = small
     ps = 4
-    # the tokens budget: each step computes exactly one 16-token chunk
-    eng = Engine(
-        lm,
-        page_size=ps,
-        num_pages=400,
-        chunked_prefill_size=16,
-        max_prefill_tokens=16,
-        prefill_budget="tokens",
-    )
+    eng = Engine(lm, page_size=ps, num_pages=400, chunked_prefill_size=16, max_prefill_tokens=16)
     prompt = list(range(3, 3 + 70))
     eng.add_request(prompt, GREEDY)
     eng.step()  # first chunk: 16 tokens

@@ -54,7 +54,7 @@ class Engine:
         max_running_requests: int = 256,
         max_prefill_tokens: int = 8192,
         chunked_prefill_size: int | None = 2048,
-        prefill_budget: str = "attention",
+        prefill_budget: str = "tokens",
         schedule_policy: str = "lpm",
         enable_prefix_cache: bool = True,
         eviction_policy: str = "lru",

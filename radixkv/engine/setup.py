@@ -21,9 +21,8 @@ class EngineConfig:
     """Engine knobs. ``num_pages`` wins over ``kv_cache_memory`` (bytes); with neither, the KV
     pool gets 1 GiB on the CPU or half the free memory on a GPU. ``chunked_prefill_size`` None
     or 0 disables chunking. ``prefill_budget`` says what ``max_prefill_tokens`` counts: new tokens
-    ("tokens") or new tokens plus their attention to past ones ("attention", the default: it
-    splits a step of many short prompts over one long cached prefix, so early requests get
-    their first token sooner; see engine/prefill_cost.py)."""
+    ("tokens") or new tokens plus their attention to past ones ("attention", see
+    engine/prefill_cost.py)."""
 
     page_size: int = 16
     num_pages: int | None = None
@@ -31,7 +30,7 @@ class EngineConfig:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = 2048
-    prefill_budget: str = "attention"
+    prefill_budget: str = "tokens"
     schedule_policy: str = "lpm"
     enable_prefix_cache: bool = True
     eviction_policy: str = "lru"
