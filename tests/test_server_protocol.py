@@ -229,3 +229,11 @@ def test_metrics_registries_are_per_app() -> None:
 def test_config_validation(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         ServerConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_every_engine_series_reads_a_real_engine_stats_field() -> None:
+    from radixkv.engine.outputs import EngineStats
+    from radixkv.server.metrics import _ENGINE_SERIES
+
+    fields = set(EngineStats.__struct_fields__)
+    assert {field for _, _, field in _ENGINE_SERIES.values()} <= fields

@@ -26,66 +26,63 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 1
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-# metric suffix -> (kind, help, EngineStats attribute names tried in order)
-_ENGINE_SERIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+# metric suffix -> (kind, help, EngineStats field)
+_ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
     "prefix_cache_queries_tokens": (
         "counter",
         "Prompt tokens looked up in the prefix cache",
-        ("prefix_cache_query_tokens", "query_tokens", "prefix_cache_queries_tokens"),
+        "prefix_cache_query_tokens",
     ),
     "prefix_cache_hits_tokens": (
         "counter",
         "Prompt tokens served from the prefix cache",
-        ("prefix_cache_hit_tokens", "hit_tokens", "prefix_cache_hits_tokens"),
+        "prefix_cache_hit_tokens",
     ),
     "prefix_cache_queries": (
         "counter",
         "Prefix cache lookups (requests)",
-        ("prefix_cache_queries", "match_queries", "num_queries"),
+        "prefix_cache_queries",
     ),
     "prefix_cache_evicted_pages": (
         "counter",
         "KV pages evicted from the prefix cache",
-        ("evicted_pages", "prefix_cache_evicted_pages", "num_evicted_pages"),
+        "evicted_pages",
     ),
     "prefix_cache_hit_rate": (
         "gauge",
         "Prefix cache hit rate in tokens since start (hits / queries)",
-        ("prefix_cache_hit_rate", "hit_rate"),
+        "prefix_cache_hit_rate",
     ),
     "kv_pages_used": (
         "gauge",
         "KV pages in use (cached or held by running requests)",
-        ("kv_pages_used", "used_pages", "num_used_pages"),
+        "kv_pages_used",
     ),
     "kv_pages_total": (
         "gauge",
         "KV pages in the pool",
-        ("kv_pages_total", "total_pages", "num_pages"),
+        "kv_pages_total",
     ),
     "kv_pages_cached": (
         "gauge",
         "KV pages owned by the prefix cache",
-        ("cached_pages", "num_cached_pages"),
+        "cached_pages",
     ),
     "kv_usage_ratio": (
         "gauge",
         "Fraction of KV pages in use",
-        ("kv_usage", "kv_cache_usage", "kv_usage_ratio"),
+        "kv_usage",
     ),
-    "num_requests_running": ("gauge", "Requests running in the engine", ("num_running", "running")),
-    "num_requests_waiting": ("gauge", "Requests waiting in the engine", ("num_waiting", "waiting")),
+    "num_requests_running": ("gauge", "Requests running in the engine", "num_running"),
+    "num_requests_waiting": ("gauge", "Requests waiting in the engine", "num_waiting"),
 }
 
 
-def _lookup(stats: Any, names: tuple[str, ...]) -> float | None:
-    for name in names:
-        value = getattr(stats, name, None)
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int | float):
-            return float(value)
-    return None
+def _lookup(stats: Any, field: str) -> float | None:
+    value = getattr(stats, field, None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 class EngineStatsCollector(Collector):
@@ -100,8 +97,8 @@ class EngineStatsCollector(Collector):
         except Exception:  # a failing stats call must not break the /metrics endpoint
             log.exception("engine stats failed during scrape")
             return
-        for suffix, (kind, doc, names) in _ENGINE_SERIES.items():
-            value = _lookup(stats, names)
+        for suffix, (kind, doc, field) in _ENGINE_SERIES.items():
+            value = _lookup(stats, field)
             if value is None:
                 continue
             if kind == "counter":
