@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixkv.engine.prefill_cost import attention_cost_ratio
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner, SeqInput
@@ -28,7 +29,9 @@ def test_tiny_is_deterministic_and_sized(tiny: LoadedModel) -> None:
     c = tiny.config
     assert c.architecture == "LlamaForCausalLM"
     assert c.max_position_embeddings >= 8192
-    assert c.num_heads > c.num_kv_heads  # exercises GQA
+    # an 8B-class split of FLOPs between linear layers and attention (see tiny.py)
+    assert 20_000 <= attention_cost_ratio(c) <= 35_000
+    assert c.head_dim in (64, 128, 256)  # head sizes FlashInfer compiles
     assert tiny.tokenizer.vocab_size == c.vocab_size
     assert tiny.name == "radixkv-tiny"
 

@@ -47,10 +47,11 @@ class BatchLayout:
         num_past: Sequence[int],
         num_new: Sequence[int],
     ) -> BatchLayout:
+        # map(int, ...) runs at C speed and turns numpy/torch integers into plain ints
         return cls(
-            tuple(tuple(int(p) for p in pt) for pt in page_tables),
-            tuple(int(x) for x in num_past),
-            tuple(int(x) for x in num_new),
+            tuple(tuple(map(int, pt)) for pt in page_tables),
+            tuple(map(int, num_past)),
+            tuple(map(int, num_new)),
         )
 
     @property
@@ -58,7 +59,12 @@ class BatchLayout:
         return sum(self.num_new)
 
     def validate(self, page_size: int, num_pages: int) -> None:
-        """Raise ValueError naming the sequence if a page table is short or out of range."""
+        """Raise ValueError naming the sequence if a page table is short or out of range.
+
+        The layout is immutable, so a pass is remembered: the runner and the backend both
+        validate every step, and the second call is free."""
+        if self.__dict__.get("_valid_for") == (page_size, num_pages):
+            return
         for i, (pt, past, new) in enumerate(
             zip(self.page_tables, self.num_past, self.num_new, strict=True)
         ):
@@ -72,11 +78,13 @@ class BatchLayout:
                     f"sequence {i}: {past} past + {new} new tokens need {need} pages of "
                     f"{page_size}, page table has {len(pt)}"
                 )
-            for p in pt[:need]:
-                if not 0 <= p < num_pages:
-                    raise ValueError(
-                        f"sequence {i}: page id {p} out of range [0, {num_pages}) of the KV pool"
-                    )
+            used = pt[:need]
+            if min(used) < 0 or max(used) >= num_pages:  # C-speed scan; find the culprit after
+                bad = next(p for p in used if not 0 <= p < num_pages)
+                raise ValueError(
+                    f"sequence {i}: page id {bad} out of range [0, {num_pages}) of the KV pool"
+                )
+        object.__setattr__(self, "_valid_for", (page_size, num_pages))
 
 
 class AttentionBackend(ABC):
@@ -119,14 +127,23 @@ class AttentionBackend(ABC):
     def _plan_slots(self, layout: BatchLayout) -> None:
         """Record the step's write slots (ragged batch order) on the pool's device."""
         ps = self.kv_pool.page_size
-        slots = [
-            token_slots(torch.tensor(pt[: (past + new + ps - 1) // ps]), past, past + new, ps)
-            for pt, past, new in zip(
-                layout.page_tables, layout.num_past, layout.num_new, strict=True
-            )
-        ]
+        parts: list[torch.Tensor] = []
+        singles: list[int] = []  # consecutive one-token sequences (decode), as plain ints
+        for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
+            if new == 1:
+                singles.append(pt[past // ps] * ps + past % ps)
+                continue
+            if singles:
+                parts.append(torch.tensor(singles, dtype=torch.int64))
+                singles = []
+            first = past // ps
+            pages = torch.tensor(pt[first : (past + new + ps - 1) // ps], dtype=torch.int64)
+            parts.append(token_slots(pages, past - first * ps, past + new - first * ps, ps))
+        if singles:
+            parts.append(torch.tensor(singles, dtype=torch.int64))
         self._num_tokens = sum(layout.num_new)
-        self._slots = torch.cat(slots).to(self.kv_pool.device, non_blocking=True)
+        slots = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self._slots = slots.to(self.kv_pool.device, non_blocking=True)
 
     def _write_new_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The first half of every ``forward``: check the step was planned for ``q``'s tokens,

@@ -106,10 +106,10 @@ class TorchAttention(AttentionBackend):
         for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
             total = past + new
             n_pages = (total + ps - 1) // ps
-            pt_cpu = torch.tensor(pt[:n_pages], dtype=torch.int64)
             if new == 1 and past > 0:
                 decodes.append((start, list(pt[:n_pages]), total))
             else:
+                pt_cpu = torch.tensor(pt[:n_pages], dtype=torch.int64)
                 prefills.append(self._plan_prefill(start, past, new, pt_cpu))
             start += new
         self._prefills = prefills

@@ -5,6 +5,17 @@ the same on every machine with the same torch), the tokenizer is byte-level, and
 template is built in. Its outputs are meaningless but deterministic; it exists so that the engine,
 the cache and the benchmarks have a real model to run. Sized so a 4,000-token prefill takes a
 fraction of a second on 2 CPU cores.
+
+Proportions: a scale model of an 8B-class LLM, not just a small one. What the prefix cache saves
+depends on how a token's cost splits between the linear layers (fixed per token) and attention
+(growing with the context). Per layer, linear multiply-adds per token divided by attention
+multiply-adds per (query, key) pair (``attention_cost_ratio`` in engine/prefill_cost.py) is
+26,624 for Llama-3-8B and 32,512 for Qwen2.5-7B; here it is 25,600 (hidden 512, SwiGLU 2048,
+one 64-dim attention head). A "small" model with the usual proportions (hidden 256, 4 heads,
+MLP 768) has 1,536: attention at 4k context would cost 3x its linear layers, about 17x the share
+it has in a real model, and every cache and scheduling measurement would be about attention
+kernels instead of the workloads the cache is for. Two layers keep it fast; head_dim 64 is one
+FlashInfer compiles for. GQA is exercised by the Hugging Face test models, not by this one.
 """
 
 from __future__ import annotations
@@ -46,11 +57,11 @@ def tiny_config(dtype: torch.dtype = torch.float32) -> ModelConfig:
     return ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=256 + len(SPECIAL_TOKENS),
-        hidden_size=256,
-        intermediate_size=768,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
+        hidden_size=512,
+        intermediate_size=2048,  # 4x hidden, SwiGLU: linear/attention ratio of an 8B model
+        num_layers=2,
+        num_heads=1,  # one 64-dim head: attention's share of FLOPs as in an 8B model at 4k
+        num_kv_heads=1,
         head_dim=64,
         max_position_embeddings=16384,
         rms_norm_eps=1e-5,
