@@ -49,7 +49,9 @@ def test_chunked_prefill_and_decode_match_full_prefill(tiny: LoadedModel) -> Non
         parts.append(runner.forward([SeqInput(ids[a:b], pt2, a)], all_logits=True))
     for i in range(n - 3, n):  # decode steps
         parts.append(runner.forward([SeqInput([ids[i]], pt2, i)]))
-    torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=0)
+    # radixkv-tiny's logits reach ~500 (random tied embeddings), where fp32 spacing is 3e-5: allow
+    # a few ulps on top of the absolute 1e-4 that the Hugging Face comparisons use
+    torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=1e-6)
 
 
 def test_mixed_batch_matches_separate_runs(tiny: LoadedModel) -> None:
@@ -69,7 +71,7 @@ def test_mixed_batch_matches_separate_runs(tiny: LoadedModel) -> None:
     fresh = _runner(tiny, page_size=4, num_pages=128)
     for i, p in enumerate(prompts):
         alone = fresh.forward([SeqInput(p, tables[i], 0)])
-        torch.testing.assert_close(mixed[i], alone[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(mixed[i], alone[0], atol=1e-4, rtol=1e-6)
 
 
 def test_bad_batches_raise_and_leave_pool_untouched(tiny: LoadedModel) -> None:

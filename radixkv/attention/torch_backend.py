@@ -7,6 +7,12 @@ masks. Per layer (``forward``): one ``index_copy_`` writes the new K/V, one ``in
 pages per group gathers its keys into a reused buffer, and ``scaled_dot_product_attention`` does
 the maths. No per-token Python loops.
 
+A prefill on past tokens, on a CPU, splits its keys instead of masking them: all new queries
+attend the past keys (a plain rectangle, no mask) and their own new keys (causal, exactly like a
+fresh prefill), and the two partial results are merged exactly through their log-sum-exp. That
+needs the log-sum-exp from PyTorch's CPU flash-attention kernel; elsewhere the queries go in
+chunks with bottom-right causal masks instead.
+
 Why groups and a reused buffer: on a CPU the gather is a memory copy as large as the KV it
 reads. Gathering a few sequences at a time into the same buffer keeps the copy in cache while
 SDPA reads it, and never touches freshly allocated memory (page faults cost more than the copy).
@@ -20,7 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.attention.paged_ops import merge_attention_states
 from radixkv.kv.kv_pool import KVPool
+
+# PyTorch's CPU flash attention, which (unlike F.scaled_dot_product_attention) also returns the
+# log-sum-exp (natural log, scale included): (q, k, v, dropout_p, is_causal, *, scale) -> (o, lse)
+_FLASH_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 # Queries of a prefill with cached/past tokens are processed in chunks of this many rows: each
 # chunk attends keys 0 .. its last position, so only a chunk-sized triangle is wasted on masking.
@@ -93,6 +104,7 @@ class TorchAttention(AttentionBackend):
         self._groups: list[_DecodeGroup] = []
         self._kbuf = _GatherBuffer(kv_pool)
         self._vbuf = _GatherBuffer(kv_pool)
+        self._split_past = kv_pool.device.type == "cpu" and _FLASH_CPU_WITH_LSE is not None
 
     # ---- plan --------------------------------------------------------------------------------
     def plan(self, layout: BatchLayout) -> None:
@@ -119,6 +131,8 @@ class TorchAttention(AttentionBackend):
         dev = self.kv_pool.device
         if past == 0:
             return _Prefill(start, start + new, 0, None, [(0, new, None)])
+        if self._split_past:  # no chunks or masks: see _attend_split
+            return _Prefill(start, start + new, past, pt_cpu.to(dev), [])
         chunks: list[tuple[int, int, torch.Tensor | None]] = []
         for a in range(0, new, PREFILL_QUERY_CHUNK):
             b = min(new, a + PREFILL_QUERY_CHUNK)
@@ -225,6 +239,9 @@ class TorchAttention(AttentionBackend):
             )
             out[s:e] = o[0].transpose(0, 1)
             return
+        if not item.chunks:
+            out[s:e] = self._attend_split(item, q[s:e], k[s:e], v[s:e], kc, vc)
+            return
         kv_len = item.num_past + (e - s)
         shape = (-1, self.num_kv_heads, self.head_dim)
         # [L, Hkv, D] -> [1, Hkv, L, D]
@@ -241,3 +258,39 @@ class TorchAttention(AttentionBackend):
                 enable_gqa=True,
             )
             out[s + a : s + b] = o[0].transpose(0, 1)
+
+    def _attend_split(
+        self,
+        item: _Prefill,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+    ) -> torch.Tensor:
+        """New queries ``q [n, Hq, D]`` over the past keys (pages) and their own ``k, v
+        [n, Hkv, D]`` (causal), merged by log-sum-exp. Returns ``[n, Hq, D]``."""
+        assert item.pages is not None and _FLASH_CPU_WITH_LSE is not None
+        n, hq, d = q.shape
+        hkv, past = self.num_kv_heads, item.num_past
+        g = hq // hkv
+        past_pages = item.pages[: -(-past // self.kv_pool.page_size)]
+        shape = (-1, hkv, d)
+        # [P, Hkv, D] -> [1, Hkv, P, D] views of the gathered pages
+        kp = self._kbuf.gather(kc, past_pages).view(shape)[:past].transpose(0, 1).unsqueeze(0)
+        vp = self._vbuf.gather(vc, past_pages).view(shape)[:past].transpose(0, 1).unsqueeze(0)
+        # past part has no mask, so a kv head's g query heads can share one row axis:
+        # [n, Hkv, G, D] -> [1, Hkv, G*n, D]
+        qf = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d)
+        o_p, lse_p = _FLASH_CPU_WITH_LSE(qf, kp, vp, 0.0, False, scale=self.scale)
+        o_p = o_p.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        lse_p = lse_p.view(hkv, g, n).permute(2, 0, 1).reshape(n, hq)
+        # own part: causal square, as in a fresh prefill; [1, H, n, D] views
+        kn, vn = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        if g > 1:
+            kn, vn = kn.repeat_interleave(g, dim=1), vn.repeat_interleave(g, dim=1)
+        o_n, lse_n = _FLASH_CPU_WITH_LSE(
+            q.transpose(0, 1).unsqueeze(0), kn, vn, 0.0, True, scale=self.scale
+        )
+        o, _ = merge_attention_states(o_p, lse_p, o_n[0].transpose(0, 1), lse_n[0].transpose(0, 1))
+        return o.to(q.dtype)
