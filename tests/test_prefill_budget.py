@@ -104,3 +104,30 @@ def test_long_prompt_progresses_under_a_tiny_budget(small: tuple[Any, Any], chun
     if chunk is not None:
         assert all(new[0] >= 2 for new, _, _ in rec[:-2])  # a page (or the rest) per step
         assert len(rec) > 3  # really chunked
+
+
+@pytest.mark.parametrize(
+    ("max_prefill", "chunk", "budget"), [(64, 24, 24), (20, 24, 20), (40, None, 40)]
+)
+def test_step_prefill_tokens_stay_within_the_step_budget(
+    small: tuple[Any, Any], max_prefill: int, chunk: Any, budget: int
+) -> None:
+    """A burst of short prompts runs as several steps of at most
+    min(max_prefill_tokens, chunked_prefill_size) prefill tokens, as in SGLang."""
+    _, lm = small
+    eng = Engine(
+        lm, page_size=4, num_pages=400, max_prefill_tokens=max_prefill, chunked_prefill_size=chunk
+    )
+    assert eng.scheduler.step_budget == budget
+    rec = _record(eng)
+    prompts = [[3 + (7 * i + j) % 90 for j in range(10)] for i in range(9)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = eng.generate(prompts, params, use_tqdm=False)
+    prefill = [cost for _, _, cost in rec]  # the "tokens" budget: prefill tokens of the step
+    assert sum(prefill) == 90
+    assert max(prefill) <= budget
+    assert sum(1 for p in prefill if p) >= -(-90 // budget)  # so the burst took several steps
+    ref = Engine(lm, page_size=4, num_pages=400, chunked_prefill_size=None)
+    assert [o.token_ids for o in outs] == [
+        o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)
+    ]

@@ -3,7 +3,7 @@
 Each ``schedule()`` builds one mixed batch, in this order:
 
 1. running sequences, oldest first: one decode token each, or the next prefill chunk of those
-   still prefilling (within ``max_prefill_tokens``; with ``prefill_budget="attention"`` a chunk
+   still prefilling (within the step budget; with ``prefill_budget="attention"`` a chunk
    of n tokens on p computed ones counts n + (n*p + n*n/2) / R, see prefill_cost.py). When the
    pool cannot supply a page, the most recently admitted running sequence is preempted (its
    computed full pages are inserted into the trie, everything is released, it goes back to the
@@ -11,6 +11,11 @@ Each ``schedule()`` builds one mixed batch, in this order:
    always progresses;
 2. admission of waiting sequences (``lpm``: longest cached prefix first; ``fcfs``: arrival),
    while the budget, ``max_running_requests`` and the pool allow.
+
+The step budget is ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (as in
+SGLang, where admitted requests draw on the chunk budget too): a burst of short prompts then
+runs as several short steps instead of one long one, so the first of them get their first token
+sooner and running streams stall at most one chunk's time. Decode tokens are not counted.
 
 In-batch prefix sharing: a sequence announces the keys (chained hashes) of the full pages it is
 about to compute. A candidate whose first uncached page is being computed by someone else waits:
@@ -90,6 +95,8 @@ class Scheduler:
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunked_prefill_size or None
+        # prefill tokens (budget units) of one whole step: see the module docstring
+        self.step_budget = min(max_prefill_tokens, self.chunk_size or max_prefill_tokens)
         self.policy = policy
         # None: the budget counts new tokens only
         self._ratio = attention_ratio if prefill_budget == "attention" else None
@@ -134,7 +141,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._schedule_running(batch)
-        self._admit(batch, self.max_prefill_tokens - batch.prefill_cost)
+        self._admit(batch, self.step_budget - batch.prefill_cost)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch) -> None:
@@ -152,7 +159,7 @@ class Scheduler:
                 1
                 if decode
                 else self._chunk(
-                    remaining, self.max_prefill_tokens - used, seq.num_computed, first=used == 0
+                    remaining, self.step_budget - used, seq.num_computed, first=used == 0
                 )
             )
             if n <= 0:
@@ -199,7 +206,7 @@ class Scheduler:
                 self.kv.release(seq, insert=False)
                 continue
             remaining = len(seq.token_ids) - seq.num_computed
-            first = used == 0 and budget == self.max_prefill_tokens
+            first = used == 0 and budget == self.step_budget
             n = self._chunk(remaining, budget - used, seq.num_computed, first=first)
             if n <= 0 or not self._has_room(seq, n):
                 self.kv.release(seq, insert=False)

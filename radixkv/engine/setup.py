@@ -20,7 +20,8 @@ def _pos_int(name: str, v: Any) -> None:
 class EngineConfig:
     """Engine knobs. ``num_pages`` wins over ``kv_cache_memory`` (bytes); with neither, the KV
     pool gets 1 GiB on the CPU or half the free memory on a GPU. ``chunked_prefill_size`` None
-    or 0 disables chunking. ``prefill_budget`` says what ``max_prefill_tokens`` counts: new tokens
+    or 0 disables chunking; a step computes at most ``min(max_prefill_tokens,
+    chunked_prefill_size)`` prefill tokens in all. ``prefill_budget`` says what that counts: new tokens
     ("tokens") or new tokens plus their attention to past ones ("attention", see
     engine/prefill_cost.py)."""
 
