@@ -282,8 +282,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer configurations and repetitions")
     ap.add_argument("--out", default=str(ROOT / "bench/results/bench_cascade.json"))
-    ap.add_argument("--heads", type=int, default=4, help="query heads (radixkv-tiny: 4)")
-    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (radixkv-tiny: 2)")
+    ap.add_argument(
+        "--heads",
+        type=int,
+        default=4,
+        help="query heads (default: a small GQA layer; radixkv-tiny has 1)",
+    )
+    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (radixkv-tiny has 1)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--suffix", type=int, default=128)

@@ -38,8 +38,11 @@ def _random_pool(page_size: int, num_pages: int, seed: int) -> KVPool:
     return kv
 
 
+@pytest.mark.parametrize("split_past", [True, False], ids=["lse-split", "masked-chunks"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_backend_matches_dense_on_mixed_batch(page_size: int) -> None:
+def test_backend_matches_dense_on_mixed_batch(page_size: int, split_past: bool) -> None:
+    """Both ways of a prefill on past tokens: past/own keys merged by log-sum-exp (the CPU
+    default) and query chunks with causal masks (elsewhere, or without the CPU kernel)."""
     gen = torch.Generator().manual_seed(page_size)
     num_past = [0, 37, 5, 64, 130, 0, 300]
     num_new = [20, 1, 1, 1, 300, 1, 17]
@@ -51,6 +54,8 @@ def test_backend_matches_dense_on_mixed_batch(page_size: int) -> None:
         tables.append(perm[used : used + n])
         used += n
     backend = get_backend("torch", kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    assert backend._split_past  # the CPU default, when PyTorch has the kernel (it does here)
+    backend._split_past = split_past
     layout = BatchLayout.build(tables, num_past, num_new)
     backend.plan(layout)
     t = sum(num_new)
