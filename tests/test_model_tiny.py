@@ -29,8 +29,8 @@ def test_tiny_is_deterministic_and_sized(tiny: LoadedModel) -> None:
     c = tiny.config
     assert c.architecture == "LlamaForCausalLM"
     assert c.max_position_embeddings >= 8192
-    # an 8B-class split of FLOPs between linear layers and attention (see tiny.py)
-    assert 20_000 <= attention_cost_ratio(c) <= 35_000
+    # the split of FLOPs between linear layers and attention of a 7B-70B model (see tiny.py)
+    assert 26_000 <= attention_cost_ratio(c) <= 53_000
     assert c.head_dim in (64, 128, 256)  # head sizes FlashInfer compiles
     assert tiny.tokenizer.vocab_size == c.vocab_size
     assert tiny.name == "radixkv-tiny"

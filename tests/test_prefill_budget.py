@@ -21,7 +21,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
 
 def test_ratio_of_tiny_and_cost_model() -> None:
     r = attention_cost_ratio(tiny_config())
-    assert r == pytest.approx(31744.0)
+    assert r == pytest.approx(37888.0)
     assert chunk_cost(128, 4096, None) == 128
     assert chunk_cost(128, 4096, r) == pytest.approx(128 + (128 * 4096 + 128 * 128 / 2) / r)
 

@@ -22,7 +22,8 @@ def attention_cost_ratio(model_config: Any) -> float:
     Per layer: q and o projections ``hidden * heads * head_dim`` each, k and v
     ``hidden * kv_heads * head_dim`` each, a gated MLP ``3 * hidden * intermediate``; attention
     does ``heads * head_dim`` for QK^T and again for PV per pair. Embedding and LM head are
-    left out (the head runs on sampled rows only). radixkv-tiny: 31,744; Llama-3-8B: 26,624; Qwen2.5-7B: 32,512.
+    left out (the head runs on sampled rows only). radixkv-tiny: 37,888; Llama-3-8B: 26,624;
+    Llama-3-70B: 52,224.
     """
     h = model_config.hidden_size
     q = model_config.num_heads * model_config.head_dim

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-_DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~256k tokens of radixkv-tiny
+_DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~1M tokens of radixkv-tiny (1 KiB of K+V per token)
 _DEFAULT_GPU_KV_FRACTION = 0.5  # of the free GPU memory after the weights are loaded
 
 

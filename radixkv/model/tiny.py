@@ -6,16 +6,17 @@ template is built in. Its outputs are meaningless but deterministic; it exists s
 the cache and the benchmarks have a real model to run. Sized so a 4,000-token prefill takes a
 fraction of a second on 2 CPU cores.
 
-Proportions: a scale model of an 8B-class LLM, not just a small one. What the prefix cache saves
-depends on how a token's cost splits between the linear layers (fixed per token) and attention
-(growing with the context). Per layer, linear multiply-adds per token divided by attention
-multiply-adds per (query, key) pair (``attention_cost_ratio`` in engine/prefill_cost.py) is
-26,624 for Llama-3-8B and 32,512 for Qwen2.5-7B; here it is 31,744 (hidden 512, SwiGLU 2560,
-one 64-dim attention head). A "small" model with the usual proportions (hidden 256, 4 heads,
-MLP 768) has 1,536: attention at 4k context would cost 3x its linear layers, about 17x the share
-it has in a real model, and every cache and scheduling measurement would be about attention
-kernels instead of the workloads the cache is for. Two layers keep it fast; head_dim 64 is one
-FlashInfer compiles for. GQA is exercised by the Hugging Face test models, not by this one.
+Proportions: a scale model of a production LLM, not just a small one. What the prefix cache
+saves depends on how a token's cost splits between the linear layers (fixed per token) and
+attention (growing with the context). Per layer, linear multiply-adds per token divided by
+attention multiply-adds per (query, key) pair (``attention_cost_ratio`` in
+engine/prefill_cost.py) is 26,624 for Llama-3-8B, 32,512 for Qwen2.5-7B and 52,224 for
+Llama-3-70B; here it is 37,888 (hidden 512, SwiGLU 3072, one 64-dim attention head). A "small"
+model with the usual shape (hidden 256, 4 heads, MLP 768) has 1,536: at 4k context its attention
+would cost 3x its linear layers, about 20x the share attention has in those models, and every
+cache and scheduling measurement would be about attention kernels rather than the workloads
+the cache is for. Two layers keep it fast; head_dim 64 is a size FlashInfer compiles for. GQA is
+exercised by the Hugging Face test models, not by this one.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def tiny_config(dtype: torch.dtype = torch.float32) -> ModelConfig:
         architecture="LlamaForCausalLM",
         vocab_size=256 + len(SPECIAL_TOKENS),
         hidden_size=512,
-        intermediate_size=2560,  # 5x hidden, SwiGLU: linear/attention ratio of a 7-8B model
+        intermediate_size=3072,  # 6x hidden, SwiGLU: linear/attention ratio of a 7-70B model
         num_layers=2,
         num_heads=1,  # one 64-dim head: attention's share of FLOPs as in an 8B model at 4k
         num_kv_heads=1,
