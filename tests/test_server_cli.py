@@ -32,6 +32,21 @@ def test_defaults() -> None:
         1024,
     )
     assert a.api_keys is None and a.kv_events is None and not a.disable_prefix_cache
+    assert (a.prefill_budget, a.cascade, a.chunked_prefill_size) == ("tokens", "auto", 2048)
+
+
+def test_scheduling_flags_reach_the_engine() -> None:
+    args = _parse(
+        "--num-pages", "64", "--prefill-budget", "attention", "--cascade", "off",
+        "--chunked-prefill-size", "0", "--max-prefill-tokens", "300",
+    )  # fmt: skip
+    app, _ = build_from_args(args)
+    eng = app.state.radixkv.engine.engine
+    assert eng.config.prefill_budget == "attention" and eng.config.chunked_prefill_size == 0
+    assert eng.cascade_planner.mode == "off"
+    assert eng.scheduler.step_budget == 300  # chunking off: max_prefill_tokens bounds a step
+    with pytest.raises(SystemExit):
+        _parse("--cascade", "sometimes")
 
 
 def test_flags_build_a_working_app(tmp_path) -> None:

@@ -70,7 +70,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
-    p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--chunked-prefill-size", type=int, default=2048, help="0 disables chunking")
+    p.add_argument(
+        "--prefill-budget",
+        choices=["tokens", "attention"],
+        default="tokens",
+        help="what the step budget counts: new tokens, or new tokens plus their attention to "
+        "past ones (splits steps whose new tokens attend to long cached prefixes)",
+    )
+    p.add_argument(
+        "--cascade",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="shared-prefix (cascade) decode attention: when it pays, always, or never",
+    )
     p.add_argument("--schedule-policy", choices=["lpm", "fcfs"], default="lpm")
     p.add_argument("--eviction-policy", default="lru")
     p.add_argument("--disable-prefix-cache", action="store_true")
@@ -107,6 +120,8 @@ def build_from_args(args: argparse.Namespace) -> Any:
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
+        prefill_budget=args.prefill_budget,
+        cascade=args.cascade,
         schedule_policy=args.schedule_policy,
         eviction_policy=args.eviction_policy,
         enable_prefix_cache=not args.disable_prefix_cache,
