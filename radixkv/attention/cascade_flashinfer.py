@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from radixkv.attention.cascade import CascadeLevel, CascadePlan
+from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 
 __all__ = ["FlashInferCascadeAttention"]
 

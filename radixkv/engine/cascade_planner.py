@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.attention.cascade import CascadeLevel, CascadePlan
+from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 
 CASCADE_MODES = ("auto", "on", "off")
 

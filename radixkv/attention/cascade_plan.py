@@ -1,0 +1,133 @@
+"""The description of one cascade decode step: which query rows read which KV pages, level by level.
+
+A :class:`CascadePlan` is a list of :class:`CascadeLevel` s in FlashInfer's CSR form (the same
+arrays ``MultiLevelCascadeAttentionWrapper.plan`` takes), so the torch and FlashInfer cascade
+implementations run the same plan. The engine's planner (engine/cascade_planner.py) builds plans
+from the trie; :mod:`radixkv.attention.cascade` runs them in PyTorch. Plans are immutable and
+validated on construction (every row covered exactly once per level, indptrs monotone, last-page
+lengths in range).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["CascadeLevel", "CascadePlan"]
+
+
+def _check_indptr(name: str, indptr: Sequence[int]) -> None:
+    if len(indptr) < 1 or indptr[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {list(indptr[:3])}...")
+    for a, b in itertools.pairwise(indptr):
+        if b < a:
+            raise ValueError(f"{name} must be non-decreasing, got {a} then {b}")
+
+
+@dataclass(frozen=True)
+class CascadeLevel:
+    """One level of a cascade plan, in FlashInfer's paged-KV format.
+
+    Segment i covers query rows ``qo_indptr[i]:qo_indptr[i+1]`` (at least one row) and KV pages
+    ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``, of which the last holds ``kv_last_page_len[i]``
+    tokens (1..page_size; 0 exactly when the segment has no pages: those rows read nothing at
+    this level). Segments are in row order; rows not covered by any segment read nothing.
+    """
+
+    qo_indptr: tuple[int, ...]
+    kv_indptr: tuple[int, ...]
+    kv_indices: tuple[int, ...]
+    kv_last_page_len: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+        _check_indptr("qo_indptr", self.qo_indptr)
+        _check_indptr("kv_indptr", self.kv_indptr)
+        n = len(self.qo_indptr) - 1
+        if len(self.kv_indptr) != n + 1 or len(self.kv_last_page_len) != n:
+            raise ValueError(
+                f"CascadeLevel: {n} segments in qo_indptr but kv_indptr has "
+                f"{len(self.kv_indptr)} entries and kv_last_page_len {len(self.kv_last_page_len)}"
+            )
+        if self.kv_indptr[-1] != len(self.kv_indices):
+            raise ValueError(
+                f"kv_indptr ends at {self.kv_indptr[-1]} but there are {len(self.kv_indices)} pages"
+            )
+        for i in range(n):
+            if self.qo_indptr[i + 1] == self.qo_indptr[i]:
+                raise ValueError(f"segment {i} has no query rows")
+            empty = self.kv_indptr[i + 1] == self.kv_indptr[i]
+            if empty != (self.kv_last_page_len[i] == 0):
+                raise ValueError(
+                    f"segment {i}: kv_last_page_len must be 0 exactly when it has no pages"
+                )
+        if any(p < 0 for p in self.kv_indices):
+            raise ValueError("kv_indices must be non-negative page ids")
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.qo_indptr) - 1
+
+    def segment_kv_len(self, i: int, page_size: int) -> int:
+        """Number of KV tokens segment ``i`` reads."""
+        n_pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
+        return 0 if n_pages == 0 else (n_pages - 1) * page_size + self.kv_last_page_len[i]
+
+    def kv_tokens_read(self, page_size: int) -> int:
+        """KV tokens read at this level (each segment's KV read once)."""
+        return sum(self.segment_kv_len(i, page_size) for i in range(self.num_segments))
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """Multi-level decode plan for ``num_queries`` rows (one decode token per request)."""
+
+    page_size: int
+    num_queries: int
+    levels: tuple[CascadeLevel, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not self.levels:
+            raise ValueError("a CascadePlan needs at least one level")
+        covered = [False] * self.num_queries
+        for li, lvl in enumerate(self.levels):
+            if lvl.qo_indptr[-1] > self.num_queries:
+                raise ValueError(
+                    f"level {li} covers rows up to {lvl.qo_indptr[-1]} > num_queries "
+                    f"{self.num_queries}"
+                )
+            if any(lp > self.page_size for lp in lvl.kv_last_page_len):
+                raise ValueError(f"level {li}: kv_last_page_len above page_size")
+            for i in range(lvl.num_segments):
+                if lvl.kv_last_page_len[i] > 0:
+                    for r in range(lvl.qo_indptr[i], lvl.qo_indptr[i + 1]):
+                        covered[r] = True
+        missing = [r for r, c in enumerate(covered) if not c]
+        if missing:
+            raise ValueError(f"query rows {missing[:8]} read no KV at any level")
+
+    @classmethod
+    def plain(
+        cls, page_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int
+    ) -> CascadePlan:
+        """The one-level plan of ordinary paged decode: every request reads all its pages."""
+        if len(page_tables) != len(seq_lens):
+            raise ValueError("page_tables and seq_lens differ in length")
+        kv_indptr, kv_indices, last = [0], [], []
+        for pt, n in zip(page_tables, seq_lens):
+            n_pages = -(-n // page_size)
+            if n < 1 or len(pt) < n_pages:
+                raise ValueError(f"seq_len {n} needs {n_pages} pages, page table has {len(pt)}")
+            kv_indices.extend(pt[:n_pages])
+            kv_indptr.append(len(kv_indices))
+            last.append(n - (n_pages - 1) * page_size)
+        level = CascadeLevel(tuple(range(len(seq_lens) + 1)), kv_indptr, kv_indices, last)
+        return cls(page_size, len(seq_lens), (level,))
+
+    def kv_tokens_read(self) -> int:
+        return sum(lvl.kv_tokens_read(self.page_size) for lvl in self.levels)
