@@ -14,45 +14,33 @@ Ownership contract (see also page_pool.py):
 
 Every error leaves the cache and pool unchanged. Not thread-safe. Nodes are described in
 node.py; the fast paths are explained in docs/cache_design.md.
+
+This class keeps the state (counters, eviction index, listeners) and the public API; the
+bodies of the larger operations are functions over it, each with its contract: match.py
+(match_prefix, peek_prefix), insert.py (insert), removal.py (eviction and reset), and the
+result types in results.py (re-exported here). The trie plumbing (walk, split, namespace
+roots, event hashes) is TrieStore in trie.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from radixkv.cache.errors import LockError, OutOfPages
-from radixkv.cache.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventEmitter,
-    Listener,
-)
+from radixkv.cache.events import EventEmitter, Listener
 from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, get_policy
-from radixkv.cache.hashing import (
-    HashFn,
-    default_hash_fn,
-)
+from radixkv.cache.hashing import HashFn, default_hash_fn
+from radixkv.cache.insert import insert_encoded
+from radixkv.cache.match import match_encoded, peek_encoded
 from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
+from radixkv.cache.removal import remove_leaf, reset_unlocked, truncate_leaf
+from radixkv.cache.results import InsertResult, MatchResult
 from radixkv.cache.stats import CacheStats
-from radixkv.cache.tokens import TOKEN_SHIFT, check_range, encode_tokens, key_to_list
+from radixkv.cache.tokens import encode_tokens
 from radixkv.cache.trie import TrieStore
 
-
-class MatchResult(NamedTuple):
-    node: TreeNode  # deepest matched node (the root when nothing matched); lock this
-    pages: list[int]  # cached pages of the matched prefix, in order (a fresh list)
-    num_tokens: int  # matched tokens, a multiple of page_size
-
-
-class InsertResult(NamedTuple):
-    node: TreeNode  # node ending at the last inserted page (the root for an empty insert)
-    pages: list[int]  # canonical pages of the whole inserted prefix
-    num_cached_before: int  # leading tokens that were cached before this insert
-
-
-_tuple_new = tuple.__new__  # builds the NamedTuples without their Python-level __new__
+__all__ = ["InsertResult", "MatchResult", "RadixCache"]
 
 
 def _release(view: memoryview) -> None:
@@ -163,64 +151,20 @@ class RadixCache(TrieStore):
         """
         qb = encode_tokens(tokens)
         try:
-            return self._match_prefix(qb, namespace)
+            return match_encoded(self, qb, namespace)
         finally:
             if type(qb) is memoryview:
                 _release(qb)
-
-    def _match_prefix(self, qb: bytes | memoryview, namespace: Any) -> MatchResult:
-        start = self.root if namespace is None else self._ns_roots.get(namespace)
-        limit = len(qb) - len(qb) % self._pb
-        if start is None or limit == 0:
-            check_range(qb)
-            path, off, partial = [], 0, None
-        else:
-            path, off, partial = self._walk(start, qb, limit)
-            # The matched part equals stored (validated) keys: only the rest needs checking.
-            check_range(qb, off + (partial[1] * self._pb if partial else 0))
-        self._match_queries += 1
-        self._query_tokens += len(qb) >> TOKEN_SHIFT
-        if partial is not None:
-            child, m = partial
-            path.append(self._split(child, m))
-            off += m * self._pb
-        if not path:
-            return MatchResult(self.root, [], 0)
-        self._clock += 1
-        clock = self._clock
-        pages: list[int] = []
-        for n in path:
-            n.last_access = clock
-            n.hit_count += 1
-            pages += n._pages
-        last = path[-1]
-        if last._ekey is not None:
-            self._index.refresh(last)
-        ntok = off >> TOKEN_SHIFT
-        self._hit_tokens += ntok
-        return _tuple_new(MatchResult, (last, pages, ntok))
 
     def peek_prefix(self, tokens: Any, namespace: Any = None) -> int:
         """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
         or hit-count refresh, no stats (for schedulers that only want to estimate hits)."""
         qb = encode_tokens(tokens)
         try:
-            return self._peek_prefix(qb, namespace)
+            return peek_encoded(self, qb, namespace)
         finally:
             if type(qb) is memoryview:
                 _release(qb)
-
-    def _peek_prefix(self, qb: bytes | memoryview, namespace: Any) -> int:
-        start = self.root if namespace is None else self._ns_roots.get(namespace)
-        limit = len(qb) - len(qb) % self._pb
-        if start is None or limit == 0:
-            check_range(qb)
-            return 0
-        _, off, partial = self._walk(start, qb, limit)
-        if partial is not None:
-            off += partial[1] * self._pb
-        check_range(qb, off)
-        return off >> TOKEN_SHIFT
 
     # ======================================================================== insert
     def insert(self, tokens: Any, pages: Any, namespace: Any = None) -> InsertResult:
@@ -231,82 +175,10 @@ class RadixCache(TrieStore):
         """
         qb = encode_tokens(tokens)
         try:
-            return self._insert(qb, pages, namespace)
+            return insert_encoded(self, qb, pages, namespace)
         finally:
             if type(qb) is memoryview:
                 _release(qb)
-
-    def _insert(self, qb: bytes | memoryview, pages: Any, namespace: Any) -> InsertResult:
-        if type(pages) is not list:
-            pages = list(pages)
-        pb = self._pb
-        if len(qb) != len(pages) * pb:
-            check_range(qb)  # a bad token id is the more useful error
-            raise ValueError(
-                f"insert needs len(tokens) == len(pages) * page_size: got {len(qb) >> TOKEN_SHIFT} "
-                f"tokens and {len(pages)} pages with page_size {self.page_size}"
-            )
-        if namespace is not None:
-            hash(namespace)  # unhashable namespaces fail before any change
-        start = self.root if namespace is None else self._ns_roots.get(namespace)
-        path: list[TreeNode] = []
-        partial = None
-        if start is not None and pages:
-            path, _, partial = self._walk(start, qb, len(qb))
-        canon: list[int] = []
-        for n in path:
-            canon += n._pages
-        if partial is not None:
-            canon += partial[0]._pages[: partial[1]]
-        ncached = len(canon)
-        check_range(qb, ncached * pb)  # the cached part equals stored, validated keys
-        head = pages[:ncached]
-        dups = [] if head == canon else [p for p, q in zip(head, canon) if p != q]
-        checked = self.pool._check_held(dups + pages[ncached:])  # raises: nothing changed yet
-        dups, new = checked[: len(dups)], checked[len(dups) :]
-
-        # ---- mutation starts: nothing below can fail
-        self._insert_calls += 1
-        self._clock += 1
-        clock = self._clock
-        if partial is not None:
-            path.append(self._split(*partial))
-        for n in path:
-            n.last_access = clock
-        if new:
-            parent = path[-1] if path else (start or self._make_ns_root(namespace))
-            leaf = self._new_node(
-                parent,
-                bytes(qb[ncached * pb :]),  # the new key (a copy when qb is a memoryview)
-                new,
-                namespace,
-                parent.depth_tokens + len(new) * self.page_size,
-            )
-            if parent._ekey is not None:
-                self._index.discard(parent)
-            self._attach(parent, leaf)
-            self.pool._adopt(new)
-            self._num_nodes += 1
-            self._cached += len(new)
-            self._evictable += len(new)
-            self._inserted_pages += len(new)
-            self._index.add(leaf)
-            node = leaf
-            canon += new
-        else:
-            node = path[-1] if path else self.root
-            if node._ekey is not None:
-                self._index.refresh(node)
-        if dups:
-            self.pool._release_held(dups)
-            self._duplicate_pages += len(dups)
-        if new and self._listeners:
-            hashes = self._node_hashes(leaf)
-            parent_hash = self._last_hash(leaf.parent)
-            self._emit(
-                BlockStored(hashes, parent_hash, key_to_list(leaf.key), self.page_size, namespace)
-            )
-        return _tuple_new(InsertResult, (node, canon, ncached * self.page_size))
 
     # ======================================================================== locking
     def lock(self, node: TreeNode) -> None:
@@ -367,92 +239,16 @@ class RadixCache(TrieStore):
             k = len(node._pages)
             need = num_pages - freed
             if k > need:
-                self._truncate(node, need)
+                truncate_leaf(self, node, need)
                 return num_pages
             index.discard(node)
-            self._remove_leaf(node)
+            remove_leaf(self, node)
             freed += k
         return freed
 
-    def _truncate(self, node: TreeNode, n: int) -> None:
-        """Drop the last ``n`` pages of an evictable leaf (it stays in the index)."""
-        hashes = self._node_hashes(node) if self._listeners else node._hashes
-        drop = node._pages[-n:]
-        node._pages = node._pages[:-n]
-        node.key = node.key[: -n * self._pb]
-        node.depth_tokens -= n * self.page_size
-        if hashes is not None:
-            node._hashes = hashes[:-n]
-        self.pool._release_cached(drop)
-        self._cached -= n
-        self._evictable -= n
-        self._evicted_pages += n
-        if self._listeners:
-            self._emit(BlockRemoved(hashes[-n:], node.namespace))
-
-    def _remove_leaf(self, node: TreeNode) -> None:
-        """Remove an unlocked leaf (already out of the index) and free its pages."""
-        hashes = self._node_hashes(node) if self._listeners else None
-        parent = node.parent
-        self._detach(parent, node)
-        node.parent = None
-        k = len(node._pages)
-        self.pool._release_cached(node._pages)
-        node._pages = []
-        self._num_nodes -= 1
-        self._cached -= k
-        self._evictable -= k
-        self._evicted_pages += k
-        self._evicted_nodes += 1
-        if not parent._children and parent is not self.root and parent.lock_ref == 0:
-            if parent.key:
-                self._index.add(parent)  # a parent whose last child went becomes a candidate
-            else:
-                self._drop_ns_root(parent)
-        if hashes is not None:
-            self._emit(BlockRemoved(hashes, node.namespace))
-
     def reset(self) -> None:
         """Drop every unlocked node and free its pages; locked paths stay cached."""
-        self._resets += 1
-        victims: list[TreeNode] = []  # roots of unlocked subtrees
-        stack = [self.root]
-        while stack:
-            for c in stack.pop().iter_children():
-                (stack if c.lock_ref else victims).append(c)
-        if not victims:
-            return
-        everything = not any(c.lock_ref for c in self.root.iter_children())
-        removed: list[TreeNode] = []
-        for v in victims:
-            sub = [v]
-            for n in sub:  # grows while iterating: breadth-first subtree listing
-                sub.extend(n.iter_children())
-            removed += sub
-        hashes = {}
-        if self._listeners and not everything:
-            hashes = {n._id: self._node_hashes(n) for n in removed if n.key}
-        for v in victims:
-            self._detach(v.parent, v)
-            if not v.key:
-                del self._ns_roots[v.namespace]
-        freed: list[int] = []
-        for n in removed:
-            self._index.discard(n)
-            freed += n._pages
-            n._pages = []
-            n.parent = None
-        self.pool._release_cached(freed)
-        self._num_nodes -= len(removed)
-        self._cached -= len(freed)
-        self._evictable -= len(freed)
-        if self._listeners:
-            if everything:
-                self._emit(AllBlocksCleared())
-            else:
-                for n in removed:
-                    if n.key:
-                        self._emit(BlockRemoved(hashes[n._id], n.namespace))
+        reset_unlocked(self)
 
     # ======================================================================== events
     def add_listener(self, fn: Listener) -> None:
