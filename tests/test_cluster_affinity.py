@@ -1,7 +1,9 @@
-"""Prefix-affinity scoring without Ray: hashes, ranking, load guards, the trie summary, hints."""
+"""Prefix-affinity scoring without Ray: hashes, ranking, load guards, the trie summary, hints,
+and the fleet-wide cache reset's fan-out and router bookkeeping (with a stand-in handle)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 
@@ -18,7 +20,9 @@ from radixkv.cluster.affinity import (
     ReplicaSummary,
     longest_chain,
 )
+from radixkv.cluster.fanout import call_every_replica, reset_report, reset_versions
 from radixkv.cluster.hinting import PromptHasher, load_tokenizer
+from radixkv.cluster.live import forget_prefixes, track
 from radixkv.cluster.summary import CacheSummary
 
 PS = 4
@@ -258,3 +262,77 @@ def test_prompt_hasher_matches_the_server_tokenization() -> None:
         ids, 16, ("alice", "s")
     )
     assert keyed.hint("/v1/completions", "Bearer wrong-key-1", body).hashes == []
+
+
+def test_reset_forgets_a_replicas_prefixes_and_ignores_stale_stats() -> None:
+    s = AffinityState()
+    h = page_hashes(list(range(32)), PS)
+    s.update_stats("a", {**summary(h, queue=0), "version": 5})
+    s.picked("r1", "b", h)
+    s.routed("r1", "b")  # still running on b when the reset comes
+    assert s.rank(["a", "b"], h).match_pages == {"a": 8, "b": 8}
+    s.forget_prefixes("a", min_version=7)
+    s.forget_prefixes("b", min_version=2)
+    assert s.rank(["a", "b"], h).match_pages == {"a": 0, "b": 0}
+    assert s.cached_estimate("a") == s.cached_estimate("b") == 0
+    assert s.load("b") == 1  # the running request still counts
+    s.update_stats("a", {**summary(h), "version": 6})  # published before the reset: stale
+    assert s.cached_estimate("a") == 0 and longest_chain(h, s.holds("a")) == 0
+    s.update_stats("a", {**summary(h[:2]), "version": 7})  # after it: taken
+    assert longest_chain(h, s.holds("a")) == 2 and s.cached_estimate("a") == 2 * PS
+    t = track(AffinityState())
+    t.picked("r2", "c", h)
+    assert forget_prefixes({"c": 1}) >= 1  # every tracked state in the process is told
+    assert t.snapshot()["c"]["recent"] == 0 and t.snapshot()["c"]["provisional"] == 1
+
+
+class _FakeMethod:
+    def __init__(self, answers: dict[str, object]) -> None:
+        self.answers = answers
+        self.cancelled: list[str] = []
+
+    def remote(self, *, pin_replica: str) -> object:
+        got = self.answers[pin_replica]
+        cancelled = self.cancelled
+
+        class _Response:
+            def cancel(self) -> None:
+                cancelled.append(pin_replica)
+
+            def __await__(self):  # type: ignore[no-untyped-def]
+                if got == "hang":
+                    yield from asyncio.sleep(10).__await__()
+                if isinstance(got, BaseException):
+                    raise got
+                return got
+
+        return _Response()
+
+
+def test_reset_fanout_reports_each_replica_and_survives_failures() -> None:
+    names = [f"SERVE_REPLICA::app#RadixKVReplica#{u}" for u in ("u1", "u2", "u3", "u4")]
+    method = _FakeMethod(
+        {
+            "u1": {"replica": names[0], "version": 3, "cached_pages": 0},
+            "u2": RuntimeError("ActorDiedError: the actor died"),
+            "u3": {"replica": names[0], "version": 4},  # the pin missed: another replica answered
+            "u4": "hang",
+        }
+    )
+    handle = type("H", (), {"reset_prefix_cache": method})()
+    res = asyncio.run(call_every_replica(handle, "reset_prefix_cache", names, timeout_s=0.2))
+    assert list(res.answers) == [names[0]] and reset_versions(res) == {"u1": 3}
+    assert set(res.failed) == set(names[1:]) and method.cancelled == ["u4"]
+    assert "died" in res.failed[names[1]] and "answered by" in res.failed[names[2]]
+    status, body = reset_report(res)
+    assert status == 503 and body["status"] == "partial"
+    assert body["replicas"] == 4 and body["reset"] == 1 and len(body["failed"]) == 3
+    assert body["error"]["code"] == "replica_unavailable"
+    method.answers = {u: {"replica": n, "version": 1} for u, n in zip(["u1", "u2"], names)}
+    ok = asyncio.run(call_every_replica(handle, "reset_prefix_cache", names[:2]))
+    assert reset_report(ok) == (
+        200,
+        {"status": "ok", "replicas": 2, "reset": 2, "reset_replicas": names[:2], "failed": []},
+    )
+    none = asyncio.run(call_every_replica(handle, "reset_prefix_cache", []))
+    assert reset_report(none)[0] == 503 and reset_report(none)[1]["status"] == "failed"

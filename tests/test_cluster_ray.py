@@ -3,8 +3,8 @@
 One Ray session for the module (start-up dominates): two fleets of 4 replicas each (a fraction
 of a CPU apiece), one routed by RadixAffinityRouter, one by Ray Serve's default router, both
 behind the cluster's ingress on a loopback HTTP port. Tests run in file order: hit rate on a
-shared-prefix workload, a hot prefix spreading once the load thresholds trip, then a replica
-killed mid-run.
+shared-prefix workload, a hot prefix spreading once the load thresholds trip, a prefix-cache
+reset through the ingress reaching every replica, then a replica killed mid-run.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import ray
 
@@ -26,6 +27,7 @@ from radixkv.cluster.workload import Item, SharedPrefixWorkload, fleet_hit_rate,
 REPLICAS = 4
 PAGE = 16
 AFFINITY, DEFAULT = "aff", "dflt"
+ADMIN = "cluster-admin-key"
 
 pytestmark = [
     pytest.mark.slow,
@@ -70,6 +72,7 @@ def fleets() -> Iterator[dict[str, str]]:
             "replica_num_cpus": 0.4,  # 8 x 0.4 + 2 x 0.1 ingress fit in num_cpus=4
             "ingress_num_cpus": 0.1,
             "stats_period_s": 1.0,
+            "server_kwargs": {"admin_key": ADMIN},
         }
         aff = ClusterConfig(router="affinity", router_kwargs={"imbalance_abs": 4}, **common)
         dflt = ClusterConfig(router="default", **common)
@@ -169,6 +172,33 @@ def test_hot_prefix_spreads_once_thresholds_trip(fleets: dict[str, str]) -> None
     assert max(per.values()) <= 18, per
     # affinity still wins inside the spread: most requests hit the prefix somewhere
     assert sum(o.cached_tokens > 0 for o in res.outcomes) >= len(res.outcomes) - len(per) - 2
+
+
+def test_reset_through_the_ingress_reaches_every_replica(fleets: dict[str, str]) -> None:
+    for app in (AFFINITY, DEFAULT):  # both routers honour the per-replica pin
+        before = _stats(app)
+        assert len(before) == REPLICAS
+        assert sum(s["cached_pages"] > 0 for s in before) >= 2, before  # warmed by earlier tests
+        url = fleets[app] + "/reset_prefix_cache"
+        denied = httpx.post(url, headers={"Authorization": "Bearer not-the-admin-key"}, timeout=60)
+        assert denied.status_code == 401, denied.text
+        assert [s["cached_pages"] for s in _stats(app)] == [s["cached_pages"] for s in before]
+        r = httpx.post(url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["status"] == "ok" and body["failed"] == [], body
+        assert body["replicas"] == body["reset"] == REPLICAS
+        assert sorted(body["reset_replicas"]) == sorted(s["replica"] for s in before)
+        after = _stats(app)
+        assert len(after) == REPLICAS
+        assert all(s["cached_pages"] == 0 for s in after), after
+    view = _router_view(AFFINITY)  # the affinity router forgot what the replicas held
+    assert len(view) == REPLICAS
+    assert all(v["recent"] == 0 and v["cached_estimate"] == 0 for v in view.values()), view
+    # the next request of an old prefix finds nothing cached anywhere
+    again = SharedPrefixWorkload(groups=8, per_group=6, prefix_tokens=192, suffix_tokens=16)
+    res = run_workload(fleets[AFFINITY], again.items()[:1], concurrency=1, max_tokens=2)
+    assert [(o.status, o.cached_tokens) for o in res.outcomes] == [(200, 0)], res.outcomes
 
 
 def test_replica_killed_mid_run(fleets: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:

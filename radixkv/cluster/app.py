@@ -8,7 +8,8 @@
 
 ``router="affinity"`` (default) routes with :class:`RadixAffinityRouter`; ``router="default"``
 with Ray Serve's default (power of two choices), for comparison. :func:`fleet_engine_stats`
-reads every replica's own engine counters.
+reads every replica's own engine counters; ``POST /reset_prefix_cache`` through the ingress
+resets every replica (see ``fanout.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.cluster._ray import import_serve
-from radixkv.cluster.affinity import AffinityConfig
+from radixkv.cluster.affinity_config import AffinityConfig
+from radixkv.cluster.fanout import pin_id
+from radixkv.cluster.fanout import replica_actor_names as _actor_names
 
 serve = import_serve()
 
@@ -117,15 +120,7 @@ def build_cluster_app(config: ClusterConfig | None = None) -> Any:
 
 def replica_actor_names(app_name: str) -> list[str]:
     """Ray actor names (in namespace "serve") of the app's engine replicas, sorted."""
-    import ray
-
-    prefix = f"#{REPLICA_DEPLOYMENT}#"
-    names = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name = entry["name"] if isinstance(entry, dict) else str(entry)
-        if name.startswith("SERVE_REPLICA::") and f"{app_name}{prefix}" in name:
-            names.append(name)
-    return sorted(names)
+    return _actor_names(app_name, REPLICA_DEPLOYMENT)
 
 
 def fleet_engine_stats(app_name: str, *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
@@ -136,7 +131,7 @@ def fleet_engine_stats(app_name: str, *, timeout_s: float = 60.0) -> list[dict[s
     """
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name)
     names = replica_actor_names(app_name)
-    calls = [(n, handle.engine_stats.remote(pin_replica=n.rsplit("#", 1)[-1])) for n in names]
+    calls = [(n, handle.engine_stats.remote(pin_replica=pin_id(n))) for n in names]
     out = []
     for name, call in calls:
         try:

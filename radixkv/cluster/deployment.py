@@ -18,6 +18,9 @@ a handle, retrying on another replica when the chosen one dies before answering:
 non-streamed request is retried whenever its replica dies (nothing reached the client yet); a
 streamed one only until its first bytes were sent, after that the stream ends with an
 OpenAI-shaped error event. Either way the client gets a clean answer, never a hang.
+``POST /reset_prefix_cache`` is the exception to "one replica per request": the ingress checks
+the admin key itself, resets every replica (``fanout.py``), makes its routers forget what they
+held, and answers how many were reset and which failed.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import Response, StreamingResponse  # noqa: E402
 
 from radixkv.cluster.asgi_bridge import ForwardedRequest, Lifespan, call_app  # noqa: E402
+from radixkv.cluster.fanout import RESET_PATH, reset_fleet  # noqa: E402
 from radixkv.cluster.hinting import PromptHasher, load_tokenizer  # noqa: E402
 from radixkv.cluster.summary import CacheSummary  # noqa: E402
+from radixkv.server.errors import APIError  # noqa: E402
 
 log = logging.getLogger("radixkv.cluster")
 
@@ -101,8 +106,16 @@ class RadixKVReplica:
         stats["replica"] = self.name
         return stats
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self, pin_replica: str | None = None) -> dict[str, Any]:
+        """Drop every unlocked cache entry; answer this replica's name, its summary version
+        after the reset (older routing stats are stale) and the pages it still caches."""
         await self.engine.reset_prefix_cache()
+        stats = await self.engine.stats()
+        return {
+            "replica": self.name,
+            "version": self.summary.version,
+            "cached_pages": stats.cached_pages,
+        }
 
     async def __del__(self) -> None:
         await self.lifespan.shutdown()
@@ -186,10 +199,22 @@ class RadixKVIngress:
             body=body,
             client=tuple(request.client) if request.client else None,  # type: ignore[arg-type]
         )
+        if fwd.method == "POST" and fwd.path == RESET_PATH:
+            return await self._reset_fleet(request.headers.get("authorization"))
         hint = self.hasher.hint(fwd.path, request.headers.get("authorization"), body)
         if hint.stream:
             return await self._streamed(fwd, hint.hashes)
         return await self._buffered(fwd, hint.hashes)
+
+    async def _reset_fleet(self, authorization: str | None) -> Response:
+        """Reset every engine replica's prefix cache, not just one the router would pick."""
+        try:
+            self.hasher.auth.require_admin(authorization)  # same key and answers as a replica
+        except APIError as e:
+            return e.response()
+        status, report = await reset_fleet(self.replicas)
+        headers = {"retry-after": "1"} if status == 503 else None
+        return Response(json.dumps(report).encode(), status, headers, "application/json")
 
     async def _buffered(self, fwd: ForwardedRequest, hashes: list[int]) -> Response:
         last: BaseException | None = None

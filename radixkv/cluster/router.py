@@ -84,7 +84,7 @@ class RadixAffinityRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         # Ray Serve pickles this class by value (a private copy of this module's globals), so
-        # the state is tracked in the affinity module, which every process imports normally.
+        # the state is tracked in radixkv.cluster.live, which every process imports normally.
         self.affinity = track(AffinityState(AffinityConfig(**kwargs)))
         self.last_decision: Decision | None = None
 

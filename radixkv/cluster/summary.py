@@ -1,11 +1,12 @@
-"""A replica's bounded summary of its trie, kept current from the cache's KV events.
+"""A replica's bounded summary of its trie: the wire format and the listener that keeps it.
 
-:class:`CacheSummary` is a cache listener (``cache.add_listener(summary.listener)``): every
-``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` updates an insertion-ordered set of
-the chained page hashes the trie holds (the same Dynamo-compatible hashes the router computes
-from a request's tokens with :func:`radixkv.cache.hashing.page_hashes`). ``snapshot()`` turns it
-into the :class:`~radixkv.cluster.affinity.ReplicaSummary` a deployment returns from
-``record_routing_stats()``.
+:class:`ReplicaSummary` is what a replica returns from ``record_routing_stats()`` and what the
+router parses (:class:`~radixkv.cluster.fleet_view.FleetView`). :class:`CacheSummary` is a
+cache listener (``cache.add_listener(summary.listener)``): every ``BlockStored`` /
+``BlockRemoved`` / ``AllBlocksCleared`` updates an insertion-ordered set of the chained page
+hashes the trie holds (the same Dynamo-compatible hashes the router computes from a request's
+tokens with :func:`radixkv.cache.hashing.page_hashes`). ``snapshot()`` turns it into a
+:class:`ReplicaSummary`.
 
 Threading: the listener runs on the engine's step thread, ``snapshot`` on the replica's event
 loop; a lock guards the set. The listener is O(pages in the event) and never raises.
@@ -15,10 +16,44 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from radixkv.cluster.affinity import ReplicaSummary
+
+
+class ReplicaSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What a replica reports in ``record_routing_stats()`` (bounded).
+
+    ``block_hashes``: chained page hashes of pages in its trie, most recently stored first, at
+    most the replica's bound (so a prefix's early pages may be missing while its later ones are
+    present: matching looks for the *deepest* held hash, which names the whole prefix).
+    ``truncated``: more blocks are cached than listed. ``version`` changes whenever the trie's
+    block set changes (it only grows, so a summary with a lower version is an older one).
+    """
+
+    block_hashes: list[int] = msgspec.field(default_factory=list)
+    cached_tokens: int = 0
+    queue_len: int = 0
+    page_size: int = 0
+    truncated: bool = False
+    version: int = 0
+    replica: str = ""
+
+    @classmethod
+    def from_stats(cls, stats: Mapping[str, Any] | None) -> ReplicaSummary | None:
+        """Parse a routing-stats dict; None (and never an exception) when absent or malformed."""
+        if not stats:
+            return None
+        try:
+            return msgspec.convert(dict(stats), cls)
+        except (msgspec.ValidationError, TypeError):
+            return None
+
+    def to_stats(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
 
 
 class CacheSummary:
@@ -58,6 +93,12 @@ class CacheSummary:
     def __contains__(self, h: object) -> bool:
         with self._lock:
             return h in self._blocks
+
+    @property
+    def version(self) -> int:
+        """Bumped by every event that changed the block set (what ``snapshot`` reports)."""
+        with self._lock:
+            return self._version
 
     def snapshot(self, *, queue_len: int = 0, replica: str = "") -> ReplicaSummary:
         """The bounded summary: at most ``max_hashes`` hashes, most recently stored first."""

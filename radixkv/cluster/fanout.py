@@ -1,0 +1,146 @@
+"""Operator calls aimed at every engine replica of a fleet, not at the one the router picks.
+
+A request through the ingress reaches one replica. A few operations concern the whole fleet
+(``POST /reset_prefix_cache``, per-replica stats), so they are fanned out: the replicas are
+listed by their Ray actor names (the Serve controller's record, not a router's possibly lagging
+view) and one call is pinned to each (``pin_replica``, which both cluster routers honour).
+
+Every answer names the replica that produced it. A call that raises (the replica died), times
+out, or is answered by another replica (the pinned one was not, or no longer, among the
+handle's candidates, so the router fell back to routing it normally) fails *for that replica*:
+the others still count, and the report says which failed and why.
+
+Importing this module needs no Ray (the listing imports it when called), so the fan-out and
+the report are testable with a stand-in handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.cluster.live import forget_prefixes
+
+log = logging.getLogger("radixkv.cluster")
+
+RESET_PATH = "/reset_prefix_cache"
+
+
+def replica_actor_names(app_name: str, deployment: str = "RadixKVReplica") -> list[str]:
+    """Ray actor names (in namespace "serve") of an app's replicas of ``deployment``, sorted."""
+    import ray
+
+    tag = f"{app_name}#{deployment}#"
+    names = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"] if isinstance(entry, dict) else str(entry)
+        if name.startswith("SERVE_REPLICA::") and tag in name:
+            names.append(name)
+    return sorted(names)
+
+
+def pin_id(actor_name: str) -> str:
+    """The replica's unique id (what ``pin_replica`` and the routers' state use)."""
+    return actor_name.rsplit("#", 1)[-1]
+
+
+@dataclass
+class FanoutResult:
+    """Who was called, who answered (actor name -> answer dict) and who failed (name -> why)."""
+
+    replicas: list[str]
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+async def call_every_replica(
+    handle: Any,
+    method: str,
+    names: Iterable[str],
+    *,
+    timeout_s: float = 30.0,
+    **kwargs: Any,
+) -> FanoutResult:
+    """Call ``handle.<method>(pin_replica=..., **kwargs)`` once per replica in ``names``,
+    concurrently. The method must answer a dict whose ``"replica"`` is the replica's name."""
+    result = FanoutResult(replicas=list(names))
+
+    async def one(name: str) -> None:
+        response = getattr(handle, method).remote(pin_replica=pin_id(name), **kwargs)
+
+        async def wait() -> Any:
+            return await response
+
+        try:
+            got = await asyncio.wait_for(wait(), timeout_s)
+        except TimeoutError:
+            response.cancel()
+            result.failed[name] = f"no answer within {timeout_s:g} s"
+            return
+        except Exception as e:  # the replica died or the call failed there: this replica only
+            result.failed[name] = f"{type(e).__name__}: {e}"[:300]
+            return
+        if not isinstance(got, dict) or got.get("replica") != name:
+            other = got.get("replica") if isinstance(got, dict) else type(got).__name__
+            result.failed[name] = f"not reachable by pinning (answered by {other})"
+            return
+        result.answers[name] = got
+
+    await asyncio.gather(*(one(n) for n in result.replicas))
+    return result
+
+
+async def reset_fleet(handle: Any, *, timeout_s: float = 30.0) -> tuple[int, dict[str, Any]]:
+    """Reset the prefix cache of every replica of ``handle``'s deployment, make the affinity
+    routers in this process forget what the reset replicas held, and report
+    (:func:`reset_report`). Call from the process holding ``handle`` (the ingress)."""
+    app, deployment = handle.app_name, handle.deployment_name
+    names = await asyncio.to_thread(replica_actor_names, app, deployment)  # a blocking GCS call
+    result = await call_every_replica(handle, "reset_prefix_cache", names, timeout_s=timeout_s)
+    forget_prefixes(reset_versions(result))
+    if result.failed:
+        log.warning("prefix cache reset failed on %s", result.failed)
+    return reset_report(result)
+
+
+def reset_versions(result: FanoutResult) -> dict[str, int]:
+    """Replica id -> its cache summary's version right after the reset (for the routers)."""
+    return {pin_id(n): int(a.get("version", 0)) for n, a in result.answers.items()}
+
+
+def reset_report(result: FanoutResult) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body) answering a fleet-wide reset.
+
+    200 ``{"status": "ok", ...}`` when every listed replica was reset; otherwise 503 with
+    ``"status"`` "partial" (some were reset) or "failed" (none, or no replica was found), the
+    same counts, and an OpenAI-shaped ``"error"``. Either way the body lists ``replicas`` (how
+    many were called), ``reset`` (how many were reset), ``reset_replicas`` and ``failed``.
+    """
+    reset = sorted(result.answers)
+    failed = [{"replica": n, "error": why} for n, why in sorted(result.failed.items())]
+    body: dict[str, Any] = {
+        "status": "ok",
+        "replicas": len(result.replicas),
+        "reset": len(reset),
+        "reset_replicas": reset,
+        "failed": failed,
+    }
+    if reset and not failed:
+        return 200, body
+    body["status"] = "partial" if reset else "failed"
+    message = (
+        f"prefix cache reset on {len(reset)} of {len(result.replicas)} replicas"
+        + (f"; failed: {', '.join(pin_id(f['replica']) for f in failed)}" if failed else "")
+        if result.replicas
+        else "no engine replica found to reset"
+    )
+    body["error"] = {
+        "message": message,
+        "type": "server_error",
+        "param": None,
+        "code": "replica_unavailable",
+    }
+    return 503, body
