@@ -336,3 +336,64 @@ def test_reset_fanout_reports_each_replica_and_survives_failures() -> None:
     )
     none = asyncio.run(call_every_replica(handle, "reset_prefix_cache", []))
     assert reset_report(none)[0] == 503 and reset_report(none)[1]["status"] == "failed"
+
+
+class _RecordingMethod(_FakeMethod):
+    """Also records the Serve request context each call was started in."""
+
+    def __init__(self, answers: dict[str, object]) -> None:
+        super().__init__(answers)
+        self.contexts: list[tuple[str, str]] = []
+
+    def remote(self, *, pin_replica: str) -> object:
+        from ray.serve import context as serve_context
+
+        ctx = serve_context._get_serve_request_context()
+        self.contexts.append((ctx.request_id, ctx._internal_request_id))
+        return super().remote(pin_replica=pin_replica)
+
+
+def test_fanout_calls_are_serve_requests_of_their_own() -> None:
+    # Ray Serve's router hands a replica to the waiting call with the chosen request's internal
+    # id: calls fanned out while the ingress serves one request must not share that id, or
+    # all but one of them are never delivered.
+    from radixkv.cluster._ray import import_serve
+
+    import_serve()
+    from ray.serve import context as serve_context
+
+    names = [f"SERVE_REPLICA::app#RadixKVReplica#u{i}" for i in range(4)]
+    method = _RecordingMethod({f"u{i}": {"replica": n} for i, n in enumerate(names)})
+    handle = type("H", (), {"reset_prefix_cache": method})()
+
+    async def in_a_request() -> tuple[object, str]:
+        serve_context._set_request_context(request_id="http-1", _internal_request_id="parent")
+        res = await call_every_replica(handle, "reset_prefix_cache", names)
+        return res, serve_context._get_serve_request_context()._internal_request_id
+
+    res, after = asyncio.run(in_a_request())
+    assert sorted(res.answers) == names and not res.failed  # type: ignore[attr-defined]
+    assert [rid for rid, _ in method.contexts] == ["http-1"] * 4  # the logged id is kept
+    internal = [iid for _, iid in method.contexts]
+    assert len(set(internal)) == 4 and "parent" not in internal
+    assert after == "parent"  # the caller's own request is untouched
+
+
+def test_a_call_completed_before_ray_confirms_it_is_not_left_in_flight() -> None:
+    # Ray registers the completion callback before confirming the route: a fast call (a pinned
+    # reset) can report completion first, and must not stay counted in flight afterwards.
+    h = [1, 2, 3]
+    s = AffinityState()
+    s.picked("fast", "a", h)
+    s.completed("fast", "a")
+    s.routed("fast", "a", h)
+    assert s.snapshot()["a"]["inflight"] == 0 and s.snapshot()["a"]["provisional"] == 0
+    assert s.load("a") == 0
+    s.routed("slow", "a", h)  # the usual order still counts
+    assert s.load("a") == 1
+    s.completed("slow", "a")
+    assert s.load("a") == 0
+    s.completed("retried", "a")  # rejected by a, then picked and accepted there
+    s.picked("retried", "a", h)
+    s.routed("retried", "a", h)
+    assert s.load("a") == 1

@@ -195,6 +195,7 @@ def test_reset_through_the_ingress_reaches_every_replica(fleets: dict[str, str])
     view = _router_view(AFFINITY)  # the affinity router forgot what the replicas held
     assert len(view) == REPLICAS
     assert all(v["recent"] == 0 and v["cached_estimate"] == 0 for v in view.values()), view
+    assert all(v["inflight"] == 0 for v in view.values()), view  # the reset calls completed
     # the next request of an old prefix finds nothing cached anywhere
     again = SharedPrefixWorkload(groups=8, per_group=6, prefix_tokens=192, suffix_tokens=16)
     res = run_workload(fleets[AFFINITY], again.items()[:1], concurrency=1, max_tokens=2)

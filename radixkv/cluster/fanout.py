@@ -5,28 +5,37 @@ A request through the ingress reaches one replica. A few operations concern the 
 listed by their Ray actor names (the Serve controller's record, not a router's possibly lagging
 view) and one call is pinned to each (``pin_replica``, which both cluster routers honour).
 
+Each call is made as a request of its own (:func:`as_own_request`): made from inside the
+ingress, the calls would otherwise all carry the HTTP request's id, and Ray Serve's router
+then delivers only one of them (the others wait forever).
+
 Every answer names the replica that produced it. A call that raises (the replica died), times
 out, or is answered by another replica (the pinned one was not, or no longer, among the
 handle's candidates, so the router fell back to routing it normally) fails *for that replica*:
 the others still count, and the report says which failed and why.
 
-Importing this module needs no Ray (the listing imports it when called), so the fan-out and
-the report are testable with a stand-in handle.
+Importing this module needs no Ray (the listing and the fresh request ids import it when
+called, and the fan-out works without it), so the fan-out and the report are testable with a
+stand-in handle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from radixkv.cluster.live import forget_prefixes
 
 log = logging.getLogger("radixkv.cluster")
 
 RESET_PATH = "/reset_prefix_cache"
+
+T = TypeVar("T")
 
 
 def replica_actor_names(app_name: str, deployment: str = "RadixKVReplica") -> list[str]:
@@ -47,6 +56,37 @@ def pin_id(actor_name: str) -> str:
     return actor_name.rsplit("#", 1)[-1]
 
 
+def as_own_request(make_call: Callable[[], T]) -> T:
+    """Run ``make_call`` (which starts one handle call) as a Serve request of its own.
+
+    Why: a handle call made while a replica serves a request inherits that request's internal
+    id, and Ray Serve 2.60's router hands a chosen replica to the waiting call *with that id*
+    (one index entry per id). Several calls waiting at once under one id (this fan-out, run by
+    the ingress while it serves ``POST /reset_prefix_cache``) leave all but one unmatched:
+    their routing tasks pick the pinned replica again and again without ever delivering the
+    call, which then times out. A fresh internal id per call, set in a copy of the context so
+    the caller's own request is untouched, keeps them apart (the user-facing request id, used
+    in logs, is kept). Outside a Serve request (the driver) Ray makes a fresh id anyway.
+    """
+    return contextvars.copy_context().run(_with_fresh_request_id, make_call)
+
+
+def _with_fresh_request_id(make_call: Callable[[], T]) -> T:
+    from radixkv.cluster._ray import import_serve
+
+    try:
+        import_serve()
+        from ray.serve import context as serve_context
+        from ray.serve._private.utils import generate_request_id
+    except ImportError:  # no Ray (a stand-in handle): there is no Serve request to leave
+        return make_call()
+
+    current = serve_context._get_serve_request_context()
+    fresh = dataclasses.replace(current, _internal_request_id=generate_request_id())
+    serve_context._serve_request_context.set(fresh)
+    return make_call()
+
+
 @dataclass
 class FanoutResult:
     """Who was called, who answered (actor name -> answer dict) and who failed (name -> why)."""
@@ -65,11 +105,13 @@ async def call_every_replica(
     **kwargs: Any,
 ) -> FanoutResult:
     """Call ``handle.<method>(pin_replica=..., **kwargs)`` once per replica in ``names``,
-    concurrently. The method must answer a dict whose ``"replica"`` is the replica's name."""
+    concurrently, each as a request of its own (:func:`as_own_request`). The method must
+    answer a dict whose ``"replica"`` is the replica's name."""
     result = FanoutResult(replicas=list(names))
+    call = getattr(handle, method)
 
     async def one(name: str) -> None:
-        response = getattr(handle, method).remote(pin_replica=pin_id(name), **kwargs)
+        response = as_own_request(lambda: call.remote(pin_replica=pin_id(name), **kwargs))
 
         async def wait() -> Any:
             return await response

@@ -74,6 +74,9 @@ class _Replica:
         self.min_version = 0  # stats older than this predate a cache reset: ignored
 
 
+_DONE_EARLY_MAX = 4096  # completions awaiting a confirmation that may never come (rejections)
+
+
 class FleetView:
     """Per-replica contents, load and routing record (see the module doc)."""
 
@@ -86,6 +89,8 @@ class FleetView:
         # request id -> (replica picked first, hashes, time): picked but not yet confirmed
         self._pending: dict[str, tuple[str, list[int], float]] = {}
         self._routed: dict[str, str] = {}  # request id -> replica it was confirmed on
+        # request id -> replica: completed before Ray confirmed it (see ``completed``)
+        self._done_early: dict[str, str] = {}
 
     # ------------------------------------------------------------------ fleet bookkeeping
     def _get(self, rid: str) -> _Replica:
@@ -210,6 +215,7 @@ class FleetView:
         """The router is about to offer ``rid`` first: count it there provisionally (so
         requests routed before Ray confirms see the load and the prefix)."""
         self._drop_pending(request_id)
+        self._done_early.pop(request_id, None)  # a new attempt: an earlier ending is not its
         rep = self._get(rid)
         rep.provisional.add(request_id)
         self._pending[request_id] = (rid, list(hashes), self._clock())
@@ -221,6 +227,10 @@ class FleetView:
         if hashes is None:
             hashes = pending[1] if pending is not None else []
         self._drop_pending(request_id)
+        if self._done_early.get(request_id) == rid:  # it already completed there
+            del self._done_early[request_id]
+            self._remember(self._get(rid), hashes)
+            return
         prev = self._routed.pop(request_id, None)
         if prev is not None and prev in self._replicas:
             self._replicas[prev].inflight.discard(request_id)
@@ -237,3 +247,10 @@ class FleetView:
             rep = self._replicas.get(got)
             if rep is not None:
                 rep.inflight.discard(request_id)
+        elif got is None and rid is not None:
+            # Ray registers the completion callback before it confirms the route, so a fast
+            # call (an operator call pinned to a replica) can complete first: remember it, so
+            # that the confirmation arriving next does not count it in flight forever.
+            self._done_early[request_id] = rid
+            while len(self._done_early) > _DONE_EARLY_MAX:
+                del self._done_early[next(iter(self._done_early))]

@@ -101,6 +101,10 @@ class RadixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         pinned = _pinned(candidate_replicas, pending_request)
         if pinned is not None:
+            if pending_request is not None:  # counted like any request until it completes
+                self._state().picked(
+                    pending_request.metadata.internal_request_id, _rid(pinned.replica_id), []
+                )
             return [[pinned]]
         state = self._state()
         by_id: dict[str, RunningReplica] = {}
