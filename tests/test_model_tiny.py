@@ -118,3 +118,19 @@ def test_tiny_tokenizer_and_chat_template(tiny: LoadedModel) -> None:
     assert set(tok.eos_token_ids) == {257, 261}
     with pytest.raises(ValueError, match="unsupported role"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_tiny_speaks_printable_ascii_and_samples_vary() -> None:
+    from radixkv import Engine, SamplingParams
+    from radixkv.model.tiny import PRINTABLE
+
+    eng = Engine("radixkv-tiny", num_pages=256)
+    prompt = "Problem: a farmer has 17 sheep. Think step by step."
+    greedy = eng.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
+    assert all(t in PRINTABLE for t in greedy[0].token_ids)
+    again = eng.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
+    assert again[0].token_ids == greedy[0].token_ids
+    params = SamplingParams(max_tokens=32, temperature=0.8, n=3, seed=7)
+    (out,) = eng.generate([prompt], params, use_tqdm=False)
+    samples = {tuple(c.token_ids) for c in out.outputs}
+    assert len(samples) > 1  # sampling explores; a tied random head mostly repeats its input

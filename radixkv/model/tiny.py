@@ -2,9 +2,10 @@
 
 No files and no download: the weights are drawn from a fixed-seed generator on the CPU (so they are
 the same on every machine with the same torch), the tokenizer is byte-level, and a small chat
-template is built in. Its outputs are meaningless but deterministic; it exists so that the engine,
-the cache and the benchmarks have a real model to run. Sized so a 4,000-token prefill takes a
-fraction of a second on 2 CPU cores.
+template is built in. Its outputs are meaningless printable ASCII, deterministic under greedy
+decoding and varied under sampling; it exists so that the engine, the cache and the benchmarks
+have a real model to run. Sized so a 4,000-token prefill takes a fraction of a second on 2 CPU
+cores.
 
 Proportions: a scale model of a production LLM, not just a small one. What the prefix cache
 saves depends on how a token's cost splits between the linear layers (fixed per token) and
@@ -31,6 +32,8 @@ from radixkv.model.tokenizer import ByteTokenizer
 
 TINY_NAME = "radixkv-tiny"
 TINY_SEED = 20240607
+PRINTABLE = [10, *range(32, 127)]  # the bytes the output head can produce: newline and ASCII
+LOGIT_STD = 3.0  # spread of the printable logits: temperature 1 samples vary, greedy is stable
 
 SPECIAL_TOKENS = (
     "<|bos|>",
@@ -67,7 +70,7 @@ def tiny_config(dtype: torch.dtype = torch.float32) -> ModelConfig:
         max_position_embeddings=16384,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,  # see build_tiny_model: its output head speaks printable ASCII
         dtype=dtype,
         bos_token_id=256,
         eos_token_ids=(257, 261),
@@ -96,6 +99,17 @@ def build_tiny_model(
             param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
         elif name.endswith("embed_tokens.weight"):
             param.copy_(torch.randn(param.shape, generator=gen))
+        elif name == "lm_head.weight":
+            param.copy_(
+                LOGIT_STD * torch.randn(param.shape, generator=gen) / math.sqrt(cfg.hidden_size)
+            )
+            # Only printable ASCII can win: every other byte and the special tokens get logit 0,
+            # far below the best of ~95 printable logits (std LOGIT_STD). A random model's text
+            # is meaningless either way, but this way samples differ from each other and print
+            # as text. (With tied embeddings a random model mostly repeats its input token.)
+            keep = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            keep[PRINTABLE] = True
+            param[~keep] = 0.0
         else:  # linear weights: unit-variance outputs for unit-variance inputs
             param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
     model.eval()
