@@ -131,3 +131,35 @@ def test_step_prefill_tokens_stay_within_the_step_budget(
     assert [o.token_ids for o in outs] == [
         o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)
     ]
+
+
+def test_short_requests_are_not_held_behind_a_long_chunked_prefill(
+    small: tuple[Any, Any],
+) -> None:
+    """While requests wait, a running chunked prefill takes at most half the step budget: a short
+    request arriving behind a long prompt starts before the long prompt's prefill is done, and
+    budget the admissions leave unused goes back to the long prompt."""
+    _, lm = small
+    eng = Engine(lm, page_size=4, num_pages=600, chunked_prefill_size=32, max_prefill_tokens=64)
+    rec = _record(eng)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    long_prompt = [3 + (i * 7) % 90 for i in range(400)]
+    long_id = eng.add_request(long_prompt, params)
+    eng.step()  # the long prompt is running now, 32 tokens in
+    short_id = eng.add_request([5, 6, 7, 8, 9, 10], params)
+    outs: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    # step 2: the long prompt's chunk is held to 16 (half of 32), the short prompt takes 6 and
+    # the 10 left over go back to the long prompt
+    assert rec[1][0] == [26, 6]
+    long_done = next(i for i, (new, past, _) in enumerate(rec) if past[0] + new[0] >= 400)
+    assert long_done > 1  # so the short one really started first
+    assert all(cost <= 32 for _, _, cost in rec)
+    ref = Engine(lm, page_size=4, num_pages=600)
+    assert outs[long_id] == ref.generate([long_prompt], params, use_tqdm=False)[0].token_ids
+    assert (
+        outs[short_id] == ref.generate([[5, 6, 7, 8, 9, 10]], params, use_tqdm=False)[0].token_ids
+    )

@@ -15,7 +15,9 @@ Each ``schedule()`` builds one mixed batch, in this order:
 The step budget is ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (as in
 SGLang, where admitted requests draw on the chunk budget too): a burst of short prompts then
 runs as several short steps instead of one long one, so the first of them get their first token
-sooner and running streams stall at most one chunk's time. Decode tokens are not counted.
+sooner and running streams stall at most one chunk's time. Decode tokens are not counted. While
+requests wait, running prefills are held to half the budget until admission is done (then get
+what is left), so a long prompt cannot keep short ones waiting until its prefill ends.
 
 In-batch prefix sharing: a sequence announces the keys (chained hashes) of the full pages it is
 about to compute. A candidate whose first uncached page is being computed by someone else waits:
@@ -140,16 +142,24 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self._schedule_running(batch)
+        held_back = self._schedule_running(batch)
         self._admit(batch, self.step_budget - batch.prefill_cost)
+        self._top_up(batch, held_back)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch) -> None:
+    def _schedule_running(self, batch: ScheduledBatch) -> list[int]:
         """Oldest first: each running sequence decodes one token or computes its next prefill
         chunk. A sequence that cannot get even one page preempts the most recently admitted
-        running sequence (itself, if it is the newest), so the oldest always progresses."""
+        running sequence (itself, if it is the newest), so the oldest always progresses.
+
+        While requests wait, running prefills get at most half the step budget, so a long
+        prompt's chunks cannot keep new (short) requests out until it is done; what the
+        admissions leave over goes back to them (:meth:`_top_up`). Returns the batch rows of
+        prefills held back that way."""
         used = 0.0  # budget units
         tokens = 0
+        held_back: list[int] = []
+        share = self.step_budget / 2 if self.waiting else self.step_budget
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -158,9 +168,7 @@ class Scheduler:
             n = (
                 1
                 if decode
-                else self._chunk(
-                    remaining, self.step_budget - used, seq.num_computed, first=used == 0
-                )
+                else self._chunk(remaining, share - used, seq.num_computed, first=used == 0)
             )
             if n <= 0:
                 i += 1
@@ -180,9 +188,32 @@ class Scheduler:
             else:
                 used += chunk_cost(n, seq.num_computed, self._ratio)
                 tokens += n
+                if share < self.step_budget:
+                    held_back.append(len(batch) - 1)
             i += 1
         batch.num_prefill_tokens += tokens
         batch.prefill_cost += used
+        return held_back
+
+    def _top_up(self, batch: ScheduledBatch, rows: list[int]) -> None:
+        """Give the budget the admissions left over back to running prefills held back to half
+        (chunk costs add up: a chunk of a + b tokens costs chunk(a) + chunk(b after a))."""
+        for r in rows:
+            left = self.step_budget - batch.prefill_cost
+            if left <= 0:
+                return
+            seq, n = batch.seqs[r], batch.num_new[r]
+            past = seq.num_computed
+            have = chunk_cost(n, past, self._ratio)
+            remaining = len(seq.token_ids) - past
+            total = self._chunk(remaining, have + left, past, first=False)
+            total = min(total, self._fit(seq, total)) if total > n else n
+            if total <= n:
+                continue
+            self.kv.reserve(seq, total)  # fits: _fit checked the pool
+            batch.num_new[r] = total
+            batch.num_prefill_tokens += total - n
+            batch.prefill_cost += chunk_cost(total, past, self._ratio) - have
 
     def _admit(self, batch: ScheduledBatch, budget: float) -> None:
         if not self.waiting:
