@@ -19,10 +19,8 @@ sooner and running streams stall at most one chunk's time. Decode tokens are not
 requests wait, running prefills are held to half the budget until admission is done (then get
 what is left), so a long prompt cannot keep short ones waiting until its prefill ends.
 
-In-batch prefix sharing: a sequence announces the keys (chained hashes) of the full pages it is
-about to compute. A candidate whose first uncached page is being computed by someone else waits:
-that page is inserted when its chunk finishes, and the candidate then hits it instead of
-computing it again. ``n > 1`` samples rely on this to prefill their prompt once.
+In-batch prefix sharing (engine/inflight.py): a candidate whose first uncached page another
+running sequence is computing waits for it and then hits it instead of computing it again.
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ import contextlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
+from radixkv.engine.inflight import InflightPages
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.prefill_cost import PREFILL_BUDGETS, chunk_cost, max_chunk
 from radixkv.engine.request import SeqStatus, Sequence
@@ -104,7 +102,7 @@ class Scheduler:
         self._ratio = attention_ratio if prefill_budget == "attention" else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._inflight: dict[Any, int] = {}  # page key -> sequences computing it
+        self._inflight = InflightPages(self.page_size, enabled=kv.enabled)  # see inflight.py
         self._admit_counter = 0
         self._out_of_pages = _out_of_pages_error()
         self.num_preemptions = 0
@@ -125,7 +123,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(seq)
-        self._drop_inflight(seq)
+        self._inflight.drop(seq)
         self.kv.release(seq, insert=insert)
         seq.status = SeqStatus.FINISHED
         if seq.finish_reason is None:
@@ -133,7 +131,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._drop_inflight(seq)
+        self._inflight.drop(seq)
         self.kv.release(seq, insert=True)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -233,7 +231,7 @@ class Scheduler:
             if len(self.running) >= self.max_running or budget - used <= 0:
                 break
             hit = self.kv.acquire(seq)
-            if self._computed_elsewhere(seq):
+            if self._inflight.computed_elsewhere(seq):
                 self.kv.release(seq, insert=False)
                 continue
             remaining = len(seq.token_ids) - seq.num_computed
@@ -253,7 +251,7 @@ class Scheduler:
             self._admit_counter += 1
             self.running.append(seq)
             admitted.append(seq)
-            self._announce(seq)
+            self._inflight.announce(seq)
             batch.add(seq, n)
             used += chunk_cost(n, seq.num_computed, self._ratio)
             tokens += n
@@ -304,7 +302,7 @@ class Scheduler:
             seq.num_computed += n
             self.kv.commit(seq)
             if seq.inflight_keys:
-                self._retire_inflight(seq)
+                self._inflight.retire(seq)
             if seq.num_computed == len(seq.token_ids):
                 rows.append(i)
         return rows
@@ -313,54 +311,6 @@ class Scheduler:
         """A forward failed: give back the slots allocated for it (KV of those is garbage)."""
         for seq in batch.seqs:
             self.kv.rollback_uncomputed(seq)
-
-    # ------------------------------------------------------------------ in-batch sharing
-    def _page_key(self, seq: Sequence, i: int) -> Any:
-        keys = seq.page_keys
-        ps = self.page_size
-        toks = seq.token_ids
-        while len(keys) <= i:
-            j = len(keys)
-            prev = keys[-1] if keys else hash(("radixkv-ns", seq.namespace))
-            keys.append(hash((prev, *toks[j * ps : (j + 1) * ps])))
-        return keys[i]
-
-    def _computed_elsewhere(self, seq: Sequence) -> bool:
-        if not self.kv.enabled or not self._inflight:
-            return False
-        j = seq.num_computed // self.page_size
-        if (j + 1) * self.page_size > len(seq.token_ids):
-            return False  # it computes no full page: nothing to share
-        return self._page_key(seq, j) in self._inflight
-
-    def _announce(self, seq: Sequence) -> None:
-        if not self.kv.enabled:
-            return
-        ps = self.page_size
-        first = seq.num_computed // ps
-        last = len(seq.token_ids) // ps  # full pages once the prompt is computed
-        keys = deque((i, self._page_key(seq, i)) for i in range(first, last))
-        for _, k in keys:
-            self._inflight[k] = self._inflight.get(k, 0) + 1
-        seq.inflight_keys = keys  # type: ignore[assignment]
-
-    def _retire_inflight(self, seq: Sequence) -> None:
-        keys = seq.inflight_keys
-        done = seq.num_computed // self.page_size
-        while keys and keys[0][0] < done:
-            self._unref(keys.popleft()[1])  # type: ignore[attr-defined]
-
-    def _drop_inflight(self, seq: Sequence) -> None:
-        for _, k in seq.inflight_keys:
-            self._unref(k)
-        seq.inflight_keys = []
-
-    def _unref(self, key: Any) -> None:
-        c = self._inflight[key] - 1
-        if c:
-            self._inflight[key] = c
-        else:
-            del self._inflight[key]
 
     def check_invariants(self) -> None:
         """Queues and announcements are consistent (cheap; called by Engine.check_invariants)."""
@@ -375,11 +325,7 @@ class Scheduler:
         for s in self.waiting:
             assert s.status is SeqStatus.WAITING, s
             assert not s.page_table and s.locked_node is None and not s.inflight_keys, s
-        counts: dict[Any, int] = {}
-        for s in self.running:
-            for _, k in s.inflight_keys:
-                counts[k] = counts.get(k, 0) + 1
-        assert counts == self._inflight, "in-flight page announcements out of sync"
+        self._inflight.check(self.running)
         assert self.kv.num_private_pages == sum(
             len(s.page_table) - s.num_shared_pages for s in self.running
         ), "private page count out of sync"

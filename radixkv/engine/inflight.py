@@ -1,0 +1,89 @@
+"""In-batch prefix sharing: which full pages running sequences are about to compute.
+
+When several waiting requests share a prefix nobody has cached yet, only one should compute it.
+A sequence admitted for prefill *announces* the keys of the full pages it will compute (chained
+hashes of page-aligned token runs, per namespace); a candidate whose first uncached page is
+announced by someone else waits instead of computing it too. When the announcing sequence's
+chunk finishes, its pages are inserted into the trie and the candidate then hits them. ``n > 1``
+samples rely on this to prefill their prompt once.
+
+Owned by the scheduler. Mutates only its own counts and each sequence's ``page_keys`` (a memo)
+and ``inflight_keys`` (what that sequence announced, in page order, not yet retired).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from radixkv.engine.request import Sequence
+
+
+class InflightPages:
+    """Counts of announced page keys: ``key -> number of sequences computing that page``."""
+
+    def __init__(self, page_size: int, *, enabled: bool) -> None:
+        self.page_size = page_size
+        self.enabled = enabled  # off with the prefix cache: nothing could be shared
+        self.counts: dict[Any, int] = {}
+
+    def page_key(self, seq: Sequence, i: int) -> Any:
+        """Key of full page ``i`` of ``seq``: a chain over the namespace and its token runs
+        (memoised on the sequence)."""
+        keys = seq.page_keys
+        ps = self.page_size
+        toks = seq.token_ids
+        while len(keys) <= i:
+            j = len(keys)
+            prev = keys[-1] if keys else hash(("radixkv-ns", seq.namespace))
+            keys.append(hash((prev, *toks[j * ps : (j + 1) * ps])))
+        return keys[i]
+
+    def computed_elsewhere(self, seq: Sequence) -> bool:
+        """Another running sequence is computing ``seq``'s first uncached full page."""
+        if not self.enabled or not self.counts:
+            return False
+        j = seq.num_computed // self.page_size
+        if (j + 1) * self.page_size > len(seq.token_ids):
+            return False  # it computes no full page: nothing to share
+        return self.page_key(seq, j) in self.counts
+
+    def announce(self, seq: Sequence) -> None:
+        """``seq`` was admitted: announce every full page of its prompt it has yet to compute."""
+        if not self.enabled:
+            return
+        ps = self.page_size
+        first = seq.num_computed // ps
+        last = len(seq.token_ids) // ps  # full pages once the prompt is computed
+        keys = deque((i, self.page_key(seq, i)) for i in range(first, last))
+        for _, k in keys:
+            self.counts[k] = self.counts.get(k, 0) + 1
+        seq.inflight_keys = keys  # type: ignore[assignment]
+
+    def retire(self, seq: Sequence) -> None:
+        """After a forward: pages ``seq`` has now computed (and published) are no longer news."""
+        keys = seq.inflight_keys
+        done = seq.num_computed // self.page_size
+        while keys and keys[0][0] < done:
+            self._unref(keys.popleft()[1])  # type: ignore[attr-defined]
+
+    def drop(self, seq: Sequence) -> None:
+        """``seq`` left the running set (finished, aborted, preempted): withdraw the rest."""
+        for _, k in seq.inflight_keys:
+            self._unref(k)
+        seq.inflight_keys = []
+
+    def _unref(self, key: Any) -> None:
+        c = self.counts[key] - 1
+        if c:
+            self.counts[key] = c
+        else:
+            del self.counts[key]
+
+    def check(self, running: list[Sequence]) -> None:
+        """The counts equal a recount over the running sequences' announcements."""
+        counts: dict[Any, int] = {}
+        for s in running:
+            for _, k in s.inflight_keys:
+                counts[k] = counts.get(k, 0) + 1
+        assert counts == self.counts, "in-flight page announcements out of sync"
