@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
-from radixkv.attention.paged_ops import merge_attention_states
+from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, merge_attention_states
 
 __all__ = [
     "CascadeLevel",
@@ -60,9 +60,8 @@ class _Chunk:
 # Budget of gathered KV tokens per padded batch of one-row segments (see _prepare_level).
 SINGLE_CHUNK_TOKENS = 4096
 
-# PyTorch's fused CPU attention kernel that also returns the log-sum-exp (the public SDPA does
-# not). It is a private op, so it is probed once per dtype and the matmul path is kept as the
-# fallback. USE_FUSED_CPU = False forces the portable path (tests run both).
+# The fused CPU attention kernel that also returns the log-sum-exp (paged_ops.FLASH_CPU_WITH_LSE)
+# is a private op, so it is probed once per dtype and the matmul path is kept as the fallback. USE_FUSED_CPU = False forces the portable path (tests run both).
 USE_FUSED_CPU = True
 _FUSED_STATE: dict[torch.dtype, bool] = {}  # dtype -> the fused kernel worked / failed
 
@@ -70,7 +69,7 @@ _FUSED_STATE: dict[torch.dtype, bool] = {}  # dtype -> the fused kernel worked /
 def _fused_cpu_op(dtype: torch.dtype) -> object | None:
     if not USE_FUSED_CPU or _FUSED_STATE.get(dtype) is False:
         return None
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return FLASH_CPU_WITH_LSE
 
 
 def _attend_chunk_fused(

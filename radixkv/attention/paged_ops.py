@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import torch
 
+# PyTorch's CPU flash-attention kernel, which (unlike F.scaled_dot_product_attention) also returns
+# the log-sum-exp (natural log, scale included): (q, k, v, dropout_p, is_causal, *, attn_mask,
+# scale) -> (o, lse, ...). A private op, so None when this PyTorch lacks it; callers keep a path
+# without it.
+FLASH_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """Contiguous copy of the given pages laid end to end.

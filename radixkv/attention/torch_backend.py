@@ -26,12 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.attention.paged_ops import merge_attention_states
+from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, merge_attention_states
 from radixkv.kv.kv_pool import KVPool
-
-# PyTorch's CPU flash attention, which (unlike F.scaled_dot_product_attention) also returns the
-# log-sum-exp (natural log, scale included): (q, k, v, dropout_p, is_causal, *, scale) -> (o, lse)
-_FLASH_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 # Queries of a prefill with cached/past tokens are processed in chunks of this many rows: each
 # chunk attends keys 0 .. its last position, so only a chunk-sized triangle is wasted on masking.
@@ -104,7 +100,7 @@ class TorchAttention(AttentionBackend):
         self._groups: list[_DecodeGroup] = []
         self._kbuf = _GatherBuffer(kv_pool)
         self._vbuf = _GatherBuffer(kv_pool)
-        self._split_past = kv_pool.device.type == "cpu" and _FLASH_CPU_WITH_LSE is not None
+        self._split_past = kv_pool.device.type == "cpu" and FLASH_CPU_WITH_LSE is not None
 
     # ---- plan --------------------------------------------------------------------------------
     def plan(self, layout: BatchLayout) -> None:
@@ -242,11 +238,7 @@ class TorchAttention(AttentionBackend):
         if not item.chunks:
             out[s:e] = self._attend_split(item, q[s:e], k[s:e], v[s:e], kc, vc)
             return
-        kv_len = item.num_past + (e - s)
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        # [L, Hkv, D] -> [1, Hkv, L, D]
-        keys = self._kbuf.gather(kc, item.pages).view(shape)[:kv_len].transpose(0, 1).unsqueeze(0)
-        vals = self._vbuf.gather(vc, item.pages).view(shape)[:kv_len].transpose(0, 1).unsqueeze(0)
+        keys, vals = self._paged_kv(kc, vc, item.pages, item.num_past + (e - s))
         for a, b, mask in item.chunks:
             n_keys = item.num_past + b
             o = F.scaled_dot_product_attention(
@@ -259,6 +251,16 @@ class TorchAttention(AttentionBackend):
             )
             out[s + a : s + b] = o[0].transpose(0, 1)
 
+    def _paged_kv(
+        self, kc: torch.Tensor, vc: torch.Tensor, pages: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of ``pages`` as ``[1, Hkv, length, D]`` views of the
+        gather buffers (valid until the next gather)."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        keys = self._kbuf.gather(kc, pages).view(shape)[:length].transpose(0, 1).unsqueeze(0)
+        vals = self._vbuf.gather(vc, pages).view(shape)[:length].transpose(0, 1).unsqueeze(0)
+        return keys, vals
+
     def _attend_split(
         self,
         item: _Prefill,
@@ -270,26 +272,23 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         """New queries ``q [n, Hq, D]`` over the past keys (pages) and their own ``k, v
         [n, Hkv, D]`` (causal), merged by log-sum-exp. Returns ``[n, Hq, D]``."""
-        assert item.pages is not None and _FLASH_CPU_WITH_LSE is not None
+        assert item.pages is not None and FLASH_CPU_WITH_LSE is not None
         n, hq, d = q.shape
         hkv, past = self.num_kv_heads, item.num_past
         g = hq // hkv
         past_pages = item.pages[: -(-past // self.kv_pool.page_size)]
-        shape = (-1, hkv, d)
-        # [P, Hkv, D] -> [1, Hkv, P, D] views of the gathered pages
-        kp = self._kbuf.gather(kc, past_pages).view(shape)[:past].transpose(0, 1).unsqueeze(0)
-        vp = self._vbuf.gather(vc, past_pages).view(shape)[:past].transpose(0, 1).unsqueeze(0)
+        kp, vp = self._paged_kv(kc, vc, past_pages, past)
         # past part has no mask, so a kv head's g query heads can share one row axis:
         # [n, Hkv, G, D] -> [1, Hkv, G*n, D]
         qf = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d)
-        o_p, lse_p = _FLASH_CPU_WITH_LSE(qf, kp, vp, 0.0, False, scale=self.scale)
+        o_p, lse_p = FLASH_CPU_WITH_LSE(qf, kp, vp, 0.0, False, scale=self.scale)
         o_p = o_p.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
         lse_p = lse_p.view(hkv, g, n).permute(2, 0, 1).reshape(n, hq)
         # own part: causal square, as in a fresh prefill; [1, H, n, D] views
         kn, vn = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if g > 1:
             kn, vn = kn.repeat_interleave(g, dim=1), vn.repeat_interleave(g, dim=1)
-        o_n, lse_n = _FLASH_CPU_WITH_LSE(
+        o_n, lse_n = FLASH_CPU_WITH_LSE(
             q.transpose(0, 1).unsqueeze(0), kn, vn, 0.0, True, scale=self.scale
         )
         o, _ = merge_attention_states(o_p, lse_p, o_n[0].transpose(0, 1), lse_n[0].transpose(0, 1))
