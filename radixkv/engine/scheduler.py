@@ -205,7 +205,8 @@ class Scheduler:
             have = chunk_cost(n, past, self._ratio)
             remaining = len(seq.token_ids) - past
             total = self._chunk(remaining, have + left, past, first=False)
-            total = min(total, self._fit(seq, total)) if total > n else n
+            if total > n:
+                total = self._fit(seq, total)  # <= total: what the pool can supply
             if total <= n:
                 continue
             self.kv.reserve(seq, total)  # fits: _fit checked the pool
