@@ -29,7 +29,7 @@ def snapshot(cache: RadixCache) -> tuple:
         bytes(pool._state),
         list(pool._free),
         cache.stats,
-        [n._id for n in cache.eviction_order()],
+        [n.node_id for n in cache.eviction_order()],
         cache._clock,
     )
 

@@ -1,6 +1,6 @@
 """Named errors of the cache layer.
 
-Every error leaves the cache and the pool exactly as they were before the failing call.
+None of them leaves a change behind (see the contract in RadixCache's docstring).
 """
 
 from __future__ import annotations

@@ -41,27 +41,30 @@ class EventEmitter:
 
     Events are emitted after the cache state is consistent again; an exception raised by a
     listener propagates to the caller of the cache operation.
+
+    ``listeners`` is the registered list itself, read-only for others: the cache tests it for
+    emptiness on its hot paths (no call), and changes it only through ``add``/``remove``.
     """
 
-    __slots__ = ("_listeners",)
+    __slots__ = ("listeners",)
 
     def __init__(self) -> None:
-        self._listeners: list[Listener] = []
+        self.listeners: list[Listener] = []
 
     def add(self, fn: Listener) -> None:
         if not callable(fn):
             raise TypeError(f"listener must be callable, got {fn!r}")
-        self._listeners.append(fn)
+        self.listeners.append(fn)
 
     def remove(self, fn: Listener) -> None:
         try:
-            self._listeners.remove(fn)
+            self.listeners.remove(fn)
         except ValueError:
             raise ValueError(f"{fn!r} is not a registered listener") from None
 
     def __bool__(self) -> bool:
-        return bool(self._listeners)
+        return bool(self.listeners)
 
     def emit(self, event: KVEvent) -> None:
-        for fn in list(self._listeners):
+        for fn in list(self.listeners):
             fn(event)

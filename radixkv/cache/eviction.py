@@ -25,7 +25,8 @@ _CLOCK_BITS = 64
 
 class EvictionPolicy(Protocol):
     """Maps a node to an int; smaller keys are evicted first. Must be a pure function of the
-    node's ``last_access``, ``hit_count`` and id (the index refreshes keys on access)."""
+    node's ``last_access``, ``hit_count`` and ``node_id`` (the index re-keys a node only when
+    those change), and distinct for distinct nodes (include ``node_id``)."""
 
     name: str
 
@@ -39,7 +40,7 @@ class LRUPolicy:
 
     @staticmethod
     def key(node: TreeNode) -> int:
-        return (node.last_access << _ID_BITS) | node._id
+        return (node.last_access << _ID_BITS) | node.node_id
 
 
 class LFUPolicy:
@@ -50,7 +51,9 @@ class LFUPolicy:
     @staticmethod
     def key(node: TreeNode) -> int:
         return (
-            (node.hit_count << (_CLOCK_BITS + _ID_BITS)) | (node.last_access << _ID_BITS) | node._id
+            (node.hit_count << (_CLOCK_BITS + _ID_BITS))
+            | (node.last_access << _ID_BITS)
+            | node.node_id
         )
 
 
@@ -123,4 +126,4 @@ class EvictionIndex:
 
     def stored_keys(self) -> dict[int, int]:
         """node id -> stored key (for invariant checks)."""
-        return {n._id: k for k, n in self._nodes.items()}
+        return {n.node_id: k for k, n in self._nodes.items()}

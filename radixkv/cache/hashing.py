@@ -4,8 +4,8 @@ Two different hashes live here:
 
 * ``default_hash_fn(page_key) -> int``: picks candidate children in the trie. It sees one page
   in the cache's key encoding (native int64 bytes). Any function of those bytes works, even a
-  constant: the trie always compares tokens before it reuses a page, so a collision only costs
-  speed. Injected with ``RadixCache(..., hash_fn=...)``.
+  constant (collision safety is part of RadixCache's contract). Injected with
+  ``RadixCache(..., hash_fn=...)``.
 
 * ``page_hashes(tokens, page_size, namespace)``: per-page *chained* hashes published in
   ``BlockStored``/``BlockRemoved`` events. They follow Dynamo's KV-router scheme: the local hash

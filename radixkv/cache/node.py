@@ -8,9 +8,16 @@ the key). Users and other layers read these attributes; only RadixCache writes t
 * ``num_tokens`` (own key length), ``tokens`` (own key as list[int]), ``pages`` (list copy),
 * ``lock_ref`` (requests using this node or a descendant), ``last_access`` (logical clock),
   ``hit_count`` (matches that went through the node), ``namespace``,
-* ``depth_tokens`` (tokens from the root to the end of this node).
+* ``depth_tokens`` (tokens from the root to the end of this node),
+* ``node_id`` (unique within its cache, increasing with creation; policies break ties on it).
 
-The root and the per-namespace roots have no tokens and no pages.
+The root and the per-namespace roots have no tokens and no pages. What a node's pages and
+lock count mean for their owner is the ownership contract in RadixCache's docstring.
+
+The underscored slots are the trie's own storage, read and written only inside
+radixkv/cache: RadixCache (radix_cache.py) keeps all of them except ``_ekey``, which belongs
+to the EvictionIndex (eviction.py). They are slots on the node, not fields of side tables,
+because the hot paths read them once per visited node.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ class TreeNode:
         "_ekey",
         "_hashes",
         "_hkey",
-        "_id",
         "_pages",
         "depth_tokens",
         "hit_count",
@@ -36,6 +42,7 @@ class TreeNode:
         "last_access",
         "lock_ref",
         "namespace",
+        "node_id",
         "parent",
     )
 
@@ -51,7 +58,7 @@ class TreeNode:
         clock: int,
     ) -> None:
         self._cache = cache  # owner, for foreign-node checks
-        self._id = node_id  # unique within the cache; tie-breaker in the eviction order
+        self.node_id = node_id  # unique within the cache; tie-breaker in the eviction order
         self.parent = parent
         # child-lookup hash of the first page -> child, or a list of children on collision
         self._children: dict[Any, Any] = {}
@@ -99,7 +106,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return (
-            f"TreeNode(id={self._id}, tokens={self.num_tokens}, pages={len(self._pages)}, "
+            f"TreeNode(id={self.node_id}, tokens={self.num_tokens}, pages={len(self._pages)}, "
             f"lock_ref={self.lock_ref}, last_access={self.last_access}, "
             f"namespace={self.namespace!r})"
         )

@@ -1,13 +1,7 @@
 """PagePool: which KV pages are free, held privately by a request, or cached by a trie.
 
-Page ids are ints in ``[0, num_pages)``. Every page is in exactly one state:
-
-* FREE: in the free list, owned by nobody;
-* HELD: returned by ``alloc`` and owned by the caller (a running request) until it either
-  ``free``s it or hands it to ``RadixCache.insert``;
-* CACHED: owned by a RadixCache trie node (set only by the cache through ``_adopt``).
-
-``num_free + num_held + num_cached == num_pages`` always. The pool is not thread-safe.
+The page states and their transitions are stated once, in the PagePool docstring; what the
+cache does with CACHED pages is stated in RadixCache's (radix_cache.py).
 """
 
 from __future__ import annotations
@@ -22,7 +16,23 @@ _STATE_NAMES = ("free", "held", "cached")
 
 
 class PagePool:
-    """A free list of page ids with per-page ownership state."""
+    """A free list of page ids with one ownership state per page.
+
+    Page ids are ints in ``[0, num_pages)``. Every page is in exactly one state:
+
+    * FREE: in the free list, owned by nobody;
+    * HELD: returned by ``alloc`` and owned by the caller (a running request) until it either
+      ``free``s it or hands it to ``RadixCache.insert``;
+    * CACHED: owned by one trie node of the RadixCache built over this pool (one cache per
+      pool); only that cache moves pages into or out of this state.
+
+    ``num_free + num_held + num_cached == num_pages`` always. Users call ``alloc``, ``free``
+    and the queries. The cache moves pages with ``check_held`` (validate, change nothing),
+    ``adopt`` (HELD -> CACHED), ``release_held`` (HELD -> FREE) and ``release_cached``
+    (CACHED -> FREE); the last three trust their input, so they take only pages that
+    ``check_held`` accepted or that the trie owns. Every error leaves the pool unchanged. Not
+    thread-safe.
+    """
 
     __slots__ = ("_free", "_num_cached", "_state", "num_pages")
 
@@ -82,15 +92,15 @@ class PagePool:
         Raises ValueError (pool unchanged) if any page is out of range, not an int, free
         already (double free), owned by a trie, or listed twice.
         """
-        pages = self._check_held(pages)
-        state = self._state
-        for p in pages:
-            state[p] = FREE
-        self._free.extend(pages)
+        self.release_held(self.check_held(pages))
 
-    # ----------------------------------------------------------------------------- cache hooks
-    def _check_held(self, pages: Iterable[int]) -> list[int]:
-        """Validate that every page is HELD and distinct; return them as a list of ints."""
+    # ----------------------------------------------------------------------------- cache moves
+    def check_held(self, pages: Iterable[int]) -> list[int]:
+        """Validate that every page is HELD and distinct; return them as a list of ints.
+
+        Changes nothing. Raises TypeError for a non-integer id, ValueError for an id out of
+        range, a page that is not HELD, or a page listed twice.
+        """
         out: list[int] = []
         state = self._state
         n = self.num_pages
@@ -119,22 +129,22 @@ class PagePool:
         if type(page) is not int or not 0 <= page < self.num_pages:
             raise ValueError(f"page {page!r} is out of range [0, {self.num_pages})")
 
-    def _adopt(self, pages: list[int]) -> None:
-        """HELD -> CACHED (pages already validated by ``_check_held``)."""
+    def adopt(self, pages: list[int]) -> None:
+        """HELD -> CACHED for pages ``check_held`` accepted (the trie now owns them)."""
         state = self._state
         for p in pages:
             state[p] = CACHED
         self._num_cached += len(pages)
 
-    def _release_held(self, pages: list[int]) -> None:
-        """HELD -> FREE for pages already validated by ``_check_held``."""
+    def release_held(self, pages: list[int]) -> None:
+        """HELD -> FREE for pages ``check_held`` accepted."""
         state = self._state
         for p in pages:
             state[p] = FREE
         self._free.extend(pages)
 
-    def _release_cached(self, pages: list[int]) -> None:
-        """CACHED -> FREE (the trie gave the pages up)."""
+    def release_cached(self, pages: list[int]) -> None:
+        """CACHED -> FREE for pages the trie gives up."""
         state = self._state
         for p in pages:
             state[p] = FREE

@@ -1,13 +1,15 @@
-"""Text and Graphviz renderings of a RadixCache trie (for debugging, docs and notebooks)."""
+"""Text and Graphviz renderings of a radix trie (for debugging, docs and notebooks).
+
+Functions of the trie's nodes, reading only TreeNode's public attributes; RadixCache.pretty
+and RadixCache.to_dot call them with the cache's root and the header facts they need. This
+module does not know the cache class.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from radixkv.cache.node import TreeNode
-
-if TYPE_CHECKING:
-    from radixkv.cache.radix_cache import RadixCache
 
 
 def _label(node: TreeNode, max_tokens_shown: int) -> str:
@@ -19,15 +21,14 @@ def _label(node: TreeNode, max_tokens_shown: int) -> str:
 
 
 def _sorted_children(node: TreeNode) -> list[TreeNode]:
-    return sorted(node.iter_children(), key=lambda c: (c.key == b"", c.key[:64], c._id))
+    # namespace roots last; token order first, creation order breaks ties (readable, stable)
+    return sorted(node.iter_children(), key=lambda c: (c.key == b"", c.key[:64], c.node_id))
 
 
-def pretty(cache: RadixCache, max_tokens_shown: int = 8) -> str:
-    """One line per node, indented by depth: tokens, pages, lock count, access time, hits."""
-    lines = [
-        f"root  [{cache.num_cached_pages} cached pages, {cache.num_locked_pages} locked, "
-        f"{cache.pool.num_free} free, policy={cache.policy.name}, page_size={cache.page_size}]"
-    ]
+def render_text(root: TreeNode, header: str, max_tokens_shown: int = 8) -> str:
+    """``header``, then one line per node under ``root``, indented by depth: tokens, pages,
+    lock count, access time, hits."""
+    lines = [header]
 
     def walk(node: TreeNode, indent: str) -> None:
         kids = _sorted_children(node)
@@ -37,7 +38,7 @@ def pretty(cache: RadixCache, max_tokens_shown: int = 8) -> str:
             if not c.key:
                 text = f"namespace {c.namespace!r}"
             else:
-                pages = c._pages
+                pages = c.pages
                 ptxt = ",".join(map(str, pages[:4])) + (",..." if len(pages) > 4 else "")
                 text = (
                     f"[{_label(c, max_tokens_shown)}] {c.num_tokens} tok, pages [{ptxt}], "
@@ -46,32 +47,35 @@ def pretty(cache: RadixCache, max_tokens_shown: int = 8) -> str:
             lines.append(indent + branch + text)
             walk(c, indent + ("   " if last else "│  "))
 
-    walk(cache.root, "")
+    walk(root, "")
     return "\n".join(lines)
 
 
-def to_dot(cache: RadixCache, max_tokens_shown: int = 6) -> str:
-    """Graphviz source: one box per node; locked nodes are filled, evictable leaves dashed."""
+def render_dot(
+    nodes: Iterable[TreeNode], evictable: Iterable[TreeNode], max_tokens_shown: int = 6
+) -> str:
+    """Graphviz source for ``nodes`` (a whole trie, root first): one box per node; locked nodes
+    are filled, the ``evictable`` leaves dashed."""
     out = ["digraph radix {", '  node [shape=box, fontname="monospace", fontsize=10];']
-    evictable = {n._id for n in cache.eviction_order()}
-    for node in cache.iter_nodes():
-        if node is cache.root:
+    dashed = {n.node_id for n in evictable}
+    for node in nodes:
+        if node.parent is None:
             label = "root"
         elif not node.key:
             label = f"namespace {node.namespace!r}"
         else:
             label = (
                 f"{_label(node, max_tokens_shown)}\\n{node.num_tokens} tok / "
-                f"{len(node._pages)} pages\\nlock={node.lock_ref} t={node.last_access}"
+                f"{node.num_pages} pages\\nlock={node.lock_ref} t={node.last_access}"
             )
         label = label.replace('"', '\\"')
         style = ""
         if node.lock_ref > 0:
             style = ', style=filled, fillcolor="#ffd28a"'
-        elif node._id in evictable:
+        elif node.node_id in dashed:
             style = ", style=dashed"
-        out.append(f'  n{node._id} [label="{label}"{style}];')
+        out.append(f'  n{node.node_id} [label="{label}"{style}];')
         if node.parent is not None:
-            out.append(f"  n{node.parent._id} -> n{node._id};")
+            out.append(f"  n{node.parent.node_id} -> n{node.node_id};")
     out.append("}")
     return "\n".join(out)

@@ -1,46 +1,70 @@
 """RadixCache: a radix trie mapping page-aligned token prefixes to the KV pages that hold them.
 
-Ownership contract (see also page_pool.py):
-
-* ``match_prefix`` returns the cached pages of the longest cached page-aligned prefix. They
-  stay owned by the trie; the caller must ``lock`` the returned node before the next call that
-  may evict (``alloc``, ``evict``, ``insert`` with duplicates...), and ``unlock`` it when done.
-  An unlocked MatchResult/InsertResult is only valid until the next mutating call.
-* ``insert(tokens, pages)`` takes ownership of every page passed: pages that already are the
-  cached page for their tokens stay; other pages whose tokens were cached already are
-  duplicates and go back to the pool; the rest join the trie. Use ``InsertResult.pages``
-  afterwards, never a freed duplicate.
-* ``alloc(n)`` gives the caller ``n`` HELD pages, evicting unlocked leaves if the pool is short.
-
-Every error leaves the cache and pool unchanged. Not thread-safe. Nodes are described in
-node.py; the fast paths are explained in docs/cache_design.md.
-
-This class keeps the state (counters, eviction index, listeners) and the public API; the
-bodies of the larger operations are functions over it, each with its contract: match.py
-(match_prefix, peek_prefix), insert.py (insert), removal.py (eviction and reset), and the
-result types in results.py (re-exported here). The trie plumbing (walk, split, namespace
-roots, event hashes) is TrieStore in trie.py.
+One class owns the trie and everything that changes it: the nodes (node.py), the walk that
+match, peek and insert share, splits, namespace roots, the page counters, the eviction index
+(eviction.py) and the KV events (events.py). The ownership contract is stated once, in the
+RadixCache docstring; the fast paths are explained in docs/cache_design.md. MatchResult and
+InsertResult, what match_prefix and insert return, are defined here beside it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple, NoReturn
 
-from radixkv.cache.errors import LockError, OutOfPages
-from radixkv.cache.events import EventEmitter, Listener
+import numpy as np
+
+from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEmitter, Listener
 from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, get_policy
-from radixkv.cache.hashing import HashFn, default_hash_fn
-from radixkv.cache.insert import insert_encoded
-from radixkv.cache.match import match_encoded, peek_encoded
+from radixkv.cache.hashing import (
+    HashFn,
+    chain_hashes,
+    chain_start,
+    default_hash_fn,
+    local_hashes_of_key,
+)
 from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
-from radixkv.cache.removal import remove_leaf, reset_unlocked, truncate_leaf
-from radixkv.cache.results import InsertResult, MatchResult
+from radixkv.cache.pretty import render_dot, render_text
 from radixkv.cache.stats import CacheStats
-from radixkv.cache.tokens import encode_tokens
-from radixkv.cache.trie import TrieStore
+from radixkv.cache.tokens import TOKEN_BYTES, TOKEN_SHIFT, check_range, encode_tokens, key_to_list
 
 __all__ = ["InsertResult", "MatchResult", "RadixCache"]
+
+
+class MatchResult(NamedTuple):
+    """What ``RadixCache.match_prefix`` returns (see RadixCache for who owns the pages)."""
+
+    node: TreeNode  # deepest matched node (the root when nothing matched); lock this
+    pages: list[int]  # cached pages of the matched prefix, in order (a fresh list)
+    num_tokens: int  # matched tokens, a multiple of page_size
+
+
+class InsertResult(NamedTuple):
+    """What ``RadixCache.insert`` returns (see RadixCache for who owns the pages)."""
+
+    node: TreeNode  # node ending at the last inserted page (the root for an empty insert)
+    pages: list[int]  # canonical pages of the whole inserted prefix (a fresh list)
+    num_cached_before: int  # leading tokens that were cached before this insert
+
+
+# The hot paths build results with tuple.__new__, skipping the NamedTuple's Python-level
+# __new__; the type and the fields are the same.
+_new_result = tuple.__new__
+
+
+def _common_pages(key: bytes, qb: bytes | memoryview, off: int, limit: int, ps: int) -> int:
+    """Whole pages shared by ``key`` and ``qb[off:limit]`` (one vectorised compare)."""
+    n = min(len(key), limit - off) >> TOKEN_SHIFT
+    a = np.frombuffer(key, np.int64, count=n)
+    b = np.frombuffer(qb, np.int64, count=n, offset=off)
+    diff = np.flatnonzero(a != b)
+    return (int(diff[0]) if diff.size else n) // ps
+
+
+def _fail(msg: str) -> NoReturn:
+    raise InvariantError(msg)
 
 
 def _release(view: memoryview) -> None:
@@ -51,18 +75,42 @@ def _release(view: memoryview) -> None:
         pass
 
 
-class RadixCache(TrieStore):
-    """Prefix cache over a PagePool. See the module docstring for the ownership contract.
+class RadixCache:
+    """Prefix cache over a PagePool: a radix trie of whole pages, with locks and eviction.
+
+    Ownership contract (stated here once; PagePool's docstring defines the page states):
+
+    * Every page of the pool is in exactly one place: FREE in the pool, HELD by one caller
+      (a running request), or CACHED, owned by exactly one trie node, so
+      ``pool.num_free + pool.num_held + num_cached_pages == pool.num_pages`` after every call.
+      Only whole pages are cached; a partial last page stays with its request.
+    * ``match_prefix`` returns the cached pages of the longest cached page-aligned prefix.
+      They stay owned by the trie: the caller must ``lock`` the returned node before the next
+      call that may evict (``alloc``, ``evict``, ``insert``, ``reset``) and ``unlock`` it when
+      done. A MatchResult or InsertResult whose node is not locked is valid only until such a
+      call (eviction may truncate or remove the node).
+    * ``insert(tokens, pages)`` takes ownership of every page passed: a page that already is
+      the cached page for its tokens stays; another page whose tokens were cached already is
+      a duplicate and goes back to the pool; the rest join the trie. Use
+      ``InsertResult.pages`` afterwards, never a freed duplicate.
+    * ``alloc(n)`` gives the caller ``n`` HELD pages, evicting unlocked leaves if the pool is
+      short; the caller frees them (``pool.free``) or hands them to ``insert``.
+    * A locked node and all its ancestors are never evicted. Lock counts nest, count along the
+      path to the root (a parent's count is at least each child's) and never go negative.
+    * A namespace partitions the trie: a lookup never sees pages inserted under another one.
+    * Tokens are compared before a page is reused: a hash (``hash_fn``) only picks the
+      candidate child, so a collision costs speed, never correctness.
+    * Every error leaves the cache and the pool exactly as they were: each call checks all of
+      its input before its first change. Not thread-safe.
 
     Args:
         pool: the PagePool whose page ids the trie owns; use one pool per cache.
         page_size: tokens per KV page; only whole pages are cached.
         policy: eviction order, "lru" (default) or "lfu", or an object with a ``name`` and a
-            ``key(node) -> int`` method (smaller keys are evicted first).
+            ``key(node) -> int`` method (smaller keys are evicted first; see eviction.py).
         hash_fn: child-lookup hash of one page, given as ``bytes`` holding the page's tokens in
             the key encoding (native int64); it must return the same int for equal bytes.
-            Defaults to XXH3-64. Any function works, even a constant:
-            tokens are always compared before a page is reused.
+            Defaults to XXH3-64. Any function works, even a constant.
     """
 
     def __init__(
@@ -88,17 +136,26 @@ class RadixCache(TrieStore):
             def hash_fn(page: Any) -> int:
                 return user_fn(bytes(page))
 
-        super().__init__(page_size, hash_fn)
         self.pool = pool
-        self._index = EvictionIndex(self.policy)
-        self._events = EventEmitter()
-        self._listeners = self._events._listeners  # the same list: a cheap emptiness test
+        self.page_size = page_size
+        self._pb = page_size * TOKEN_BYTES  # bytes per page in a key
+        self._hash_fn = hash_fn
+        # the trie
+        self._next_id = 0
+        self._clock = 0  # logical time: bumped once per match or insert
+        self.root = self._new_node(None, b"", [], None, 0)
+        self._ns_roots: dict[Any, TreeNode] = {}
+        # page counters, kept incrementally (check_invariants recounts them)
+        self._num_nodes = 1
         self._cached = 0  # pages in the trie
         self._evictable = 0  # pages in unlocked nodes
+        self._index = EvictionIndex(self.policy)
+        self._events = EventEmitter()
+        self._listeners = self._events.listeners  # the same list: a cheap emptiness test
         # cumulative counters (CacheStats)
         self._match_queries = self._query_tokens = self._hit_tokens = 0
         self._insert_calls = self._inserted_pages = self._duplicate_pages = 0
-        self._evicted_pages = self._evicted_nodes = self._resets = 0
+        self._evicted_pages = self._evicted_nodes = self._resets = self._splits = 0
 
     # ======================================================================== queries
     @property
@@ -142,16 +199,71 @@ class RadixCache(TrieStore):
         """The evictable leaves, next victim first (for inspection and tests)."""
         return list(self._index)
 
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node, root first (depth-first preorder)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.iter_children())
+
+    def path_pages(self, node: TreeNode) -> list[int]:
+        """All pages from the root down to and including ``node``."""
+        self._check_node(node)
+        parts: list[list[int]] = []
+        while node is not None:
+            parts.append(node._pages)
+            node = node.parent
+        out: list[int] = []
+        for p in reversed(parts):
+            out += p
+        return out
+
     # ======================================================================== match
     def match_prefix(self, tokens: Any, namespace: Any = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` whose length is a multiple of page_size.
 
-        Refreshes access time and hit counts along the matched path, and splits the last
-        node when the match ends inside it (so the returned node ends exactly at the match).
+        A query shorter than a page, or a namespace that holds nothing, matches nothing (the
+        result's node is then the global root). Token ids are range-checked only past the
+        matched part (it equals stored keys, checked when inserted); a bad id raises before
+        anything changes. Then: the query counts in the stats; the node the match ends inside
+        is split (so the returned node ends exactly at the match); the clock ticks once and
+        ``last_access``/``hit_count`` are refreshed along the path, and the eviction key of
+        its last node.
         """
         qb = encode_tokens(tokens)
         try:
-            return match_encoded(self, qb, namespace)
+            pb = self._pb
+            start = self.root if namespace is None else self._ns_roots.get(namespace)
+            limit = len(qb) - len(qb) % pb
+            if start is None or limit == 0:
+                check_range(qb)
+                path, off, partial = [], 0, None
+            else:
+                path, off, partial = self._walk(start, qb, limit)
+                # The matched part equals stored (validated) keys: only the rest needs checking.
+                check_range(qb, off + (partial[1] * pb if partial else 0))
+            self._match_queries += 1
+            self._query_tokens += len(qb) >> TOKEN_SHIFT
+            if partial is not None:
+                child, m = partial
+                path.append(self._split(child, m))
+                off += m * pb
+            if not path:
+                return MatchResult(self.root, [], 0)
+            self._clock += 1
+            clock = self._clock
+            pages: list[int] = []
+            for n in path:
+                n.last_access = clock
+                n.hit_count += 1
+                pages += n._pages
+            last = path[-1]
+            if last._ekey is not None:  # only the last node of a path can be a leaf
+                self._index.refresh(last)
+            ntok = off >> TOKEN_SHIFT
+            self._hit_tokens += ntok
+            return _new_result(MatchResult, (last, pages, ntok))
         finally:
             if type(qb) is memoryview:
                 _release(qb)
@@ -161,7 +273,16 @@ class RadixCache(TrieStore):
         or hit-count refresh, no stats (for schedulers that only want to estimate hits)."""
         qb = encode_tokens(tokens)
         try:
-            return peek_encoded(self, qb, namespace)
+            start = self.root if namespace is None else self._ns_roots.get(namespace)
+            limit = len(qb) - len(qb) % self._pb
+            if start is None or limit == 0:
+                check_range(qb)
+                return 0
+            _, off, partial = self._walk(start, qb, limit)
+            if partial is not None:
+                off += partial[1] * self._pb
+            check_range(qb, off)
+            return off >> TOKEN_SHIFT
         finally:
             if type(qb) is memoryview:
                 _release(qb)
@@ -170,12 +291,92 @@ class RadixCache(TrieStore):
     def insert(self, tokens: Any, pages: Any, namespace: Any = None) -> InsertResult:
         """Cache ``tokens`` (whole pages) held in ``pages``; takes ownership of ``pages``.
 
-        ``len(tokens) == len(pages) * page_size`` is required. Each passed page must either
-        be the page already cached for its tokens, or be HELD by the caller (from ``alloc``).
+        ``len(tokens) == len(pages) * page_size`` is required. Each passed page must either be
+        the page already cached for its tokens, or be HELD by the caller (from ``alloc``).
+        Every check runs before the first change. The walk finds the cached part; a passed
+        page there that is not the cached page is a duplicate; the pages past it are new and
+        join the trie as one new leaf (one BlockStored event, when someone listens).
+        The result's node ends at the last page; with no new page it is the cached path's last
+        node (refreshed), and an empty insert returns the global root.
         """
         qb = encode_tokens(tokens)
         try:
-            return insert_encoded(self, qb, pages, namespace)
+            if type(pages) is not list:
+                pages = list(pages)
+            pb = self._pb
+            if len(qb) != len(pages) * pb:
+                check_range(qb)  # a bad token id is the more useful error
+                raise ValueError(
+                    f"insert needs len(tokens) == len(pages) * page_size: got "
+                    f"{len(qb) >> TOKEN_SHIFT} tokens and {len(pages)} pages with page_size "
+                    f"{self.page_size}"
+                )
+            if namespace is not None:
+                hash(namespace)  # unhashable namespaces fail before any change
+            start = self.root if namespace is None else self._ns_roots.get(namespace)
+            path: list[TreeNode] = []
+            partial = None
+            if start is not None and pages:
+                path, _, partial = self._walk(start, qb, len(qb))
+            canon: list[int] = []
+            for n in path:
+                canon += n._pages
+            if partial is not None:
+                canon += partial[0]._pages[: partial[1]]
+            ncached = len(canon)
+            check_range(qb, ncached * pb)  # the cached part equals stored, validated keys
+            head = pages[:ncached]
+            dups = [] if head == canon else [p for p, q in zip(head, canon) if p != q]
+            pool = self.pool
+            checked = pool.check_held(dups + pages[ncached:])  # raises: nothing changed yet
+            dups, new = checked[: len(dups)], checked[len(dups) :]
+
+            # ---- mutation starts: nothing below can fail (but a listener may raise at the end)
+            self._insert_calls += 1
+            self._clock += 1
+            clock = self._clock
+            if partial is not None:
+                path.append(self._split(*partial))
+            for n in path:
+                n.last_access = clock
+            if new:
+                parent = path[-1] if path else (start or self._make_ns_root(namespace))
+                leaf = self._new_node(
+                    parent,
+                    bytes(qb[ncached * pb :]),  # the new key (a copy when qb is a memoryview)
+                    new,
+                    namespace,
+                    parent.depth_tokens + len(new) * self.page_size,
+                )
+                if parent._ekey is not None:  # a leaf no more
+                    self._index.discard(parent)
+                self._attach(parent, leaf)
+                pool.adopt(new)
+                self._num_nodes += 1
+                self._cached += len(new)
+                self._evictable += len(new)
+                self._inserted_pages += len(new)
+                self._index.add(leaf)
+                node = leaf
+                canon += new
+            else:
+                node = path[-1] if path else self.root
+                if node._ekey is not None:
+                    self._index.refresh(node)
+            if dups:
+                pool.release_held(dups)
+                self._duplicate_pages += len(dups)
+            if new and self._listeners:
+                self._events.emit(
+                    BlockStored(
+                        self._node_hashes(leaf),
+                        self._last_hash(parent),
+                        key_to_list(leaf.key),
+                        self.page_size,
+                        namespace,
+                    )
+                )
+            return _new_result(InsertResult, (node, canon, ncached * self.page_size))
         finally:
             if type(qb) is memoryview:
                 _release(qb)
@@ -228,7 +429,9 @@ class RadixCache(TrieStore):
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` pages from unlocked leaves in policy order; return the count.
 
-        Never frees more than asked: a leaf larger than the remainder loses only its tail pages.
+        Never frees more than asked: a leaf larger than the remainder loses only its tail pages
+        (a prefix of a cached prefix is still valid KV). The order is the policy's
+        (eviction.py); what happens to a victim is ``_truncate_leaf`` / ``_remove_leaf``.
         """
         if type(num_pages) is not int or num_pages < 0:
             raise ValueError(f"evict needs a non-negative int, got {num_pages!r}")
@@ -239,16 +442,103 @@ class RadixCache(TrieStore):
             k = len(node._pages)
             need = num_pages - freed
             if k > need:
-                truncate_leaf(self, node, need)
+                self._truncate_leaf(node, need)
                 return num_pages
             index.discard(node)
-            remove_leaf(self, node)
+            self._remove_leaf(node)
             freed += k
         return freed
 
     def reset(self) -> None:
-        """Drop every unlocked node and free its pages; locked paths stay cached."""
-        reset_unlocked(self)
+        """Drop every unlocked node and free its pages; locked paths stay cached.
+
+        Emits one BlockRemoved per removed node, or a single AllBlocksCleared when the whole
+        trie went; a reset counts in the stats even when nothing was removed.
+        """
+        self._resets += 1
+        root = self.root
+        victims: list[TreeNode] = []  # roots of unlocked subtrees
+        stack = [root]
+        while stack:
+            for c in stack.pop().iter_children():
+                (stack if c.lock_ref else victims).append(c)
+        if not victims:
+            return
+        everything = not any(c.lock_ref for c in root.iter_children())
+        removed: list[TreeNode] = []
+        for v in victims:
+            sub = [v]
+            for n in sub:  # grows while iterating: breadth-first subtree listing
+                sub.extend(n.iter_children())
+            removed += sub
+        hashes: dict[int, list[int]] = {}
+        if self._listeners and not everything:  # before the links they chain along go
+            hashes = {n.node_id: self._node_hashes(n) for n in removed if n.key}
+        for v in victims:
+            self._detach(v.parent, v)
+            if not v.key:
+                del self._ns_roots[v.namespace]
+        freed: list[int] = []
+        for n in removed:
+            self._index.discard(n)
+            freed += n._pages
+            n._pages = []
+            n.parent = None
+        self.pool.release_cached(freed)
+        self._num_nodes -= len(removed)
+        self._cached -= len(freed)
+        self._evictable -= len(freed)
+        if self._listeners:
+            if everything:
+                self._events.emit(AllBlocksCleared())
+            else:
+                for n in removed:
+                    if n.key:
+                        self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace))
+
+    # Pages leave the trie only through the two methods below (and reset). They validate
+    # nothing: they are given unlocked leaves. Freed pages go back to the pool and the counters
+    # drop first; events follow once the state is consistent, and only when someone listens
+    # (event hashes cost a pass over the keys).
+    def _truncate_leaf(self, node: TreeNode, n: int) -> None:
+        """Drop the last ``n`` pages of an evictable leaf. It keeps its place in the index:
+        its key depends on access fields and id, which do not change."""
+        hashes = self._node_hashes(node) if self._listeners else node._hashes
+        drop = node._pages[-n:]
+        node._pages = node._pages[:-n]
+        node.key = node.key[: -n * self._pb]
+        node.depth_tokens -= n * self.page_size
+        if hashes is not None:
+            node._hashes = hashes[:-n]
+        self.pool.release_cached(drop)
+        self._cached -= n
+        self._evictable -= n
+        self._evicted_pages += n
+        if self._listeners:
+            self._events.emit(BlockRemoved(hashes[-n:], node.namespace))
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        """Remove an unlocked leaf already taken out of the index and free its pages. A parent
+        left childless and unlocked becomes a candidate, or goes if it is a namespace root."""
+        hashes = self._node_hashes(node) if self._listeners else None
+        parent = node.parent
+        self._detach(parent, node)
+        node.parent = None
+        k = len(node._pages)
+        self.pool.release_cached(node._pages)
+        node._pages = []
+        self._num_nodes -= 1
+        self._cached -= k
+        self._evictable -= k
+        self._evicted_pages += k
+        self._evicted_nodes += 1
+        if not parent._children and parent is not self.root and parent.lock_ref == 0:
+            if parent.key:
+                self._index.add(parent)
+            else:
+                self._drop_ns_root(parent)
+        if hashes is not None:
+            self._events.emit(BlockRemoved(hashes, node.namespace))
 
     # ======================================================================== events
     def add_listener(self, fn: Listener) -> None:
@@ -258,25 +548,282 @@ class RadixCache(TrieStore):
     def remove_listener(self, fn: Listener) -> None:
         self._events.remove(fn)
 
-    def _emit(self, event: Any) -> None:
-        self._events.emit(event)
+    # ======================================================================== the trie's structure
+    def _walk(
+        self, node: TreeNode, qb: bytes | memoryview, limit: int
+    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
+        """Follow ``qb[:limit]`` down from ``node`` without mutating anything.
+
+        The one walk behind match_prefix, peek_prefix and insert. ``qb`` is a query in the key
+        encoding (bytes, or a read-only byte memoryview of the caller's array: no copy).
+        Returns (fully matched nodes, matched bytes, (child, pages) when the match continues
+        into ``pages`` whole pages of ``child`` but not all of it).
+        """
+        pb = self._pb
+        hash_fn = self._hash_fn
+        mv = qb if type(qb) is memoryview else memoryview(qb)  # slices without copying
+        path: list[TreeNode] = []
+        off = 0
+        while off < limit:
+            c = node._children.get(hash_fn(mv[off : off + pb]))
+            if c is None:
+                break
+            if type(c) is list:  # hash collision bucket: tokens decide
+                page = mv[off : off + pb]
+                c = next((x for x in c if x.key.startswith(page)), None)
+                if c is None:
+                    break
+            key = c.key
+            end = off + len(key)
+            if end <= limit and key.startswith(mv[off:end]):  # one memcmp for the whole node
+                path.append(c)
+                off = end
+                node = c
+                continue
+            m = _common_pages(key, qb, off, limit, self.page_size)
+            return path, off, ((c, m) if m else None)
+        return path, off, None
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after its first ``m`` pages; return the new upper node.
+
+        The existing node object keeps the lower part, so references held by callers (and
+        lock counts, which the new node inherits) stay valid. Everything a node holds per page
+        (pages, event hashes) is cut here, at one place.
+        """
+        cut = m * self._pb
+        parent = child.parent
+        upper = self._new_node(
+            parent,
+            child.key[:cut],
+            child._pages[:m],
+            child.namespace,
+            child.depth_tokens - ((len(child.key) - cut) >> TOKEN_SHIFT),
+        )
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
+        h = child._hkey
+        upper._hkey = h
+        slot = parent._children[h]
+        if slot is child:
+            parent._children[h] = upper
+        else:
+            slot[slot.index(child)] = upper
+        child.key = child.key[cut:]
+        child._pages = child._pages[m:]
+        child.parent = upper
+        self._attach(upper, child)
+        if child._hashes is not None:
+            upper._hashes = child._hashes[:m]
+            child._hashes = child._hashes[m:]
+        self._num_nodes += 1
+        self._splits += 1
+        return upper
+
+    def _new_node(
+        self,
+        parent: TreeNode | None,
+        key: bytes,
+        pages: list[int],
+        namespace: Any,
+        depth_tokens: int,
+    ) -> TreeNode:
+        self._next_id += 1
+        return TreeNode(
+            self, self._next_id, parent, key, pages, namespace, depth_tokens, self._clock
+        )
+
+    def _attach(self, parent: TreeNode, child: TreeNode) -> None:
+        """File ``child`` under the hash of its first page (a list on collision)."""
+        h = self._hash_fn(child.key[: self._pb])
+        child._hkey = h
+        slot = parent._children.get(h)
+        if slot is None:
+            parent._children[h] = child
+        elif type(slot) is list:
+            slot.append(child)
+        else:
+            parent._children[h] = [slot, child]
+
+    def _detach(self, parent: TreeNode, child: TreeNode) -> None:
+        h = child._hkey
+        slot = parent._children[h]
+        if slot is child:
+            del parent._children[h]
+        else:
+            slot.remove(child)
+            if len(slot) == 1:
+                parent._children[h] = slot[0]
+
+    def _make_ns_root(self, namespace: Any) -> TreeNode:
+        node = self._new_node(self.root, b"", [], namespace, 0)
+        node._hkey = ("ns", namespace)  # never equal to an int page hash
+        self.root._children[node._hkey] = node
+        self._ns_roots[namespace] = node
+        self._num_nodes += 1
+        return node
+
+    def _drop_ns_root(self, node: TreeNode) -> None:
+        del self.root._children[node._hkey]
+        del self._ns_roots[node.namespace]
+        node.parent = None
+        self._num_nodes -= 1
+
+    def _last_hash(self, node: TreeNode) -> int | None:
+        """Chained event hash of the last page ending at ``node`` (namespace start for roots)."""
+        if not node.key:
+            return chain_start(node.namespace)
+        return self._node_hashes(node)[-1]
+
+    def _node_hashes(self, node: TreeNode) -> list[int]:
+        """Event hashes of ``node``'s own pages, computed (and cached) lazily top-down."""
+        pending: list[TreeNode] = []
+        n = node
+        while n._hashes is None and n.key:
+            pending.append(n)
+            n = n.parent
+        prev = n._hashes[-1] if n.key else chain_start(n.namespace)
+        for x in reversed(pending):
+            x._hashes = chain_hashes(prev, local_hashes_of_key(x.key, self.page_size))
+            prev = x._hashes[-1]
+        return node._hashes
+
+    def _check_node(self, node: TreeNode) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"expected a TreeNode, got {type(node).__name__}")
+        if node._cache is not self:
+            raise ForeignNodeError("node belongs to another RadixCache")
+        if node.parent is None and node is not self.root:
+            raise ForeignNodeError("node is no longer in the cache (evicted or reset)")
 
     # ======================================================================== diagnostics
     def check_invariants(self) -> None:
-        """Recount everything; raise InvariantError on any violation (see invariants.py)."""
-        from radixkv.cache.invariants import check_cache_invariants
+        """Recount everything against the incremental state; InvariantError on a violation.
 
-        check_cache_invariants(self)
+        Checked (the error names the first violation): the pool's own invariants; page
+        conservation (every trie page distinct and CACHED in the pool, the pool's CACHED count
+        equal to the trie's page count, free + cached + held == total); shape (every non-root
+        key a whole, non-zero number of pages owning ``len(key) / page_size`` pages, links and
+        child-lookup keys agree, siblings start with different pages, depth_tokens adds up,
+        namespaces are inherited, namespace roots registered, empty of tokens and never
+        childless); locks (>= 0, a parent's count >= each child's, the root never counted);
+        the cached, evictable and node counters; the eviction index (exactly the unlocked
+        leaves that own pages, under their current key); cached event hashes (when any node
+        has them) equal to a fresh computation.
+        """
+        pool = self.pool
+        pool.check_invariants()
+        pb = self._pb
+        root = self.root
+        if root.parent is not None or root.key or root._pages or root.lock_ref:
+            _fail("root must have no parent, tokens, pages or lock count")
+
+        seen_pages: set[int] = set()
+        cached = evictable = nodes = 0
+        expected_index: dict[int, int] = {}
+        ns_seen: dict[object, object] = {}
+        # event hashes are checked only when some node caches them (recomputing costs a pass)
+        verify_hashes = any(n._hashes is not None for n in self.iter_nodes())
+        last_hash: dict[int, int | None] = {}  # node id -> chained hash of its last page
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            nodes += 1
+            if node._cache is not self:
+                _fail(f"{node!r} belongs to another cache")
+            if node.lock_ref < 0:
+                _fail(f"negative lock count on {node!r}")
+            children = list(node.iter_children())
+            first_pages: set[bytes] = set()
+            for c in children:
+                if c.parent is not node:
+                    _fail(f"child {c!r} does not point back to its parent {node!r}")
+                slot = node._children.get(c._hkey)
+                if not (slot is c or (type(slot) is list and any(x is c for x in slot))):
+                    _fail(f"child {c!r} is not stored under its lookup key")
+                if node is not root and c.lock_ref > node.lock_ref:
+                    _fail(f"child lock {c.lock_ref} > parent lock {node.lock_ref} at {c!r}")
+                if c.key:
+                    first = c.key[:pb]
+                    if c._hkey != self._hash_fn(first):
+                        _fail(f"stale lookup key on {c!r}")
+                    if first in first_pages:
+                        _fail(f"two children of {node!r} start with the same page")
+                    first_pages.add(first)
+                stack.append(c)
+            for slot in node._children.values():
+                if type(slot) is list and len(slot) < 2:
+                    _fail("collision bucket with fewer than two nodes")
+            if node is root:
+                continue
+            parent = node.parent
+            if not node.key:  # namespace root
+                if parent is not root or self._ns_roots.get(node.namespace) is not node:
+                    _fail(f"unregistered namespace root {node!r}")
+                if node._pages or node.depth_tokens:
+                    _fail("namespace root with pages or depth")
+                if not children:
+                    _fail(f"empty namespace root {node.namespace!r} was not removed")
+                ns_seen[node.namespace] = node
+                continue
+            if len(node.key) % pb:
+                _fail(f"{node!r}: key is not a whole number of pages")
+            if len(node._pages) * pb != len(node.key):
+                _fail(f"{node!r}: {len(node._pages)} pages for {node.num_tokens} tokens")
+            if node.namespace != parent.namespace:
+                _fail(f"{node!r}: namespace differs from its parent's")
+            if node.depth_tokens != parent.depth_tokens + node.num_tokens:
+                _fail(f"{node!r}: depth_tokens does not add up")
+            if verify_hashes:
+                prev = last_hash[parent.node_id] if parent.key else chain_start(node.namespace)
+                fresh = chain_hashes(prev, local_hashes_of_key(node.key, self.page_size))
+                last_hash[node.node_id] = fresh[-1]
+                if node._hashes is not None and node._hashes != fresh:
+                    _fail(f"{node!r}: cached event hashes differ from a fresh computation")
+            for p in node._pages:
+                if p in seen_pages:
+                    _fail(f"page {p} is owned by two nodes")
+                seen_pages.add(p)
+                if type(p) is not int or not 0 <= p < pool.num_pages or pool.state(p) != "cached":
+                    _fail(f"trie page {p} is not CACHED in the pool")
+            cached += len(node._pages)
+            if node.lock_ref == 0:
+                evictable += len(node._pages)
+                if not children:
+                    expected_index[node.node_id] = self.policy.key(node)
+            elif node._ekey is not None:
+                _fail(f"locked node {node!r} is in the eviction index")
+        if ns_seen.keys() != self._ns_roots.keys():
+            _fail("namespace root registry differs from the trie")
+        if pool.num_cached != cached or cached != self._cached:
+            _fail(f"cached pages: pool {pool.num_cached}, counter {self._cached}, recount {cached}")
+        if pool.num_free + cached + pool.num_held != pool.num_pages:
+            _fail("free + cached + held != total")
+        if evictable != self._evictable:
+            _fail(f"evictable counter {self._evictable} != recount {evictable}")
+        if nodes != self._num_nodes:
+            _fail(f"node counter {self._num_nodes} != recount {nodes}")
+        stored = self._index.stored_keys()
+        if stored != expected_index:
+            _fail(
+                f"eviction index {sorted(stored.items())} != recount "
+                f"{sorted(expected_index.items())}"
+            )
+        if len(self._index) != len(stored):
+            _fail("eviction index has duplicate keys")
 
     def pretty(self, max_tokens_shown: int = 8) -> str:
-        from radixkv.cache.pretty import pretty
-
-        return pretty(self, max_tokens_shown)
+        """The trie as indented text, one line per node (see pretty.py)."""
+        header = (
+            f"root  [{self._cached} cached pages, {self.num_locked_pages} locked, "
+            f"{self.pool.num_free} free, policy={self.policy.name}, page_size={self.page_size}]"
+        )
+        return render_text(self.root, header, max_tokens_shown)
 
     def to_dot(self) -> str:
-        from radixkv.cache.pretty import to_dot
-
-        return to_dot(self)
+        """The trie as Graphviz source (see pretty.py)."""
+        return render_dot(self.iter_nodes(), self._index)
 
     def __repr__(self) -> str:
         return (
