@@ -16,7 +16,7 @@ TORCH = "torch==2.13.0"  # CPU build; an unpinned torch pulls a multi-GB CUDA bu
 # without them, plus what `import flashinfer` needs.
 FLASHINFER = "flashinfer-python==0.7.4"
 FLASHINFER_IMPORT_DEPS = (
-    "apache-tvm-ffi>=0.1.11,<0.2",
+    "apache-tvm-ffi==0.1.15.post2",  # the version the GPU kit carries (bench/gpu_kit.py)
     "nvidia-ml-py",
     "einops",
     "click",

@@ -150,6 +150,49 @@ def required_modules() -> list[str]:
     return sorted(required_specs(_check_module().kernel_variants()))
 
 
+def load_kernels(variants: list[tuple[Any, int, int, int]]) -> list[Any]:
+    """Ask flashinfer for every kernel of ``variants`` the way the wrappers' ``plan`` does
+    (``get_batch_prefill_module`` / ``get_batch_decode_module`` / ``get_cascade_module``), so
+    with the kit's kernels in place and JIT disabled this loads them or raises."""
+    import torch
+    from flashinfer.cascade import get_cascade_module
+    from flashinfer.decode import get_batch_decode_module
+    from flashinfer.prefill import get_batch_prefill_module
+
+    from radixkv.attention.flashinfer_backend import KERNEL_BACKEND, decode_uses_tensor_cores
+
+    mods = [get_cascade_module()]
+    for dtype, hq, hkv, d in variants:
+        base = (dtype, dtype, dtype, torch.int32, d, d, 0, False, False)
+        mods.append(get_batch_prefill_module(KERNEL_BACKEND, *base, False, False))
+        if not decode_uses_tensor_cores(hq, hkv):
+            mods.append(get_batch_decode_module(*base))
+    return mods
+
+
+_DATA_FILES: list[str] | None = None
+
+
+def runtime_data_files() -> list[str]:
+    """The files under flashinfer's data/ that asking for the check's kernels reads (module
+    generators render jinja templates and copy .cu files from data/csrc even when the kernel is
+    then loaded ahead of time; the lazy independent-stride FA2 module is generated up front).
+    Found by calling :func:`load_kernels` with loading stubbed out; memoised (flashinfer caches
+    its getters, so a second call would read nothing)."""
+    global _DATA_FILES
+    if _DATA_FILES is None:
+        from unittest import mock
+
+        from flashinfer.jit.core import JitSpecNvcc
+
+        def run() -> None:
+            with mock.patch.object(JitSpecNvcc, "build_and_load", lambda self: mock.MagicMock()):
+                load_kernels(_check_module().kernel_variants())
+
+        _, _DATA_FILES = _record_data_reads(run)
+    return _DATA_FILES
+
+
 # ------------------------------------------------------------------------------------------------
 # Building
 def _pip_download(dest: Path, requirement: str, *, target: bool) -> Path:
@@ -171,19 +214,52 @@ def _pip_download(dest: Path, requirement: str, *, target: bool) -> Path:
     return found[0]
 
 
-def _python_files_archive(wheel: Path, out: Path) -> int:
-    """flashinfer's *.py / *.json / py.typed (not data/: CUDA sources and headers) as tar.xz."""
+def _record_data_reads(fn: Any) -> tuple[Any, list[str]]:
+    """Run ``fn``; also return the files it opened under flashinfer's ``data/`` folder (as
+    wheel paths)."""
+    import builtins
+
+    import flashinfer
+
+    data = Path(flashinfer.__file__).resolve().parent / "data"
+    seen: set[str] = set()
+    real_open = builtins.open
+
+    def spy(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, (str, os.PathLike)):
+            path = Path(file).resolve()
+            if data in path.parents:
+                seen.add("flashinfer/data/" + path.relative_to(data).as_posix())
+        return real_open(file, *args, **kwargs)
+
+    builtins.open = spy
+    try:
+        result = fn()
+    finally:
+        builtins.open = real_open
+    return result, sorted(seen)
+
+
+def _python_files_archive(wheel: Path, out: Path, data_files: list[str]) -> int:
+    """flashinfer's *.py / *.json / py.typed, plus the ``data_files`` its generators read (not
+    the rest of data/: CUDA sources, CUTLASS and CCCL headers), as tar.xz."""
     if out.exists() and out.stat().st_mtime > wheel.stat().st_mtime:
         with tarfile.open(out) as tar:
-            return len(tar.getnames())
+            names = set(tar.getnames())
+        if set(data_files) <= names:
+            return len(names)
     count = 0
     tmp = out.with_suffix(".tmp")
+    wanted = set(data_files)
     with zipfile.ZipFile(wheel) as zf, tarfile.open(tmp, "w:xz", preset=6) as tar:
         for info in sorted(zf.infolist(), key=lambda i: i.filename):
             name = info.filename
-            if not name.startswith("flashinfer/") or name.startswith("flashinfer/data/"):
+            if not name.startswith("flashinfer/"):
                 continue
-            if not (name.endswith((".py", ".json")) or name.endswith("py.typed")):
+            if name.startswith("flashinfer/data/"):
+                if name not in wanted:
+                    continue
+            elif not (name.endswith((".py", ".json")) or name.endswith("py.typed")):
                 continue
             data = zf.read(info)
             ti = tarfile.TarInfo(name)
@@ -191,6 +267,9 @@ def _python_files_archive(wheel: Path, out: Path) -> int:
             ti.mode = 0o644
             tar.addfile(ti, io.BytesIO(data))
             count += 1
+            wanted.discard(name)
+    if wanted:
+        raise RuntimeError(f"not in {wheel.name}: {sorted(wanted)}")
     tmp.replace(out)
     return count
 
@@ -274,10 +353,10 @@ def build(kit: Path, *, rebuild: bool = False) -> dict[str, Any]:
         if stale.name != tvm_wheel.name:
             stale.unlink()
     shutil.copy2(tvm_wheel, kit / tvm_wheel.name)
-    n_py = _python_files_archive(fi_wheel, kit / "flashinfer-py.tar.xz")
-
-    # 2. kernels
+    # 2. kernels: the specs (and the data files their generators read), then compile
     specs = required_specs(_check_module().kernel_variants())
+    data_files = runtime_data_files()
+    n_py = _python_files_archive(fi_wheel, kit / "flashinfer-py.tar.xz", data_files)
     aot = kit / "aot"
     keep = set(specs)
     if aot.exists():
@@ -299,20 +378,21 @@ def build(kit: Path, *, rebuild: bool = False) -> dict[str, Any]:
             print(f"  {name}: up to date", flush=True)
             continue
         print(f"  {name}: compiling ({len(spec.sources)} sources) ...", flush=True)
+        lib = Path(spec.jit_library_path)
+        before = lib.stat().st_mtime if lib.exists() else None
         t0 = time.perf_counter()
         spec.build(verbose=False)
         secs = time.perf_counter() - t0
+        reused = before is not None and lib.stat().st_mtime == before  # ninja: up to date
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(spec.jit_library_path, dest)
-        modules.append(
-            {
-                "name": name,
-                "bytes": dest.stat().st_size,
-                "sha256": _sha256(dest),
-                "build_seconds": round(secs, 1),
-            }
-        )
-        print(f"  {name}: {secs:.0f} s, {dest.stat().st_size / 2**20:.1f} MiB", flush=True)
+        shutil.copy2(lib, dest)
+        entry = {"name": name, "bytes": dest.stat().st_size, "sha256": _sha256(dest)}
+        entry["build_seconds"] = None if reused else round(secs, 1)
+        if reused and prior and prior.get("build_seconds"):
+            entry["build_seconds"] = prior["build_seconds"]
+        modules.append(entry)
+        how = "up to date in the build folder" if reused else f"{secs:.0f} s"
+        print(f"  {name}: {how}, {dest.stat().st_size / 2**20:.1f} MiB", flush=True)
 
     # 3. runner and manifest
     run_sh = kit / "run.sh"
@@ -338,7 +418,10 @@ def build(kit: Path, *, rebuild: bool = False) -> dict[str, Any]:
         ],
         "modules": sorted(modules, key=lambda m: m["name"]),
         "python_files": n_py,
-        "kernel_build_seconds": round(sum(m["build_seconds"] for m in modules), 1),
+        "data_files": data_files,
+        # nvcc time of the kernels as last compiled (None where this build found one already
+        # compiled in .gpu-kit-build/ and had no earlier record of its time)
+        "kernel_build_seconds": round(sum(m["build_seconds"] or 0 for m in modules), 1),
         "this_build_seconds": round(time.perf_counter() - t_start, 1),
     }
     (kit / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -397,6 +480,13 @@ def check(kit: Path) -> list[str]:
     for path in ("run.sh", "flashinfer-py.tar.xz"):
         if not (kit / path).exists():
             problems.append(f"{kit / path} missing")
+    if (kit / "flashinfer-py.tar.xz").exists():
+        data_files = runtime_data_files()
+        with tarfile.open(kit / "flashinfer-py.tar.xz") as tar:
+            names = set(tar.getnames())
+        for name in data_files:
+            if name not in names:
+                problems.append(f"{name} (read when the kernel is asked for) is not in the kit")
     if not list(kit.glob(f"apache_tvm_ffi-{TVM_FFI_VERSION}-cp312-*.whl")):
         problems.append("the cp312 apache-tvm-ffi wheel is missing")
     size = _dir_bytes(kit)
