@@ -2,9 +2,10 @@
 
 ``flashinfer`` is imported lazily, inside :class:`FlashInferCascadeAttention`, so importing this
 module never needs it. Each level of a :class:`~radixkv.attention.cascade.CascadePlan` is one
-``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, as the paged backend; ``causal=False``: every query row is a decode token
-after all of that level's KV), run with ``return_lse=True``; the levels' partial states are
-combined with FlashInfer's ``merge_state_in_place`` / ``merge_state``. Two modes:
+``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, as in the paged backend; ``causal=False``:
+every query row is a decode token after all of that level's KV), run with ``return_lse=True``;
+the levels' partial states are combined with FlashInfer's ``merge_state_in_place`` /
+``merge_state``. Two modes:
 
 * every level's segments read KV for every row (a trunk shared by the whole batch, say):
   ``"multi"``, the same computation as FlashInfer's ``MultiLevelCascadeAttentionWrapper.run``
@@ -158,6 +159,7 @@ class FlashInferCascadeAttention:
             raise RuntimeError("FlashInferCascadeAttention.forward called before plan()")
         if q.shape[0] != self.plan_.num_queries:
             raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.plan_.num_queries}")
+        q = q.contiguous()  # FlashInfer's kernels and merges read q's rows as packed
         cache = (k_cache, v_cache)
         if self._mode == "multi":
             # MultiLevelCascadeAttentionWrapper.run's order: the last level, the others merged in

@@ -430,7 +430,8 @@ class _WrapperStandIn:
             name,
             f"q is {q.dtype}, planned q_data_type {p['q_data_type']}",
         )
-        _need(q.is_contiguous(), name, "q must be contiguous")
+        # the kernels take q's row and head strides; its last dimension must be packed
+        _need(q.stride(-1) == 1, name, "q's last dimension must be contiguous")
         kv_dtype = p["kv_data_type"] or p["q_data_type"]
         want = (p["page_size"], p["num_kv_heads"], p["head_dim"])
         for what, t in (("k_cache", k), ("v_cache", v)):
@@ -568,9 +569,16 @@ class _PrefillStandIn(_WrapperStandIn):
         _need(p is not None, name, "run() before plan()")
         assert p is not None
         q, k, v = self._run_checks(name, a, p["qo"][-1])
-        _need(a["lse_layout"] == "NH", name, "radixkv reads LSE as [rows, heads] (lse_layout 'NH')")
+        _need(
+            a.get("lse_layout", "NH") == "NH",
+            name,
+            "radixkv reads LSE as [rows, heads] (lse_layout 'NH')",
+        )
         self._fake.record(name, a)
-        return self._attend(q, k, v, p["qo"], p["causal"], a["return_lse"], a["lse_base"])
+        # releases before lse_base existed return base 2
+        return self._attend(
+            q, k, v, p["qo"], p["causal"], a["return_lse"], a.get("lse_base", "log2")
+        )
 
 
 class _DecodeStandIn(_WrapperStandIn):
