@@ -1,6 +1,8 @@
-"""nox sessions: tests, lint, fuzz, bench, notebooks, docs, gpu_check."""
+"""nox sessions: tests, lint, fuzz, bench, notebooks, docs, gpu_contract, gpu_kit, gpu_check."""
 
 from __future__ import annotations
+
+import os
 
 import nox
 
@@ -8,6 +10,20 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
 
 TORCH = "torch==2.13.0"  # CPU build; an unpinned torch pulls a multi-GB CUDA build
+# The FlashInfer release the GPU kit is built for and the contract check installs by default
+# (bench/gpu_kit.py pins the same; pyproject's `gpu` extra allows the 0.7.x releases that pass). Its own requirements add about 1.3 GB (CUTLASS DSL, cuda-python,
+# NCCL, cuDNN frontend) that neither the contract tests nor the kit build import, so it goes in
+# without them, plus what `import flashinfer` needs.
+FLASHINFER_VERSION = "0.7.4"
+FLASHINFER_IMPORT_DEPS = (
+    "apache-tvm-ffi==0.1.15.post2",  # the version the GPU kit carries (bench/gpu_kit.py)
+    "nvidia-ml-py",
+    "einops",
+    "click",
+    "tabulate",
+    "requests",
+    "packaging>=24.2",
+)
 
 
 def _install(session: nox.Session, extras: str = "test") -> None:
@@ -82,7 +98,49 @@ def notebooks(session: nox.Session) -> None:
     session.run("pytest", "-q", "--nbmake", "docs/notebooks")
 
 
+def _install_flashinfer(session: nox.Session, version: str = FLASHINFER_VERSION) -> None:
+    _install(session)
+    session.install("--no-deps", f"flashinfer-python=={version}")
+    session.install(*FLASHINFER_IMPORT_DEPS)
+
+
+@nox.session(python="3.11")
+def gpu_contract(session: nox.Session) -> None:
+    """CPU: drive the FlashInfer backends against the real flashinfer API (recording stand-ins).
+    RADIXKV_FLASHINFER=0.7.0 nox -s gpu_contract checks another release."""
+    _install_flashinfer(session, os.environ.get("RADIXKV_FLASHINFER", FLASHINFER_VERSION))
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/gpu_contract",
+        *session.posargs,
+        env={"RADIXKV_GPU_CONTRACT": "1"},
+    )
+
+
+@nox.session(python="3.11")
+def gpu_kit(session: nox.Session) -> None:
+    """CPU: build .gpu-kit/ (flashinfer files + sm_90a kernels for bench/gpu_check.py) and check
+    its manifest. Slow: compiles kernels with nvcc (MAX_JOBS ninja jobs, default 1)."""
+    _install_flashinfer(session)
+    session.install("ninja")
+    session.run(
+        "python", "bench/gpu_kit.py", "build", env={"MAX_JOBS": os.environ.get("MAX_JOBS", "1")}
+    )
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/gpu_contract/test_kit_manifest.py",
+        env={"RADIXKV_GPU_KIT": "1"},
+    )
+
+
 @nox.session(python=False)
 def gpu_check(session: nox.Session) -> None:
-    """On a CUDA machine only: flashinfer vs torch backend. Never part of CI."""
+    """On a CUDA machine only: flashinfer vs torch backend. Never part of CI. On a lent machine
+    without flashinfer run the kit instead: bash .gpu-kit/run.sh (docs/gpu.md)."""
     session.run("python", "bench/gpu_check.py", *session.posargs)

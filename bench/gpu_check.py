@@ -1,78 +1,131 @@
-"""GPU check (run by hand on a CUDA machine, never in CI): flashinfer backend vs torch backend.
+"""GPU check (run by hand on a CUDA machine, never in CI): the FlashInfer backends against the
+torch backend, plus timings. On a lent machine run it from the GPU kit (docs/gpu.md):
 
-For bf16 and fp16 and page sizes 1 and 16, random mixed batches (fresh prefills, chunks on a past,
-decodes) are run through the flashinfer backend and, as the reference, through the torch backend
-in fp32 on the same values; outputs must agree within bf16 2e-2 / fp16 2e-3 and the written K/V
-must match exactly. Then both
-are timed on a decode batch (32 x 2048) and a 4096-token prefill, and radixkv-tiny's logits are
-compared end to end. Results go to $OUT/gpu_check.json (or bench/results/gpu_check.json).
+    bash .gpu-kit/run.sh               # = PYTHONPATH=<kit> python3 bench/gpu_check.py
 
-    python bench/gpu_check.py            # exit status 1 if any check fails
+What it checks (exit status 1 if anything fails; sections are independent, a crash in one is
+recorded and the others still run):
+
+* ``paged``: :class:`FlashInferAttention` vs the torch backend in fp32 on the same values, for
+  bf16 and fp16, page sizes 1 and 16, decode-only, prefill-only (fresh prompts and chunks on a
+  cached prefix) and mixed batches; outputs within bf16 2e-2 / fp16 2e-3, written K/V equal;
+* ``cascade``: :class:`FlashInferCascadeAttention` (2 levels; 3 levels where every row reads
+  every level; 3 levels nested/partial) vs the torch cascade in fp32, outputs and LSEs, both
+  dtypes, page sizes 1 and 16;
+* ``timings`` (bf16, page size 16): decode B=32 at context 2048, a 4096-token prefill, a
+  128-token chunk on 3968 cached tokens (flashinfer and torch backends, per layer, plus plan
+  time), and cascade vs plain decode attention at B=32 on a shared prefix of 4096 and 32768
+  tokens (the engine's two paths: :class:`CascadeDecodeBackend` and the plain flashinfer
+  backend, each including the step's K/V write);
+* ``tiny_model``: radixkv-tiny (bf16) end to end, prefill, a chunk and decode steps, logits vs
+  the torch backend.
+
+Results: ``$OUT/gpu_check.json`` and a short table ``$OUT/gpu_check.md`` (``bench/results/``
+when OUT is unset). The attention shapes it runs are :func:`kernel_variants`; bench/gpu_kit.py
+compiles exactly the FlashInfer kernels those need, and run.sh forbids compiling anything else.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from radixkv.attention.base import BatchLayout
-from radixkv.attention.registry import get_backend
-from radixkv.kv.kv_pool import KVPool
+from radixkv.attention.base import BatchLayout  # noqa: E402
+from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan  # noqa: E402
+from radixkv.attention.registry import get_backend  # noqa: E402
+from radixkv.kv.kv_pool import KVPool  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
-HQ, HKV, D = 32, 8, 128
+LSE_TOL = 1e-2
+DTYPES = (torch.bfloat16, torch.float16)
+PAGE_SIZES = (1, 16)
+HQ, HKV, D = 32, 8, 128  # a Llama-3-8B layer: GQA group 4
+TINY_DTYPE = torch.bfloat16
+TIMING_DTYPE = torch.bfloat16
+DEV = "cuda"
+
+
+def kernel_variants() -> list[tuple[torch.dtype, int, int, int]]:
+    """``(dtype, num_qo_heads, num_kv_heads, head_dim)`` of every attention this check runs: the
+    kernel comparisons, cascade and timings in both dtypes, and radixkv-tiny end to end.
+    bench/gpu_kit.py compiles exactly the kernels these need."""
+    from radixkv.model.tiny import tiny_config
+
+    tiny = tiny_config()
+    return [(dt, HQ, HKV, D) for dt in DTYPES] + [
+        (TINY_DTYPE, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim)
+    ]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _rand(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=DEV).to(dtype)
 
 
 def _pool(page_size: int, num_pages: int, dtype: torch.dtype, seed: int) -> KVPool:
-    kv = KVPool(1, num_pages, page_size, HKV, D, dtype, "cuda")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=gen, device="cuda"))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=gen, device="cuda"))
+    kv = KVPool(1, num_pages, page_size, HKV, D, dtype, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen, device=DEV))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen, device=DEV))
     return kv
 
 
-def _random_batch(page_size: int, seed: int) -> tuple[list[list[int]], list[int], list[int], int]:
-    gen = torch.Generator().manual_seed(seed)
+# ------------------------------------------------------------------------------------------------
+# paged backend vs torch
+def _random_batch(
+    kind: str, page_size: int, seed: int
+) -> tuple[list[list[int]], list[int], list[int], int]:
+    rng = random.Random(seed)
     past, new = [], []
-    for kind in torch.randint(0, 3, (12,), generator=gen).tolist():
-        if kind == 0:  # fresh prefill
+    for _ in range(12):
+        pick = {"decode": 2, "prefill": rng.choice((0, 1)), "mixed": rng.choice((0, 1, 2))}[kind]
+        if pick == 0:  # fresh prompt
             past.append(0)
-            new.append(int(torch.randint(1, 300, (1,), generator=gen)))
-        elif kind == 1:  # chunk on a past, not page aligned
-            past.append(int(torch.randint(1, 700, (1,), generator=gen)))
-            new.append(int(torch.randint(2, 200, (1,), generator=gen)))
+            new.append(rng.randint(1, 300))
+        elif pick == 1:  # chunk on a cached prefix, not page aligned
+            past.append(rng.randint(1, 700))
+            new.append(rng.randint(2, 200))
         else:  # decode
-            past.append(int(torch.randint(1, 1500, (1,), generator=gen)))
+            past.append(rng.randint(1, 1500))
             new.append(1)
-    needs = [(p + n + page_size - 1) // page_size for p, n in zip(past, new)]
-    perm = torch.randperm(sum(needs), generator=gen).tolist()
+    needs = [-(-(p + n) // page_size) for p, n in zip(past, new)]
+    ids = list(range(sum(needs)))
+    rng.shuffle(ids)
     tables, used = [], 0
     for n in needs:
-        tables.append(perm[used : used + n])
+        tables.append(ids[used : used + n])
         used += n
-    return tables, past, new, sum(needs)
+    return tables, past, new, len(ids)
 
 
-def check_backends(dtype: torch.dtype, page_size: int, seed: int) -> dict[str, Any]:
-    tables, past, new, num_pages = _random_batch(page_size, seed)
+def check_paged(kind: str, dtype: torch.dtype, page_size: int, seed: int = 0) -> dict[str, Any]:
+    tables, past, new, num_pages = _random_batch(kind, page_size, seed)
     layout = BatchLayout.build(tables, past, new)
-    t = sum(new)
-    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    q = torch.randn(t, HQ, D, generator=gen, device="cuda").to(dtype)
-    k = torch.randn(t, HKV, D, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(t, HKV, D, generator=gen, device="cuda").to(dtype)
-    # reference: the torch backend in fp32 on the same (bf16/fp16-representable) values
+    t = layout.num_tokens
+    gen = torch.Generator(device=DEV).manual_seed(seed + 1)
+    q, k, v = (
+        _rand((t, HQ, D), gen, dtype),
+        _rand((t, HKV, D), gen, dtype),
+        _rand((t, HKV, D), gen, dtype),
+    )
     fi_kv = _pool(page_size, num_pages, dtype, seed)
-    ref_kv = KVPool(1, num_pages, page_size, HKV, D, torch.float32, "cuda")
+    ref_kv = KVPool(1, num_pages, page_size, HKV, D, torch.float32, DEV)
     ref_kv.k.copy_(fi_kv.k)
     ref_kv.v.copy_(fi_kv.v)
     ref = get_backend("torch", ref_kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
@@ -84,19 +137,105 @@ def check_backends(dtype: torch.dtype, page_size: int, seed: int) -> dict[str, A
     diff = (ref_out - fi_out).abs().max().item()
     kv_equal = torch.equal(ref_kv.k.to(dtype), fi_kv.k) and torch.equal(ref_kv.v.to(dtype), fi_kv.v)
     return {
-        "dtype": str(dtype),
-        "page_size": page_size,
-        "seed": seed,
-        "num_tokens": t,
-        "num_seqs": len(new),
-        "max_abs_diff": diff,
-        "tolerance": TOL[dtype],
-        "kv_written_equal": kv_equal,
-        "ok": diff <= TOL[dtype] and kv_equal,
-    }
+        "kind": kind, "dtype": _name(dtype), "page_size": page_size, "num_seqs": len(new),
+        "num_tokens": t, "max_abs_diff": diff, "tolerance": TOL[dtype],
+        "kv_written_equal": kv_equal, "ok": diff <= TOL[dtype] and kv_equal and math.isfinite(diff),
+    }  # fmt: skip
 
 
-def _time_cuda(fn: Any, repeats: int = 20) -> float:
+# ------------------------------------------------------------------------------------------------
+# cascade vs torch cascade
+def _level(page_size: int, segs: list[tuple[int, list[int], int]]) -> CascadeLevel:
+    qo, kv, idx, last = [0], [0], [], []
+    for rows, pages, n_tok in segs:
+        qo.append(qo[-1] + rows)
+        idx.extend(pages)
+        kv.append(len(idx))
+        last.append(0 if n_tok == 0 else n_tok - (len(pages) - 1) * page_size)
+    return CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last))
+
+
+def cascade_plan(
+    case: str, page_size: int, batch: int, prefix: int, suffix: int, seed: int = 0
+) -> tuple[CascadePlan, list[list[int]], list[int], int]:
+    """A cascade plan in row order, the rows' full page tables and lengths, and the pages used.
+
+    ``two_level``: one ``prefix``-token trunk read by all ``batch`` rows, then each row's own
+    ``suffix`` (+ up to a page) tokens. ``three_level``: the trunk, then two branches of
+    ``prefix // 4`` tokens (first half of the rows, second half), then own tokens.
+    ``three_partial``: nested and partial: a quarter of the rows read trunk + branch, a quarter
+    the trunk only, the rest nothing shared (those read only their own pages).
+    """
+    rng = random.Random(seed)
+    ps = page_size
+    branch = max(ps, (prefix // 4) // ps * ps)
+    n_pages = (prefix + 2 * branch) // ps + batch * (-(-(suffix + ps) // ps))
+    free = list(range(n_pages))
+    rng.shuffle(free)
+
+    def take(n_tok: int) -> list[int]:
+        return [free.pop() for _ in range(-(-n_tok // ps))]
+
+    trunk, br_a, br_b = take(prefix), take(branch), take(branch)
+    half, quarter = batch // 2, batch // 4
+    if case == "two_level":
+        paths: list[list[tuple[list[int], int]]] = [[(trunk, prefix)]] * batch
+    elif case == "three_level":
+        paths = [[(trunk, prefix), (br_a, branch)]] * half + [[(trunk, prefix), (br_b, branch)]] * (
+            batch - half
+        )
+    elif case == "three_partial":
+        paths = [[(trunk, prefix), (br_a, branch)]] * quarter + [[(trunk, prefix)]] * quarter
+        paths += [[]] * (batch - 2 * quarter)
+    else:
+        raise ValueError(case)
+    own_lens = [suffix + rng.randrange(ps) for _ in range(batch)]
+    own = [take(n) for n in own_lens]
+    levels = []
+    for depth in range(max(len(p) for p in paths)):
+        segs: list[tuple[int, list[int], int]] = []
+        for p in paths:
+            pages, n_tok = p[depth] if len(p) > depth else ([], 0)
+            if segs and n_tok and segs[-1][1] is pages:
+                segs[-1] = (segs[-1][0] + 1, pages, n_tok)
+            else:
+                segs.append((1, pages, n_tok))
+        levels.append(_level(ps, segs))
+    levels.append(_level(ps, [(1, o, n) for o, n in zip(own, own_lens)]))
+    tables = [[pg for pages, _ in p for pg in pages] + o for p, o in zip(paths, own)]
+    lens = [sum(n for _, n in p) + n for p, n in zip(paths, own_lens)]
+    return CascadePlan(ps, batch, tuple(levels)), tables, lens, n_pages
+
+
+def check_cascade(case: str, dtype: torch.dtype, page_size: int) -> dict[str, Any]:
+    from radixkv.attention.cascade import TorchCascadeAttention
+    from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
+
+    plan, _, _, n_pages = cascade_plan(case, page_size, batch=12, prefix=1024, suffix=40)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    k32 = torch.randn(n_pages, page_size, HKV, D, generator=gen, device=DEV)
+    v32 = torch.randn(n_pages, page_size, HKV, D, generator=gen, device=DEV)
+    q = torch.randn(plan.num_queries, HQ, D, generator=gen, device=DEV).to(dtype)
+    k, v = k32.to(dtype), v32.to(dtype)
+    ref, ref_lse = TorchCascadeAttention(plan, DEV).forward(
+        q.float(), k.float(), v.float(), return_lse=True
+    )
+    fi = FlashInferCascadeAttention(DEV)
+    fi.plan(plan, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, q_data_type=dtype)
+    out, lse = fi.forward(q, k, v, return_lse=True)
+    err = (out.float() - ref).abs().max().item()
+    lse_err = (lse.float() - ref_lse).abs().max().item()
+    return {
+        "case": case, "levels": len(plan.levels), "mode": fi._mode, "dtype": _name(dtype),
+        "page_size": page_size, "max_abs_diff": err, "lse_max_abs_diff": lse_err,
+        "tolerance": TOL[dtype], "ok": err <= TOL[dtype] and lse_err <= LSE_TOL,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# timings
+def _time_cuda(fn: Callable[[], Any], repeats: int = 20) -> float:
+    """Milliseconds per call (CUDA events), after one warm-up call."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,10 +244,10 @@ def _time_cuda(fn: Any, repeats: int = 20) -> float:
         fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats  # ms
+    return start.elapsed_time(end) / repeats
 
 
-def time_backends(dtype: torch.dtype) -> dict[str, Any]:
+def time_paged(dtype: torch.dtype = TIMING_DTYPE) -> dict[str, Any]:
     ps = 16
     rows: dict[str, Any] = {}
     cases = {
@@ -117,131 +256,218 @@ def time_backends(dtype: torch.dtype) -> dict[str, Any]:
         "prefill_128_on_3968": ([3968], [128]),
     }
     for case, (past, new) in cases.items():
-        needs = [(p + n + ps - 1) // ps for p, n in zip(past, new)]
+        needs = [-(-(p + n) // ps) for p, n in zip(past, new)]
         tables, used = [], 0
         for n in needs:
             tables.append(list(range(used, used + n)))
             used += n
         layout = BatchLayout.build(tables, past, new)
         t = sum(new)
-        q = torch.randn(t, HQ, D, device="cuda", dtype=dtype)
-        k = torch.randn(t, HKV, D, device="cuda", dtype=dtype)
+        q = torch.randn(t, HQ, D, device=DEV, dtype=dtype)
+        k = torch.randn(t, HKV, D, device=DEV, dtype=dtype)
         for name in ("torch", "flashinfer"):
             kv = _pool(ps, used, dtype, 0)
             backend = get_backend(name, kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
             backend.plan(layout)
-            rows[f"{case}/{name}_ms_per_layer"] = _time_cuda(
+            rows[f"{case}/{name}_ms"] = _time_cuda(
                 lambda b=backend, q=q, k=k: b.forward(0, q, k, k)
             )
-            plan_t0 = time.perf_counter()
+            t0 = time.perf_counter()
             for _ in range(10):
                 backend.plan(layout)
             torch.cuda.synchronize()
-            rows[f"{case}/{name}_plan_ms"] = (time.perf_counter() - plan_t0) * 100
+            rows[f"{case}/{name}_plan_ms"] = (time.perf_counter() - t0) * 100
     return rows
 
 
+def time_cascade(prefix: int, dtype: torch.dtype = TIMING_DTYPE, batch: int = 32) -> dict[str, Any]:
+    """Cascade vs plain decode attention, one layer, B rows sharing a ``prefix``-token trunk."""
+    from radixkv.attention.cascade_backend import CascadeDecodeBackend
+
+    ps, suffix = 16, 128
+    plan, tables, lens, n_pages = cascade_plan("two_level", ps, batch, prefix, suffix)
+    kv = _pool(ps, n_pages, dtype, 0)
+    layout = BatchLayout.build(tables, [n - 1 for n in lens], [1] * batch)
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    q, k_new, v_new = (
+        _rand((batch, HQ, D), gen, dtype),
+        _rand((batch, HKV, D), gen, dtype),
+        _rand((batch, HKV, D), gen, dtype),
+    )
+    plain = get_backend("flashinfer", kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    plain.plan(layout)
+    cascade = CascadeDecodeBackend(plain)
+    cascade.set_plan(plan, list(range(batch)))
+    cascade.plan(layout)
+    out_plain = plain.forward(0, q, k_new, v_new)
+    out_casc = cascade.forward(0, q, k_new, v_new)
+    diff = (out_plain.float() - out_casc.float()).abs().max().item()
+    t_plain = _time_cuda(lambda: plain.forward(0, q, k_new, v_new))
+    t_casc = _time_cuda(lambda: cascade.forward(0, q, k_new, v_new))
+    read_plain = sum(lens)
+    read_casc = plan.kv_tokens_read()
+    return {
+        "batch": batch, "prefix": prefix, "suffix": suffix, "dtype": _name(dtype),
+        "plain_us": round(t_plain * 1e3, 1), "cascade_us": round(t_casc * 1e3, 1),
+        "speedup": round(t_plain / t_casc, 2), "kv_read_ratio": round(read_plain / read_casc, 2),
+        "max_abs_diff_vs_plain": diff, "ok": diff <= TOL[dtype],
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# radixkv-tiny end to end
 def check_tiny_model() -> dict[str, Any]:
     from radixkv.model.loader import load_model
     from radixkv.model.runner import ModelRunner, SeqInput
 
-    lm = load_model("radixkv-tiny", device="cuda", dtype=torch.bfloat16)
+    lm = load_model("radixkv-tiny", device=DEV, dtype=TINY_DTYPE)
     c = lm.config
-    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)
+    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:900]
     logits = {}
     for name in ("torch", "flashinfer"):
-        kv = KVPool(c.num_layers, 64, 16, c.num_kv_heads, c.head_dim, torch.bfloat16, "cuda")
+        kv = KVPool(c.num_layers, 64, 16, c.num_kv_heads, c.head_dim, TINY_DTYPE, DEV)
         runner = ModelRunner(lm.model, kv, backend=name)
         table = list(range(64))
-        first = runner.forward([SeqInput(ids[:500], table, 0)], all_logits=True)
-        rest = runner.forward([SeqInput(ids[500:], table, 500)], all_logits=True)
-        logits[name] = torch.cat([first, rest])
+        parts = [runner.forward([SeqInput(ids[:500], table, 0)], all_logits=True)]
+        parts.append(runner.forward([SeqInput(ids[500:890], table, 500)], all_logits=True))
+        for i in range(890, 900):  # decode steps
+            parts.append(runner.forward([SeqInput(ids[i : i + 1], table, i)], all_logits=True))
+        logits[name] = torch.cat(parts).float()
     diff = (logits["torch"] - logits["flashinfer"]).abs().max().item()
     scale = logits["torch"].abs().max().item()
-    same_argmax = (logits["torch"].argmax(-1) == logits["flashinfer"].argmax(-1)).float().mean()
+    same = logits["torch"].argmax(-1) == logits["flashinfer"].argmax(-1)
+    # greedy tokens must match wherever the reference's top two are further apart than the
+    # two backends' logits (random weights in bf16 leave near-ties, where either pick is right)
+    top2 = logits["torch"].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
     return {
-        "max_abs_diff": diff,
-        "logit_scale": scale,
-        "argmax_agreement": same_argmax.item(),
-        "ok": diff <= 0.05 * scale,
-    }
-
-
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to do")
-        return 2
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "checks": [],
-        "timings": {},
-    }
-    try:
-        import flashinfer
-
-        result["flashinfer"] = getattr(flashinfer, "__version__", "?")
-    except Exception as exc:
-        result["error"] = f"flashinfer import failed: {exc!r}"
-    ok = "error" not in result
-    if ok:
-        for dtype in (torch.bfloat16, torch.float16):
-            for ps in (1, 16):
-                for seed in (0, 1):
-                    try:
-                        row = check_backends(dtype, ps, seed)
-                    except Exception:
-                        row = {
-                            "dtype": str(dtype),
-                            "page_size": ps,
-                            "seed": seed,
-                            "ok": False,
-                            "error": traceback.format_exc(),
-                        }
-                    result["checks"].append(row)
-                    ok &= row["ok"]
-                    print(json.dumps(row))
-        for dtype in (torch.bfloat16,):
-            try:
-                result["timings"][str(dtype)] = time_backends(dtype)
-            except Exception:
-                result["timings"][str(dtype)] = {"error": traceback.format_exc()}
-        try:
-            result["tiny_model"] = check_tiny_model()
-            ok &= result["tiny_model"]["ok"]
-        except Exception:
-            result["tiny_model"] = {"ok": False, "error": traceback.format_exc()}
-            ok = False
-    result["ok"] = ok
-    path = out_dir / "gpu_check.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["timings"], indent=2))
-    print(f"gpu_check: {'OK' if ok else 'FAILED'}; wrote {path}")
-    return 0 if ok else 1
+        "tokens": len(ids), "max_abs_diff": diff, "logit_scale": scale,
+        "argmax_agreement": same.float().mean().item(),
+        "clear_argmax_positions": int(clear.sum()), "clear_argmax_mismatches": int((clear & ~same).sum()),
+        "ok": diff <= 0.05 * scale and not bool((clear & ~same).any()),
+    }  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
-# Cascade (shared-prefix) decode attention, issue 5: FlashInfer's multi-level cascade and the
-# per-level wrappers against the torch cascade in fp32, plus timings (see bench/bench_cascade.py).
-def check_cascade() -> bool:
-    """Run ``bench_cascade.gpu_check_cascade``; write gpu_check_cascade.json next to the rest."""
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(Path(__file__).parent))
+def _section(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
+    t0 = time.perf_counter()
     try:
-        from bench_cascade import gpu_check_cascade
-
-        rows = gpu_check_cascade("cuda")
-        result: dict[str, Any] = {"rows": rows, "ok": all(r["ok"] for r in rows)}
+        value = fn()
     except Exception:
-        result = {"ok": False, "error": traceback.format_exc()}
-    (out_dir / "gpu_check_cascade.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"gpu_check cascade: {'OK' if result['ok'] else 'FAILED'}")
-    return bool(result["ok"])
+        value = {"ok": False, "error": traceback.format_exc()}
+        print(f"[{key}] FAILED\n{value['error']}", flush=True)
+    result[key] = value
+    print(f"[{key}] {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _rows_ok(rows: Any) -> bool:
+    if isinstance(rows, dict):
+        return bool(rows.get("ok", "error" not in rows))
+    return all(_rows_ok(r) for r in rows)
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [f"# gpu_check: {'OK' if result['ok'] else 'FAILED'}", ""]
+    lines.append(
+        f"{result.get('device')}, torch {result.get('torch')} (CUDA {result.get('cuda')}), "
+        f"flashinfer {result.get('flashinfer')}, {result.get('elapsed_s')} s"
+    )
+    lines += ["", "| section | cases | failed | worst diff |", "|---|---|---|---|"]
+    for key in ("paged", "cascade"):
+        rows = result.get(key)
+        if isinstance(rows, list):
+            bad = [r for r in rows if not r["ok"]]
+            worst = max((r["max_abs_diff"] for r in rows), default=float("nan"))
+            lines.append(f"| {key} | {len(rows)} | {len(bad)} | {worst:.2e} |")
+        else:
+            lines.append(f"| {key} | error | - | - |")
+    tiny = result.get("tiny_model", {})
+    if "max_abs_diff" in tiny:
+        lines.append(f"| tiny_model | 1 | {int(not tiny['ok'])} | {tiny['max_abs_diff']:.2e} |")
+    timings = result.get("timings", {})
+    if "error" not in timings:
+        lines += [
+            "",
+            "| timing (bf16, ps 16, one layer) | torch ms | flashinfer ms |",
+            "|---|---|---|",
+        ]
+        for case in ("decode_b32_ctx2048", "prefill_4096", "prefill_128_on_3968"):
+            if f"{case}/torch_ms" in timings:
+                lines.append(
+                    f"| {case} | {timings[f'{case}/torch_ms']:.3f} | {timings[f'{case}/flashinfer_ms']:.3f} |"
+                )
+    casc = result.get("cascade_timing")
+    if isinstance(casc, list):
+        lines += [
+            "",
+            "| B | prefix | plain us | cascade us | speedup | KV read ratio |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in casc:
+            lines.append(
+                f"| {r['batch']} | {r['prefix']} | {r['plain_us']} | {r['cascade_us']} | {r['speedup']}x | {r['kv_read_ratio']}x |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    t_start = time.perf_counter()
+    out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to do")
+        return 2
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "jit_disabled": bool(os.environ.get("FLASHINFER_DISABLE_JIT")),
+    }
+    manifest = os.environ.get("GPU_KIT_MANIFEST")
+    if manifest and Path(manifest).exists():
+        kit = json.loads(Path(manifest).read_text())
+        result["kit"] = {k: kit.get(k) for k in ("flashinfer", "cuda_arch", "nvcc", "kit_bytes")}
+        result["kit"]["modules"] = len(kit.get("modules", []))
+    try:
+        import flashinfer
+
+        result["flashinfer"] = flashinfer.__version__
+        from flashinfer.jit import env as jit_env
+
+        aot = jit_env.FLASHINFER_AOT_DIR
+        result["aot_kernels"] = sorted(p.name for p in aot.iterdir()) if aot.exists() else []
+    except Exception:
+        result["error"] = f"flashinfer import failed: {traceback.format_exc()}"
+        print(result["error"])
+    if "error" not in result:
+        torch.manual_seed(0)
+        _section(result, "paged", lambda: [
+            check_paged(kind, dt, ps) for dt in DTYPES for ps in PAGE_SIZES
+            for kind in ("decode", "prefill", "mixed")
+        ])  # fmt: skip
+        _section(result, "cascade", lambda: [
+            check_cascade(case, dt, ps) for dt in DTYPES for ps in PAGE_SIZES
+            for case in ("two_level", "three_level", "three_partial")
+        ])  # fmt: skip
+        _section(result, "tiny_model", check_tiny_model)
+        _section(result, "timings", time_paged)
+        _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
+    sections = ("paged", "cascade", "tiny_model", "timings", "cascade_timing")
+    result["ok"] = "error" not in result and all(
+        _rows_ok(result.get(s, {"ok": False})) for s in sections
+    )
+    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = _table(result)
+    (out_dir / "gpu_check.md").write_text(table)
+    print(table)
+    print(
+        f"gpu_check: {'OK' if result['ok'] else 'FAILED'}; wrote {out_dir}/gpu_check.json, gpu_check.md"
+    )
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
-    rc = main()
-    sys.exit(rc if check_cascade() else 1)
+    sys.exit(main())

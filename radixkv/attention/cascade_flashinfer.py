@@ -1,19 +1,25 @@
 """Cascade decode attention on FlashInfer (CUDA), same plans and results as the torch version.
 
 ``flashinfer`` is imported lazily, inside :class:`FlashInferCascadeAttention`, so importing this
-module never needs it. Two ways to run a :class:`~radixkv.attention.cascade.CascadePlan`:
+module never needs it. Each level of a :class:`~radixkv.attention.cascade.CascadePlan` is one
+``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, as in the paged backend; ``causal=False``:
+every query row is a decode token after all of that level's KV), run with ``return_lse=True``;
+the levels' partial states are combined with FlashInfer's ``merge_state_in_place`` /
+``merge_state``. Two modes:
 
-* every level's segments read KV for every row (a trunk shared by the whole batch, say): one
-  ``MultiLevelCascadeAttentionWrapper`` (FlashInfer's own multi-level cascade);
-* some rows read nothing at some level (nested or partial sharing): one
-  ``BatchPrefillWithPagedKVCacheWrapper`` per level over just the rows that read something
-  there (``causal=False``, ``return_lse=True``), combined with ``merge_state``.
+* every level's segments read KV for every row (a trunk shared by the whole batch, say):
+  ``"multi"``, the same computation as FlashInfer's ``MultiLevelCascadeAttentionWrapper.run``
+  (last level, then the others merged in place), done here so that the merged LSE is at hand
+  without reaching into that wrapper's private attributes;
+* some rows read nothing at some level (nested or partial sharing): ``"per_level"``, each level
+  planned over just the rows that read something there, merged into those rows.
 
 Either way shared levels are whole pages of earlier tokens (the planner never shares the page of
 the token being decoded), metadata (indptr, last page lengths) is int32 on the CPU and page
-indices int32 on the GPU, ``q_data_type``/``kv_data_type`` are passed explicitly, and ``plan``
-runs once per step while ``forward`` runs per layer. FlashInfer's LSE is base 2; ``forward``
-with ``return_lse=True`` converts it to the natural log used by the torch version.
+indices int32 on the GPU, ``q_data_type``/``kv_data_type`` are passed explicitly, the float
+workspace is zeroed once (FlashInfer asks for a zero-initialised buffer), and ``plan`` runs once
+per step while ``forward`` runs per layer. FlashInfer's LSE is base 2; ``forward`` with
+``return_lse=True`` converts it to the natural log used by the torch version.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 
+from radixkv.attention import flashinfer_backend as _fib
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 
 __all__ = ["FlashInferCascadeAttention"]
@@ -67,28 +74,26 @@ class FlashInferCascadeAttention:
         workspace: torch.Tensor | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ) -> None:
-        import flashinfer  # lazy: only here
-
-        self._fi = flashinfer
+        self._fi = _fib._import_flashinfer()  # lazy: only here
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"FlashInfer cascade attention needs a CUDA device, got {device}")
+        _fib._require_cuda(self.device, "FlashInfer cascade attention")
         self.workspace = (
             workspace
             if workspace is not None
-            else torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+            else torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         )
-        self._multi: Any = None  # MultiLevelCascadeAttentionWrapper, per number of levels
-        self._multi_levels = 0
-        self._per_level: list[Any] = []  # BatchPrefillWithPagedKVCacheWrapper pool
-        self._mode = ""
+        self._per_level: list[Any] = []  # BatchPrefillWithPagedKVCacheWrapper pool, one a level
+        self._mode = ""  # "multi" (every level reads for every row) or "per_level"
+        # per level: None (all rows), an int64 row index tensor, or an empty one (level unused)
         self._rows: list[torch.Tensor | None] = []
         self.plan_: CascadePlan | None = None
 
     def _prefill_wrapper(self, i: int) -> Any:
         while len(self._per_level) <= i:
             self._per_level.append(
-                self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+                self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", backend=_fib.KERNEL_BACKEND
+                )
             )
         return self._per_level[i]
 
@@ -115,35 +120,13 @@ class FlashInferCascadeAttention:
             kv_data_type=kv_dtype,
         )
         n = plan.num_queries
-        full = all(
-            lvl.qo_indptr[-1] == n and all(x > 0 for x in lvl.kv_last_page_len)
-            for lvl in plan.levels
-        )
-        self.plan_ = plan
-        if full:
-            if self._multi is None or self._multi_levels != len(plan.levels):
-                self._multi = self._fi.MultiLevelCascadeAttentionWrapper(
-                    len(plan.levels), self.workspace, "NHD"
-                )
-                self._multi_levels = len(plan.levels)
-            self._multi.plan(
-                [_i32(lvl.qo_indptr, "cpu") for lvl in plan.levels],
-                [_i32(lvl.kv_indptr, "cpu") for lvl in plan.levels],
-                [_i32(lvl.kv_indices, self.device) for lvl in plan.levels],
-                [_i32(lvl.kv_last_page_len, "cpu") for lvl in plan.levels],
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                plan.page_size,
-                **common,
-            )
-            self._mode = "multi"
-            return
         self._rows = []
+        full = True
         for i, lvl in enumerate(plan.levels):
             rows, compact = _compact(lvl)
             if not rows:
                 self._rows.append(torch.empty(0, dtype=torch.int64, device=self.device))
+                full = False
                 continue
             self._prefill_wrapper(i).plan(
                 _i32(compact.qo_indptr, "cpu"),
@@ -156,11 +139,13 @@ class FlashInferCascadeAttention:
                 plan.page_size,
                 **common,
             )
-            all_rows = rows == list(range(n))
-            self._rows.append(
-                None if all_rows else torch.tensor(rows, dtype=torch.int64, device=self.device)
-            )
-        self._mode = "per_level"
+            if rows == list(range(n)):
+                self._rows.append(None)
+            else:
+                self._rows.append(torch.tensor(rows, dtype=torch.int64, device=self.device))
+                full = False
+        self.plan_ = plan
+        self._mode = "multi" if full else "per_level"
 
     def forward(
         self,
@@ -174,25 +159,27 @@ class FlashInferCascadeAttention:
             raise RuntimeError("FlashInferCascadeAttention.forward called before plan()")
         if q.shape[0] != self.plan_.num_queries:
             raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.plan_.num_queries}")
-        if self._mode == "multi" and not return_lse:
-            return self._multi.run(q, (k_cache, v_cache))
+        q = q.contiguous()  # FlashInfer's kernels and merges read q's rows as packed
+        cache = (k_cache, v_cache)
         if self._mode == "multi":
-            # same as the wrapper's run, keeping the merged LSE
-            wrappers = self._multi._batch_prefill_wrappers
-            out, lse = wrappers[-1].run(q, (k_cache, v_cache), return_lse=True)
-            for w in wrappers[:-1]:
-                o_i, s_i = w.run(q, (k_cache, v_cache), return_lse=True)
+            # MultiLevelCascadeAttentionWrapper.run's order: the last level, the others merged in
+            last = len(self._rows) - 1
+            out, lse = self._per_level[last].run(q, cache, return_lse=True)
+            for i in range(last):
+                o_i, s_i = self._per_level[i].run(q, cache, return_lse=True)
                 self._fi.merge_state_in_place(out, lse, o_i, s_i)
-            return out, lse * _LN2
+            return (out, lse * _LN2) if return_lse else out
+        # rows not yet reached hold an empty state (LSE -inf); FlashInfer's merge gives the other
+        # state's values exactly there
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for i, rows in enumerate(self._rows):
             if rows is not None and rows.numel() == 0:
                 continue
             q_i = q if rows is None else q.index_select(0, rows)
-            o_i, s_i = self._per_level[i].run(q_i, (k_cache, v_cache), return_lse=True)
+            o_i, s_i = self._per_level[i].run(q_i, cache, return_lse=True)
             if rows is None:
-                out, lse = self._fi.merge_state(out, lse, o_i, s_i)
+                self._fi.merge_state_in_place(out, lse, o_i, s_i)
             else:
                 o_m, s_m = self._fi.merge_state(
                     out.index_select(0, rows), lse.index_select(0, rows), o_i, s_i

@@ -19,9 +19,30 @@ import torch
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.kv.kv_pool import KVPool
 
+# The FlashInfer kernel family of every wrapper (prefill, decode, cascade levels). FlashInfer's
+# "auto" picks FA3 on Hopper for a prefill batch holding a request of more than 64 query rows and
+# FA2 otherwise, so one request's results would depend on what else shares its batch, and the
+# kernels a deployment needs would depend on traffic. One family keeps results batch-independent
+# and the kernel set small enough to compile ahead of time (bench/gpu_kit.py, docs/gpu.md).
+KERNEL_BACKEND = "fa2"
+
 # Per wrapper. FlashInfer's examples use 128 MiB; its split-KV scratch grows with batch size and
 # heads, and 128 MiB covers batches of a few hundred sequences of 32 heads.
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def decode_uses_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode runs FlashInfer's tensor-core path (its prefill kernels) rather than the
+    CUDA-core decode kernels, which are specialised for small GQA groups; the tensor-core path
+    handles any group size and is faster for big ones. bench/gpu_kit.py reads this too, to
+    know which kernels to compile ahead of time."""
+    return num_qo_heads // num_kv_heads not in (1, 2, 4)
+
+
+def _require_cuda(device: torch.device, what: str) -> None:
+    """FlashInfer's kernels run on CUDA only. (The CPU contract tests replace this check.)"""
+    if device.type != "cuda":
+        raise ValueError(f"{what} needs a CUDA device, got {device}")
 
 
 def _import_flashinfer() -> Any:
@@ -74,23 +95,25 @@ class FlashInferAttention(AttentionBackend):
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ) -> None:
         super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
-        if kv_pool.device.type != "cuda":
-            raise ValueError("the flashinfer backend needs the KV pool on a CUDA device")
+        _require_cuda(kv_pool.device, "the flashinfer backend (its KV pool)")
         if kv_pool.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"the flashinfer backend needs a fp16/bf16 KV pool, got {kv_pool.dtype}"
             )
         fi = _import_flashinfer()
         dev = kv_pool.device
-        # Separate workspaces: both wrappers hold a live plan during the same step.
-        self._prefill_ws = torch.empty(workspace_bytes, dtype=torch.uint8, device=dev)
-        self._decode_ws = torch.empty(workspace_bytes, dtype=torch.uint8, device=dev)
-        self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self._prefill_ws, "NHD")
-        group = num_qo_heads // num_kv_heads
-        # Tensor-core decode (prefill kernels) handles any GQA group size and is faster for big
-        # groups; the CUDA-core decode kernels are specialised for small ones.
+        # Separate workspaces: both wrappers hold a live plan during the same step. Zeroed:
+        # FlashInfer asks for float workspaces initialised to 0 before their first use.
+        self._prefill_ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
+        self._decode_ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
+        self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._prefill_ws, "NHD", backend=KERNEL_BACKEND
+        )
         self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._decode_ws, "NHD", use_tensor_cores=group not in (1, 2, 4)
+            self._decode_ws,
+            "NHD",
+            use_tensor_cores=decode_uses_tensor_cores(num_qo_heads, num_kv_heads),
+            backend=KERNEL_BACKEND,
         )
         self._pre_rows: torch.Tensor | None = None  # token rows of prefill seqs (mixed batch)
         self._dec_rows: torch.Tensor | None = None

@@ -47,8 +47,6 @@ def get_backend(
         from radixkv.attention.torch_backend import TorchAttention
 
         return TorchAttention(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
-    if kv_pool.device.type != "cuda":
-        raise ValueError("the flashinfer backend needs the KV pool on a CUDA device")
-    from radixkv.attention.flashinfer_backend import FlashInferAttention
+    from radixkv.attention.flashinfer_backend import FlashInferAttention  # checks: CUDA pool
 
     return FlashInferAttention(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
