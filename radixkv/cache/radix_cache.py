@@ -2,21 +2,23 @@
 
 One class owns the trie and everything that changes it: the nodes (node.py), the walk that
 match, peek and insert share, splits, namespace roots, the page counters, the eviction index
-(eviction.py) and the KV events (events.py). The ownership contract is stated once, in the
-RadixCache docstring; the fast paths are explained in docs/cache_design.md. MatchResult and
-InsertResult, what match_prefix and insert return, are defined here beside it.
+(eviction.py) and the KV events (events.py), and, when it has a host tier, where each node's
+pages live and the copies between the tiers (tiers.py defines the copier it drives). The
+ownership contract is stated once, in the RadixCache docstring; the fast paths are explained in
+docs/cache_design.md. MatchResult and InsertResult, what match_prefix and insert return, are
+defined here beside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
 from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEmitter, Listener
-from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, get_policy
+from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, HostEvictionIndex, get_policy
 from radixkv.cache.hashing import (
     HashFn,
     chain_hashes,
@@ -28,17 +30,37 @@ from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.pretty import render_dot, render_text
 from radixkv.cache.stats import CacheStats
+from radixkv.cache.tiers import (
+    BACKUP,
+    HOST_MEDIUM,
+    LOAD,
+    WRITE_BACK,
+    WRITE_POLICIES,
+    WRITE_THROUGH,
+    WRITE_THROUGH_SELECTIVE,
+    Copier,
+    InFlight,
+    LoadBack,
+)
 from radixkv.cache.tokens import TOKEN_BYTES, TOKEN_SHIFT, check_range, encode_tokens, key_to_list
 
 __all__ = ["InsertResult", "MatchResult", "RadixCache"]
 
 
 class MatchResult(NamedTuple):
-    """What ``RadixCache.match_prefix`` returns (see RadixCache for who owns the pages)."""
+    """What ``RadixCache.match_prefix`` returns (see RadixCache for who owns the pages).
 
-    node: TreeNode  # deepest matched node (the root when nothing matched); lock this
-    pages: list[int]  # cached pages of the matched prefix, in order (a fresh list)
-    num_tokens: int  # matched tokens, a multiple of page_size
+    The first three fields are the device-resident prefix. The last three describe the
+    continuation found in the host tier right after it (always empty without a host tier):
+    ``load_back(match)`` turns it into device pages.
+    """
+
+    node: TreeNode  # deepest matched device-resident node (the root when none); lock this
+    pages: list[int]  # device pages of the matched prefix, in order (a fresh list)
+    num_tokens: int  # matched device-resident tokens, a multiple of page_size
+    host_node: TreeNode | None = None  # deepest node of the host continuation (node when none)
+    host_pages: Sequence[int] = ()  # host pages of the continuation, in order (a fresh list)
+    num_host_tokens: int = 0  # tokens of the continuation, a multiple of page_size
 
 
 class InsertResult(NamedTuple):
@@ -61,6 +83,40 @@ def _common_pages(key: bytes, qb: bytes | memoryview, off: int, limit: int, ps: 
     b = np.frombuffer(qb, np.int64, count=n, offset=off)
     diff = np.flatnonzero(a != b)
     return (int(diff[0]) if diff.size else n) // ps
+
+
+def _check_tier_args(
+    pool: PagePool,
+    host_pool: PagePool | None,
+    copier: Any,
+    write_policy: Any,
+    threshold: Any,
+) -> None:
+    """RadixCache's host-tier arguments, checked before anything is built."""
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+    if type(threshold) is not int or threshold < 1:
+        raise ValueError(f"write_through_threshold must be an int >= 1, got {threshold!r}")
+    if host_pool is None:
+        if copier is not None:
+            raise ValueError("a copier was given without a host_pool: no host tier to copy to")
+        return
+    if not isinstance(host_pool, PagePool):
+        raise TypeError(f"host_pool must be a PagePool, got {type(host_pool).__name__}")
+    if host_pool is pool:
+        raise ValueError("host_pool must be a PagePool of its own, not the device pool")
+    if host_pool.num_pages < 1:
+        raise ValueError(
+            "host_pool has no pages: a host tier needs at least one page (pass host_pool=None "
+            "for no host tier)"
+        )
+    if host_pool.num_free != host_pool.num_pages:
+        raise ValueError("host_pool must be unused: some of its pages are already allocated")
+    if copier is None:
+        raise ValueError("a host tier needs a copier (radixkv.cache.tiers.Copier) to move pages")
+    for name in ("to_host", "to_device"):
+        if not callable(getattr(copier, name, None)):
+            raise TypeError(f"copier must have a callable {name}(pairs) method, got {copier!r}")
 
 
 def _fail(msg: str) -> NoReturn:
@@ -103,6 +159,42 @@ class RadixCache:
     * Every error leaves the cache and the pool exactly as they were: each call checks all of
       its input before its first change. Not thread-safe.
 
+    With a host tier (``host_pool`` and ``copier`` given; tiers.py defines the copier):
+
+    * A node's pages are in the device pool, the host pool, or both (``node.residency``); the
+      host pool's pages obey the same rule as the device pool's (free, held, or owned by one
+      node), and ``num_cached_pages``, ``pages`` and every page count without "host" in its
+      name still mean device pages. Device-resident nodes form a top-closed subtree (a
+      device-resident node's parent is device-resident or a root), so ``match_prefix`` returns
+      the device-resident prefix as before and, beyond it, the host continuation
+      (``host_node``, ``host_pages``, ``num_host_tokens``).
+    * ``load_back(match)`` gives the host continuation device pages (allocating, evicting if
+      short; as much of it as fits) and starts ``copier.to_device`` on them. The loaded nodes
+      are locked until the copy is retired; lock ``LoadBack.node`` before the next call that may
+      evict, and call ``wait_load`` before anything reads ``LoadBack.pages``: it returns False
+      if the copy failed, and then the loaded nodes are host-only again and their device pages
+      free (a miss: match again). No other reader sees a page being loaded: ``match_prefix``
+      and ``load_back`` wait for loads in flight on their path.
+    * Device eviction takes unlocked device-resident nodes with no device-resident child, in
+      policy order. A victim with a host copy stays in the trie, host-only; under
+      ``write_back`` a victim without one is first backed up (a synchronous copy; host pages
+      are found by host eviction); any other victim is removed with its host-only subtree
+      (unlocked, as the victim is). ``evict(n)`` still frees exactly ``min(n, evictable)``
+      device pages (a larger victim is split and loses its tail).
+    * Host eviction (``evict_host``, or making room for a backup) takes unlocked host-resident
+      nodes with no host-resident child, in policy order: a host-only one is removed, a
+      device+host one only loses its host copy.
+    * Backups: ``write_through`` backs up the inserted path, ``write_through_selective`` a
+      device node once matches went through it ``write_through_threshold`` times, ``write_back``
+      an unbacked victim of device eviction. A backup is skipped when the host tier has no
+      room (``backup_skipped_pages``), and counts only once its copy succeeded; a failed one
+      frees its host pages and the node stays device-only.
+    * Locks cover both tiers: a locked node is evicted from neither. A copy in flight locks the
+      deepest node it copies (so each node's lock count is at least its copies in flight) until
+      it is retired: by ``poll()``, by ``wait_load``, or at the start of the next ``insert``,
+      ``alloc``, ``evict``, ``evict_host``, ``load_back`` or ``reset`` (a call that then raises
+      may have retired finished copies; nothing else changes).
+
     Args:
         pool: the PagePool whose page ids the trie owns; use one pool per cache.
         page_size: tokens per KV page; only whole pages are cached.
@@ -111,6 +203,14 @@ class RadixCache:
         hash_fn: child-lookup hash of one page, given as ``bytes`` holding the page's tokens in
             the key encoding (native int64); it must return the same int for equal bytes.
             Defaults to XXH3-64. Any function works, even a constant.
+        host_pool: the host tier's PagePool (ids of host-memory pages), or None for no host
+            tier; a pool of its own, with at least one page, none of them in use.
+        copier: moves pages between the tiers (tiers.Copier); required with ``host_pool``.
+        write_policy: when device pages are backed up to the host tier: "write_through"
+            (default), "write_through_selective" or "write_back" (see above). Checked even
+            without a host tier, where it changes nothing.
+        write_through_threshold: matches through a node before ``write_through_selective``
+            backs it up (>= 1).
     """
 
     def __init__(
@@ -120,6 +220,10 @@ class RadixCache:
         policy: str | EvictionPolicy = "lru",
         *,
         hash_fn: HashFn | None = None,
+        host_pool: PagePool | None = None,
+        copier: Copier | None = None,
+        write_policy: str = WRITE_THROUGH,
+        write_through_threshold: int = 1,
     ) -> None:
         if not isinstance(pool, PagePool):
             raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}")
@@ -127,6 +231,7 @@ class RadixCache:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError("hash_fn must be callable(bytes) -> int")
+        _check_tier_args(pool, host_pool, copier, write_policy, write_through_threshold)
         self.policy = get_policy(policy)
         if hash_fn is None:
             hash_fn = default_hash_fn  # C code that reads the query view in place
@@ -156,6 +261,19 @@ class RadixCache:
         self._match_queries = self._query_tokens = self._hit_tokens = 0
         self._insert_calls = self._inserted_pages = self._duplicate_pages = 0
         self._evicted_pages = self._evicted_nodes = self._resets = self._splits = 0
+        # the host tier (self._host is None: no tier, and none of the code below runs)
+        self.host_pool = host_pool
+        self._host = host_pool
+        self._copier = copier
+        self.write_policy = write_policy
+        self.write_through_threshold = write_through_threshold
+        self._hindex = HostEvictionIndex(self.policy) if host_pool is not None else None
+        self._host_cached = 0  # host pages owned by nodes
+        self._host_evictable = 0  # host pages of unlocked nodes
+        self._copies: list[InFlight] = []  # issued, not yet retired (issue order)
+        self._host_hit_tokens = self._loaded_pages = self._load_failures = 0
+        self._backup_pages = self._write_back_pages = self._backup_failures = 0
+        self._backup_skipped = self._demoted_pages = self._host_evicted_pages = 0
 
     # ======================================================================== queries
     @property
@@ -176,6 +294,21 @@ class RadixCache:
         return self._num_nodes
 
     @property
+    def num_host_pages(self) -> int:
+        """Host pages owned by nodes (0 without a host tier)."""
+        return self._host_cached
+
+    @property
+    def num_host_evictable_pages(self) -> int:
+        """Host pages of unlocked nodes: all of them can be freed by repeated host eviction."""
+        return self._host_evictable
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Copies between the tiers issued and not retired yet."""
+        return len(self._copies)
+
+    @property
     def stats(self) -> CacheStats:
         return CacheStats(
             match_queries=self._match_queries,
@@ -193,11 +326,28 @@ class RadixCache:
             locked_pages=self._cached - self._evictable,
             free_pages=self.pool.num_free,
             num_nodes=self._num_nodes,
+            host_hit_tokens=self._host_hit_tokens,
+            loaded_pages=self._loaded_pages,
+            load_failures=self._load_failures,
+            backup_pages=self._backup_pages,
+            write_back_pages=self._write_back_pages,
+            backup_failures=self._backup_failures,
+            backup_skipped_pages=self._backup_skipped,
+            demoted_pages=self._demoted_pages,
+            host_evicted_pages=self._host_evicted_pages,
+            host_cached_pages=self._host_cached,
+            host_evictable_pages=self._host_evictable,
+            host_free_pages=self._host.num_free if self._host is not None else 0,
+            copies_in_flight=len(self._copies),
         )
 
     def eviction_order(self) -> list[TreeNode]:
-        """The evictable leaves, next victim first (for inspection and tests)."""
+        """The device eviction candidates, next victim first (for inspection and tests)."""
         return list(self._index)
+
+    def host_eviction_order(self) -> list[TreeNode]:
+        """The host eviction candidates, next victim first ([] without a host tier)."""
+        return [] if self._hindex is None else list(self._hindex)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node, root first (depth-first preorder)."""
@@ -208,7 +358,7 @@ class RadixCache:
             stack.extend(node.iter_children())
 
     def path_pages(self, node: TreeNode) -> list[int]:
-        """All pages from the root down to and including ``node``."""
+        """All device pages from the root down to and including ``node``."""
         self._check_node(node)
         parts: list[list[int]] = []
         while node is not None:
@@ -230,6 +380,11 @@ class RadixCache:
         is split (so the returned node ends exactly at the match); the clock ticks once and
         ``last_access``/``hit_count`` are refreshed along the path, and the eviction key of
         its last node.
+
+        With a host tier the walk also follows host-only nodes: the result's first three fields
+        cover the device-resident part, the last three the host continuation below it. Loads
+        still in flight on the path are waited for first, and ``write_through_selective`` may
+        start backups of the path's hot nodes (making room by host eviction elsewhere).
         """
         qb = encode_tokens(tokens)
         try:
@@ -245,12 +400,14 @@ class RadixCache:
                 check_range(qb, off + (partial[1] * pb if partial else 0))
             self._match_queries += 1
             self._query_tokens += len(qb) >> TOKEN_SHIFT
+            if self._host is not None:
+                return self._match_tiered(path, off, partial)
             if partial is not None:
                 child, m = partial
                 path.append(self._split(child, m))
                 off += m * pb
             if not path:
-                return MatchResult(self.root, [], 0)
+                return MatchResult(self.root, [], 0, self.root, [], 0)
             self._clock += 1
             clock = self._clock
             pages: list[int] = []
@@ -263,14 +420,18 @@ class RadixCache:
                 self._index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
-            return _new_result(MatchResult, (last, pages, ntok))
+            return _new_result(MatchResult, (last, pages, ntok, last, [], 0))
         finally:
             if type(qb) is memoryview:
                 _release(qb)
 
-    def peek_prefix(self, tokens: Any, namespace: Any = None) -> int:
+    def peek_prefix(self, tokens: Any, namespace: Any = None, *, host: bool = False) -> int:
         """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
-        or hit-count refresh, no stats (for schedulers that only want to estimate hits)."""
+        or hit-count refresh, no stats (for schedulers that only want to estimate hits).
+
+        That is its ``num_tokens``, the device-resident prefix; with ``host=True``, its
+        ``num_tokens + num_host_tokens`` (what a load back could add; the same without a tier).
+        """
         qb = encode_tokens(tokens)
         try:
             start = self.root if namespace is None else self._ns_roots.get(namespace)
@@ -278,11 +439,14 @@ class RadixCache:
             if start is None or limit == 0:
                 check_range(qb)
                 return 0
-            _, off, partial = self._walk(start, qb, limit)
+            path, off, partial = self._walk(start, qb, limit)
             if partial is not None:
                 off += partial[1] * self._pb
             check_range(qb, off)
-            return off >> TOKEN_SHIFT
+            if host or self._host is None or (partial is not None and partial[0]._pages):
+                return off >> TOKEN_SHIFT
+            # the device-resident part ends at the last device-resident node of the path
+            return next((n.depth_tokens for n in reversed(path) if n._pages), 0)
         finally:
             if type(qb) is memoryview:
                 _release(qb)
@@ -298,7 +462,14 @@ class RadixCache:
         join the trie as one new leaf (one BlockStored event, when someone listens).
         The result's node ends at the last page; with no new page it is the cached path's last
         node (refreshed), and an empty insert returns the global root.
+
+        With a host tier, passed pages for tokens cached only in host memory (the walk goes
+        through host-only nodes) must be HELD too: they become those nodes' device pages (the
+        nodes are device+host again, one BlockStored each). Under ``write_through`` the path's
+        nodes without a host copy are then backed up.
         """
+        if self._copies:
+            self.poll()
         qb = encode_tokens(tokens)
         try:
             if type(pages) is not list:
@@ -316,20 +487,29 @@ class RadixCache:
             start = self.root if namespace is None else self._ns_roots.get(namespace)
             path: list[TreeNode] = []
             partial = None
+            off = 0
             if start is not None and pages:
-                path, _, partial = self._walk(start, qb, len(qb))
+                path, off, partial = self._walk(start, qb, len(qb))
+                if self._host is not None:
+                    self._settle_walk(path, partial)
             canon: list[int] = []
             for n in path:
                 canon += n._pages
             if partial is not None:
                 canon += partial[0]._pages[: partial[1]]
             ncached = len(canon)
-            check_range(qb, ncached * pb)  # the cached part equals stored, validated keys
+            # pages cached in host memory only, right after the device-resident ones
+            nprom = 0
+            if self._host is not None:
+                nprom = off // pb + (partial[1] if partial is not None else 0) - ncached
+            check_range(qb, (ncached + nprom) * pb)  # the cached part equals stored keys
             head = pages[:ncached]
             dups = [] if head == canon else [p for p, q in zip(head, canon) if p != q]
             pool = self.pool
             checked = pool.check_held(dups + pages[ncached:])  # raises: nothing changed yet
             dups, new = checked[: len(dups)], checked[len(dups) :]
+            if nprom:
+                promote, new = new[:nprom], new[nprom:]
 
             # ---- mutation starts: nothing below can fail (but a listener may raise at the end)
             self._insert_calls += 1
@@ -339,6 +519,7 @@ class RadixCache:
                 path.append(self._split(*partial))
             for n in path:
                 n.last_access = clock
+            promoted = self._promote(path, promote) if nprom else None
             if new:
                 parent = path[-1] if path else (start or self._make_ns_root(namespace))
                 leaf = self._new_node(
@@ -352,6 +533,8 @@ class RadixCache:
                     self._index.discard(parent)
                 self._attach(parent, leaf)
                 pool.adopt(new)
+                if self._host is not None:
+                    parent._ndev += 1
                 self._num_nodes += 1
                 self._cached += len(new)
                 self._evictable += len(new)
@@ -366,6 +549,8 @@ class RadixCache:
             if dups:
                 pool.release_held(dups)
                 self._duplicate_pages += len(dups)
+            if self._host is not None:
+                self._after_insert(path, leaf if new else None, promoted)
             if new and self._listeners:
                 self._events.emit(
                     BlockStored(
@@ -383,8 +568,10 @@ class RadixCache:
 
     # ======================================================================== locking
     def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (counts nest)."""
+        """Protect ``node`` and its ancestors from eviction (counts nest), in both tiers."""
         self._check_node(node)
+        if self._host is not None:
+            return self._lock_tiered(node)
         root = self.root
         index = self._index
         while node is not root:
@@ -402,6 +589,8 @@ class RadixCache:
             return
         if node.lock_ref <= 0:
             raise LockError(f"unlock of a node that is not locked: {node!r}")
+        if self._host is not None:
+            return self._unlock_tiered(node)
         root = self.root
         while node is not root:
             node.lock_ref -= 1
@@ -419,11 +608,16 @@ class RadixCache:
         """
         if type(n) is not int or n < 0:
             raise ValueError(f"alloc needs a non-negative int, got {n!r}")
+        if self._copies:
+            self.poll()
         short = n - self.pool.num_free
         if short > 0:
             if short > self._evictable:
                 raise OutOfPages(n, self.pool.num_free + self._evictable, "free or evictable")
-            self.evict(short)
+            if self._host is not None:
+                self._evict_device(short)
+            else:
+                self.evict(short)
         return self.pool.alloc(n)
 
     def evict(self, num_pages: int) -> int:
@@ -431,10 +625,15 @@ class RadixCache:
 
         Never frees more than asked: a leaf larger than the remainder loses only its tail pages
         (a prefix of a cached prefix is still valid KV). The order is the policy's
-        (eviction.py); what happens to a victim is ``_truncate_leaf`` / ``_remove_leaf``.
+        (eviction.py); what happens to a victim is ``_truncate_leaf`` / ``_remove_leaf``, or
+        with a host tier ``_evict_device`` (victims are then demoted to host-only when backed).
         """
         if type(num_pages) is not int or num_pages < 0:
             raise ValueError(f"evict needs a non-negative int, got {num_pages!r}")
+        if self._host is not None:
+            if self._copies:
+                self.poll()
+            return self._evict_device(num_pages)
         freed = 0
         index = self._index
         while freed < num_pages and len(index):
@@ -452,10 +651,13 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every unlocked node and free its pages; locked paths stay cached.
 
-        Emits one BlockRemoved per removed node, or a single AllBlocksCleared when the whole
-        trie went; a reset counts in the stats even when nothing was removed.
+        Emits one BlockRemoved per removed node (and tier), or a single AllBlocksCleared when
+        the whole trie went; a reset counts in the stats even when nothing was removed. With a
+        host tier, unlocked nodes go from both tiers; copies in flight lock theirs, which stay.
         """
         self._resets += 1
+        if self._copies:
+            self.poll()
         root = self.root
         victims: list[TreeNode] = []  # roots of unlocked subtrees
         stack = [root]
@@ -474,16 +676,37 @@ class RadixCache:
         hashes: dict[int, list[int]] = {}
         if self._listeners and not everything:  # before the links they chain along go
             hashes = {n.node_id: self._node_hashes(n) for n in removed if n.key}
+        host = self._host
         for v in victims:
-            self._detach(v.parent, v)
+            parent = v.parent
+            self._detach(parent, v)
             if not v.key:
                 del self._ns_roots[v.namespace]
+            elif host is not None:
+                parent._ndev -= bool(v._pages)
+                parent._nhost -= v._host_pages is not None
         freed: list[int] = []
+        on_device: list[TreeNode] = []
+        on_host: list[TreeNode] = []
         for n in removed:
             self._index.discard(n)
-            freed += n._pages
-            n._pages = []
+            if n._pages:
+                on_device.append(n)
+                freed += n._pages
+                n._pages = []
             n.parent = None
+        if host is not None:
+            host_freed: list[int] = []
+            for n in removed:
+                self._hindex.discard(n)
+                if n._host_pages is not None:
+                    on_host.append(n)
+                    host_freed += n._host_pages
+                    n._host_pages = None
+            host.release_cached(host_freed)
+            self._host_cached -= len(host_freed)
+            self._host_evictable -= len(host_freed)
+            self._host_evicted_pages += len(host_freed)
         self.pool.release_cached(freed)
         self._num_nodes -= len(removed)
         self._cached -= len(freed)
@@ -492,9 +715,10 @@ class RadixCache:
             if everything:
                 self._events.emit(AllBlocksCleared())
             else:
-                for n in removed:
-                    if n.key:
-                        self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace))
+                for n in on_device:
+                    self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace))
+                for n in on_host:
+                    self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace, HOST_MEDIUM))
 
     # Pages leave the trie only through the two methods below (and reset). They validate
     # nothing: they are given unlocked leaves. Freed pages go back to the pool and the counters
@@ -539,6 +763,585 @@ class RadixCache:
                 self._drop_ns_root(parent)
         if hashes is not None:
             self._events.emit(BlockRemoved(hashes, node.namespace))
+
+    # ======================================================================== host tier
+    def load_back(self, match: MatchResult) -> LoadBack:
+        """Give ``match``'s host continuation device pages and start copying it there.
+
+        Works from the trie as it is now, below ``match.host_node`` (which must still be in the
+        cache): the host-only nodes between it and its deepest device-resident ancestor are
+        locked, get device pages (``alloc``: evicting if short; only as many pages as free +
+        evictable allow, splitting a node if needed, so possibly a prefix of the continuation
+        or nothing), and ``copier.to_device`` starts. They stay locked until the copy is
+        retired. Loads already in flight on the path are waited for first.
+
+        Returns a LoadBack whose ``node`` ends the device-resident prefix (lock it) and whose
+        ``pages`` cover it; ``wait_load(lb)`` before reading them. A copier that raises here
+        makes the continuation a miss: nothing stays allocated or locked, and ``lb.error`` says
+        why. Without a host tier this returns the match's own prefix.
+        """
+        node = match.host_node if match.host_node is not None else match.node
+        self._check_node(node)
+        if self._host is None:
+            return LoadBack(match.node, list(match.pages), match.num_tokens)
+        if self._copies:
+            self.poll()
+        loading = []  # a load in flight above would be read before it lands
+        n = node
+        while n is not None:
+            if n._loading:
+                loading.append(n)
+            n = n.parent
+        if loading:
+            self._settle(loading)
+        chain: list[TreeNode] = []  # the host-only nodes to load, bottom-up for now
+        n = node
+        while n.key and not n._pages:
+            chain.append(n)
+            n = n.parent
+        if not chain:
+            return self._prefix_result(node)
+        chain.reverse()
+        frontier = chain[0].parent
+        self.lock(node)  # host pages stay, and the device path above cannot be evicted
+        want = sum(len(x._host_pages) for x in chain)
+        room = self.pool.num_free + self._evictable
+        if room < want:  # load the longest prefix of the continuation that fits
+            kept: list[TreeNode] = []
+            total = 0
+            for x in chain:
+                k = len(x._host_pages)
+                if total + k > room:
+                    if room > total:
+                        kept.append(self._split(x, room - total))
+                        total = room
+                    break
+                kept.append(x)
+                total += k
+            if not kept:
+                self.unlock(node)
+                return self._prefix_result(frontier)
+            self.lock(kept[-1])  # the pin moves up to the last node loaded
+            self.unlock(node)
+            chain, want = kept, total
+        dev = self._alloc_device(want)
+        pairs: list[tuple[int, int]] = []
+        i = 0
+        for x in chain:
+            hp = x._host_pages
+            d = dev[i : i + len(hp)]
+            i += len(hp)
+            self._set_device(x, d)
+            pairs += zip(hp, d)
+            x._inflight += 1
+            x._loading += 1
+        pin = chain[-1]
+        try:
+            handle = self._copier.to_device(pairs)
+        except Exception as e:  # the copier failed at once: a miss, nothing left behind
+            for x in reversed(chain):
+                x._inflight -= 1
+                x._loading -= 1
+                self._clear_device(x)
+            self.unlock(pin)
+            self._load_failures += 1
+            lb = self._prefix_result(frontier)
+            lb.error = e
+            return lb
+        rec = InFlight(LOAD, handle, chain, want)
+        self._copies.append(rec)
+        return LoadBack(
+            pin,
+            self.path_pages(pin),
+            pin.depth_tokens,
+            want * self.page_size,
+            pairs,
+            handle,
+            None,
+            rec,
+        )
+
+    def wait_load(self, lb: LoadBack) -> bool:
+        """Wait for ``lb``'s copy and retire it; True when its pages hold the loaded KV.
+
+        False when the copy failed (or failed to start): the loaded nodes are then host-only
+        again and their device pages back in the pool, so ``lb.pages`` past the device prefix
+        are not the request's any more; unlock ``lb.node`` and match again. True at once when
+        nothing was copied.
+        """
+        c = lb._copy
+        if c is None:
+            return lb.error is None
+        if c.ok is None:
+            self._copies.remove(c)
+            self._retire(c)
+        return bool(c.ok)
+
+    def poll(self) -> int:
+        """Retire every copy that has finished (never blocks); return how many.
+
+        A finished backup becomes a valid host copy (BlockStored, medium "CPU"), a finished
+        load a device copy (BlockStored, medium None); a failed one is undone (its host pages,
+        or device pages, go back to their pool). Either way its nodes are unlocked.
+        """
+        retired = 0
+        for c in list(self._copies):
+            try:
+                finished = c.handle.done()
+            except Exception:  # a handle that cannot tell: wait() will say what happened
+                finished = True
+            if finished:
+                self._copies.remove(c)
+                self._retire(c)
+                retired += 1
+        return retired
+
+    def wait_all(self) -> None:
+        """Wait for every copy in flight and retire it (before shutdown, or in tests)."""
+        while self._copies:
+            self._retire(self._copies.pop(0))
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` host pages in policy order; return the count.
+
+        Victims are unlocked host-resident nodes with no host-resident child: a host-only one
+        leaves the trie, a device+host one keeps its device pages. Never frees more than asked
+        (a larger victim is split first). ValueError without a host tier.
+        """
+        if type(num_pages) is not int or num_pages < 0:
+            raise ValueError(f"evict_host needs a non-negative int, got {num_pages!r}")
+        if self._host is None:
+            raise ValueError("this RadixCache has no host tier (no host_pool)")
+        if self._copies:
+            self.poll()
+        return self._evict_host(num_pages)
+
+    # ---- the tiers' internals: nothing below validates; callers hold the preconditions
+    def _prefix_result(self, node: TreeNode) -> LoadBack:
+        """A LoadBack that loads nothing: the device-resident prefix ending at ``node``."""
+        if not node.key:
+            node = self.root  # as match_prefix reports "nothing cached"
+        return LoadBack(node, self.path_pages(node), node.depth_tokens)
+
+    def _match_tiered(
+        self, path: list[TreeNode], off: int, partial: tuple[TreeNode, int] | None
+    ) -> MatchResult:
+        """match_prefix past the walk, with a host tier: the device prefix and the host
+        continuation (top-closed residency: device nodes come first on any path)."""
+        self._settle_walk(path, partial)
+        if partial is not None:
+            child, m = partial
+            path.append(self._split(child, m))
+            off += m * self._pb
+        root = self.root
+        if not path:
+            return MatchResult(root, [], 0, root, [], 0)
+        self._clock += 1
+        clock = self._clock
+        pages: list[int] = []
+        hpages: list[int] = []
+        last = None
+        for n in path:
+            n.last_access = clock
+            n.hit_count += 1
+            if n._pages:
+                pages += n._pages
+                last = n
+            else:
+                hpages += n._host_pages
+            self._reindex(n)  # re-keys the node where it is a candidate
+        if self.write_policy == WRITE_THROUGH_SELECTIVE:
+            thr = self.write_through_threshold
+            hot = [
+                n
+                for n in path
+                if n._pages and n._host_pages is None and not n._inflight and n.hit_count >= thr
+            ]
+            if hot:
+                end = path[-1]
+                self.lock(end)  # making room in the host tier must not take this match
+                try:
+                    self._backup(hot)
+                finally:
+                    self.unlock(end)
+        ntok = last.depth_tokens if last is not None else 0
+        node = last if last is not None else root
+        nhost = (off >> TOKEN_SHIFT) - ntok
+        self._hit_tokens += ntok
+        self._host_hit_tokens += nhost
+        return _new_result(
+            MatchResult, (node, pages, ntok, path[-1] if nhost else node, hpages, nhost)
+        )
+
+    def _promote(self, path: list[TreeNode], pages: list[int]) -> list[TreeNode]:
+        """Insert passed (HELD) ``pages`` for the host-only tail of ``path``: those nodes get
+        them as device pages. Returns the promoted nodes, top-down."""
+        nodes: list[TreeNode] = []
+        for n in reversed(path):
+            if n._pages:
+                break
+            nodes.append(n)
+        nodes.reverse()
+        i = 0
+        for n in nodes:
+            k = len(n._host_pages)
+            self._set_device(n, pages[i : i + k])
+            i += k
+        self._inserted_pages += i
+        return nodes
+
+    def _after_insert(
+        self, path: list[TreeNode], leaf: TreeNode | None, promoted: list[TreeNode] | None
+    ) -> None:
+        """An insert's host-tier work: index keys, write-through backups, events of promoted
+        nodes (the new leaf's BlockStored follows in insert)."""
+        for n in path:
+            self._reindex(n)
+        if leaf is not None:
+            self._reindex(leaf)
+        if self.write_policy == WRITE_THROUGH:
+            nodes = [n for n in path if n._host_pages is None and not n._inflight]
+            if leaf is not None:
+                nodes.append(leaf)
+            if nodes:
+                self._backup(nodes)
+        if promoted and self._listeners:
+            for n in promoted:
+                self._emit_stored(n, None)
+
+    def _backup(self, nodes: list[TreeNode]) -> None:
+        """Start backing up ``nodes`` (device-only, nothing in flight, top-down on one path):
+        the longest leading run that the host tier has room for gets host pages (host
+        eviction makes the room) and one ``copier.to_host``; the deepest is locked until
+        it is retired."""
+        room = self._host.num_free + self._host_evictable
+        kept: list[TreeNode] = []
+        total = 0
+        for n in nodes:
+            k = len(n._pages)
+            if total + k > room:
+                break
+            kept.append(n)
+            total += k
+        self._backup_skipped += sum(len(n._pages) for n in nodes[len(kept) :])
+        if not kept:
+            return
+        hp = self._alloc_host(total)
+        pairs: list[tuple[int, int]] = []
+        i = 0
+        for n in kept:
+            k = len(n._pages)
+            h = hp[i : i + k]
+            i += k
+            self._set_host(n, h)
+            pairs += zip(n._pages, h)
+            n._inflight += 1
+        pin = kept[-1]
+        self.lock(pin)
+        try:
+            handle = self._copier.to_host(pairs)
+        except Exception:  # failed at once: the nodes stay device-only
+            for n in reversed(kept):
+                n._inflight -= 1
+                self._clear_host(n)
+            self.unlock(pin)
+            self._backup_failures += 1
+            return
+        self._copies.append(InFlight(BACKUP, handle, kept, total))
+
+    def _write_back(self, v: TreeNode) -> None:
+        """Back up the device eviction victim ``v`` (write_back), waiting for the copy. On no
+        room or a failed copy ``v`` stays unbacked (and is then dropped)."""
+        k = len(v._pages)
+        hp = self._alloc_host(k)
+        if hp is None:
+            self._backup_skipped += k
+            return
+        try:
+            self._copier.to_host(list(zip(v._pages, hp))).wait()
+        except Exception:
+            self._host.release_held(hp)
+            self._backup_failures += 1
+            return
+        self._set_host(v, hp)
+        self._backup_pages += k
+        self._write_back_pages += k
+        if self._listeners:
+            self._emit_stored(v, HOST_MEDIUM)
+
+    def _retire(self, c: InFlight) -> None:
+        """Finish copy ``c`` (already taken off ``_copies``): wait for it, keep or undo what it
+        copied, unlock its nodes, then send the events."""
+        try:
+            c.handle.wait()
+            ok = True
+        except Exception as e:
+            ok = False
+            c.error = e
+        c.ok = ok
+        load = c.kind == LOAD
+        for n in c.nodes:
+            n._inflight -= 1
+            if load:
+                n._loading -= 1
+        if not ok:
+            for n in reversed(c.nodes):
+                if load:
+                    self._clear_device(n)
+                else:
+                    self._clear_host(n)
+            if load:
+                self._load_failures += 1
+            else:
+                self._backup_failures += 1
+        elif load:
+            self._loaded_pages += c.pages
+        else:
+            self._backup_pages += c.pages
+        self.unlock(c.pin)
+        if ok and self._listeners:
+            for n in c.nodes:
+                self._emit_stored(n, None if load else HOST_MEDIUM)
+
+    def _settle(self, nodes: list[TreeNode]) -> None:
+        """Wait for and retire every copy in flight on any of ``nodes``."""
+        ids = {id(n) for n in nodes}
+        for c in [c for c in self._copies if any(id(n) in ids for n in c.nodes)]:
+            self._copies.remove(c)
+            self._retire(c)
+
+    def _settle_walk(self, path: list[TreeNode], partial: tuple[TreeNode, int] | None) -> None:
+        """Before a walk's result is used: loads on the path must have landed (their pages are
+        about to be handed out), and a node about to be split must have no copy at all."""
+        nodes = [n for n in path if n._loading]
+        if partial is not None and partial[0]._inflight:
+            nodes.append(partial[0])
+        if nodes:
+            self._settle(nodes)
+
+    def _alloc_device(self, n: int) -> list[int]:
+        """``n`` HELD device pages; the caller checked that free + evictable suffice."""
+        short = n - self.pool.num_free
+        if short > 0:
+            self._evict_device(short)
+        return self.pool.alloc(n)
+
+    def _alloc_host(self, n: int) -> list[int] | None:
+        """``n`` HELD host pages, host-evicting if short; None (nothing changed) if even that
+        cannot find them."""
+        host = self._host
+        short = n - host.num_free
+        if short > 0:
+            if short > self._host_evictable:
+                return None
+            self._evict_host(short)
+        return host.alloc(n)
+
+    def _evict_device(self, num_pages: int) -> int:
+        """Device eviction with a host tier: exactly ``min(num_pages, evictable)`` pages."""
+        freed = 0
+        index = self._index
+        while freed < num_pages and len(index):
+            node = index.first()
+            k = len(node._pages)
+            need = num_pages - freed
+            if k > need:  # the victim keeps its place; the upper part is a new node
+                self._split(node, k - need)
+                k = need
+            self._evict_device_node(node)
+            freed += k
+        return freed
+
+    def _evict_device_node(self, v: TreeNode) -> None:
+        """Take an unlocked device-resident node with no device-resident child off the
+        device: demoted to host-only when backed (write_back backs it up first), else
+        removed with its (host-only, unlocked) subtree."""
+        if v._host_pages is None and self.write_policy == WRITE_BACK:
+            self._write_back(v)
+        self._index.discard(v)
+        if v._host_pages is None:
+            self._remove_subtree(v)
+            return
+        hashes = self._node_hashes(v) if self._listeners else None
+        k = len(v._pages)
+        parent = v.parent
+        self._clear_device(v)
+        self._evicted_pages += k
+        self._demoted_pages += k
+        self._reindex(v)
+        self._reindex(parent)
+        if hashes is not None:
+            self._events.emit(BlockRemoved(hashes, v.namespace))
+
+    def _evict_host(self, num_pages: int) -> int:
+        """Host eviction: exactly ``min(num_pages, host evictable)`` host pages."""
+        freed = 0
+        hindex = self._hindex
+        while freed < num_pages and len(hindex):
+            node = hindex.first()
+            k = len(node._host_pages)
+            need = num_pages - freed
+            if k > need:
+                self._split(node, k - need)
+                k = need
+            if node._pages:  # device+host: only the host copy goes
+                hashes = self._node_hashes(node) if self._listeners else None
+                hindex.discard(node)
+                self._clear_host(node)
+                self._host_evicted_pages += k
+                self._reindex(node.parent)
+                if hashes is not None:
+                    self._events.emit(BlockRemoved(hashes, node.namespace, HOST_MEDIUM))
+            else:  # a host-only node with no host-resident child has no child at all
+                self._remove_subtree(node)
+            freed += k
+        return freed
+
+    def _remove_subtree(self, v: TreeNode) -> None:
+        """Remove the unlocked node ``v`` and everything below it from the trie, freeing their
+        pages in both pools; a parent left without children is re-indexed (or, for an empty
+        namespace root, removed)."""
+        sub = [v]
+        for n in sub:  # grows while iterating
+            sub.extend(n.iter_children())
+        hashes = {n.node_id: self._node_hashes(n) for n in sub} if self._listeners else None
+        parent = v.parent
+        self._detach(parent, v)
+        parent._ndev -= bool(v._pages)
+        parent._nhost -= v._host_pages is not None
+        freed: list[int] = []
+        host_freed: list[int] = []
+        on_device: list[TreeNode] = []
+        on_host: list[TreeNode] = []
+        for n in sub:
+            self._index.discard(n)
+            self._hindex.discard(n)
+            if n._pages:
+                on_device.append(n)
+                freed += n._pages
+                n._pages = []
+            if n._host_pages is not None:
+                on_host.append(n)
+                host_freed += n._host_pages
+                n._host_pages = None
+            n.parent = None
+        self.pool.release_cached(freed)
+        self._cached -= len(freed)
+        self._evictable -= len(freed)
+        self._evicted_pages += len(freed)
+        self._host.release_cached(host_freed)
+        self._host_cached -= len(host_freed)
+        self._host_evictable -= len(host_freed)
+        self._host_evicted_pages += len(host_freed)
+        self._num_nodes -= len(sub)
+        self._evicted_nodes += len(sub)
+        if parent is not self.root:
+            if not parent.key and not parent._children:
+                self._drop_ns_root(parent)
+            else:
+                self._reindex(parent)
+        if hashes is not None:
+            for n in on_device:
+                self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace))
+            for n in on_host:
+                self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace, HOST_MEDIUM))
+
+    def _lock_tiered(self, node: TreeNode) -> None:
+        root = self.root
+        while node is not root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node._pages)
+                hp = node._host_pages
+                if hp is not None:
+                    self._host_evictable -= len(hp)
+                if node._ekey is not None:
+                    self._index.discard(node)
+                if node._hekey is not None:
+                    self._hindex.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def _unlock_tiered(self, node: TreeNode) -> None:
+        root = self.root
+        while node is not root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node._pages)
+                hp = node._host_pages
+                if hp is not None:
+                    self._host_evictable += len(hp)
+                self._reindex(node)
+            node = node.parent
+
+    def _reindex(self, n: TreeNode) -> None:
+        """Put ``n`` in exactly the eviction indexes it belongs to, under its current key.
+
+        Device candidates: unlocked, device-resident, no device-resident child. Host
+        candidates: unlocked, host-resident, no host-resident child. (Roots have no pages.)
+        """
+        free = n.lock_ref == 0
+        if free and n._pages and not n._ndev:
+            if n._ekey is None:
+                self._index.add(n)
+            else:
+                self._index.refresh(n)
+        elif n._ekey is not None:
+            self._index.discard(n)
+        if free and n._host_pages is not None and not n._nhost:
+            if n._hekey is None:
+                self._hindex.add(n)
+            else:
+                self._hindex.refresh(n)
+        elif n._hekey is not None:
+            self._hindex.discard(n)
+
+    # The four residency moves: pool state, page counters, the parent's child counts.
+    # Callers re-index (``_reindex``) and send events.
+    def _set_device(self, n: TreeNode, pages: list[int]) -> None:
+        self.pool.adopt(pages)
+        n._pages = pages
+        self._cached += len(pages)
+        if n.lock_ref == 0:
+            self._evictable += len(pages)
+        n.parent._ndev += 1
+
+    def _clear_device(self, n: TreeNode) -> None:
+        pages = n._pages
+        self.pool.release_cached(pages)
+        n._pages = []
+        self._cached -= len(pages)
+        if n.lock_ref == 0:
+            self._evictable -= len(pages)
+        n.parent._ndev -= 1
+
+    def _set_host(self, n: TreeNode, pages: list[int]) -> None:
+        self._host.adopt(pages)
+        n._host_pages = pages
+        self._host_cached += len(pages)
+        if n.lock_ref == 0:
+            self._host_evictable += len(pages)
+        n.parent._nhost += 1
+
+    def _clear_host(self, n: TreeNode) -> None:
+        pages = n._host_pages
+        self._host.release_cached(pages)
+        n._host_pages = None
+        self._host_cached -= len(pages)
+        if n.lock_ref == 0:
+            self._host_evictable -= len(pages)
+        n.parent._nhost -= 1
+
+    def _emit_stored(self, n: TreeNode, medium: str | None) -> None:
+        self._events.emit(
+            BlockStored(
+                self._node_hashes(n),
+                self._last_hash(n.parent),
+                key_to_list(n.key),
+                self.page_size,
+                n.namespace,
+                medium,
+            )
+        )
 
     # ======================================================================== events
     def add_listener(self, fn: Listener) -> None:
@@ -589,7 +1392,9 @@ class RadixCache:
 
         The existing node object keeps the lower part, so references held by callers (and
         lock counts, which the new node inherits) stay valid. Everything a node holds per page
-        (pages, event hashes) is cut here, at one place.
+        (device pages, host pages, event hashes) is cut here, at one place. The upper node has
+        the lower one's residency, so neither the parent's counts nor either eviction index
+        changes (a node with copies in flight is never split: callers settle it first).
         """
         cut = m * self._pb
         parent = child.parent
@@ -617,6 +1422,13 @@ class RadixCache:
         if child._hashes is not None:
             upper._hashes = child._hashes[:m]
             child._hashes = child._hashes[m:]
+        if self._host is not None:
+            hp = child._host_pages
+            if hp is not None:
+                upper._host_pages = hp[:m]
+                child._host_pages = hp[m:]
+                upper._nhost = 1
+            upper._ndev = 1 if child._pages else 0
         self._num_nodes += 1
         self._splits += 1
         return upper
@@ -711,6 +1523,12 @@ class RadixCache:
         the cached, evictable and node counters; the eviction index (exactly the unlocked
         leaves that own pages, under their current key); cached event hashes (when any node
         has them) equal to a fresh computation.
+
+        With a host tier, also: the same conservation in the host pool; every node in at least
+        one tier, each tier's page list whole; device residency top-closed; the per-node counts
+        of device- and host-resident children; lock counts at least the copies in flight (which
+        are recounted from the copies not yet retired, each locking its deepest node); the host
+        counters; and both eviction indexes, each holding exactly its candidates.
         """
         pool = self.pool
         pool.check_invariants()
@@ -769,7 +1587,7 @@ class RadixCache:
                 continue
             if len(node.key) % pb:
                 _fail(f"{node!r}: key is not a whole number of pages")
-            if len(node._pages) * pb != len(node.key):
+            if (node._pages or self._host is None) and len(node._pages) * pb != len(node.key):
                 _fail(f"{node!r}: {len(node._pages)} pages for {node.num_tokens} tokens")
             if node.namespace != parent.namespace:
                 _fail(f"{node!r}: namespace differs from its parent's")
@@ -790,7 +1608,11 @@ class RadixCache:
             cached += len(node._pages)
             if node.lock_ref == 0:
                 evictable += len(node._pages)
-                if not children:
+                if self._host is None:
+                    candidate = not children
+                else:  # device-resident with no device-resident child
+                    candidate = bool(node._pages) and not any(c._pages for c in children)
+                if candidate:
                     expected_index[node.node_id] = self.policy.key(node)
             elif node._ekey is not None:
                 _fail(f"locked node {node!r} is in the eviction index")
@@ -812,18 +1634,119 @@ class RadixCache:
             )
         if len(self._index) != len(stored):
             _fail("eviction index has duplicate keys")
+        if self._host is None:
+            for n in self.iter_nodes():
+                if n._host_pages is not None or n._hekey is not None or n._inflight:
+                    _fail(f"{n!r}: host-tier state in a cache without a host tier")
+            if self._copies or self._host_cached or self._host_evictable:
+                _fail("host-tier counters in a cache without a host tier")
+        else:
+            self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """check_invariants' host-tier part (see there)."""
+        host = self._host
+        host.check_invariants()
+        pb = self._pb
+        inflight: dict[int, int] = {}
+        loading: dict[int, int] = {}
+        for c in self._copies:
+            if c.ok is not None or not c.nodes or c.pin is not c.nodes[-1]:
+                _fail(f"malformed copy in flight {c!r}")
+            if c.pages != sum(len(n._host_pages or ()) for n in c.nodes):
+                _fail(f"{c!r}: page count differs from its nodes' host pages")
+            on_path = set()
+            n = c.pin
+            while n is not None:
+                on_path.add(id(n))
+                n = n.parent
+            for n in c.nodes:
+                if id(n) not in on_path or n.parent is None:
+                    _fail(f"{c!r}: {n!r} is not in the trie on the path of its pin")
+                if not n._pages or n._host_pages is None:
+                    _fail(f"{c!r}: {n!r} lacks the pages being copied")
+                inflight[n.node_id] = inflight.get(n.node_id, 0) + 1
+                if c.kind == LOAD:
+                    loading[n.node_id] = loading.get(n.node_id, 0) + 1
+        seen: set[int] = set()
+        hcached = hevictable = 0
+        expected: dict[int, int] = {}
+        for node in self.iter_nodes():
+            children = list(node.iter_children())
+            ndev = sum(1 for c in children if c._pages)
+            nhost = sum(1 for c in children if c._host_pages is not None)
+            if node._ndev != ndev or node._nhost != nhost:
+                _fail(
+                    f"{node!r}: child counts device {node._ndev}/{ndev}, host {node._nhost}/{nhost}"
+                )
+            if node._inflight != inflight.get(node.node_id, 0):
+                _fail(f"{node!r}: {node._inflight} copies in flight, recount differs")
+            if node._loading != loading.get(node.node_id, 0):
+                _fail(f"{node!r}: {node._loading} loads in flight, recount differs")
+            if node.lock_ref < node._inflight:
+                _fail(f"{node!r}: lock count below its copies in flight")
+            hp = node._host_pages
+            if not node.key:
+                if hp is not None or node._hekey is not None:
+                    _fail(f"{node!r}: a root with host pages")
+                continue
+            if not node._pages and hp is None:
+                _fail(f"{node!r} is in neither tier")
+            parent = node.parent
+            if node._pages and parent.key and not parent._pages:
+                _fail(f"{node!r} is device-resident below a host-only node")
+            if hp is None:
+                if node._hekey is not None:
+                    _fail(f"{node!r} without host pages is in the host eviction index")
+                continue
+            if len(hp) * pb != len(node.key):
+                _fail(f"{node!r}: {len(hp)} host pages for {node.num_tokens} tokens")
+            for p in hp:
+                if p in seen:
+                    _fail(f"host page {p} is owned by two nodes")
+                seen.add(p)
+                if type(p) is not int or not 0 <= p < host.num_pages or host.state(p) != "cached":
+                    _fail(f"host page {p} is not CACHED in the host pool")
+            hcached += len(hp)
+            if node.lock_ref == 0:
+                hevictable += len(hp)
+                if not nhost:
+                    expected[node.node_id] = self.policy.key(node)
+        if host.num_cached != hcached or hcached != self._host_cached:
+            _fail(
+                f"host pages: pool {host.num_cached}, counter {self._host_cached}, "
+                f"recount {hcached}"
+            )
+        if host.num_free + hcached + host.num_held != host.num_pages:
+            _fail("host pool: free + cached + held != total")
+        if hevictable != self._host_evictable:
+            _fail(f"host evictable counter {self._host_evictable} != recount {hevictable}")
+        stored = self._hindex.stored_keys()
+        if stored != expected:
+            _fail(
+                f"host eviction index {sorted(stored.items())} != recount "
+                f"{sorted(expected.items())}"
+            )
+        if len(self._hindex) != len(stored):
+            _fail("host eviction index has duplicate keys")
 
     def pretty(self, max_tokens_shown: int = 8) -> str:
-        """The trie as indented text, one line per node (see pretty.py)."""
+        """The trie as indented text, one line per node (see pretty.py); with a host tier each
+        line says where the node lives."""
         header = (
             f"root  [{self._cached} cached pages, {self.num_locked_pages} locked, "
             f"{self.pool.num_free} free, policy={self.policy.name}, page_size={self.page_size}]"
         )
-        return render_text(self.root, header, max_tokens_shown)
+        if self._host is not None:
+            header += (
+                f"  host [{self._host_cached} cached pages, {self._host.num_free} free, "
+                f"{self.write_policy}, {len(self._copies)} copies in flight]"
+            )
+        return render_text(self.root, header, max_tokens_shown, self._host is not None)
 
     def to_dot(self) -> str:
         """The trie as Graphviz source (see pretty.py)."""
-        return render_dot(self.iter_nodes(), self._index)
+        return render_dot(self.iter_nodes(), self._index, tiers=self._host is not None)
 
     def __repr__(self) -> str:
         return (
