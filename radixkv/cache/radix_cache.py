@@ -68,7 +68,7 @@ class InsertResult(NamedTuple):
 
     node: TreeNode  # node ending at the last inserted page (the root for an empty insert)
     pages: list[int]  # canonical pages of the whole inserted prefix (a fresh list)
-    num_cached_before: int  # leading tokens that were cached before this insert
+    num_cached_before: int  # leading tokens that were cached (on the device) before this insert
 
 
 # The hot paths build results with tuple.__new__, skipping the NamedTuple's Python-level
@@ -519,12 +519,15 @@ class RadixCache:
                 path.append(self._split(*partial))
             for n in path:
                 n.last_access = clock
-            promoted = self._promote(path, promote) if nprom else None
+            promoted = None
+            if nprom:
+                promoted = self._promote(path, promote)
+                canon += promote
             if new:
                 parent = path[-1] if path else (start or self._make_ns_root(namespace))
                 leaf = self._new_node(
                     parent,
-                    bytes(qb[ncached * pb :]),  # the new key (a copy when qb is a memoryview)
+                    bytes(qb[(ncached + nprom) * pb :]),  # the new key (a copy of a memoryview)
                     new,
                     namespace,
                     parent.depth_tokens + len(new) * self.page_size,
@@ -1011,19 +1014,19 @@ class RadixCache:
 
     def _backup(self, nodes: list[TreeNode]) -> None:
         """Start backing up ``nodes`` (device-only, nothing in flight, top-down on one path):
-        the longest leading run that the host tier has room for gets host pages (host
-        eviction makes the room) and one ``copier.to_host``; the deepest is locked until
-        it is retired."""
+        those the host tier has room for, top-down first fit, get host pages (host eviction
+        makes the room) and one ``copier.to_host``; the deepest is locked until it is
+        retired. A node that does not fit is skipped (``backup_skipped_pages``)."""
         room = self._host.num_free + self._host_evictable
         kept: list[TreeNode] = []
         total = 0
         for n in nodes:
             k = len(n._pages)
             if total + k > room:
-                break
+                self._backup_skipped += k
+                continue
             kept.append(n)
             total += k
-        self._backup_skipped += sum(len(n._pages) for n in nodes[len(kept) :])
         if not kept:
             return
         hp = self._alloc_host(total)
