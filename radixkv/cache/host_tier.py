@@ -10,9 +10,9 @@ RadixCache docstring; docs/cache_design.md ("Tiers") explains them. Nothing here
 nothing here costs anything, when ``host_pool`` is None.
 
 The attributes used below belong to RadixCache (``__init__`` creates them): the trie (``root``,
-``_index``, counters, ``_events``), and the tier's ``_host`` (the host PagePool), ``_copier``,
-``_hindex`` (HostEvictionIndex), ``_host_cached``, ``_host_evictable`` and ``_copies`` (the
-InFlight records not yet retired, in issue order).
+``_index``, counters, ``_events``), and the tier's ``_host`` (the host PagePool), ``_copies``
+(the InFlight records not yet retired, in issue order) and ``_tier`` (TierState: the copier,
+the write policy, the host eviction index, the host page counters and the tier's stats).
 """
 
 from __future__ import annotations
@@ -80,15 +80,49 @@ def check_tier_args(
             raise TypeError(f"copier must have a callable {name}(pairs) method, got {copier!r}")
 
 
+class TierState:
+    """The host tier's state and counters, one attribute of the cache (``_tier``)."""
+
+    __slots__ = (
+        "backup_failures",
+        "backup_pages",
+        "backup_skipped",
+        "copier",
+        "demoted_pages",
+        "hindex",
+        "host_cached",
+        "host_evictable",
+        "host_evicted_pages",
+        "host_hit_tokens",
+        "load_failures",
+        "loaded_pages",
+        "threshold",
+        "write_back_pages",
+        "write_policy",
+    )
+
+    def __init__(
+        self, host: PagePool | None, copier: Any, write_policy: str, threshold: int
+    ) -> None:
+        self.copier = copier
+        self.write_policy = write_policy
+        self.threshold = threshold
+        self.hindex: Any = None  # HostEvictionIndex, with a host pool
+        self.host_cached = 0  # host pages owned by nodes
+        self.host_evictable = 0  # host pages of unlocked nodes
+        # cumulative (CacheStats)
+        self.host_hit_tokens = self.loaded_pages = self.load_failures = 0
+        self.backup_pages = self.write_back_pages = self.backup_failures = 0
+        self.backup_skipped = self.demoted_pages = self.host_evicted_pages = 0
+
+
 class HostTier:
     """Host-tier methods of RadixCache (see the module docstring); not used on its own."""
 
     # Declared for readers and type checkers; RadixCache.__init__ sets them.
     _host: PagePool | None
-    _hindex: Any
     _copies: list[InFlight]
-    _host_cached: int
-    _host_evictable: int
+    _tier: TierState
 
     def load_back(self, match: MatchResult) -> LoadBack:
         """Give ``match``'s host continuation device pages and start copying it there.
@@ -162,14 +196,14 @@ class HostTier:
             x._loading += 1
         pin = chain[-1]
         try:
-            handle = self._copier.to_device(pairs)
+            handle = self._tier.copier.to_device(pairs)
         except Exception as e:  # the copier failed at once: a miss, nothing left behind
             for x in reversed(chain):
                 x._inflight -= 1
                 x._loading -= 1
                 self._clear_device(x)
             self.unlock(pin)
-            self._load_failures += 1
+            self._tier.load_failures += 1
             lb = self._prefix_result(frontier)
             lb.error = e
             return lb
@@ -276,8 +310,8 @@ class HostTier:
             else:
                 hpages += n._host_pages
             self._reindex(n)  # re-keys the node where it is a candidate
-        if self.write_policy == WRITE_THROUGH_SELECTIVE:
-            thr = self.write_through_threshold
+        if self._tier.write_policy == WRITE_THROUGH_SELECTIVE:
+            thr = self._tier.threshold
             hot = [
                 n
                 for n in path
@@ -294,7 +328,7 @@ class HostTier:
         node = last if last is not None else root
         nhost = (off >> TOKEN_SHIFT) - ntok
         self._hit_tokens += ntok
-        self._host_hit_tokens += nhost
+        self._tier.host_hit_tokens += nhost
         return (node, pages, ntok, path[-1] if nhost else node, hpages, nhost)
 
     def _promote(self, path: list[TreeNode], pages: list[int]) -> list[TreeNode]:
@@ -325,7 +359,7 @@ class HostTier:
             self._reindex(leaf)
         # built now: making room for the backups may split the promoted nodes
         events = [self._stored_event(n, None) for n in promoted or () if self._listeners]
-        if self.write_policy == WRITE_THROUGH:
+        if self._tier.write_policy == WRITE_THROUGH:
             nodes = [n for n in path if n._host_pages is None and not n._inflight]
             if leaf is not None:
                 nodes.append(leaf)
@@ -339,13 +373,13 @@ class HostTier:
         those the host tier has room for, top-down first fit, get host pages (host eviction
         makes the room) and one ``copier.to_host``; the deepest is locked until it is
         retired. A node that does not fit is skipped (``backup_skipped_pages``)."""
-        room = self._host.num_free + self._host_evictable
+        room = self._host.num_free + self._tier.host_evictable
         kept: list[TreeNode] = []
         total = 0
         for n in nodes:
             k = len(n._pages)
             if total + k > room:
-                self._backup_skipped += k
+                self._tier.backup_skipped += k
                 continue
             kept.append(n)
             total += k
@@ -364,13 +398,13 @@ class HostTier:
         pin = kept[-1]
         self.lock(pin)
         try:
-            handle = self._copier.to_host(pairs)
+            handle = self._tier.copier.to_host(pairs)
         except Exception:  # failed at once: the nodes stay device-only
             for n in reversed(kept):
                 n._inflight -= 1
                 self._clear_host(n)
             self.unlock(pin)
-            self._backup_failures += 1
+            self._tier.backup_failures += 1
             return
         self._copies.append(InFlight(BACKUP, handle, kept, total))
 
@@ -380,17 +414,17 @@ class HostTier:
         k = len(v._pages)
         hp = self._alloc_host(k)
         if hp is None:
-            self._backup_skipped += k
+            self._tier.backup_skipped += k
             return
         try:
-            self._copier.to_host(list(zip(v._pages, hp))).wait()
+            self._tier.copier.to_host(list(zip(v._pages, hp))).wait()
         except Exception:
             self._host.release_held(hp)
-            self._backup_failures += 1
+            self._tier.backup_failures += 1
             return
         self._set_host(v, hp)
-        self._backup_pages += k
-        self._write_back_pages += k
+        self._tier.backup_pages += k
+        self._tier.write_back_pages += k
         if self._listeners:
             self._emit_stored(v, HOST_MEDIUM)
 
@@ -416,13 +450,13 @@ class HostTier:
                 else:
                     self._clear_host(n)
             if load:
-                self._load_failures += 1
+                self._tier.load_failures += 1
             else:
-                self._backup_failures += 1
+                self._tier.backup_failures += 1
         elif load:
-            self._loaded_pages += c.pages
+            self._tier.loaded_pages += c.pages
         else:
-            self._backup_pages += c.pages
+            self._tier.backup_pages += c.pages
         self.unlock(c.pin)
         if ok and self._listeners:
             for n in c.nodes:
@@ -457,7 +491,7 @@ class HostTier:
         host = self._host
         short = n - host.num_free
         if short > 0:
-            if short > self._host_evictable:
+            if short > self._tier.host_evictable:
                 return None
             self._evict_host(short)
         return host.alloc(n)
@@ -481,7 +515,7 @@ class HostTier:
         """Take an unlocked device-resident node with no device-resident child off the
         device: demoted to host-only when backed (write_back backs it up first), else
         removed with its (host-only, unlocked) subtree."""
-        if v._host_pages is None and self.write_policy == WRITE_BACK:
+        if v._host_pages is None and self._tier.write_policy == WRITE_BACK:
             self._write_back(v)
         self._index.discard(v)
         if v._host_pages is None:
@@ -492,7 +526,7 @@ class HostTier:
         parent = v.parent
         self._clear_device(v)
         self._evicted_pages += k
-        self._demoted_pages += k
+        self._tier.demoted_pages += k
         self._reindex(v)
         self._reindex(parent)
         if hashes is not None:
@@ -501,7 +535,7 @@ class HostTier:
     def _evict_host(self, num_pages: int) -> int:
         """Host eviction: exactly ``min(num_pages, host evictable)`` host pages."""
         freed = 0
-        hindex = self._hindex
+        hindex = self._tier.hindex
         while freed < num_pages and len(hindex):
             node = hindex.first()
             k = len(node._host_pages)
@@ -513,7 +547,7 @@ class HostTier:
                 hashes = self._node_hashes(node) if self._listeners else None
                 hindex.discard(node)
                 self._clear_host(node)
-                self._host_evicted_pages += k
+                self._tier.host_evicted_pages += k
                 self._reindex(node.parent)
                 if hashes is not None:
                     self._events.emit(BlockRemoved(hashes, node.namespace, HOST_MEDIUM))
@@ -540,7 +574,7 @@ class HostTier:
         on_host: list[TreeNode] = []
         for n in sub:
             self._index.discard(n)
-            self._hindex.discard(n)
+            self._tier.hindex.discard(n)
             if n._pages:
                 on_device.append(n)
                 freed += n._pages
@@ -555,9 +589,9 @@ class HostTier:
         self._evictable -= len(freed)
         self._evicted_pages += len(freed)
         self._host.release_cached(host_freed)
-        self._host_cached -= len(host_freed)
-        self._host_evictable -= len(host_freed)
-        self._host_evicted_pages += len(host_freed)
+        self._tier.host_cached -= len(host_freed)
+        self._tier.host_evictable -= len(host_freed)
+        self._tier.host_evicted_pages += len(host_freed)
         self._num_nodes -= len(sub)
         self._evicted_nodes += len(sub)
         if parent is not self.root:
@@ -578,11 +612,11 @@ class HostTier:
                 self._evictable -= len(node._pages)
                 hp = node._host_pages
                 if hp is not None:
-                    self._host_evictable -= len(hp)
+                    self._tier.host_evictable -= len(hp)
                 if node._ekey is not None:
                     self._index.discard(node)
                 if node._hekey is not None:
-                    self._hindex.discard(node)
+                    self._tier.hindex.discard(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -594,7 +628,7 @@ class HostTier:
                 self._evictable += len(node._pages)
                 hp = node._host_pages
                 if hp is not None:
-                    self._host_evictable += len(hp)
+                    self._tier.host_evictable += len(hp)
                 self._reindex(node)
             node = node.parent
 
@@ -614,11 +648,11 @@ class HostTier:
             self._index.discard(n)
         if free and n._host_pages is not None and not n._nhost:
             if n._hekey is None:
-                self._hindex.add(n)
+                self._tier.hindex.add(n)
             else:
-                self._hindex.refresh(n)
+                self._tier.hindex.refresh(n)
         elif n._hekey is not None:
-            self._hindex.discard(n)
+            self._tier.hindex.discard(n)
 
     # The four residency moves: pool state, page counters, the parent's child counts.
     # Callers re-index (``_reindex``) and send events.
@@ -642,18 +676,18 @@ class HostTier:
     def _set_host(self, n: TreeNode, pages: list[int]) -> None:
         self._host.adopt(pages)
         n._host_pages = pages
-        self._host_cached += len(pages)
+        self._tier.host_cached += len(pages)
         if n.lock_ref == 0:
-            self._host_evictable += len(pages)
+            self._tier.host_evictable += len(pages)
         n.parent._nhost += 1
 
     def _clear_host(self, n: TreeNode) -> None:
         pages = n._host_pages
         self._host.release_cached(pages)
         n._host_pages = None
-        self._host_cached -= len(pages)
+        self._tier.host_cached -= len(pages)
         if n.lock_ref == 0:
-            self._host_evictable -= len(pages)
+            self._tier.host_evictable -= len(pages)
         n.parent._nhost -= 1
 
     def _stored_event(self, n: TreeNode, medium: str | None) -> BlockStored:
@@ -738,20 +772,20 @@ class HostTier:
                 hevictable += len(hp)
                 if not nhost:
                     expected[node.node_id] = self.policy.key(node)
-        if host.num_cached != hcached or hcached != self._host_cached:
+        if host.num_cached != hcached or hcached != self._tier.host_cached:
             _fail(
-                f"host pages: pool {host.num_cached}, counter {self._host_cached}, "
+                f"host pages: pool {host.num_cached}, counter {self._tier.host_cached}, "
                 f"recount {hcached}"
             )
         if host.num_free + hcached + host.num_held != host.num_pages:
             _fail("host pool: free + cached + held != total")
-        if hevictable != self._host_evictable:
-            _fail(f"host evictable counter {self._host_evictable} != recount {hevictable}")
-        stored = self._hindex.stored_keys()
+        if hevictable != self._tier.host_evictable:
+            _fail(f"host evictable counter {self._tier.host_evictable} != recount {hevictable}")
+        stored = self._tier.hindex.stored_keys()
         if stored != expected:
             _fail(
                 f"host eviction index {sorted(stored.items())} != recount "
                 f"{sorted(expected.items())}"
             )
-        if len(self._hindex) != len(stored):
+        if len(self._tier.hindex) != len(stored):
             _fail("host eviction index has duplicate keys")

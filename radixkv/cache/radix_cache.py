@@ -27,7 +27,7 @@ from radixkv.cache.hashing import (
     default_hash_fn,
     local_hashes_of_key,
 )
-from radixkv.cache.host_tier import HostTier, check_tier_args
+from radixkv.cache.host_tier import HostTier, TierState, check_tier_args
 from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.pretty import render_dot, render_text
@@ -223,19 +223,14 @@ class RadixCache(HostTier):
         self._match_queries = self._query_tokens = self._hit_tokens = 0
         self._insert_calls = self._inserted_pages = self._duplicate_pages = 0
         self._evicted_pages = self._evicted_nodes = self._resets = self._splits = 0
-        # the host tier (self._host is None: no tier, and none of the code below runs)
-        self.host_pool = host_pool
+        # The host tier. self._host is None: no tier, and none of its code runs. Its state is
+        # one object: few attributes on the cache keep CPython's fast attribute access (an
+        # instance dict of more than 30 keys stops sharing its keys with the class's).
         self._host = host_pool
-        self._copier = copier
-        self.write_policy = write_policy
-        self.write_through_threshold = write_through_threshold
-        self._hindex = HostEvictionIndex(self.policy) if host_pool is not None else None
-        self._host_cached = 0  # host pages owned by nodes
-        self._host_evictable = 0  # host pages of unlocked nodes
         self._copies: list[InFlight] = []  # issued, not yet retired (issue order)
-        self._host_hit_tokens = self._loaded_pages = self._load_failures = 0
-        self._backup_pages = self._write_back_pages = self._backup_failures = 0
-        self._backup_skipped = self._demoted_pages = self._host_evicted_pages = 0
+        self._tier = TierState(host_pool, copier, write_policy, write_through_threshold)
+        if host_pool is not None:
+            self._tier.hindex = HostEvictionIndex(self.policy)
 
     # ======================================================================== queries
     @property
@@ -256,14 +251,27 @@ class RadixCache(HostTier):
         return self._num_nodes
 
     @property
+    def host_pool(self) -> PagePool | None:
+        """The host tier's PagePool (None: no host tier)."""
+        return self._host
+
+    @property
+    def write_policy(self) -> str:
+        return self._tier.write_policy
+
+    @property
+    def write_through_threshold(self) -> int:
+        return self._tier.threshold
+
+    @property
     def num_host_pages(self) -> int:
         """Host pages owned by nodes (0 without a host tier)."""
-        return self._host_cached
+        return self._tier.host_cached
 
     @property
     def num_host_evictable_pages(self) -> int:
         """Host pages of unlocked nodes: all of them can be freed by repeated host eviction."""
-        return self._host_evictable
+        return self._tier.host_evictable
 
     @property
     def copies_in_flight(self) -> int:
@@ -288,17 +296,17 @@ class RadixCache(HostTier):
             locked_pages=self._cached - self._evictable,
             free_pages=self.pool.num_free,
             num_nodes=self._num_nodes,
-            host_hit_tokens=self._host_hit_tokens,
-            loaded_pages=self._loaded_pages,
-            load_failures=self._load_failures,
-            backup_pages=self._backup_pages,
-            write_back_pages=self._write_back_pages,
-            backup_failures=self._backup_failures,
-            backup_skipped_pages=self._backup_skipped,
-            demoted_pages=self._demoted_pages,
-            host_evicted_pages=self._host_evicted_pages,
-            host_cached_pages=self._host_cached,
-            host_evictable_pages=self._host_evictable,
+            host_hit_tokens=self._tier.host_hit_tokens,
+            loaded_pages=self._tier.loaded_pages,
+            load_failures=self._tier.load_failures,
+            backup_pages=self._tier.backup_pages,
+            write_back_pages=self._tier.write_back_pages,
+            backup_failures=self._tier.backup_failures,
+            backup_skipped_pages=self._tier.backup_skipped,
+            demoted_pages=self._tier.demoted_pages,
+            host_evicted_pages=self._tier.host_evicted_pages,
+            host_cached_pages=self._tier.host_cached,
+            host_evictable_pages=self._tier.host_evictable,
             host_free_pages=self._host.num_free if self._host is not None else 0,
             copies_in_flight=len(self._copies),
         )
@@ -309,7 +317,7 @@ class RadixCache(HostTier):
 
     def host_eviction_order(self) -> list[TreeNode]:
         """The host eviction candidates, next victim first ([] without a host tier)."""
-        return [] if self._hindex is None else list(self._hindex)
+        return [] if self._tier.hindex is None else list(self._tier.hindex)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node, root first (depth-first preorder)."""
@@ -663,15 +671,15 @@ class RadixCache(HostTier):
         if host is not None:
             host_freed: list[int] = []
             for n in removed:
-                self._hindex.discard(n)
+                self._tier.hindex.discard(n)
                 if n._host_pages is not None:
                     on_host.append(n)
                     host_freed += n._host_pages
                     n._host_pages = None
             host.release_cached(host_freed)
-            self._host_cached -= len(host_freed)
-            self._host_evictable -= len(host_freed)
-            self._host_evicted_pages += len(host_freed)
+            self._tier.host_cached -= len(host_freed)
+            self._tier.host_evictable -= len(host_freed)
+            self._tier.host_evicted_pages += len(host_freed)
         self.pool.release_cached(freed)
         self._num_nodes -= len(removed)
         self._cached -= len(freed)
@@ -1024,7 +1032,7 @@ class RadixCache(HostTier):
             for n in self.iter_nodes():
                 if n._host_pages is not None or n._hekey is not None or n._inflight:
                     _fail(f"{n!r}: host-tier state in a cache without a host tier")
-            if self._copies or self._host_cached or self._host_evictable:
+            if self._copies or self._tier.host_cached or self._tier.host_evictable:
                 _fail("host-tier counters in a cache without a host tier")
         else:
             self._check_tiers()
@@ -1038,7 +1046,7 @@ class RadixCache(HostTier):
         )
         if self._host is not None:
             header += (
-                f"  host [{self._host_cached} cached pages, {self._host.num_free} free, "
+                f"  host [{self._tier.host_cached} cached pages, {self._host.num_free} free, "
                 f"{self.write_policy}, {len(self._copies)} copies in flight]"
             )
         return render_text(self.root, header, max_tokens_shown, self._host is not None)
