@@ -64,6 +64,28 @@ def test_constructor_validation() -> None:
     assert isinstance(cp.to_host([(0, 0)]), CopyHandle)
 
 
+def test_exports_and_import_stays_torch_free() -> None:
+    import subprocess
+    import sys
+
+    import radixkv
+
+    assert radixkv.LoadBack is LoadBack
+    assert radixkv.HostKVPool.__name__ == "HostKVPool" and radixkv.KVCopier.__name__ == "KVCopier"
+    code = (
+        "import sys, radixkv\n"
+        "from radixkv.cache import CompletedCopy, PagePool, RadixCache\n"
+        "class C:\n"
+        "    def to_host(self, pairs): return CompletedCopy()\n"
+        "    to_device = to_host\n"
+        "c = RadixCache(PagePool(4), 1, host_pool=PagePool(4), copier=C())\n"
+        "c.insert([1, 2], c.alloc(2)); c.evict(2); lb = c.load_back(c.match_prefix([1, 2]))\n"
+        "assert c.wait_load(lb) and lb.num_loaded_tokens == 2; c.check_invariants()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_without_a_tier_nothing_changes() -> None:
     cache = RadixCache(PagePool(8), page_size=2)
     r = cache.insert(A, cache.alloc(3))
