@@ -294,11 +294,12 @@ def test_failed_load_is_a_miss_with_nothing_leaked(when: str) -> None:
     m = cache.match_prefix(A)
     lb = cache.load_back(m)
     cache.lock(lb.node)
-    if when == "issue":
+    if when == "issue":  # the load back reports what is on the device: nothing
         assert lb.error is not None and lb.num_loaded_tokens == 0 and lb.node is cache.root
+        assert cache.wait_load(lb) and lb.pages == [] and lb.num_tokens == 0
     else:
         assert lb.error is None and lb.num_loaded_tokens == 6
-    assert not cache.wait_load(lb)
+        assert not cache.wait_load(lb)
     cache.unlock(lb.node)
     assert residency(cache) == {tuple(A): "host"}
     assert cache.pool.num_free == free_before and cache.num_locked_pages == 0

@@ -221,16 +221,17 @@ class HostTier:
         )
 
     def wait_load(self, lb: LoadBack) -> bool:
-        """Wait for ``lb``'s copy and retire it; True when its pages hold the loaded KV.
+        """Wait for ``lb``'s copy and retire it; True when ``lb.pages`` can be read.
 
-        False when the copy failed (or failed to start): the loaded nodes are then host-only
-        again and their device pages back in the pool, so ``lb.pages`` past the device prefix
-        are not the request's any more; unlock ``lb.node`` and match again. True at once when
-        nothing was copied.
+        False when the copy failed: the loaded nodes are then host-only again and their device
+        pages back in the pool, so ``lb.pages`` past the device prefix are not the request's any
+        more; unlock ``lb.node`` and match again (a miss). True at once when nothing was copied,
+        including a load that failed when issued (``lb.error``): ``lb`` then only covers the
+        device prefix, which is valid.
         """
         c = lb._copy
         if c is None:
-            return lb.error is None
+            return True
         if c.ok is None:
             self._copies.remove(c)
             self._retire(c)

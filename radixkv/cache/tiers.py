@@ -149,7 +149,9 @@ class LoadBack:
 
     Before a forward pass reads ``pages``, call ``RadixCache.wait_load(lb)``: it waits for the
     copy and returns False if it failed (the loaded nodes are then back in the host tier only,
-    their device pages free again: treat the request as a miss and match again).
+    their device pages free again: treat the request as a miss and match again). A copy that
+    failed when issued leaves ``error`` set and ``pages`` covering the device prefix only, which
+    can be read (``wait_load`` returns True).
     """
 
     __slots__ = (
