@@ -20,8 +20,11 @@ _EXPORTS: dict[str, str] = {
     "MatchResult": "radixkv.cache.radix_cache",
     "InsertResult": "radixkv.cache.radix_cache",
     "CacheStats": "radixkv.cache.stats",
+    "LoadBack": "radixkv.cache.tiers",
     # kv / model layers
     "KVPool": "radixkv.kv.kv_pool",
+    "HostKVPool": "radixkv.kv.host_pool",
+    "KVCopier": "radixkv.kv.copier",
     "load_model": "radixkv.model.loader",
     # engine
     "Engine": "radixkv.engine.engine",

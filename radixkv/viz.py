@@ -2,7 +2,8 @@
 
 The renderer reads only the public, read-only node attributes every cache node exposes
 (``parent``, ``num_tokens``, ``pages``, ``lock_ref``, ``last_access``, ``hit_count``,
-``namespace``, ``depth_tokens``, ``tokens``) and ``cache.iter_nodes()``. It never mutates the
+``namespace``, ``depth_tokens``, ``tokens``; and, where a node has them, ``host_pages`` and
+``residency``, which a cache with a host tier fills in) and ``cache.iter_nodes()``. It never mutates the
 cache, so it is safe to call between any two cache or engine operations.
 
 matplotlib is an optional dependency (extra ``viz``): it is imported inside the functions that
@@ -67,6 +68,9 @@ class NodeRow:
         last_access: the node's logical access time.
         hit_count: how many matches went through the node.
         namespace: the node's namespace.
+        host_pages: page ids of the node's copy in the host tier (empty when it has none).
+        residency: where the node's pages are: "device", "host" or "device+host" ("" for a
+            root; "device" for a cache without a host tier).
     """
 
     index: int
@@ -79,6 +83,16 @@ class NodeRow:
     last_access: int
     hit_count: int
     namespace: Any
+    host_pages: tuple[int, ...] = ()
+    residency: str = "device"
+
+
+def _residency(node: Any) -> str:
+    """``node.residency`` when the node has one, else what it must be without a host tier."""
+    r = getattr(node, "residency", None)
+    if r is not None:
+        return str(r)
+    return "" if int(node.num_tokens) == 0 else "device"
 
 
 def _collect(cache: _Cache) -> tuple[list[Any], dict[int, list[int]], list[int]]:
@@ -128,6 +142,8 @@ def node_table(cache: _Cache) -> list[NodeRow]:
             last_access=int(n.last_access),
             hit_count=int(n.hit_count),
             namespace=n.namespace,
+            host_pages=tuple(int(p) for p in getattr(n, "host_pages", ())),
+            residency=_residency(n),
         )
         for i, n in enumerate(nodes)
     ]
@@ -229,6 +245,10 @@ def _label(
         f"{node.num_tokens} tok · pages {_fmt_list(list(node.pages), max_pages_shown)}",
         f"hits {node.hit_count} · lock {node.lock_ref}",
     ]
+    where = _residency(node)
+    if where != "device":  # a host tier: say where the pages are
+        host = _fmt_list(list(getattr(node, "host_pages", ())), max_pages_shown)
+        lines.append(f"{where} · host {host}")
     return "\n".join(lines)
 
 
@@ -255,7 +275,9 @@ def draw_tree(
     darkest = least recently used, brightest = most recently used, per ``cmap``); a locked node
     has a thick red border; nodes in ``highlight`` get a thick orange border instead (use it for
     shared pages or the path of one request; the lock count stays in the label). Edges are
-    drawn from parent to child.
+    drawn from parent to child. With a host tier, a node also says where it lives
+    ("device+host" or "host", and its host pages); a node held in host memory only is drawn
+    light grey with a dashed border (its recency is in the label's hit and lock line only).
 
     Args:
         cache: a ``RadixCache`` (anything with ``iter_nodes()`` yielding nodes with the
@@ -315,10 +337,13 @@ def draw_tree(
             (x0, y0), (x1, y1) = pos[index[id(p)]], pos[i]
             ax.plot([x0, x1], [-y0, -y1], color="0.55", lw=1.2, zorder=1)
 
+    host_only = {i for i, n in enumerate(nodes) if _residency(n) == "host"}
     for i, n in enumerate(nodes):
         x, lvl = pos[i]
         frac = 0.5 if t_hi == t_lo else (int(n.last_access) - t_lo) / (t_hi - t_lo)
         face = "white" if i in structural else colour_map(0.15 + 0.8 * frac)
+        if i in host_only:
+            face = (0.88, 0.88, 0.88, 1.0)
         # light text on dark fills, dark text on light ones
         r, g, b = face[:3] if not isinstance(face, str) else (1.0, 1.0, 1.0)
         text_colour = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
@@ -328,6 +353,7 @@ def draw_tree(
             edge, lw = "crimson", 3.0
         else:
             edge, lw = "0.3", 1.0
+        style = "dashed" if i in host_only else "solid"
         label = _label(n, i in root_set, max_tokens_shown, max_pages_shown, token_text)
         ax.text(
             x,
@@ -339,7 +365,7 @@ def draw_tree(
             family="monospace",
             color=text_colour,
             zorder=3,
-            bbox={"boxstyle": "round,pad=0.35", "fc": face, "ec": edge, "lw": lw},
+            bbox={"boxstyle": "round,pad=0.35", "fc": face, "ec": edge, "lw": lw, "ls": style},
         )
         if id(n) in notes:
             # offset in points so the note sits just under the box whatever the figure's scale
@@ -358,6 +384,8 @@ def draw_tree(
         Patch(fc=colour_map(0.95), ec="0.3", label="most recent"),
         Patch(fc="white", ec="crimson", lw=2.5, label="locked (lock > 0)"),
     ]
+    if host_only:
+        handles.append(Patch(fc=(0.88, 0.88, 0.88), ec="0.3", ls="dashed", label="host only"))
     if highlighted:
         handles.append(Patch(fc="white", ec="darkorange", lw=2.5, label=highlight_label))
     ax.legend(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from radixkv.cache.events import BlockRemoved, BlockStored
 from radixkv.cache.hashing import page_hashes
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.radix_cache import RadixCache
@@ -229,6 +230,12 @@ def test_cache_summary_tracks_the_trie_through_events() -> None:
     cache.insert(a, cache.alloc(3))
     cache.reset()
     assert len(summ) == 0
+    # host-tier events (medium "CPU") do not change the device summary
+    summ.listener(BlockStored(page_hashes(a, PS), None, a, PS, None, "CPU"))
+    assert len(summ) == 0
+    summ.listener(BlockStored(page_hashes(a, PS), None, a, PS))
+    summ.listener(BlockRemoved(page_hashes(a, PS), None, "CPU"))
+    assert len(summ) == 3
     with pytest.raises(ValueError):
         CacheSummary(0)
 

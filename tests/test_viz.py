@@ -197,3 +197,33 @@ def test_too_big_a_trie_is_refused_clearly(cache: RadixCache) -> None:
     with pytest.raises(ValueError, match=f"{n} nodes"):
         draw_tree(cache, max_nodes=n - 1)
     assert draw_tree(cache, max_nodes=n) is not None
+
+
+def test_residency_in_the_table_and_the_drawing() -> None:
+    """A cache with a host tier: rows and boxes say where each node's pages are."""
+    from cache_helpers import make_tiered, serve
+
+    c, cp = make_tiered(num_pages=8, page_size=PS)
+    serve(c, cp, list(range(8)))
+    serve(c, cp, [0, 1, 2, 3, 9, 9, 9, 9])
+    c.wait_all()
+    c.evict(1)  # the least recent leaf goes to the host tier
+    rows = {r.num_tokens and tuple(n.tokens): r for r, n in zip(node_table(c), c.iter_nodes())}
+    assert rows[0].residency == ""
+    assert rows[(0, 1, 2, 3)].residency == "device+host" and rows[(0, 1, 2, 3)].host_pages
+    host_row = rows[(4, 5, 6, 7)]
+    assert host_row.residency == "host" and host_row.pages == () and len(host_row.host_pages) == 1
+    fig = draw_tree(c)
+    texts = {t.get_text(): t for t in fig.axes[0].texts}
+    host_label = next(t for t in texts if t.startswith("[4,5,6,7]"))
+    assert "host · host " in host_label
+    patch = texts[host_label].get_bbox_patch()
+    assert patch.get_linestyle() in ("--", "dashed") and patch.get_facecolor()[0] > 0.8
+    assert "host only" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert all(r.residency == "device" for r in node_table(_tiny()) if r.num_tokens)
+
+
+def _tiny() -> RadixCache:
+    c = RadixCache(PagePool(4), page_size=PS)
+    _serve(c, list(range(8)))
+    return c

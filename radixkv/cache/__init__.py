@@ -1,4 +1,4 @@
-"""The cache layer (torch-free): page pool, radix trie, eviction, hashing, events."""
+"""The cache layer (torch-free): page pool, radix trie, eviction, hashing, events, host tier."""
 
 from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -7,15 +7,20 @@ from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.radix_cache import InsertResult, MatchResult, RadixCache
 from radixkv.cache.stats import CacheStats
+from radixkv.cache.tiers import CompletedCopy, Copier, CopyHandle, LoadBack
 
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "CacheStats",
+    "CompletedCopy",
+    "Copier",
+    "CopyHandle",
     "ForeignNodeError",
     "InsertResult",
     "InvariantError",
+    "LoadBack",
     "LockError",
     "MatchResult",
     "OutOfPages",

@@ -5,6 +5,16 @@
 the chained per-page hashes of radixkv.cache.hashing.page_hashes, so a router can rebuild the
 cache's content from the stream: ``parent_block_hash`` is the hash of the page before the
 first stored page (None when the stored run starts at the beginning of the sequence).
+
+``medium`` says which tier the event is about, as in vLLM's events of the same names: None (the
+default) is the cache's own device pool, the only tier a cache without a host tier has, so
+consumers that ignore the field see exactly what they always saw from such a cache;
+``"CPU"`` (radixkv.cache.tiers.HOST_MEDIUM) is the host tier. With a host tier, each medium's
+events describe that medium's content on their own: a page backed up to host memory gives a
+``BlockStored(medium="CPU")``; evicting it from the device while its host copy stays gives a
+``BlockRemoved`` with ``medium=None`` and nothing for the host; loading it back gives a
+``BlockStored`` with ``medium=None``. A consumer tracking only the device filters on
+``medium is None``. ``AllBlocksCleared`` (a reset that emptied the trie) clears both tiers.
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True):
     token_ids: list[int]
     page_size: int
     namespace: Any = None
+    medium: str | None = None  # None: the device pool; "CPU": the host tier
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
     block_hashes: list[int]
     namespace: Any = None
+    medium: str | None = None  # None: the device pool; "CPU": the host tier
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):

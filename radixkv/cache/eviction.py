@@ -6,6 +6,9 @@ created, unlocked, or its last child goes; it leaves when it is locked, gains a 
 evicted; its key is refreshed on access), so eviction never rescans the tree: taking the
 next victim is O(log n).
 
+A cache with a host tier keeps a second index, HostEvictionIndex, of the nodes whose host copy
+can go (same policy, own key slot); RadixCache's docstring says which nodes each one holds.
+
 Keys are single ints (cheap comparisons in the SortedList): the node id is packed into the
 low 40 bits, which makes every key unique and breaks ties by creation order.
 """
@@ -127,3 +130,39 @@ class EvictionIndex:
     def stored_keys(self) -> dict[int, int]:
         """node id -> stored key (for invariant checks)."""
         return {n.node_id: k for k, n in self._nodes.items()}
+
+
+class HostEvictionIndex(EvictionIndex):
+    """The host tier's index: the same ordering, kept in the node's ``_hekey`` slot so that a
+    node can be in both indexes at once (the device one uses ``_ekey``)."""
+
+    __slots__ = ()
+
+    def add(self, node: TreeNode) -> None:
+        k = self._key(node)
+        node._hekey = k
+        self._keys.add(k)
+        self._nodes[k] = node
+
+    def discard(self, node: TreeNode) -> None:
+        k = node._hekey
+        if k is not None:
+            self._keys.remove(k)
+            del self._nodes[k]
+            node._hekey = None
+
+    def refresh(self, node: TreeNode) -> None:
+        k = self._key(node)
+        old = node._hekey
+        if k != old:
+            self._keys.remove(old)
+            del self._nodes[old]
+            node._hekey = k
+            self._keys.add(k)
+            self._nodes[k] = node
+
+    def clear(self) -> None:
+        for node in self._nodes.values():
+            node._hekey = None
+        self._keys.clear()
+        self._nodes.clear()

@@ -14,6 +14,12 @@ the key). Users and other layers read these attributes; only RadixCache writes t
 The root and the per-namespace roots have no tokens and no pages. What a node's pages and
 lock count mean for their owner is the ownership contract in RadixCache's docstring.
 
+With a host tier (RadixCache's ``host_pool``) a node's pages live in the device pool, the host
+pool or both: ``pages`` are its device pages (empty while the node is in host memory only),
+``host_pages`` its host pages (empty when it has no host copy); ``on_device``, ``on_host`` and
+``residency`` ("device", "host" or "device+host"; "" for the roots) say the same in words, and
+``copies_in_flight`` counts the copies between the tiers still running on its pages.
+
 The underscored slots are the trie's own storage, read and written only inside
 radixkv/cache: RadixCache (radix_cache.py) keeps all of them except ``_ekey``, which belongs
 to the EvictionIndex (eviction.py). They are slots on the node, not fields of side tables,
@@ -34,7 +40,13 @@ class TreeNode:
         "_children",
         "_ekey",
         "_hashes",
+        "_hekey",
         "_hkey",
+        "_host_pages",
+        "_inflight",
+        "_loading",
+        "_ndev",
+        "_nhost",
         "_pages",
         "depth_tokens",
         "hit_count",
@@ -72,6 +84,15 @@ class TreeNode:
         self._hkey: Any = None  # key of this node in parent._children
         self._ekey: int | None = None  # key in the eviction index while an evictable leaf
         self._hashes: list[int] | None = None  # event hashes of own pages, computed lazily
+        # host tier (all unused without one): host page ids (None: no host copy), key in the
+        # host eviction index, device-/host-resident children, copies in flight (loads among
+        # them) on this node's pages
+        self._host_pages: list[int] | None = None
+        self._hekey: int | None = None
+        self._ndev = 0
+        self._nhost = 0
+        self._inflight = 0
+        self._loading = 0
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +108,36 @@ class TreeNode:
 
     @property
     def num_pages(self) -> int:
+        """Device pages (0 for a node held in host memory only)."""
         return len(self._pages)
+
+    @property
+    def host_pages(self) -> list[int]:
+        """Host page ids of the node's host copy, as a list copy ([] when it has none)."""
+        hp = self._host_pages
+        return [] if hp is None else list(hp)
+
+    @property
+    def on_device(self) -> bool:
+        return bool(self._pages)
+
+    @property
+    def on_host(self) -> bool:
+        return self._host_pages is not None
+
+    @property
+    def residency(self) -> str:
+        """ "device", "host" or "device+host" ("" for the root and the namespace roots)."""
+        if not self.key:
+            return ""
+        if self._host_pages is None:
+            return "device"
+        return "device+host" if self._pages else "host"
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Copies between the tiers still running on this node's pages."""
+        return self._inflight
 
     @property
     def children(self) -> list[TreeNode]:

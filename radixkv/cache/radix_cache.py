@@ -2,21 +2,24 @@
 
 One class owns the trie and everything that changes it: the nodes (node.py), the walk that
 match, peek and insert share, splits, namespace roots, the page counters, the eviction index
-(eviction.py) and the KV events (events.py). The ownership contract is stated once, in the
-RadixCache docstring; the fast paths are explained in docs/cache_design.md. MatchResult and
-InsertResult, what match_prefix and insert return, are defined here beside it.
+(eviction.py) and the KV events (events.py), and, when it has a host tier, where each node's
+pages live and the copies between the tiers: that part of the class, which only runs with a
+``host_pool``, is in host_tier.py (HostTier, which RadixCache inherits), and tiers.py defines
+the copier it drives. The ownership contract is stated once, in the RadixCache docstring; the
+fast paths are explained in docs/cache_design.md. MatchResult and InsertResult, what
+match_prefix and insert return, are defined here beside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
 from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEmitter, Listener
-from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, get_policy
+from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, HostEvictionIndex, get_policy
 from radixkv.cache.hashing import (
     HashFn,
     chain_hashes,
@@ -24,21 +27,36 @@ from radixkv.cache.hashing import (
     default_hash_fn,
     local_hashes_of_key,
 )
+from radixkv.cache.host_tier import HostTier, TierState, check_tier_args
 from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.pretty import render_dot, render_text
 from radixkv.cache.stats import CacheStats
+from radixkv.cache.tiers import (
+    HOST_MEDIUM,
+    WRITE_THROUGH,
+    Copier,
+    InFlight,
+)
 from radixkv.cache.tokens import TOKEN_BYTES, TOKEN_SHIFT, check_range, encode_tokens, key_to_list
 
 __all__ = ["InsertResult", "MatchResult", "RadixCache"]
 
 
 class MatchResult(NamedTuple):
-    """What ``RadixCache.match_prefix`` returns (see RadixCache for who owns the pages)."""
+    """What ``RadixCache.match_prefix`` returns (see RadixCache for who owns the pages).
 
-    node: TreeNode  # deepest matched node (the root when nothing matched); lock this
-    pages: list[int]  # cached pages of the matched prefix, in order (a fresh list)
-    num_tokens: int  # matched tokens, a multiple of page_size
+    The first three fields are the device-resident prefix. The last three describe the
+    continuation found in the host tier right after it (always empty without a host tier):
+    ``load_back(match)`` turns it into device pages.
+    """
+
+    node: TreeNode  # deepest matched device-resident node (the root when none); lock this
+    pages: list[int]  # device pages of the matched prefix, in order (a fresh list)
+    num_tokens: int  # matched device-resident tokens, a multiple of page_size
+    host_node: TreeNode | None = None  # deepest node of the host continuation (node when none)
+    host_pages: Sequence[int] = ()  # host pages of the continuation, in order (a fresh list)
+    num_host_tokens: int = 0  # tokens of the continuation, a multiple of page_size
 
 
 class InsertResult(NamedTuple):
@@ -46,7 +64,7 @@ class InsertResult(NamedTuple):
 
     node: TreeNode  # node ending at the last inserted page (the root for an empty insert)
     pages: list[int]  # canonical pages of the whole inserted prefix (a fresh list)
-    num_cached_before: int  # leading tokens that were cached before this insert
+    num_cached_before: int  # leading tokens that were cached (on the device) before this insert
 
 
 # The hot paths build results with tuple.__new__, skipping the NamedTuple's Python-level
@@ -75,7 +93,7 @@ def _release(view: memoryview) -> None:
         pass
 
 
-class RadixCache:
+class RadixCache(HostTier):
     """Prefix cache over a PagePool: a radix trie of whole pages, with locks and eviction.
 
     Ownership contract (stated here once; PagePool's docstring defines the page states):
@@ -103,6 +121,42 @@ class RadixCache:
     * Every error leaves the cache and the pool exactly as they were: each call checks all of
       its input before its first change. Not thread-safe.
 
+    With a host tier (``host_pool`` and ``copier`` given; tiers.py defines the copier):
+
+    * A node's pages are in the device pool, the host pool, or both (``node.residency``); the
+      host pool's pages obey the same rule as the device pool's (free, held, or owned by one
+      node), and ``num_cached_pages``, ``pages`` and every page count without "host" in its
+      name still mean device pages. Device-resident nodes form a top-closed subtree (a
+      device-resident node's parent is device-resident or a root), so ``match_prefix`` returns
+      the device-resident prefix as before and, beyond it, the host continuation
+      (``host_node``, ``host_pages``, ``num_host_tokens``).
+    * ``load_back(match)`` gives the host continuation device pages (allocating, evicting if
+      short; as much of it as fits) and starts ``copier.to_device`` on them. The loaded nodes
+      are locked until the copy is retired; lock ``LoadBack.node`` before the next call that may
+      evict, and call ``wait_load`` before anything reads ``LoadBack.pages``: it returns False
+      if the copy failed, and then the loaded nodes are host-only again and their device pages
+      free (a miss: match again). No other reader sees a page being loaded: ``match_prefix``
+      and ``load_back`` wait for loads in flight on their path.
+    * Device eviction takes unlocked device-resident nodes with no device-resident child, in
+      policy order. A victim with a host copy stays in the trie, host-only; under
+      ``write_back`` a victim without one is first backed up (a synchronous copy; host pages
+      are found by host eviction); any other victim is removed with its host-only subtree
+      (unlocked, as the victim is). ``evict(n)`` still frees exactly ``min(n, evictable)``
+      device pages (a larger victim is split and loses its tail).
+    * Host eviction (``evict_host``, or making room for a backup) takes unlocked host-resident
+      nodes with no host-resident child, in policy order: a host-only one is removed, a
+      device+host one only loses its host copy.
+    * Backups: ``write_through`` backs up the inserted path, ``write_through_selective`` a
+      device node once matches went through it ``write_through_threshold`` times, ``write_back``
+      an unbacked victim of device eviction. A backup is skipped when the host tier has no
+      room (``backup_skipped_pages``), and counts only once its copy succeeded; a failed one
+      frees its host pages and the node stays device-only.
+    * Locks cover both tiers: a locked node is evicted from neither. A copy in flight locks the
+      deepest node it copies (so each node's lock count is at least its copies in flight) until
+      it is retired: by ``poll()``, by ``wait_load``, or at the start of the next ``insert``,
+      ``alloc``, ``evict``, ``evict_host``, ``load_back`` or ``reset`` (a call that then raises
+      may have retired finished copies; nothing else changes).
+
     Args:
         pool: the PagePool whose page ids the trie owns; use one pool per cache.
         page_size: tokens per KV page; only whole pages are cached.
@@ -111,6 +165,14 @@ class RadixCache:
         hash_fn: child-lookup hash of one page, given as ``bytes`` holding the page's tokens in
             the key encoding (native int64); it must return the same int for equal bytes.
             Defaults to XXH3-64. Any function works, even a constant.
+        host_pool: the host tier's PagePool (ids of host-memory pages), or None for no host
+            tier; a pool of its own, with at least one page, none of them in use.
+        copier: moves pages between the tiers (tiers.Copier); required with ``host_pool``.
+        write_policy: when device pages are backed up to the host tier: "write_through"
+            (default), "write_through_selective" or "write_back" (see above). Checked even
+            without a host tier, where it changes nothing.
+        write_through_threshold: matches through a node before ``write_through_selective``
+            backs it up (>= 1).
     """
 
     def __init__(
@@ -120,6 +182,10 @@ class RadixCache:
         policy: str | EvictionPolicy = "lru",
         *,
         hash_fn: HashFn | None = None,
+        host_pool: PagePool | None = None,
+        copier: Copier | None = None,
+        write_policy: str = WRITE_THROUGH,
+        write_through_threshold: int = 1,
     ) -> None:
         if not isinstance(pool, PagePool):
             raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}")
@@ -127,6 +193,7 @@ class RadixCache:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError("hash_fn must be callable(bytes) -> int")
+        check_tier_args(pool, host_pool, copier, write_policy, write_through_threshold)
         self.policy = get_policy(policy)
         if hash_fn is None:
             hash_fn = default_hash_fn  # C code that reads the query view in place
@@ -156,6 +223,14 @@ class RadixCache:
         self._match_queries = self._query_tokens = self._hit_tokens = 0
         self._insert_calls = self._inserted_pages = self._duplicate_pages = 0
         self._evicted_pages = self._evicted_nodes = self._resets = self._splits = 0
+        # The host tier. self._host is None: no tier, and none of its code runs. Its state is
+        # one object: few attributes on the cache keep CPython's fast attribute access (an
+        # instance dict of more than 30 keys stops sharing its keys with the class's).
+        self._host = host_pool
+        self._copies: list[InFlight] = []  # issued, not yet retired (issue order)
+        self._tier = TierState(host_pool, copier, write_policy, write_through_threshold)
+        if host_pool is not None:
+            self._tier.hindex = HostEvictionIndex(self.policy)
 
     # ======================================================================== queries
     @property
@@ -176,6 +251,34 @@ class RadixCache:
         return self._num_nodes
 
     @property
+    def host_pool(self) -> PagePool | None:
+        """The host tier's PagePool (None: no host tier)."""
+        return self._host
+
+    @property
+    def write_policy(self) -> str:
+        return self._tier.write_policy
+
+    @property
+    def write_through_threshold(self) -> int:
+        return self._tier.threshold
+
+    @property
+    def num_host_pages(self) -> int:
+        """Host pages owned by nodes (0 without a host tier)."""
+        return self._tier.host_cached
+
+    @property
+    def num_host_evictable_pages(self) -> int:
+        """Host pages of unlocked nodes: all of them can be freed by repeated host eviction."""
+        return self._tier.host_evictable
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Copies between the tiers issued and not retired yet."""
+        return len(self._copies)
+
+    @property
     def stats(self) -> CacheStats:
         return CacheStats(
             match_queries=self._match_queries,
@@ -193,11 +296,28 @@ class RadixCache:
             locked_pages=self._cached - self._evictable,
             free_pages=self.pool.num_free,
             num_nodes=self._num_nodes,
+            host_hit_tokens=self._tier.host_hit_tokens,
+            loaded_pages=self._tier.loaded_pages,
+            load_failures=self._tier.load_failures,
+            backup_pages=self._tier.backup_pages,
+            write_back_pages=self._tier.write_back_pages,
+            backup_failures=self._tier.backup_failures,
+            backup_skipped_pages=self._tier.backup_skipped,
+            demoted_pages=self._tier.demoted_pages,
+            host_evicted_pages=self._tier.host_evicted_pages,
+            host_cached_pages=self._tier.host_cached,
+            host_evictable_pages=self._tier.host_evictable,
+            host_free_pages=self._host.num_free if self._host is not None else 0,
+            copies_in_flight=len(self._copies),
         )
 
     def eviction_order(self) -> list[TreeNode]:
-        """The evictable leaves, next victim first (for inspection and tests)."""
+        """The device eviction candidates, next victim first (for inspection and tests)."""
         return list(self._index)
+
+    def host_eviction_order(self) -> list[TreeNode]:
+        """The host eviction candidates, next victim first ([] without a host tier)."""
+        return [] if self._tier.hindex is None else list(self._tier.hindex)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node, root first (depth-first preorder)."""
@@ -208,7 +328,7 @@ class RadixCache:
             stack.extend(node.iter_children())
 
     def path_pages(self, node: TreeNode) -> list[int]:
-        """All pages from the root down to and including ``node``."""
+        """All device pages from the root down to and including ``node``."""
         self._check_node(node)
         parts: list[list[int]] = []
         while node is not None:
@@ -230,6 +350,11 @@ class RadixCache:
         is split (so the returned node ends exactly at the match); the clock ticks once and
         ``last_access``/``hit_count`` are refreshed along the path, and the eviction key of
         its last node.
+
+        With a host tier the walk also follows host-only nodes: the result's first three fields
+        cover the device-resident part, the last three the host continuation below it. Loads
+        still in flight on the path are waited for first, and ``write_through_selective`` may
+        start backups of the path's hot nodes (making room by host eviction elsewhere).
         """
         qb = encode_tokens(tokens)
         try:
@@ -245,12 +370,14 @@ class RadixCache:
                 check_range(qb, off + (partial[1] * pb if partial else 0))
             self._match_queries += 1
             self._query_tokens += len(qb) >> TOKEN_SHIFT
+            if self._host is not None:
+                return _new_result(MatchResult, self._match_tiered(path, off, partial))
             if partial is not None:
                 child, m = partial
                 path.append(self._split(child, m))
                 off += m * pb
             if not path:
-                return MatchResult(self.root, [], 0)
+                return MatchResult(self.root, [], 0, self.root, [], 0)
             self._clock += 1
             clock = self._clock
             pages: list[int] = []
@@ -263,14 +390,18 @@ class RadixCache:
                 self._index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
-            return _new_result(MatchResult, (last, pages, ntok))
+            return _new_result(MatchResult, (last, pages, ntok, last, [], 0))
         finally:
             if type(qb) is memoryview:
                 _release(qb)
 
-    def peek_prefix(self, tokens: Any, namespace: Any = None) -> int:
+    def peek_prefix(self, tokens: Any, namespace: Any = None, *, host: bool = False) -> int:
         """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
-        or hit-count refresh, no stats (for schedulers that only want to estimate hits)."""
+        or hit-count refresh, no stats (for schedulers that only want to estimate hits).
+
+        That is its ``num_tokens``, the device-resident prefix; with ``host=True``, its
+        ``num_tokens + num_host_tokens`` (what a load back could add; the same without a tier).
+        """
         qb = encode_tokens(tokens)
         try:
             start = self.root if namespace is None else self._ns_roots.get(namespace)
@@ -278,11 +409,14 @@ class RadixCache:
             if start is None or limit == 0:
                 check_range(qb)
                 return 0
-            _, off, partial = self._walk(start, qb, limit)
+            path, off, partial = self._walk(start, qb, limit)
             if partial is not None:
                 off += partial[1] * self._pb
             check_range(qb, off)
-            return off >> TOKEN_SHIFT
+            if host or self._host is None or (partial is not None and partial[0]._pages):
+                return off >> TOKEN_SHIFT
+            # the device-resident part ends at the last device-resident node of the path
+            return next((n.depth_tokens for n in reversed(path) if n._pages), 0)
         finally:
             if type(qb) is memoryview:
                 _release(qb)
@@ -298,7 +432,14 @@ class RadixCache:
         join the trie as one new leaf (one BlockStored event, when someone listens).
         The result's node ends at the last page; with no new page it is the cached path's last
         node (refreshed), and an empty insert returns the global root.
+
+        With a host tier, passed pages for tokens cached only in host memory (the walk goes
+        through host-only nodes) must be HELD too: they become those nodes' device pages (the
+        nodes are device+host again, one BlockStored each). Under ``write_through`` the path's
+        nodes without a host copy are then backed up.
         """
+        if self._copies:
+            self.poll()
         qb = encode_tokens(tokens)
         try:
             if type(pages) is not list:
@@ -316,20 +457,29 @@ class RadixCache:
             start = self.root if namespace is None else self._ns_roots.get(namespace)
             path: list[TreeNode] = []
             partial = None
+            off = 0
             if start is not None and pages:
-                path, _, partial = self._walk(start, qb, len(qb))
+                path, off, partial = self._walk(start, qb, len(qb))
+                if self._host is not None:
+                    self._settle_walk(path, partial)
             canon: list[int] = []
             for n in path:
                 canon += n._pages
             if partial is not None:
                 canon += partial[0]._pages[: partial[1]]
             ncached = len(canon)
-            check_range(qb, ncached * pb)  # the cached part equals stored, validated keys
+            # pages cached in host memory only, right after the device-resident ones
+            nprom = 0
+            if self._host is not None:
+                nprom = off // pb + (partial[1] if partial is not None else 0) - ncached
+            check_range(qb, (ncached + nprom) * pb)  # the cached part equals stored keys
             head = pages[:ncached]
             dups = [] if head == canon else [p for p, q in zip(head, canon) if p != q]
             pool = self.pool
             checked = pool.check_held(dups + pages[ncached:])  # raises: nothing changed yet
             dups, new = checked[: len(dups)], checked[len(dups) :]
+            if nprom:
+                promote, new = new[:nprom], new[nprom:]
 
             # ---- mutation starts: nothing below can fail (but a listener may raise at the end)
             self._insert_calls += 1
@@ -339,11 +489,15 @@ class RadixCache:
                 path.append(self._split(*partial))
             for n in path:
                 n.last_access = clock
+            promoted = None
+            if nprom:
+                promoted = self._promote(path, promote)
+                canon += promote
             if new:
                 parent = path[-1] if path else (start or self._make_ns_root(namespace))
                 leaf = self._new_node(
                     parent,
-                    bytes(qb[ncached * pb :]),  # the new key (a copy when qb is a memoryview)
+                    bytes(qb[(ncached + nprom) * pb :]),  # the new key (a copy of a memoryview)
                     new,
                     namespace,
                     parent.depth_tokens + len(new) * self.page_size,
@@ -352,6 +506,8 @@ class RadixCache:
                     self._index.discard(parent)
                 self._attach(parent, leaf)
                 pool.adopt(new)
+                if self._host is not None:
+                    parent._ndev += 1
                 self._num_nodes += 1
                 self._cached += len(new)
                 self._evictable += len(new)
@@ -366,6 +522,8 @@ class RadixCache:
             if dups:
                 pool.release_held(dups)
                 self._duplicate_pages += len(dups)
+            if self._host is not None:
+                self._after_insert(path, leaf if new else None, promoted)
             if new and self._listeners:
                 self._events.emit(
                     BlockStored(
@@ -383,8 +541,10 @@ class RadixCache:
 
     # ======================================================================== locking
     def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (counts nest)."""
+        """Protect ``node`` and its ancestors from eviction (counts nest), in both tiers."""
         self._check_node(node)
+        if self._host is not None:
+            return self._lock_tiered(node)
         root = self.root
         index = self._index
         while node is not root:
@@ -402,6 +562,8 @@ class RadixCache:
             return
         if node.lock_ref <= 0:
             raise LockError(f"unlock of a node that is not locked: {node!r}")
+        if self._host is not None:
+            return self._unlock_tiered(node)
         root = self.root
         while node is not root:
             node.lock_ref -= 1
@@ -419,11 +581,16 @@ class RadixCache:
         """
         if type(n) is not int or n < 0:
             raise ValueError(f"alloc needs a non-negative int, got {n!r}")
+        if self._copies:
+            self.poll()
         short = n - self.pool.num_free
         if short > 0:
             if short > self._evictable:
                 raise OutOfPages(n, self.pool.num_free + self._evictable, "free or evictable")
-            self.evict(short)
+            if self._host is not None:
+                self._evict_device(short)
+            else:
+                self.evict(short)
         return self.pool.alloc(n)
 
     def evict(self, num_pages: int) -> int:
@@ -431,10 +598,15 @@ class RadixCache:
 
         Never frees more than asked: a leaf larger than the remainder loses only its tail pages
         (a prefix of a cached prefix is still valid KV). The order is the policy's
-        (eviction.py); what happens to a victim is ``_truncate_leaf`` / ``_remove_leaf``.
+        (eviction.py); what happens to a victim is ``_truncate_leaf`` / ``_remove_leaf``, or
+        with a host tier ``_evict_device`` (victims are then demoted to host-only when backed).
         """
         if type(num_pages) is not int or num_pages < 0:
             raise ValueError(f"evict needs a non-negative int, got {num_pages!r}")
+        if self._host is not None:
+            if self._copies:
+                self.poll()
+            return self._evict_device(num_pages)
         freed = 0
         index = self._index
         while freed < num_pages and len(index):
@@ -452,10 +624,13 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every unlocked node and free its pages; locked paths stay cached.
 
-        Emits one BlockRemoved per removed node, or a single AllBlocksCleared when the whole
-        trie went; a reset counts in the stats even when nothing was removed.
+        Emits one BlockRemoved per removed node (and tier), or a single AllBlocksCleared when
+        the whole trie went; a reset counts in the stats even when nothing was removed. With a
+        host tier, unlocked nodes go from both tiers; copies in flight lock theirs, which stay.
         """
         self._resets += 1
+        if self._copies:
+            self.poll()
         root = self.root
         victims: list[TreeNode] = []  # roots of unlocked subtrees
         stack = [root]
@@ -474,16 +649,37 @@ class RadixCache:
         hashes: dict[int, list[int]] = {}
         if self._listeners and not everything:  # before the links they chain along go
             hashes = {n.node_id: self._node_hashes(n) for n in removed if n.key}
+        host = self._host
         for v in victims:
-            self._detach(v.parent, v)
+            parent = v.parent
+            self._detach(parent, v)
             if not v.key:
                 del self._ns_roots[v.namespace]
+            elif host is not None:
+                parent._ndev -= bool(v._pages)
+                parent._nhost -= v._host_pages is not None
         freed: list[int] = []
+        on_device: list[TreeNode] = []
+        on_host: list[TreeNode] = []
         for n in removed:
             self._index.discard(n)
-            freed += n._pages
-            n._pages = []
+            if n._pages:
+                on_device.append(n)
+                freed += n._pages
+                n._pages = []
             n.parent = None
+        if host is not None:
+            host_freed: list[int] = []
+            for n in removed:
+                self._tier.hindex.discard(n)
+                if n._host_pages is not None:
+                    on_host.append(n)
+                    host_freed += n._host_pages
+                    n._host_pages = None
+            host.release_cached(host_freed)
+            self._tier.host_cached -= len(host_freed)
+            self._tier.host_evictable -= len(host_freed)
+            self._tier.host_evicted_pages += len(host_freed)
         self.pool.release_cached(freed)
         self._num_nodes -= len(removed)
         self._cached -= len(freed)
@@ -492,9 +688,10 @@ class RadixCache:
             if everything:
                 self._events.emit(AllBlocksCleared())
             else:
-                for n in removed:
-                    if n.key:
-                        self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace))
+                for n in on_device:
+                    self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace))
+                for n in on_host:
+                    self._events.emit(BlockRemoved(hashes[n.node_id], n.namespace, HOST_MEDIUM))
 
     # Pages leave the trie only through the two methods below (and reset). They validate
     # nothing: they are given unlocked leaves. Freed pages go back to the pool and the counters
@@ -589,7 +786,9 @@ class RadixCache:
 
         The existing node object keeps the lower part, so references held by callers (and
         lock counts, which the new node inherits) stay valid. Everything a node holds per page
-        (pages, event hashes) is cut here, at one place.
+        (device pages, host pages, event hashes) is cut here, at one place. The upper node has
+        the lower one's residency, so neither the parent's counts nor either eviction index
+        changes (a node with copies in flight is never split: callers settle it first).
         """
         cut = m * self._pb
         parent = child.parent
@@ -617,6 +816,13 @@ class RadixCache:
         if child._hashes is not None:
             upper._hashes = child._hashes[:m]
             child._hashes = child._hashes[m:]
+        if self._host is not None:
+            hp = child._host_pages
+            if hp is not None:
+                upper._host_pages = hp[:m]
+                child._host_pages = hp[m:]
+                upper._nhost = 1
+            upper._ndev = 1 if child._pages else 0
         self._num_nodes += 1
         self._splits += 1
         return upper
@@ -711,6 +917,12 @@ class RadixCache:
         the cached, evictable and node counters; the eviction index (exactly the unlocked
         leaves that own pages, under their current key); cached event hashes (when any node
         has them) equal to a fresh computation.
+
+        With a host tier, also: the same conservation in the host pool; every node in at least
+        one tier, each tier's page list whole; device residency top-closed; the per-node counts
+        of device- and host-resident children; lock counts at least the copies in flight (which
+        are recounted from the copies not yet retired, each locking its deepest node); the host
+        counters; and both eviction indexes, each holding exactly its candidates.
         """
         pool = self.pool
         pool.check_invariants()
@@ -769,7 +981,7 @@ class RadixCache:
                 continue
             if len(node.key) % pb:
                 _fail(f"{node!r}: key is not a whole number of pages")
-            if len(node._pages) * pb != len(node.key):
+            if (node._pages or self._host is None) and len(node._pages) * pb != len(node.key):
                 _fail(f"{node!r}: {len(node._pages)} pages for {node.num_tokens} tokens")
             if node.namespace != parent.namespace:
                 _fail(f"{node!r}: namespace differs from its parent's")
@@ -790,7 +1002,11 @@ class RadixCache:
             cached += len(node._pages)
             if node.lock_ref == 0:
                 evictable += len(node._pages)
-                if not children:
+                if self._host is None:
+                    candidate = not children
+                else:  # device-resident with no device-resident child
+                    candidate = bool(node._pages) and not any(c._pages for c in children)
+                if candidate:
                     expected_index[node.node_id] = self.policy.key(node)
             elif node._ekey is not None:
                 _fail(f"locked node {node!r} is in the eviction index")
@@ -812,18 +1028,32 @@ class RadixCache:
             )
         if len(self._index) != len(stored):
             _fail("eviction index has duplicate keys")
+        if self._host is None:
+            for n in self.iter_nodes():
+                if n._host_pages is not None or n._hekey is not None or n._inflight:
+                    _fail(f"{n!r}: host-tier state in a cache without a host tier")
+            if self._copies or self._tier.host_cached or self._tier.host_evictable:
+                _fail("host-tier counters in a cache without a host tier")
+        else:
+            self._check_tiers()
 
     def pretty(self, max_tokens_shown: int = 8) -> str:
-        """The trie as indented text, one line per node (see pretty.py)."""
+        """The trie as indented text, one line per node (see pretty.py); with a host tier each
+        line says where the node lives."""
         header = (
             f"root  [{self._cached} cached pages, {self.num_locked_pages} locked, "
             f"{self.pool.num_free} free, policy={self.policy.name}, page_size={self.page_size}]"
         )
-        return render_text(self.root, header, max_tokens_shown)
+        if self._host is not None:
+            header += (
+                f"  host [{self._tier.host_cached} cached pages, {self._host.num_free} free, "
+                f"{self.write_policy}, {len(self._copies)} copies in flight]"
+            )
+        return render_text(self.root, header, max_tokens_shown, self._host is not None)
 
     def to_dot(self) -> str:
         """The trie as Graphviz source (see pretty.py)."""
-        return render_dot(self.iter_nodes(), self._index)
+        return render_dot(self.iter_nodes(), self._index, tiers=self._host is not None)
 
     def __repr__(self) -> str:
         return (

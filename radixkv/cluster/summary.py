@@ -4,9 +4,10 @@
 router parses (:class:`~radixkv.cluster.fleet_view.FleetView`). :class:`CacheSummary` is a
 cache listener (``cache.add_listener(summary.listener)``): every ``BlockStored`` /
 ``BlockRemoved`` / ``AllBlocksCleared`` updates an insertion-ordered set of the chained page
-hashes the trie holds (the same Dynamo-compatible hashes the router computes from a request's
-tokens with :func:`radixkv.cache.hashing.page_hashes`). ``snapshot()`` turns it into a
-:class:`ReplicaSummary`.
+hashes the trie holds on the device (the same Dynamo-compatible hashes the router computes
+from a request's tokens with :func:`radixkv.cache.hashing.page_hashes`); events about a host
+tier (``medium`` set) are ignored, so the summary means the same with or without one.
+``snapshot()`` turns it into a :class:`ReplicaSummary`.
 
 Threading: the listener runs on the engine's step thread, ``snapshot`` on the replica's event
 loop; a lock guards the set. The listener is O(pages in the event) and never raises.
@@ -72,6 +73,8 @@ class CacheSummary:
 
     def listener(self, event: Any) -> None:
         """Apply one cache event (registered with ``cache.add_listener``)."""
+        if getattr(event, "medium", None) is not None:
+            return  # the host tier's content: not what the summary lists
         with self._lock:
             if isinstance(event, BlockStored):
                 for h in event.block_hashes:

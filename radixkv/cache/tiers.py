@@ -1,0 +1,193 @@
+"""The host-memory tier of the radix cache: the copier protocol, write policies, load-back results.
+
+A RadixCache built with a ``host_pool`` (a second PagePool, whose page ids name pages of host
+memory) keeps a node's pages in the device pool, in the host pool, or in both; the rules are in
+RadixCache's docstring and docs/cache_design.md ("Tiers"). The cache decides which pages to
+copy; a *copier* moves the data. This module defines what a copier is, so that the cache stays
+torch-free and an embedder can plug in its own buffers: radixkv.kv.copier.KVCopier is the
+implementation over radixkv's KVPool and HostKVPool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from radixkv.cache.node import TreeNode
+
+__all__ = [
+    "HOST_MEDIUM",
+    "WRITE_BACK",
+    "WRITE_POLICIES",
+    "WRITE_THROUGH",
+    "WRITE_THROUGH_SELECTIVE",
+    "CompletedCopy",
+    "Copier",
+    "CopyHandle",
+    "LoadBack",
+]
+
+WRITE_THROUGH = "write_through"  # back a node up when it is inserted
+WRITE_THROUGH_SELECTIVE = "write_through_selective"  # ... once matches went through it N times
+WRITE_BACK = "write_back"  # ... when it is evicted from the device
+WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
+
+HOST_MEDIUM = "CPU"
+"""``medium`` of the KV events about the host tier (vLLM names its CPU offload tier "CPU").
+Events about the device pool keep ``medium=None``, as they always had."""
+
+
+@runtime_checkable
+class CopyHandle(Protocol):
+    """One copy issued by a Copier, possibly still running.
+
+    ``done()`` must not block: True once the copy has finished, successfully or not (and once
+    true, stays true). ``wait()`` blocks until it has finished, returns if the data arrived and
+    raises (the copy's exception, on every call) if it did not. Neither is called concurrently
+    by the cache, which calls them from the thread that calls the cache.
+    """
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class Copier(Protocol):
+    """Moves whole pages between the device pool and the host pool.
+
+    ``pairs`` lists ``(source page, destination page)``: device to host page ids for
+    ``to_host``, host to device page ids for ``to_device``; every destination is distinct, and no
+    page of a call is in another copy still in flight. A call may return before the data has
+    moved (a background thread, a CUDA side stream); it returns a CopyHandle and must not keep
+    ``pairs``' pages to itself beyond the handle's completion. A copy that must read data the
+    caller is still writing (the KV of pages a forward pass is producing) is ordered after those
+    writes by the copier (for CUDA: the side stream waits on the current stream at issue).
+
+    An exception raised by the call itself, or by the handle's ``wait()``, means the copy failed:
+    the cache then treats the destination pages as garbage (a failed load back becomes a miss, a
+    failed backup leaves the node on the device only), so partial writes are harmless.
+
+    What the cache guarantees in return: while a copy is in flight its pages stay where they
+    are (the nodes are locked: neither evicted nor freed, in either pool), and nothing reads a
+    destination page before the handle reported success (RadixCache.wait_load, or matching
+    through the node, waits first).
+    """
+
+    def to_host(self, pairs: list[tuple[int, int]]) -> CopyHandle: ...
+
+    def to_device(self, pairs: list[tuple[int, int]]) -> CopyHandle: ...
+
+
+class CompletedCopy:
+    """A CopyHandle for a copy that has already finished (``error`` None) or failed."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def __repr__(self) -> str:
+        return f"CompletedCopy(error={self.error!r})"
+
+
+# Kinds of in-flight copies.
+BACKUP = "backup"  # device -> host
+LOAD = "load"  # host -> device
+
+
+class InFlight:
+    """One copy the cache issued and has not retired yet (RadixCache's bookkeeping).
+
+    ``nodes`` are the nodes whose pages it copies, top-down along one path, each with its
+    ``_inflight`` (and, for a load, ``_loading``) count raised by one; ``pin`` is the deepest of
+    them, locked once for the whole copy (so each node's lock count is at least its number of
+    copies in flight). ``ok`` is None until retired, then whether the copy succeeded.
+    """
+
+    __slots__ = ("error", "handle", "kind", "nodes", "ok", "pages", "pin")
+
+    def __init__(self, kind: str, handle: CopyHandle, nodes: list[TreeNode], pages: int) -> None:
+        self.kind = kind
+        self.handle = handle
+        self.nodes = nodes
+        self.pin = nodes[-1]
+        self.pages = pages
+        self.ok: bool | None = None
+        self.error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"InFlight({self.kind}, pages={self.pages}, nodes={[n.node_id for n in self.nodes]}, "
+            f"ok={self.ok})"
+        )
+
+
+class LoadBack:
+    """What ``RadixCache.load_back`` returns: the device-resident prefix after the load.
+
+    Attributes:
+        node: the deepest device-resident node of the prefix (the global root when nothing is
+            cached on the device): lock it before the next call that may evict, unlock it when
+            done, as with ``MatchResult.node``.
+        pages: device pages of the whole prefix, root first (a fresh list). The last
+            ``num_loaded_tokens // page_size`` of them are being filled by ``handle``.
+        num_tokens: tokens of the prefix, a multiple of page_size.
+        num_loaded_tokens: tokens this call loads back from the host tier (0: nothing to load,
+            or no room, or a failed copy; then the host continuation is a miss).
+        copies: the ``(host page, device page)`` pairs handed to ``copier.to_device``.
+        handle: the copy's CopyHandle (None when nothing is copied).
+        error: the exception of a copy that failed when issued (its tokens are then not part of
+            ``num_tokens``), else None.
+
+    Before a forward pass reads ``pages``, call ``RadixCache.wait_load(lb)``: it waits for the
+    copy and returns False if it failed (the loaded nodes are then back in the host tier only,
+    their device pages free again: treat the request as a miss and match again). A copy that
+    failed when issued leaves ``error`` set and ``pages`` covering the device prefix only, which
+    can be read (``wait_load`` returns True).
+    """
+
+    __slots__ = (
+        "_copy",
+        "copies",
+        "error",
+        "handle",
+        "node",
+        "num_loaded_tokens",
+        "num_tokens",
+        "pages",
+    )
+
+    def __init__(
+        self,
+        node: TreeNode,
+        pages: list[int],
+        num_tokens: int,
+        num_loaded_tokens: int = 0,
+        copies: list[tuple[int, int]] | None = None,
+        handle: CopyHandle | None = None,
+        error: BaseException | None = None,
+        copy: InFlight | None = None,
+    ) -> None:
+        self.node = node
+        self.pages = pages
+        self.num_tokens = num_tokens
+        self.num_loaded_tokens = num_loaded_tokens
+        self.copies = copies if copies is not None else []
+        self.handle = handle
+        self.error = error
+        self._copy = copy
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadBack(node={self.node.node_id}, num_tokens={self.num_tokens}, "
+            f"num_loaded_tokens={self.num_loaded_tokens}, pages={len(self.pages)}, "
+            f"error={self.error!r})"
+        )
