@@ -151,12 +151,13 @@ def test_fork_running_request_continues_its_state(small: tuple[Any, Any]) -> Non
     eng = Engine(lm, page_size=ps, num_pages=400)
     prompt = list(range(50, 77))
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    rid = eng.add_request(prompt, params, stream=False)
+    rid = eng.add_request(prompt, params, stream=True)
+    generated: list[int] = []  # the parent's output so far, from its streamed outputs
     for _ in range(8):
-        eng.step()
+        for o in eng.step():
+            generated = o.token_ids
         eng.check_invariants()
-    parent = eng._groups[rid].seqs[0]
-    state = parent.token_ids.tolist()
+    state = prompt + generated
     kids = eng.fork(rid, 3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     done = {}
     while eng.has_unfinished():
