@@ -24,6 +24,7 @@ converts).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,18 +69,21 @@ SINGLE_CHUNK_TOKENS = 4096
 _FUSED_STATE: dict[torch.dtype, bool] = {}  # dtype -> the fused kernel worked / failed
 
 
-def _use_fused(q: torch.Tensor, fused_cpu: bool | None) -> bool:
+def _fused_op(
+    q: torch.Tensor, fused_cpu: bool | None
+) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+    """The fused CPU kernel when this call should use it (see ``_FUSED_STATE``), else None."""
     if q.device.type != "cpu" or fused_cpu is False:
-        return False
+        return None
     if fused_cpu and FLASH_CPU_WITH_LSE is None:
         raise RuntimeError("fused_cpu=True, but this PyTorch has no fused CPU attention with LSE")
-    return FLASH_CPU_WITH_LSE is not None and (
-        bool(fused_cpu) or _FUSED_STATE.get(q.dtype) is not False
-    )
+    if fused_cpu or _FUSED_STATE.get(q.dtype) is not False:
+        return FLASH_CPU_WITH_LSE
+    return None
 
 
 def _attend_chunk_fused(
-    op: object, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
+    op: Callable[..., tuple[torch.Tensor, ...]], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
@@ -121,9 +125,10 @@ def _attend_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32.
     ``fused_cpu``: see ``_FUSED_STATE``."""
-    if _use_fused(q, fused_cpu):
+    op = _fused_op(q, fused_cpu)
+    if op is not None:
         try:
-            out = _attend_chunk_fused(FLASH_CPU_WITH_LSE, q, k_cache, v_cache, c, scale)
+            out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale)
         except (RuntimeError, TypeError):
             # required, or worked before: a real error, not a missing kernel
             if fused_cpu or _FUSED_STATE.get(q.dtype):
@@ -297,5 +302,8 @@ def cascade_attention(
     fused_cpu: bool | None = None,
 ) -> torch.Tensor:
     """One-shot :class:`TorchCascadeAttention` (plan + forward) -> ``[N, Hq, D]``."""
-    attn = TorchCascadeAttention(plan, q.device, fused_cpu=fused_cpu)
-    return attn.forward(q, k_cache, v_cache, sm_scale)
+    out = TorchCascadeAttention(plan, q.device, fused_cpu=fused_cpu).forward(
+        q, k_cache, v_cache, sm_scale
+    )
+    assert isinstance(out, torch.Tensor)  # no return_lse: the output alone
+    return out

@@ -282,7 +282,8 @@ class CascadePlanner:
         levels: list[CascadeLevel] = []
         for segs in by_level:
             segs.sort(key=lambda s: s.first_row)
-            qo, kv, idx, last = [0], [0], [], []
+            qo, kv, last = [0], [0], []
+            idx: list[int] = []
             row = 0
             for s in segs:
                 if s.first_row > row:  # rows with nothing shared at this level

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +218,7 @@ class Engine:
         """True while any request is queued or running."""
         return bool(self._live)
 
-    def iter_outputs(self, request_ids: Collection[str]) -> Iterator[RequestOutput]:
+    def iter_outputs(self, request_ids: Collection[str]) -> Generator[RequestOutput, None, None]:
         """Step until every request in ``request_ids`` has finished, yielding their outputs as
         ``step()`` reports them (other queued requests progress too; their outputs are not
         yielded). If the loop is left early (a step raises, the caller stops iterating and

@@ -15,7 +15,7 @@ interface (``Engine`` provides it).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Sequence
 from typing import Protocol
 
 from radixkv.cache import TreeNode
@@ -47,7 +47,9 @@ class SessionEngine(Protocol):
 
     def submit(self, request: RequestGroup) -> str: ...
 
-    def iter_outputs(self, request_ids: Collection[str]) -> Iterator[RequestOutput]: ...
+    def iter_outputs(
+        self, request_ids: Collection[str]
+    ) -> Generator[RequestOutput, None, None]: ...
 
 
 class Session:
