@@ -18,11 +18,10 @@ from radixkv.attention.registry import BACKENDS
 from radixkv.cache.eviction import POLICIES
 from radixkv.engine.cascade_planner import CASCADE_MODES
 from radixkv.engine.prefill_cost import PREFILL_BUDGETS
+from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
 
 if TYPE_CHECKING:
     import torch
-
-SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
 def _cli(
@@ -95,7 +94,8 @@ class EngineConfig:
     schedule_policy: str = field(
         default="lpm",
         metadata=_cli(
-            "admission order: longest cached prefix first, or arrival", choices=SCHEDULE_POLICIES
+            "admission order of waiting requests (engine/schedule_policy.py)",
+            choices=tuple(SCHEDULE_POLICIES),
         ),
     )
     enable_prefix_cache: bool = field(
@@ -138,7 +138,7 @@ class EngineConfig:
         if self.chunked_prefill_size not in (None, 0):
             _pos_int("chunked_prefill_size", self.chunked_prefill_size)
         _one_of("prefill_budget", self.prefill_budget, PREFILL_BUDGETS)
-        _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _one_of("schedule_policy", self.schedule_policy, tuple(SCHEDULE_POLICIES))
         if not isinstance(self.enable_prefix_cache, bool):
             raise ValueError(
                 f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"

@@ -9,8 +9,9 @@ Each ``schedule()`` builds one mixed batch, in this order:
    computed full pages are inserted into the trie, everything is released, it goes back to the
    front of the queue and later resumes by hitting its own pages), so the oldest sequence
    always progresses;
-2. admission of waiting sequences (``lpm``: longest cached prefix first; ``fcfs``: arrival),
-   while the budget, ``max_running_requests`` and the pool allow.
+2. admission of waiting sequences in the order of the schedule policy (schedule_policy.py:
+   ``lpm``, longest cached prefix first; ``fcfs``, arrival), while the budget,
+   ``max_running_requests`` and the pool allow.
 
 The step budget is ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (as in
 SGLang, where admitted requests draw on the chunk budget too): a burst of short prompts then
@@ -26,7 +27,6 @@ running sequence is computing waits for it and then hits it instead of computing
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,10 +36,9 @@ from radixkv.engine.inflight import InflightPages
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.prefill_cost import chunk_cost, max_chunk
 from radixkv.engine.request import SeqStatus, Sequence
+from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
 from radixkv.model.runner import SeqInput
 from radixkv.pages import pages_for
-
-_LPM_MAX_QUEUE = 128  # beyond this many waiting, matching them all each step costs too much
 
 
 @dataclass(slots=True)
@@ -90,6 +89,7 @@ class Scheduler:
         # prefill tokens (budget units) of one whole step: see the module docstring
         self.step_budget = config.step_prefill_budget
         self.policy = config.schedule_policy
+        self._admission_order = SCHEDULE_POLICIES[config.schedule_policy]
         # None: the budget counts new tokens only
         self._ratio = attention_ratio if config.prefill_budget == "attention" else None
         self.waiting: deque[Sequence] = deque()
@@ -201,14 +201,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: float) -> None:
         if not self.waiting:
             return
-        if self.policy == "lpm" and self.kv.enabled and len(self.waiting) <= _LPM_MAX_QUEUE:
-            # stable sort: among equal matches, arrival order (preempted ones are at the front)
-            scored = [(-self.kv.peek_match_len(s), i, s) for i, s in enumerate(self.waiting)]
-            scored.sort(key=lambda t: (t[0], t[1]))
-            order = [s for _, _, s in scored]
-        else:
-            # a long queue: look at its head only (deferred candidates cost a match each)
-            order = list(itertools.islice(self.waiting, _LPM_MAX_QUEUE))
+        order = self._admission_order(self.waiting, self.kv)  # schedule_policy.py
         used = 0.0  # budget units
         tokens = 0
         admitted: list[Sequence] = []
