@@ -15,6 +15,7 @@ interface (``Engine`` provides it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Generator, Sequence
 from typing import Protocol
 
@@ -117,8 +118,10 @@ class Session:
             for s in sessions
         ]
         ids = [engine.submit(g) for g in groups]
-        for _ in engine.iter_outputs(ids):  # aborts what is still live if a step raises
-            pass
+        # closing: whatever ends the loop early, the requests still live are aborted now
+        with contextlib.closing(engine.iter_outputs(ids)) as outputs:
+            for _ in outputs:
+                pass
         outs = [g.make_output() for g in groups]
         for s, o in zip(sessions, outs):
             s.tokens.extend(o.token_ids)
