@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from radixkv.engine.async_engine import AsyncEngine  # noqa: E402
 from radixkv.server.app import build_app  # noqa: E402
+from radixkv.server.background import BackgroundServer  # noqa: E402
 from radixkv.server.config import ServerConfig  # noqa: E402
-from radixkv.server.runner import BackgroundServer  # noqa: E402
 
 MODEL = "radixkv-tiny"
 

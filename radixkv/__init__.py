@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "load_model": "radixkv.model.loader",
     # engine
     "Engine": "radixkv.engine.engine",
+    "EngineConfig": "radixkv.engine.config",
     "AsyncEngine": "radixkv.engine.async_engine",
     "SamplingParams": "radixkv.engine.params",
     "RequestOutput": "radixkv.engine.outputs",

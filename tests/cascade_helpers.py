@@ -1,8 +1,10 @@
-"""Shared helpers for the cascade tests: an independent paged-decode reference and plan builders."""
+"""Shared helpers for the cascade tests: an independent paged-decode reference, plan builders,
+and a check that a planner's shared segments hold every member's own pages."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -52,3 +54,24 @@ def random_kv(
     k = torch.randn(num_pages, page_size, h_kv, d, generator=g).to(dtype)
     v = torch.randn(num_pages, page_size, h_kv, d, generator=g).to(dtype)
     return k, v
+
+
+def check_shared_pages(decision: Any, entries: Sequence[Any]) -> Any:
+    """Raise ValueError unless every row of every shared (multi-row) segment finds that
+    segment's pages, in order, in its own page table: entries grouped by the trie nodes they
+    lock must really hold those nodes' pages (the DecodeEntry contract). Returns ``decision``."""
+    for lvl in decision.plan.levels:
+        for i in range(lvl.num_segments):
+            lo, hi = lvl.qo_indptr[i], lvl.qo_indptr[i + 1]
+            pages = list(lvl.kv_indices[lvl.kv_indptr[i] : lvl.kv_indptr[i + 1]])
+            if hi - lo < 2 or not pages:
+                continue
+            for r in range(lo, hi):
+                table = list(entries[decision.order[r]].page_table)
+                n = len(pages)
+                if not any(table[j : j + n] == pages for j in range(len(table) - n + 1)):
+                    raise ValueError(
+                        f"entry {decision.order[r]}: pages {pages} differ from the other "
+                        "sequences sharing the same trie nodes"
+                    )
+    return decision

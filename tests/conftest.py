@@ -1,7 +1,11 @@
-"""Shared test configuration: Hypothesis profiles.
+"""Shared test configuration: debug checks on, Hypothesis profiles.
 
-``ci`` (default): fixed seed (derandomized), sized so the state machines run about a minute in all.
-``fuzz`` (``nox -s fuzz``): many more examples, random seeds.
+The suite runs with ``RADIXKV_DEBUG_CHECKS=1`` (radixkv/debug.py): the model runner and the
+attention backends re-check every batch they are handed, so a scheduler or backend bug fails
+loudly here while production runs skip those checks.
+
+Hypothesis profiles: ``ci`` (default): fixed seed (derandomized), sized so the state machines run
+about a minute in all. ``fuzz`` (``nox -s fuzz``): many more examples, random seeds.
 """
 
 from __future__ import annotations
@@ -9,6 +13,9 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, settings
+
+# read when a component is built, so setting it here (before any test runs) is early enough
+os.environ.setdefault("RADIXKV_DEBUG_CHECKS", "1")
 
 settings.register_profile(
     "ci",

@@ -10,8 +10,8 @@ from typing import Any
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.app import build_app
+from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
-from radixkv.server.runner import BackgroundServer
 from radixkv.server.state import ServerState
 
 MODEL = "radixkv-tiny"

@@ -17,19 +17,11 @@ from radixkv.attention.cascade import (
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, params=["fused", "matmul"])
-def kernel_path(request, monkeypatch):
-    """Run every test through both the fused CPU kernel and the portable matmul path."""
-    import radixkv.attention.cascade as cascade_mod
-
-    if request.param == "matmul":
-        monkeypatch.setattr(cascade_mod, "USE_FUSED_CPU", False)
-    else:
-        monkeypatch.setattr(cascade_mod, "_FUSED_STATE", {})
-        assert cascade_mod._fused_cpu_op(torch.float32) is not None, "no fused CPU kernel"
-    yield request.param
-    if request.param == "fused":
-        assert False not in cascade_mod._FUSED_STATE.values(), "fused kernel failed, fell back"
+@pytest.fixture(params=[True, False], ids=["fused", "matmul"])
+def fused_cpu(request: pytest.FixtureRequest) -> bool:
+    """Run a test through both the fused CPU kernel (required: a failure raises instead of
+    falling back) and the portable matmul path."""
+    return bool(request.param)
 
 
 def _pages(start: int, n: int) -> list[int]:
@@ -37,20 +29,20 @@ def _pages(start: int, n: int) -> list[int]:
     return [(start + 7 * i) % 997 for i in range(n)]
 
 
-def _check(q, k, v, plan, page_tables, seq_lens, scale=None):
+def _check(q, k, v, plan, page_tables, seq_lens, fused_cpu, scale=None):
     ref = reference_decode(q, k, v, page_tables, seq_lens, scale)
-    out = cascade_attention(q, k, v, plan, scale)
+    out = cascade_attention(q, k, v, plan, scale, fused_cpu=fused_cpu)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert (out.double() - ref).abs().max().item() <= TOL
     plain_plan = CascadePlan.plain(page_tables, seq_lens, plan.page_size)
-    plain = cascade_attention(q, k, v, plain_plan, scale)
+    plain = cascade_attention(q, k, v, plain_plan, scale, fused_cpu=fused_cpu)
     assert (plain.double() - ref).abs().max().item() <= TOL
     return out
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("h_q", "h_kv"), [(4, 4), (8, 2)])
-def test_one_group(page_size: int, h_q: int, h_kv: int) -> None:
+def test_one_group(page_size: int, h_q: int, h_kv: int, fused_cpu: bool) -> None:
     d, n_req, shared_tok = 32, 5, 3 * page_size
     k, v = random_kv(1000, page_size, h_kv, d, seed=1)
     shared = _pages(11, shared_tok // page_size)
@@ -65,12 +57,12 @@ def test_one_group(page_size: int, h_q: int, h_kv: int) -> None:
         page_size, n_req, (level(page_size, [(n_req, shared, shared_tok)]), level(page_size, uniq))
     )
     q = torch.randn(n_req, h_q, d)
-    _check(q, k, v, plan, tables, lens)
+    _check(q, k, v, plan, tables, lens, fused_cpu)
     assert plan.kv_tokens_read() == shared_tok + sum(u[2] for u in uniq)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_several_groups_singletons_and_unshared(page_size: int) -> None:
+def test_several_groups_singletons_and_unshared(page_size: int, fused_cpu: bool) -> None:
     """Groups of 3 and 2, a group of size 1 and a request with no shared prefix at all."""
     d, h_q, h_kv = 16, 6, 3
     k, v = random_kv(1000, page_size, h_kv, d, seed=2)
@@ -89,11 +81,11 @@ def test_several_groups_singletons_and_unshared(page_size: int) -> None:
             r += 1
     plan = CascadePlan(page_size, r, (level(page_size, shared_segs), level(page_size, uniq)))
     q = torch.randn(r, h_q, d)
-    _check(q, k, v, plan, tables, lens)
+    _check(q, k, v, plan, tables, lens, fused_cpu)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_nested_sharing_four_levels(page_size: int) -> None:
+def test_nested_sharing_four_levels(page_size: int, fused_cpu: bool) -> None:
     """trunk -> {A -> {A1, A2}, B}; plus one request on the trunk only and one with nothing shared."""
     d, h_q, h_kv = 32, 8, 2
     ps = page_size
@@ -129,22 +121,22 @@ def test_nested_sharing_four_levels(page_size: int) -> None:
     lv2 = level(ps, [(2, a1, ps), (1, a2, 2 * ps), (5, [], 0)])
     plan = CascadePlan(ps, 8, (lv0, lv1, lv2, level(ps, uniq)))
     q = torch.randn(8, h_q, d)
-    _check(q, k, v, plan, tables, lens)
+    _check(q, k, v, plan, tables, lens, fused_cpu)
     # Shared pages read once: trunk + A + B + A1 + A2 + uniques
     assert plan.kv_tokens_read() == (5 + 2 + 3 + 1 + 2) * ps + sum(u[2] for u in uniq)
 
 
-def test_split_kv_across_levels_any_order_and_scale() -> None:
+def test_split_kv_across_levels_any_order_and_scale(fused_cpu: bool) -> None:
     """A row's KV may be split over levels in any order; a custom sm_scale is honoured."""
     ps, d, h = 4, 8, 2
     k, v = random_kv(64, ps, h, d, seed=4)
     table, n = [9, 3, 40, 17], 14
     plan = CascadePlan(ps, 1, (level(ps, [(1, [40, 17], 6)]), level(ps, [(1, [9, 3], 8)])))
     q = torch.randn(1, h, d)
-    _check(q, k, v, plan, [table], [n], scale=0.3)
+    _check(q, k, v, plan, [table], [n], fused_cpu, scale=0.3)
 
 
-def test_lse_and_merge_state_exact() -> None:
+def test_lse_and_merge_state_exact(fused_cpu: bool) -> None:
     torch.manual_seed(5)
     ps, d, h = 2, 8, 2
     k, v = random_kv(16, ps, h, d, seed=5)
@@ -152,9 +144,9 @@ def test_lse_and_merge_state_exact() -> None:
     whole = CascadePlan(ps, 1, (level(ps, [(1, [1, 2, 3], 6)]),))
     part_a = CascadePlan(ps, 1, (level(ps, [(1, [1], 2)]),))
     part_b = CascadePlan(ps, 1, (level(ps, [(1, [2, 3], 4)]),))
-    o, s = TorchCascadeAttention(whole).forward(q, k, v, return_lse=True)
-    oa, sa = TorchCascadeAttention(part_a).forward(q, k, v, return_lse=True)
-    ob, sb = TorchCascadeAttention(part_b).forward(q, k, v, return_lse=True)
+    o, s = TorchCascadeAttention(whole, fused_cpu=fused_cpu).forward(q, k, v, return_lse=True)
+    oa, sa = TorchCascadeAttention(part_a, fused_cpu=fused_cpu).forward(q, k, v, return_lse=True)
+    ob, sb = TorchCascadeAttention(part_b, fused_cpu=fused_cpu).forward(q, k, v, return_lse=True)
     om, sm = merge_state(oa, sa, ob, sb)
     assert torch.allclose(om, o, atol=1e-6) and torch.allclose(sm, s, atol=1e-6)
     # lse is the natural-log sum of exp(scores)
@@ -169,7 +161,7 @@ def test_lse_and_merge_state_exact() -> None:
     assert torch.equal(o3, empty_o) and torch.isneginf(s3).all()
 
 
-def test_bf16_inputs_close_to_fp32() -> None:
+def test_bf16_inputs_close_to_fp32(fused_cpu: bool) -> None:
     ps, d, h = 16, 32, 4
     k, v = random_kv(200, ps, h, d, seed=6)
     tables = [[5, 6, 7, 10 + r] for r in range(4)]
@@ -181,12 +173,12 @@ def test_bf16_inputs_close_to_fp32() -> None:
     )
     q = torch.randn(4, h, d)
     ref = reference_decode(q, k, v, tables, lens)
-    out = cascade_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan)
+    out = cascade_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan, fused_cpu=fused_cpu)
     assert out.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max().item() < 3e-2
 
 
-def test_bad_plans_and_inputs_rejected() -> None:
+def test_bad_plans_and_inputs_rejected(fused_cpu: bool) -> None:
     with pytest.raises(ValueError, match="no query rows"):
         CascadeLevel((0, 0), (0, 1), (3,), (1,))
     with pytest.raises(ValueError, match="kv_last_page_len must be 0"):
@@ -200,15 +192,15 @@ def test_bad_plans_and_inputs_rejected() -> None:
     plan = CascadePlan(4, 1, (CascadeLevel((0, 1), (0, 1), (3,), (1,)),))
     k, v = random_kv(8, 4, 2, 8)
     with pytest.raises(ValueError, match="rows"):
-        cascade_attention(torch.randn(2, 2, 8), k, v, plan)
+        cascade_attention(torch.randn(2, 2, 8), k, v, plan, fused_cpu=fused_cpu)
     with pytest.raises(ValueError, match="page_size"):
-        cascade_attention(torch.randn(1, 2, 8), *random_kv(8, 2, 2, 8), plan)
+        cascade_attention(torch.randn(1, 2, 8), *random_kv(8, 2, 2, 8), plan, fused_cpu=fused_cpu)
     with pytest.raises(ValueError, match="do not fit"):
-        cascade_attention(torch.randn(1, 3, 8), k, v, plan)
+        cascade_attention(torch.randn(1, 3, 8), k, v, plan, fused_cpu=fused_cpu)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_matches_torch_backend_decode(page_size: int) -> None:
+def test_matches_torch_backend_decode(page_size: int, fused_cpu: bool) -> None:
     """Against the model's own torch backend decode (same pool, same batch, GQA)."""
     from radixkv.attention.base import BatchLayout
     from radixkv.attention.torch_backend import TorchAttention
@@ -232,5 +224,5 @@ def test_matches_torch_backend_decode(page_size: int) -> None:
     v_new = pool.v[0].reshape(-1, h_kv, d)[slots].clone()
     out_backend = backend.forward(0, q, k_new, v_new)
     plan = CascadePlan(ps, 5, (level(ps, [(5, shared, 64)]), level(ps, uniq)))
-    out = cascade_attention(q, pool.k[0], pool.v[0], plan)
+    out = cascade_attention(q, pool.k[0], pool.v[0], plan, fused_cpu=fused_cpu)
     assert (out - out_backend).abs().max().item() <= 1e-5

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from cascade_helpers import random_kv, reference_decode
+from cascade_helpers import check_shared_pages, random_kv, reference_decode
 
 from radixkv.attention.cascade import cascade_attention
 from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
@@ -69,7 +69,7 @@ def test_one_group_shares_trunk_once(page_size: int) -> None:
     ids = PageIds(0)
     trunk = FakeNode(None, ids.take(64 // page_size * 4), page_size)  # 256 tokens
     entries = [_entry(trunk, ids, 5 + 3 * r, page_size) for r in range(6)]
-    dec = CascadePlanner(page_size, mode="on", validate=True).plan(entries)
+    dec = check_shared_pages(CascadePlanner(page_size, mode="on").plan(entries), entries)
     assert dec.use_cascade and dec.num_levels == 2 and dec.num_shared_segments == 1
     assert dec.kv_tokens_cascade == 256 + sum(5 + 3 * r for r in range(6))
     assert dec.plan.levels[0].qo_indptr == (0, 6)
@@ -86,7 +86,7 @@ def test_interleaved_groups_are_made_contiguous_and_nested_levels() -> None:
     other = FakeNode(None, ids.take(6), ps)
     nodes = [a1, b, None, a1, trunk, b, other, a, other, a1]
     entries = [_entry(n, ids, 2 + r, ps) for r, n in enumerate(nodes)]
-    dec = CascadePlanner(ps, mode="on", validate=True).plan(entries)
+    dec = check_shared_pages(CascadePlanner(ps, mode="on").plan(entries), entries)
     assert dec.use_cascade
     # levels: trunk / {other} ; a / b ; a1 ; unique
     assert dec.num_levels == 4
@@ -139,7 +139,8 @@ def test_auto_keeps_big_segments_and_dissolves_small_ones() -> None:
     a = FakeNode(trunk, ids.take(64), ps)
     b = FakeNode(trunk, ids.take(64), ps)
     entries = [_entry(n, ids, 20, ps) for n in [a, b, a, b, a, b]]
-    dec = CascadePlanner(ps, mode="auto", min_saved_tokens=256, validate=True).plan(entries)
+    planner = CascadePlanner(ps, mode="auto", min_saved_tokens=256)
+    dec = check_shared_pages(planner.plan(entries), entries)
     assert dec.use_cascade and dec.num_levels == 2 and dec.num_shared_segments == 2
     assert dec.kv_tokens_cascade == 2 * 64 * ps + 6 * (ps + 20)
     _check_exact(dec, entries, ps)
@@ -160,7 +161,7 @@ def test_bad_input_rejected() -> None:
     ps = 4
     ids = PageIds(5)
     node = FakeNode(None, ids.take(2), ps)
-    planner = CascadePlanner(ps, mode="on", validate=True)
+    planner = CascadePlanner(ps, mode="on")
     with pytest.raises(ValueError, match="empty"):
         planner.plan([])
     with pytest.raises(ValueError, match="trie path holds 2 pages"):
@@ -172,7 +173,7 @@ def test_bad_input_rejected() -> None:
     good = _entry(node, ids, 3, ps)
     bad = DecodeEntry(node, [node.pages[0], 999, *ids.take(1)], 9, 2)
     with pytest.raises(ValueError, match="differ"):
-        planner.plan([good, bad])
+        check_shared_pages(planner.plan([good, bad]), [good, bad])
     with pytest.raises(ValueError, match="cascade mode"):
         CascadePlanner(ps, mode="sometimes")
 
@@ -191,9 +192,8 @@ def test_random_forests_exact(seed: int) -> None:
         for _ in range(rng.randint(1, 14))
     ]
     mode = rng.choice(["on", "auto"])
-    dec = CascadePlanner(
-        ps, mode=mode, min_saved_tokens=4, min_step_saved_tokens=8, validate=True
-    ).plan(entries)
+    dec = CascadePlanner(ps, mode=mode, min_saved_tokens=4, min_step_saved_tokens=8).plan(entries)
+    check_shared_pages(dec, entries)
     _groups_contiguous(dec)
     _check_exact(dec, entries, ps, h_q=4, h_kv=rng.choice([1, 2, 4]), d=8)
     if dec.use_cascade:

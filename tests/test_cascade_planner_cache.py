@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from cascade_helpers import random_kv, reference_decode
+from cascade_helpers import check_shared_pages, random_kv, reference_decode
 
 from radixkv.attention.cascade import cascade_attention
 from radixkv.cache.page_pool import PagePool
@@ -45,7 +45,7 @@ def _insert(cache: RadixCache, tokens: list[int]) -> None:
 
 def _exact(cache: RadixCache, running: list[Running], planner: CascadePlanner):
     entries = [r.entry(cache) for r in running]
-    dec = planner.plan(entries)
+    dec = check_shared_pages(planner.plan(entries), entries)
     ps = cache.page_size
     k, v = random_kv(cache.pool.num_pages, ps, 2, 16, seed=len(entries))
     q = torch.randn(len(entries), 4, 16, generator=torch.Generator().manual_seed(0))
@@ -64,7 +64,7 @@ def test_tree_of_thought_branches_share_the_prompt(page_size: int) -> None:
     prompt = [rng.randrange(1000) for _ in range(8 * 16)]
     _insert(cache, prompt)
     running = [Running(cache, [*prompt, 5000 + b], 3 + b) for b in range(5)]
-    dec = _exact(cache, running, CascadePlanner(page_size, mode="on", validate=True))
+    dec = _exact(cache, running, CascadePlanner(page_size, mode="on"))
     assert dec.use_cascade and dec.num_levels == 2
     assert dec.kv_tokens_cascade == 128 + sum(3 + b for b in range(5))
     cache.check_invariants()
@@ -88,7 +88,7 @@ def test_nested_branches_after_splits_under_locked_nodes() -> None:
     r_a1 = [Running(cache, [*a1, 6], 3), Running(cache, [*a1, 7], 2)]
     lone = Running(cache, [rng.randrange(1000) for _ in range(9)], 9)  # nothing cached
     running = [r_b[0], r_a1[0], lone, r_a[0], r_b[1], r_a1[1], r_a[1], r_b[2]]
-    dec = _exact(cache, running, CascadePlanner(ps, mode="on", validate=True))
+    dec = _exact(cache, running, CascadePlanner(ps, mode="on"))
     # trunk (shared by 7) / a (4), b (3) / a1 (2) / own
     assert dec.num_levels == 4
     assert dec.num_shared_segments == 4

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from radixkv.cluster.cli import add_arguments, config_from_args, main
+from radixkv.engine.config import EngineConfig
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -49,3 +51,43 @@ def test_radixkv_cli_hands_serve_ray_its_flags(capsys: pytest.CaptureFixture[str
         radixkv_main(["serve-ray", "--help"])
     assert e.value.code == 0
     assert "--replicas" in capsys.readouterr().out
+
+
+def _non_default_engine_argv() -> tuple[list[str], EngineConfig]:
+    """Flags setting every EngineConfig field to a value other than its default, generated from
+    the fields (so a new field is covered without touching this test), and the config they mean."""
+    argv: list[str] = []
+    want: dict[str, object] = {}
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        if meta["flag"] is not None:
+            argv.append(meta["flag"])
+            want[f.name] = not f.default
+            continue
+        if meta["choices"]:
+            value: object = next(c for c in meta["choices"] if c != f.default)
+        elif (meta["type"] or type(f.default)) is int:
+            value = (f.default or 0) + 3
+        else:
+            value = "cpu" if f.name == "device" else "x"
+        argv += ["--" + f.name.replace("_", "-"), str(value)]
+        want[f.name] = value
+    return argv, EngineConfig(**want)  # type: ignore[arg-type]
+
+
+def test_serve_and_serve_ray_expose_the_same_engine_flags() -> None:
+    """Both command lines declare every EngineConfig field, with the same defaults and the same
+    meaning, so they cannot drift; serve-ray ships what was asked to its replicas."""
+    from radixkv.server import add_serve_arguments
+
+    serve = add_serve_arguments(argparse.ArgumentParser())
+    ray = add_arguments(argparse.ArgumentParser())
+    assert EngineConfig.from_cli_args(serve.parse_args([])) == EngineConfig()
+    assert EngineConfig.from_cli_args(ray.parse_args([])) == EngineConfig()
+    argv, want = _non_default_engine_argv()
+    assert EngineConfig.from_cli_args(serve.parse_args(argv)) == want
+    ray_args = ray.parse_args([*argv, "--served-model-name", "tiny-fleet"])
+    assert EngineConfig.from_cli_args(ray_args) == want
+    cfg = config_from_args(ray_args)
+    assert EngineConfig(**cfg.engine_kwargs) == want
+    assert cfg.server_kwargs["model_name"] == "tiny-fleet"

@@ -151,12 +151,13 @@ def test_fork_running_request_continues_its_state(small: tuple[Any, Any]) -> Non
     eng = Engine(lm, page_size=ps, num_pages=400)
     prompt = list(range(50, 77))
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    rid = eng.add_request(prompt, params, stream=False)
+    rid = eng.add_request(prompt, params, stream=True)
+    generated: list[int] = []  # the parent's output so far, from its streamed outputs
     for _ in range(8):
-        eng.step()
+        for o in eng.step():
+            generated = o.token_ids
         eng.check_invariants()
-    parent = eng._groups[rid].seqs[0]
-    state = parent.token_ids.tolist()
+    state = prompt + generated
     kids = eng.fork(rid, 3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     done = {}
     while eng.has_unfinished():
@@ -200,6 +201,47 @@ def test_session_branches_share_and_pin(small: tuple[Any, Any]) -> None:
     _assert_no_locks(eng)
     with pytest.raises(ValueError, match="closed"):
         root.generate()
+
+
+def test_session_generate_all_aborts_its_requests_when_interrupted(
+    small: tuple[Any, Any],
+) -> None:
+    """An exception in the middle of generate_all (here KeyboardInterrupt from a step) aborts
+    the branches' requests: nothing stays queued, no branch changes, and once the sessions
+    close every lock is back to zero with every page free or cached."""
+    _, lm = small
+    eng = Engine(lm, page_size=4, num_pages=400)
+    root = eng.session(list(range(20, 61)))
+    branches = root.fork(3)
+    for i, b in enumerate(branches):
+        b.extend([100 + i])
+    before = [list(b.tokens) for b in branches]
+    real_step = eng.step
+    steps = 0
+
+    def interrupted_step() -> list[Any]:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    eng.step = interrupted_step  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        Session.generate_all(
+            branches, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        )
+    eng.step = real_step  # type: ignore[method-assign]
+    assert steps == 3 and not eng.has_unfinished()
+    st = eng.stats()
+    assert st.num_aborted == 3 and st.finish_reasons == {"abort": 3}
+    assert [b.tokens for b in branches] == before
+    eng.check_invariants()  # page accounting holds while the pins remain
+    for s in (root, *branches):
+        s.close()
+    eng.check_invariants()  # drained and unpinned: every lock count is zero
+    _assert_no_locks(eng)
+    assert eng.pool.num_free + eng.cache.num_cached_pages == eng.pool.num_pages
 
 
 def _assert_no_locks(eng: Engine) -> None:

@@ -63,7 +63,7 @@ def test_bad_input_raises_and_engine_keeps_serving(lm: Any, call: Any, match: st
     assert (eng.stats().num_requests, eng.pool.num_free) == before  # nothing changed
     eng.check_invariants()
     _drain(eng)
-    assert live not in eng._groups and eng.stats().finish_reasons == {"length": 1}
+    assert not eng.has_request(live) and eng.stats().finish_reasons == {"length": 1}
 
 
 def test_bad_params_type_and_namespace(lm: Any) -> None:
@@ -124,7 +124,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
             live.append(eng.add_request(prompt, params, namespace=ns, stream=rng.random() < 0.5))
         elif op < 0.4 and live:
             rid = live.pop(rng.randrange(len(live)))
-            if rid in eng._groups:
+            if eng.has_request(rid):
                 assert eng.abort(rid).finished
         else:
             for o in eng.step():
@@ -135,7 +135,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
     _drain(eng)
     st = eng.stats()
     assert st.num_running == 0 and st.num_waiting == 0
-    assert eng._seqkv.num_private_pages == 0
+    assert eng.seq_kv.num_private_pages == 0
     assert all(n.lock_ref == 0 for n in eng.cache.iter_nodes() if n.parent is not None)
     assert eng.pool.num_free + eng.cache.num_cached_pages == eng.pool.num_pages
     assert st.num_finished == st.num_requests

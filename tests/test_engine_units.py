@@ -1,4 +1,5 @@
-"""Unit tests of the engine's torch-light parts: SamplingParams, sampler, detokenizer."""
+"""Unit tests of the engine's torch-light parts: SamplingParams, sampler, detokenizer, page
+arithmetic."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.sampler import make_generator, sample
+from radixkv.pages import pages_for
 
 
 # ---------------------------------------------------------------- SamplingParams
@@ -142,3 +144,15 @@ def test_detokenizer_stop_string_cut_and_holdback() -> None:
     # stop string spanning a multi-byte character
     d, _, hit = _feed("a✓b", stop=("✓",))
     assert hit and d.text == "a"
+
+
+# ---------------------------------------------------------------- pages_for
+@pytest.mark.parametrize("page_size", [1, 2, 16, 64])
+def test_pages_for_is_the_ceiling_of_tokens_over_page_size(page_size: int) -> None:
+    for tokens in range(0, 5 * page_size + 2):
+        n = pages_for(tokens, page_size)
+        assert n * page_size >= tokens > (n - 1) * page_size or (tokens == n == 0)
+    assert pages_for(0, page_size) == 0
+    assert pages_for(page_size, page_size) == 1 and pages_for(page_size + 1, page_size) == 2
+    big = 10**30 + 1  # integer maths: no float rounding
+    assert pages_for(big * page_size, page_size) == big

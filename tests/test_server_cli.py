@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from radixkv.server import add_serve_arguments, build_from_args, main
-from radixkv.server.runner import BackgroundServer
+from radixkv.server.background import BackgroundServer
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import httpx
 
-from radixkv.server.runner import BackgroundServer
+from radixkv.server.background import BackgroundServer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_server.py"
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 from server_helpers import MODEL, assert_clean, live_server
 
+from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
-from radixkv.server.runner import BackgroundServer
 from radixkv.server.state import ServerState
 
 ADMIN = "admin-key-0123"

@@ -17,8 +17,8 @@ import openai
 import pytest
 from server_helpers import MODEL, assert_clean, in_loop, live_server, wait_drained
 
+from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
-from radixkv.server.runner import BackgroundServer
 from radixkv.server.state import ServerState
 
 ADMIN = "admin-key-0123"

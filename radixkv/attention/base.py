@@ -4,6 +4,10 @@ One forward step of the model is a *batch* of sequences laid out ragged: the new
 sequence 0, then those of sequence 1, ... (``T = sum(num_new)`` tokens in all). Per step the runner
 calls :meth:`AttentionBackend.plan` once; then, per layer, the model calls
 :meth:`AttentionBackend.forward`, which writes the new K/V into their page slots and attends.
+
+The engine builds every layout from page tables it owns, so a backend re-checks one
+(:meth:`BatchLayout.validate`) only when ``check_layouts`` is on: in debug runs and tests
+(radixkv/debug.py), or when a caller sets it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.attention.paged_ops import token_slots
+from radixkv.debug import debug_checks_enabled
 from radixkv.kv.kv_pool import KVPool
+from radixkv.pages import pages_for
 
 
 @dataclass(frozen=True)
@@ -59,12 +65,8 @@ class BatchLayout:
         return sum(self.num_new)
 
     def validate(self, page_size: int, num_pages: int) -> None:
-        """Raise ValueError naming the sequence if a page table is short or out of range.
-
-        The layout is immutable, so a pass is remembered: the runner and the backend both
-        validate every step, and the second call is free."""
-        if self.__dict__.get("_valid_for") == (page_size, num_pages):
-            return
+        """Raise ValueError naming the sequence if it has no new token or a page table is short
+        or out of range. A debug check: backends run it when their ``check_layouts`` is on."""
         for i, (pt, past, new) in enumerate(
             zip(self.page_tables, self.num_past, self.num_new, strict=True)
         ):
@@ -72,7 +74,7 @@ class BatchLayout:
                 raise ValueError(f"sequence {i}: num_past must be >= 0, got {past}")
             if new <= 0:
                 raise ValueError(f"sequence {i}: needs at least one new token, got {new}")
-            need = (past + new + page_size - 1) // page_size
+            need = pages_for(past + new, page_size)
             if len(pt) < need:
                 raise ValueError(
                     f"sequence {i}: {past} past + {new} new tokens need {need} pages of "
@@ -84,7 +86,6 @@ class BatchLayout:
                 raise ValueError(
                     f"sequence {i}: page id {bad} out of range [0, {num_pages}) of the KV pool"
                 )
-        object.__setattr__(self, "_valid_for", (page_size, num_pages))
 
 
 class AttentionBackend(ABC):
@@ -94,7 +95,9 @@ class AttentionBackend(ABC):
     every layer. ``forward(layer, q, k, v)`` mutates the pool (writes the new tokens' K/V into
     their slots of layer ``layer``) and returns the attention output. Shapes (ragged token order
     of the layout): ``q [T, num_qo_heads, head_dim]``, ``k, v [T, num_kv_heads, head_dim]``,
-    output ``[T, num_qo_heads, head_dim]`` in ``q``'s dtype.
+    output ``[T, num_qo_heads, head_dim]`` in ``q``'s dtype. ``plan`` validates the layout
+    (ValueError before anything is written) when ``check_layouts`` is True, which it is by
+    default only in debug runs (radixkv/debug.py); the engine's layouts are valid by construction.
     """
 
     name: str = "base"
@@ -121,6 +124,7 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = float(scale) if scale is not None else head_dim**-0.5
+        self.check_layouts = debug_checks_enabled()  # validate each plan()'s layout
         self._slots: torch.Tensor | None = None  # [T] flat pool slot of each new token
         self._num_tokens = 0
 
@@ -137,7 +141,7 @@ class AttentionBackend(ABC):
                 parts.append(torch.tensor(singles, dtype=torch.int64))
                 singles = []
             first = past // ps
-            pages = torch.tensor(pt[first : (past + new + ps - 1) // ps], dtype=torch.int64)
+            pages = torch.tensor(pt[first : pages_for(past + new, ps)], dtype=torch.int64)
             parts.append(token_slots(pages, past - first * ps, past + new - first * ps, ps))
         if singles:
             parts.append(torch.tensor(singles, dtype=torch.int64))

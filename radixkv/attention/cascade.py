@@ -24,12 +24,14 @@ converts).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, merge_attention_states
+from radixkv.pages import pages_for
 
 __all__ = [
     "CascadeLevel",
@@ -61,19 +63,27 @@ class _Chunk:
 SINGLE_CHUNK_TOKENS = 4096
 
 # The fused CPU attention kernel that also returns the log-sum-exp (paged_ops.FLASH_CPU_WITH_LSE)
-# is a private op, so it is probed once per dtype and the matmul path is kept as the fallback. USE_FUSED_CPU = False forces the portable path (tests run both).
-USE_FUSED_CPU = True
+# is a private PyTorch op, so with ``fused_cpu=None`` (the default) it is probed once per dtype and
+# the portable matmul path is the fallback; ``fused_cpu=True`` requires it (a failure raises),
+# ``False`` never uses it (tests run both paths).
 _FUSED_STATE: dict[torch.dtype, bool] = {}  # dtype -> the fused kernel worked / failed
 
 
-def _fused_cpu_op(dtype: torch.dtype) -> object | None:
-    if not USE_FUSED_CPU or _FUSED_STATE.get(dtype) is False:
+def _fused_op(
+    q: torch.Tensor, fused_cpu: bool | None
+) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+    """The fused CPU kernel when this call should use it (see ``_FUSED_STATE``), else None."""
+    if q.device.type != "cpu" or fused_cpu is False:
         return None
-    return FLASH_CPU_WITH_LSE
+    if fused_cpu and FLASH_CPU_WITH_LSE is None:
+        raise RuntimeError("fused_cpu=True, but this PyTorch has no fused CPU attention with LSE")
+    if fused_cpu or _FUSED_STATE.get(q.dtype) is not False:
+        return FLASH_CPU_WITH_LSE
+    return None
 
 
 def _attend_chunk_fused(
-    op: object, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
+    op: Callable[..., tuple[torch.Tensor, ...]], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
@@ -106,14 +116,22 @@ def _attend_chunk_fused(
 
 
 def _attend_chunk(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    c: _Chunk,
+    scale: float,
+    fused_cpu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32."""
-    if q.device.type == "cpu" and (op := _fused_cpu_op(q.dtype)) is not None:
+    """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32.
+    ``fused_cpu``: see ``_FUSED_STATE``."""
+    op = _fused_op(q, fused_cpu)
+    if op is not None:
         try:
             out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale)
         except (RuntimeError, TypeError):
-            if _FUSED_STATE.get(q.dtype):  # worked before: a real error, not a missing kernel
+            # required, or worked before: a real error, not a missing kernel
+            if fused_cpu or _FUSED_STATE.get(q.dtype):
                 raise
             _FUSED_STATE[q.dtype] = False
         else:
@@ -166,12 +184,20 @@ class TorchCascadeAttention:
     ``[N, Hq, D]`` in ``q``'s dtype. One-row segments of a level (the per-request level) are
     batched with padding to the longest one; each multi-row (shared) segment gathers its pages
     once and attends all its rows' queries in one kernel call (PyTorch's fused CPU attention,
-    or per-KV-head batched matmuls elsewhere).
+    or per-KV-head batched matmuls elsewhere). ``fused_cpu``: None uses PyTorch's fused CPU
+    kernel when it works (else batched matmuls), True requires it, False never uses it.
     """
 
-    def __init__(self, plan: CascadePlan, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        plan: CascadePlan,
+        device: torch.device | str = "cpu",
+        *,
+        fused_cpu: bool | None = None,
+    ) -> None:
         self.plan = plan
         self.device = torch.device(device)
+        self.fused_cpu = fused_cpu
         self._levels: list[list[_Chunk]] = [self._prepare_level(lvl) for lvl in plan.levels]
         self._mark_first()
 
@@ -226,7 +252,7 @@ class TorchCascadeAttention:
         single.sort(key=lambda i: -lvl.segment_kv_len(i, ps))
         start = 0
         while start < len(single):
-            width = -(-lvl.segment_kv_len(single[start], ps) // ps) * ps  # padded tokens/row
+            width = pages_for(lvl.segment_kv_len(single[start], ps), ps) * ps  # padded tokens/row
             n = max(1, SINGLE_CHUNK_TOKENS // width)
             chunks.append(self._make_chunk(lvl, single[start : start + n]))
             start += n
@@ -255,7 +281,7 @@ class TorchCascadeAttention:
         lse = torch.full((n, h_q), float("-inf"), dtype=torch.float32, device=q.device)
         for chunks in self._levels:
             for c in chunks:
-                o_c, lse_c = _attend_chunk(q, k_cache, v_cache, c, scale)
+                o_c, lse_c = _attend_chunk(q, k_cache, v_cache, c, scale, self.fused_cpu)
                 if not c.first:
                     o_c, lse_c = merge_state(o[c.out_rows], lse[c.out_rows], o_c, lse_c)
                 o.index_copy_(0, c.out_rows, o_c)
@@ -272,6 +298,12 @@ def cascade_attention(
     v_cache: torch.Tensor,
     plan: CascadePlan,
     sm_scale: float | None = None,
+    *,
+    fused_cpu: bool | None = None,
 ) -> torch.Tensor:
     """One-shot :class:`TorchCascadeAttention` (plan + forward) -> ``[N, Hq, D]``."""
-    return TorchCascadeAttention(plan, q.device).forward(q, k_cache, v_cache, sm_scale)
+    out = TorchCascadeAttention(plan, q.device, fused_cpu=fused_cpu).forward(
+        q, k_cache, v_cache, sm_scale
+    )
+    assert isinstance(out, torch.Tensor)  # no return_lse: the output alone
+    return out

@@ -65,7 +65,8 @@ class CascadeDecodeBackend(AttentionBackend):
         if cp is None:
             raise RuntimeError("CascadeDecodeBackend.plan called before set_plan()")
         pool = self.kv_pool
-        layout.validate(pool.page_size, pool.num_pages)
+        if self.check_layouts:
+            layout.validate(pool.page_size, pool.num_pages)
         n = len(layout.num_new)
         if any(x != 1 for x in layout.num_new) or any(p < 1 for p in layout.num_past):
             raise ValueError("cascade attention runs decode-only batches (one new token each)")

@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from radixkv.pages import pages_for
+
 __all__ = ["CascadeLevel", "CascadePlan"]
 
 
@@ -120,7 +122,7 @@ class CascadePlan:
             raise ValueError("page_tables and seq_lens differ in length")
         kv_indptr, kv_indices, last = [0], [], []
         for pt, n in zip(page_tables, seq_lens):
-            n_pages = -(-n // page_size)
+            n_pages = pages_for(n, page_size)
             if n < 1 or len(pt) < n_pages:
                 raise ValueError(f"seq_len {n} needs {n_pages} pages, page table has {len(pt)}")
             kv_indices.extend(pt[:n_pages])

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from radixkv.pages import pages_for
+
 # PyTorch's CPU flash-attention kernel, which (unlike F.scaled_dot_product_attention) also returns
 # the log-sum-exp (natural log, scale included): (q, k, v, dropout_p, is_causal, *, attn_mask,
 # scale) -> (o, lse, ...). A private op, so None when this PyTorch lacks it; callers keep a path
@@ -33,7 +35,7 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 
 def token_slots(page_table: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:
     """Flat pool slots ``page * page_size + offset`` of tokens ``start .. end-1`` (int64)."""
-    first, last = start // page_size, (end + page_size - 1) // page_size
+    first, last = start // page_size, pages_for(end, page_size)
     pages = page_table[first:last].to(torch.int64)
     offs = torch.arange(page_size, dtype=torch.int64, device=pages.device)
     slots = (pages.unsqueeze(1) * page_size + offs).reshape(-1)

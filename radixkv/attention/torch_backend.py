@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, merge_attention_states
 from radixkv.kv.kv_pool import KVPool
+from radixkv.pages import pages_for
 
 # Queries of a prefill with cached/past tokens are processed in chunks of this many rows: each
 # chunk attends keys 0 .. its last position, so only a chunk-sized triangle is wasted on masking.
@@ -106,14 +107,15 @@ class TorchAttention(AttentionBackend):
     def plan(self, layout: BatchLayout) -> None:
         pool = self.kv_pool
         ps = pool.page_size
-        layout.validate(ps, pool.num_pages)
+        if self.check_layouts:
+            layout.validate(ps, pool.num_pages)
         self._plan_slots(layout)
         prefills: list[_Prefill] = []
         decodes: list[tuple[int, list[int], int]] = []  # (row, pages, kv_len)
         start = 0
         for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
             total = past + new
-            n_pages = (total + ps - 1) // ps
+            n_pages = pages_for(total, ps)
             if new == 1 and past > 0:
                 decodes.append((start, list(pt[:n_pages]), total))
             else:
@@ -276,7 +278,7 @@ class TorchAttention(AttentionBackend):
         n, hq, d = q.shape
         hkv, past = self.num_kv_heads, item.num_past
         g = hq // hkv
-        past_pages = item.pages[: -(-past // self.kv_pool.page_size)]
+        past_pages = item.pages[: pages_for(past, self.kv_pool.page_size)]
         kp, vp = self._paged_kv(kc, vc, past_pages, past)
         # past part has no mask, so a kv head's g query heads can share one row axis:
         # [n, Hkv, G, D] -> [1, Hkv, G*n, D]

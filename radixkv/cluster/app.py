@@ -22,6 +22,7 @@ from radixkv.cluster._ray import import_serve
 from radixkv.cluster.affinity_config import AffinityConfig
 from radixkv.cluster.fanout import pin_id
 from radixkv.cluster.fanout import replica_actor_names as _actor_names
+from radixkv.engine.config import EngineConfig
 
 serve = import_serve()
 
@@ -38,7 +39,7 @@ class ClusterConfig:
             its tokenizer).
         replicas: number of engine replicas.
         router: "affinity" (RadixAffinityRouter) or "default" (Ray Serve's).
-        engine_kwargs: AsyncEngine/Engine keyword arguments (page_size, num_pages, ...).
+        engine_kwargs: EngineConfig fields (page_size, num_pages, ...), for every replica.
         server_kwargs: ServerConfig fields (api_keys, admin_key, max_queue, ...).
         router_kwargs: AffinityConfig fields (imbalance_abs, imbalance_rel, ...).
         replica_num_cpus / ingress_num_cpus: Ray CPU reservation per actor (fractions allowed).
@@ -77,6 +78,7 @@ class ClusterConfig:
         if not isinstance(self.ingress_replicas, int) or self.ingress_replicas < 1:
             raise ValueError(f"ingress_replicas must be >= 1, got {self.ingress_replicas!r}")
         AffinityConfig(**self.router_kwargs)  # fail here, not inside a replica
+        EngineConfig(**self.engine_kwargs)
 
     @property
     def page_size(self) -> int:

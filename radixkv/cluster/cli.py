@@ -10,13 +10,17 @@ at ``http://HOST:PORT/v1/...``, and runs until interrupted.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import time
 from typing import Any
 
+from radixkv.engine.config import EngineConfig
+from radixkv.server.cli import add_server_arguments, server_config_from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare the ``radixkv serve-ray`` flags: the fleet's, the server's (as ``radixkv serve``)
+    and the engine's (generated from EngineConfig, as for ``radixkv serve``)."""
     p.add_argument("--model", default="radixkv-tiny", help="model name or local HF folder")
     p.add_argument("--replicas", type=int, default=2, help="engine replicas")
     p.add_argument("--router", choices=["affinity", "default"], default="affinity")
@@ -30,23 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1, help="intra-op threads per replica")
     p.add_argument("--max-ongoing-requests", type=int, default=64)
     p.add_argument("--stats-period", type=float, default=1.0, help="routing stats period (s)")
-    # engine
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool bytes per replica")
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--schedule-policy", choices=["lpm", "fcfs"], default="lpm")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    # server
-    p.add_argument("--api-keys", default=None, metavar="FILE", help="JSON: API key -> tenant")
-    p.add_argument("--admin-key", default=os.environ.get("RADIXKV_ADMIN_KEY"))
-    p.add_argument("--max-queue", type=int, default=1024)
+    add_server_arguments(p)
     # router
     p.add_argument("--imbalance-abs", type=int, default=4)
     p.add_argument("--imbalance-rel", type=float, default=2.0)
     p.add_argument("--min-match-pages", type=int, default=1)
     p.add_argument("--min-match-ratio", type=float, default=0.1)
+    EngineConfig.add_cli_arguments(p)  # per replica
     return p
 
 
@@ -54,25 +48,22 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """The ClusterConfig for parsed ``serve-ray`` arguments (validates them)."""
     from radixkv.cluster.app import ClusterConfig
 
-    engine: dict[str, Any] = {
-        "page_size": args.page_size,
-        "max_running_requests": args.max_running_requests,
-        "schedule_policy": args.schedule_policy,
+    # plain data: Ray pickles both per replica; None fields are left to the defaults
+    engine = EngineConfig.from_cli_args(args).options()
+    server = server_config_from_args(args)
+    server_kwargs = {
+        "model_name": server.model_name,
+        "api_keys": server.api_keys,
+        "admin_key": server.admin_key,
+        "max_queue": server.max_queue,
+        "max_body_bytes": server.max_body_bytes,
     }
-    for key in ("num_pages", "kv_cache_memory", "device", "dtype"):
-        if getattr(args, key) is not None:
-            engine[key] = getattr(args, key)
-    server: dict[str, Any] = {"max_queue": args.max_queue, "admin_key": args.admin_key}
-    if args.api_keys:
-        from radixkv.server.auth import load_api_keys
-
-        server["api_keys"] = load_api_keys(args.api_keys)
     return ClusterConfig(
         model=args.model,
         replicas=args.replicas,
         router=args.router,
         engine_kwargs=engine,
-        server_kwargs=server,
+        server_kwargs={k: v for k, v in server_kwargs.items() if v is not None},
         router_kwargs={
             "imbalance_abs": args.imbalance_abs,
             "imbalance_rel": args.imbalance_rel,

@@ -1,9 +1,10 @@
 """AsyncEngine: the engine driven by a background loop, for asyncio servers.
 
-The loop task owns the engine. Submissions and aborts are validated synchronously in the
-caller (bad input raises at submission) and then queued as commands; the loop applies them
-between steps and runs each ``step()`` in a single worker thread, so the event loop stays
-responsive and the engine is only ever touched by one thread at a time.
+The loop task owns the engine. A submission is checked and built synchronously in the caller
+(``Engine.prepare``: bad input raises at submission) and then queued as a command; the loop
+applies commands (``Engine.submit``, ``Engine.abort``) between steps and runs each ``step()`` in
+a single worker thread, so the event loop stays responsive and the engine's state is only ever
+changed by one thread at a time. It uses nothing but the engine's public request API.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
-from radixkv.engine.engine import Engine, Prompt
+from radixkv.engine.engine import Engine
+from radixkv.engine.intake import Prompt
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.request import RequestGroup
+from radixkv.engine.request import Namespace, RequestGroup
+from radixkv.model.loader import LoadedModel
+from radixkv.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -34,7 +40,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        model: Any = "radixkv-tiny",
+        model: str | Path | LoadedModel = "radixkv-tiny",
         *,
         engine: Engine | None = None,
         max_queued: int | None = None,
@@ -48,10 +54,11 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-engine")
         self._stopped = False
+        self._next_id = 0  # areq-N ids for submissions without one
 
     # ------------------------------------------------------------------ public API
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     async def generate(
@@ -60,12 +67,10 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        namespace: Any = None,
+        namespace: Namespace = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request. Raises ValueError/TypeError at submission on bad input."""
-        q = self.submit(prompt, params, request_id=request_id, namespace=namespace)
-        rid = q[0]
-        queue = q[1]
+        rid, queue = self.submit(prompt, params, request_id=request_id, namespace=namespace)
         finished = False
         try:
             while True:
@@ -87,24 +92,26 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        namespace: Any = None,
+        namespace: Namespace = None,
     ) -> tuple[str, asyncio.Queue[RequestOutput | BaseException]]:
         """Validate and queue a request; returns its id and the queue its outputs arrive on
         (lower level than ``generate``; the caller must ``abort`` if it stops reading)."""
         self._ensure_loop()
         if self.max_queued is not None and len(self._queues) >= self.max_queued:
             raise QueueFull(f"{len(self._queues)} requests queued (max_queued={self.max_queued})")
-        if request_id is not None and request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        eng = self.engine
         if request_id is None:
-            request_id = f"areq-{eng._next_id}"
-            eng._next_id += 1
-        group = eng._make_group(prompt, params, request_id, namespace, stream=True)
+            request_id = f"areq-{self._next_id}"
+            self._next_id += 1
+        elif request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        group = self.engine.prepare(
+            prompt, params, request_id=request_id, namespace=namespace, stream=True
+        )
+        rid = group.request_id
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[rid] = queue
         self._command(lambda: self._add(group))
-        return request_id, queue
+        return rid, queue
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished)."""
@@ -147,9 +154,9 @@ class AsyncEngine:
         if self._wake is not None:
             self._wake.set()
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
+    async def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` between steps (never concurrently with one)."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def run() -> None:
             try:
@@ -165,12 +172,12 @@ class AsyncEngine:
         if group.request_id not in self._queues:
             return  # cancelled before it was queued
         try:
-            self.engine._enqueue(group)
+            self.engine.submit(group)
         except Exception as e:
             self._deliver_error(group.request_id, e)
 
     def _abort(self, request_id: str) -> None:
-        if request_id in self.engine._groups:
+        if self.engine.has_request(request_id):
             self.engine.abort(request_id)
 
     def _deliver_error(self, request_id: str, err: BaseException) -> None:
@@ -198,7 +205,7 @@ class AsyncEngine:
                 outs = await loop.run_in_executor(self._executor, self.engine.step)
             except Exception as e:  # the failed batch's requests were finished with "error"
                 log.exception("engine step failed")
-                outs = self.engine._drain_outputs()
+                outs = self.engine.drain()
                 for o in outs:
                     self._deliver_error(o.request_id, RuntimeError(f"engine step failed: {e}"))
                 continue

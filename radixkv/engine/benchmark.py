@@ -10,12 +10,14 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
 from radixkv.engine.engine import Engine
+from radixkv.engine.intake import Prompt
+from radixkv.engine.outputs import RequestOutput
 from radixkv.engine.params import SamplingParams
+from radixkv.model.tokenizer import Tokenizer
 
 
 class WorkloadResult(msgspec.Struct, kw_only=True):
@@ -52,7 +54,7 @@ def percentile(xs: Sequence[float], q: float) -> float:
 
 def measure(
     engine: Engine,
-    prompts: Sequence[Any],
+    prompts: Sequence[Prompt],
     params: SamplingParams,
     *,
     name: str = "workload",
@@ -65,13 +67,12 @@ def measure(
     before = engine.stats()
     t0 = time.perf_counter()
     ids = [engine.add_request(p, params, stream=False) for p in prompts]
-    done: dict[str, Any] = {}
+    done: dict[str, RequestOutput] = {}
     with tqdm(total=len(ids), desc=desc or name, unit="req", disable=not use_tqdm) as bar:
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o
-                    bar.update(1)
+        for o in engine.iter_outputs(ids):
+            if o.finished:
+                done[o.request_id] = o
+                bar.update(1)
     wall = time.perf_counter() - t0
     outs = [done[i] for i in ids]
     after = engine.stats()
@@ -166,7 +167,12 @@ def _text(rng: random.Random, n_words: int) -> str:
 
 
 def shared_system_prompt_chats(
-    tokenizer: Any, *, num_requests: int, system_words: int, question_words: int, seed: int = 0
+    tokenizer: Tokenizer,
+    *,
+    num_requests: int,
+    system_words: int,
+    question_words: int,
+    seed: int = 0,
 ) -> list[list[int]]:
     """Chat prompts (rendered with the tokenizer's chat template when it has one) that share one
     long system prompt and differ in a short user question."""

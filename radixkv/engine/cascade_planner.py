@@ -29,11 +29,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
+from radixkv.pages import pages_for
 
 CASCADE_MODES = ("auto", "on", "off")
+
+
+class TrieNode(Protocol):
+    """What the planner reads of a trie node (``radixkv.cache.TreeNode`` has it)."""
+
+    @property
+    def parent(self) -> TrieNode | None: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,7 @@ class DecodeEntry:
     counts every token the step attends to, the one being decoded included.
     """
 
-    node: Any
+    node: TrieNode | None
     page_table: Sequence[int]
     seq_len: int
     num_shared_pages: int
@@ -71,11 +82,6 @@ class CascadeDecision:
     @property
     def num_levels(self) -> int:
         return len(self.plan.levels)
-
-    def kv_bytes(self, bytes_per_token: int) -> tuple[int, int]:
-        """``(plain, cascade)`` KV bytes read in the step, given K+V bytes per token (all
-        layers)."""
-        return self.kv_tokens_plain * bytes_per_token, self.kv_tokens_cascade * bytes_per_token
 
 
 class _Seg:
@@ -104,7 +110,6 @@ class CascadePlanner:
         min_saved_tokens: int = 512,
         min_step_saved_tokens: int = 3072,
         min_step_saved_fraction: float = 0.1,
-        validate: bool = False,
     ) -> None:
         if mode not in CASCADE_MODES:
             raise ValueError(f"cascade mode must be one of {CASCADE_MODES}, got {mode!r}")
@@ -119,7 +124,6 @@ class CascadePlanner:
         self.min_saved_tokens = min_saved_tokens
         self.min_step_saved_tokens = min_step_saved_tokens
         self.min_step_saved_fraction = min_step_saved_fraction
-        self.validate = validate  # check every member's pages of a shared segment are identical
 
     # ---------------------------------------------------------------- public
     def plan(self, entries: Sequence[DecodeEntry]) -> CascadeDecision:
@@ -127,7 +131,7 @@ class CascadePlanner:
             raise ValueError("cascade planner: empty decode batch")
         ps = self.page_size
         for i, e in enumerate(entries):
-            n_pages = -(-e.seq_len // ps)
+            n_pages = pages_for(e.seq_len, ps)
             if e.seq_len < 1 or len(e.page_table) < n_pages:
                 raise ValueError(
                     f"entry {i}: seq_len {e.seq_len} needs {n_pages} pages, "
@@ -165,9 +169,9 @@ class CascadePlanner:
         order = tuple(range(len(entries)))
         return CascadeDecision(order, plan, False, plain_tokens, plain_tokens, 0)
 
-    def _path(self, i: int, e: DecodeEntry) -> list[Any]:
+    def _path(self, i: int, e: DecodeEntry) -> list[TrieNode]:
         """Trie nodes holding pages, root first; their pages total ``num_shared_pages``."""
-        path: list[Any] = []
+        path: list[TrieNode] = []
         node = e.node
         total = 0
         while node is not None:
@@ -187,7 +191,7 @@ class CascadePlanner:
     def _build_tree(self, entries: Sequence[DecodeEntry]) -> _Seg:
         """Tree of compressed segments over all entries' paths (the root holds no pages)."""
         # node-level tree first: id(node) -> (node, children ids in first-seen order, ends)
-        kids: dict[int, list[Any]] = {0: []}
+        kids: dict[int, list[TrieNode]] = {0: []}
         ends: dict[int, list[int]] = {0: []}
         for i, e in enumerate(entries):
             parent_key = 0
@@ -278,7 +282,8 @@ class CascadePlanner:
         levels: list[CascadeLevel] = []
         for segs in by_level:
             segs.sort(key=lambda s: s.first_row)
-            qo, kv, idx, last = [0], [0], [], []
+            qo, kv, last = [0], [0], []
+            idx: list[int] = []
             row = 0
             for s in segs:
                 if s.first_row > row:  # rows with nothing shared at this level
@@ -287,15 +292,7 @@ class CascadePlanner:
                     last.append(0)
                 lo, hi = s.page_start, s.page_start + s.num_pages
                 table = entries[order[s.first_row]].page_table
-                pages = table[lo:hi]
-                if self.validate:
-                    for r in range(s.first_row, s.first_row + s.rows):
-                        if list(entries[order[r]].page_table[lo:hi]) != list(pages):
-                            raise ValueError(
-                                f"entry {order[r]}: pages {lo}..{hi} differ from the other "
-                                "sequences sharing the same trie nodes"
-                            )
-                idx.extend(pages)
+                idx.extend(table[lo:hi])
                 qo.append(s.first_row + s.rows)
                 kv.append(len(idx))
                 last.append(ps)
@@ -311,7 +308,7 @@ class CascadePlanner:
         qo, kv, idx, last = list(range(n + 1)), [0], [], []
         for r, i in enumerate(order):
             e = entries[i]
-            n_pages = -(-e.seq_len // ps)
+            n_pages = pages_for(e.seq_len, ps)
             start = 0
             for lo, hi in sorted(covered[r]):
                 idx.extend(e.page_table[start:lo])

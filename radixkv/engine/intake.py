@@ -1,26 +1,88 @@
-"""Request intake: a submitted prompt + params checked, then turned into a ``RequestGroup``.
+"""Request intake: a submitted prompt + params checked once, then turned into a ``RequestGroup``.
+
+This is the only place a request's input is validated: the scheduler, the model runner and the
+attention backends trust what gets past it (their own re-checks are debug-only, radixkv/debug.py).
 
 Contract: ``RequestIntake.check`` validates everything about a request that does not depend on
-the engine's live state (params type, prompt, context length, whether the KV pool could ever
-hold it, namespace hashability) and mutates nothing, so a rejected request leaves the engine
-unchanged. ``RequestIntake.build`` makes the group and its ``params.n`` sequences (each with
-its sampling generator and detokenizer); it draws seeds from the intake's own RNG (seeded from
-``EngineConfig.seed``) and touches nothing else. Request ids, the live-request table and the
-scheduler stay with the engine, which assigns the id between the two calls.
+the engine's live state (params type, prompt, token ids inside the vocabulary, context length,
+whether the KV pool could ever hold it, namespace hashability) and mutates nothing, so a
+rejected request leaves the engine unchanged. ``RequestIntake.build`` makes the group and its
+``params.n`` sequences (each with its sampling generator and detokenizer); it draws seeds from
+the intake's own RNG (seeded from ``EngineConfig.seed``) and touches nothing else. Request ids
+and the live-request table stay with the engine, which assigns the id between the two calls.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
 
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.request import RequestGroup
-from radixkv.engine.request import Sequence as Seq
+from radixkv.engine.request import Namespace, RequestGroup, Sequence
 from radixkv.engine.sampler import make_generator
-from radixkv.engine.validate import normalise_prompt
+from radixkv.model.tokenizer import Tokenizer
+from radixkv.pages import pages_for
+
+# What ``Engine.add_request`` accepts as a prompt: text (tokenised by the engine's tokenizer) or
+# token ids (a list or tuple of ints; numpy arrays and tensors are converted with ``tolist()``).
+Prompt = str | SequenceABC[int]
+
+
+def normalise_prompt(
+    prompt: object, tokenizer: Tokenizer, vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """Returns ``(text or None, token ids)``.
+
+    Raises:
+        ValueError: empty prompt, a token id outside ``[0, vocab_size)``, a non-integer id.
+        TypeError: a prompt that is neither text nor a sequence of ints.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt encodes to no tokens")
+        return prompt, list(ids)
+    if hasattr(prompt, "tolist") and not isinstance(prompt, list | tuple):
+        prompt = prompt.tolist()  # numpy array / torch tensor
+    if not isinstance(prompt, list | tuple):
+        raise TypeError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+    if not prompt:
+        raise ValueError("prompt is empty")
+    ids = []
+    for i, t in enumerate(prompt):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"prompt token {i} is not an int: {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token {i} = {t} is outside the vocabulary [0, {vocab_size})")
+        ids.append(t)
+    return None, ids
+
+
+def as_prompt_list(prompts: object) -> list[Prompt]:
+    """One prompt (text or a list of token ids) or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, list | tuple):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Iterable):
+        raise TypeError(
+            "prompts must be a string, a list of strings or of token-id lists, "
+            f"got {type(prompts).__name__}"
+        )
+    plist = list(prompts)
+    if not plist:
+        raise ValueError("prompts is empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
+        return [plist]  # one tokenised prompt
+    return plist
 
 
 class RequestIntake:
@@ -28,23 +90,22 @@ class RequestIntake:
 
     def __init__(
         self,
-        tokenizer: Any,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
         *,
         vocab_size: int,
         max_context: int,
-        page_size: int,
         num_pages: int,
-        seed: int,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
-        self.page_size = page_size
+        self.page_size = config.page_size
         self.num_pages = num_pages
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
 
     def check(
-        self, prompt: Any, params: SamplingParams | None, namespace: Any
+        self, prompt: object, params: SamplingParams | None, namespace: object
     ) -> tuple[SamplingParams, str | None, list[int]]:
         """Returns ``(params, prompt text or None, prompt token ids)``; ``None`` params become
         the defaults. Raises ValueError/TypeError on bad input."""
@@ -58,10 +119,11 @@ class RequestIntake:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"the model's context length {self.max_context}"
             )
-        if -(-total // self.page_size) > self.num_pages:
+        need = pages_for(total, self.page_size)
+        if need > self.num_pages:
             raise ValueError(
-                f"request needs {-(-total // self.page_size)} KV pages for {total} tokens but the "
-                f"pool has only {self.num_pages}: it could never fit"
+                f"request needs {need} KV pages for {total} tokens but the pool has only "
+                f"{self.num_pages}: it could never fit"
             )
         try:
             hash(namespace)
@@ -75,14 +137,14 @@ class RequestIntake:
         text: str | None,
         ids: list[int],
         params: SamplingParams,
-        namespace: Any,
+        namespace: Namespace,
         stream: bool,
         arrival_time: float | None,
     ) -> RequestGroup:
         """A group of ``params.n`` waiting sequences (inputs already passed ``check``)."""
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, text, ids, params, namespace, now, stream)
-        # without streaming or stop strings, text is decoded once at the end (postprocess.py)
+        # without streaming or stop strings, text is decoded once at the end (Engine._finish)
         live_detok = stream or bool(params.stop)
         for i in range(params.n):
             gen = None
@@ -92,7 +154,7 @@ class RequestIntake:
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.skip_special_tokens
             )
-            seq = Seq(group, i, ids, gen, detok)
+            seq = Sequence(group, i, ids, gen, detok)
             seq.live_detok = live_detok
             group.seqs.append(seq)
         return group

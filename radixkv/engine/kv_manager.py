@@ -1,18 +1,21 @@
 """Per-sequence page bookkeeping against the radix cache: match/lock, allocate, insert, release.
 
-This is the only engine code that calls the cache. Ownership of a sequence's pages:
+``SeqKV`` is the only engine code that calls the cache. Ownership of a sequence's pages:
 ``page_table[:num_shared_pages]`` are trie pages kept alive by one lock on ``locked_node``;
 ``page_table[num_shared_pages:]`` are private (allocated from ``cache.alloc``, freed or handed
 to the trie by ``insert``). With the prefix cache disabled nothing is matched or inserted:
-every page is private and is freed when the sequence is released.
+every page is private and is freed when the sequence is released. Sessions' pins (locks that
+keep a state's pages cached between requests, session.py) are taken and counted here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterable
 
-from radixkv.engine.request import Sequence
+from radixkv.cache import RadixCache, TreeNode
+from radixkv.engine.request import Namespace, Sequence
+from radixkv.pages import pages_for
 
 
 class SeqKV:
@@ -21,11 +24,12 @@ class SeqKV:
     Every method leaves the cache's invariants intact; on ``OutOfPages`` nothing is changed.
     """
 
-    def __init__(self, cache: Any, *, enable_prefix_cache: bool) -> None:
+    def __init__(self, cache: RadixCache, *, enable_prefix_cache: bool) -> None:
         self.cache = cache
         self.page_size: int = cache.page_size
         self.enabled = enable_prefix_cache
         self.num_private_pages = 0  # pages held privately by sequences (for invariants/stats)
+        self.num_pins = 0  # locks held by pin() and not yet unpinned
 
     # ------------------------------------------------------------------ lookups
     def peek_match_len(self, seq: Sequence) -> int:
@@ -34,6 +38,10 @@ class SeqKV:
         if not self.enabled or len(seq.token_ids) <= 1:
             return 0
         return self.cache.peek_prefix(seq.token_ids[:-1], namespace=seq.namespace)
+
+    def available_pages(self) -> int:
+        """Pages an allocation could get now: free ones plus cached ones eviction could free."""
+        return self.cache.pool.num_free + self.cache.num_evictable_pages
 
     # ------------------------------------------------------------------ admission
     def acquire(self, seq: Sequence) -> int:
@@ -54,8 +62,7 @@ class SeqKV:
 
     def pages_needed(self, seq: Sequence, num_new: int) -> int:
         """Private pages to allocate so ``num_new`` more tokens have slots."""
-        ps = self.page_size
-        return max(0, -(-(seq.num_computed + num_new) // ps) - len(seq.page_table))
+        return max(0, pages_for(seq.num_computed + num_new, self.page_size) - len(seq.page_table))
 
     def reserve(self, seq: Sequence, num_new: int) -> None:
         """Give the sequence slots for ``num_new`` more tokens (may evict unlocked cache
@@ -73,7 +80,7 @@ class SeqKV:
         if not self.enabled:
             return
         ps = self.page_size
-        k = seq.num_computed // ps
+        k = seq.num_computed // ps  # whole pages computed
         if k <= seq.num_shared_pages:
             return
         r = self.cache.insert(seq.token_ids[: k * ps], seq.page_table[:k], namespace=seq.namespace)
@@ -106,9 +113,81 @@ class SeqKV:
 
     def rollback_uncomputed(self, seq: Sequence) -> None:
         """Free private pages allocated past ``num_computed`` (a step that failed)."""
-        keep = max(seq.num_shared_pages, -(-seq.num_computed // self.page_size))
+        keep = max(seq.num_shared_pages, pages_for(seq.num_computed, self.page_size))
         extra = seq.page_table[keep:]
         if extra:
             self.cache.pool.free(extra)
             self.num_private_pages -= len(extra)
             del seq.page_table[keep:]
+
+    # ------------------------------------------------------------------ pins (sessions)
+    def pin(self, tokens: list[int], namespace: Namespace) -> TreeNode | None:
+        """Lock the deepest cached node of ``tokens`` so its pages stay cached until
+        :meth:`unpin`; None (nothing pinned) with the prefix cache off."""
+        if not self.enabled:
+            return None
+        node = self.cache.match_prefix(tokens, namespace=namespace).node
+        self.cache.lock(node)
+        self.num_pins += 1
+        return node
+
+    def unpin(self, node: TreeNode) -> None:
+        """Release a lock taken by :meth:`pin`."""
+        self.cache.unlock(node)
+        self.num_pins -= 1
+
+    # ------------------------------------------------------------------ cache-wide
+    @property
+    def num_free_pages(self) -> int:
+        return self.cache.pool.num_free
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.cache.num_cached_pages
+
+    @property
+    def num_evicted_pages(self) -> int:
+        """Pages evicted from the cache since it was built."""
+        return self.cache.stats.evicted_pages
+
+    def reset_cache(self) -> None:
+        """Drop every unlocked cache entry (running sequences and pins keep theirs)."""
+        self.cache.reset()
+
+    def check_invariants(self, running: Iterable[Sequence], *, idle: bool) -> None:
+        """Raise AssertionError unless: the cache's invariants hold; free + cached + private ==
+        total pages; each running sequence's shared pages are exactly its locked node's path;
+        no page is held twice. ``idle`` (nothing queued or running): unless a pin is held,
+        every lock count is zero and no private page remains."""
+        cache, pool = self.cache, self.cache.pool
+        cache.check_invariants()
+        total = pool.num_free + cache.num_cached_pages + self.num_private_pages
+        assert total == pool.num_pages, (
+            f"pages: free {pool.num_free} + cached {cache.num_cached_pages} + private "
+            f"{self.num_private_pages} != {pool.num_pages}"
+        )
+        seen: set[int] = set()
+        for node in cache.iter_nodes():
+            seen.update(node.pages)
+        private_total = 0
+        for s in running:
+            if s.locked_node is not None:
+                # the root's own count is not kept (locking it is a no-op)
+                assert s.locked_node is cache.root or s.locked_node.lock_ref > 0, (
+                    f"{s}: locked node has lock_ref 0"
+                )
+                path = cache.path_pages(s.locked_node)
+                assert path == s.page_table[: s.num_shared_pages], f"{s}: shared pages != path"
+            if not self.enabled:
+                assert s.locked_node is None and s.num_shared_pages == 0, s
+            private = s.page_table[s.num_shared_pages :]
+            assert seen.isdisjoint(private), f"{s}: a private page is also elsewhere"
+            seen.update(private)
+            private_total += len(private)
+        assert private_total == self.num_private_pages, "private page count out of sync"
+        assert len(seen) + pool.num_free == pool.num_pages, "a page is held twice"
+        if idle and not self.num_pins:
+            assert self.num_private_pages == 0, "private pages remain after drain"
+            for node in cache.iter_nodes():
+                if node.parent is not None:
+                    assert node.lock_ref == 0, f"lock_ref {node.lock_ref} after drain"

@@ -1,9 +1,11 @@
 """What the engine hands back: per-request outputs, their timings, and engine-wide stats.
 
-All times are seconds from ``time.monotonic()``.
+All times are seconds from ``time.monotonic()`` (step phase times: ``time.perf_counter()``).
 """
 
 from __future__ import annotations
+
+import time
 
 import msgspec
 
@@ -60,7 +62,12 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
-    """Engine-wide counters (monotonic since construction, except the gauges)."""
+    """Engine-wide counters (monotonic since construction, except the gauges).
+
+    The engine owns one live instance and updates it only through the ``record_*`` methods;
+    ``Engine.stats()`` hands out :meth:`snapshot` copies with the gauges filled in, so a caller
+    can keep or change a snapshot without touching the live counters.
+    """
 
     # prefix cache, counted per admitted sequence (prompt tokens looked up / served from cache)
     prefix_cache_queries: int = 0
@@ -98,3 +105,79 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_bytes_read_plain: int = 0
     kv_bytes_read_cascade: int = 0
     cascade_steps: int = 0
+
+    # ------------------------------------------------------------------ counting
+    def record_request(self) -> None:
+        """A request was queued."""
+        self.num_requests += 1
+
+    def record_schedule(
+        self,
+        *,
+        prefill_tokens: int,
+        preemptions: int,
+        queries: int,
+        query_tokens: int,
+        hit_tokens: int,
+    ) -> None:
+        """What one ``Scheduler.schedule()`` did: prefill tokens it scheduled, sequences it
+        preempted, and the prefix-cache lookups of sequences admitted for the first time
+        (``queries`` of them, ``query_tokens`` prompt tokens, ``hit_tokens`` served from cache)."""
+        self.prefill_tokens_computed += prefill_tokens
+        self.num_preemptions += preemptions
+        self.prefix_cache_queries += queries
+        self.prefix_cache_query_tokens += query_tokens
+        self.prefix_cache_hit_tokens += hit_tokens
+
+    def record_decode_reads(self, plain_bytes: int, read_bytes: int, *, cascade: bool) -> None:
+        """One step's decode KV traffic: what plain paged decode would read, what was read, and
+        whether a cascade plan ran."""
+        self.kv_bytes_read_plain += plain_bytes
+        self.kv_bytes_read_cascade += read_bytes
+        self.cascade_steps += int(cascade)
+
+    def record_generated(self, num_tokens: int) -> None:
+        self.generated_tokens += num_tokens
+
+    def record_finish(self, reason: str, *, request_finished: bool) -> None:
+        """One sequence ended with ``reason``; ``request_finished``: it was its request's last."""
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        self.num_finished += int(request_finished)
+
+    def record_abort(self) -> None:
+        self.num_aborted += 1
+
+    def record_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        """One completed step whose schedule / forward / sample phases started at t0 / t1 / t2
+        and whose postprocessing started at t3 and ends now (``time.perf_counter()``)."""
+        self.num_steps += 1
+        self.time_schedule += t1 - t0
+        self.time_forward += t2 - t1
+        self.time_sample += t3 - t2
+        self.time_postprocess += time.perf_counter() - t3
+
+    def snapshot(
+        self,
+        *,
+        cached_pages: int,
+        evicted_pages: int,
+        kv_pages_free: int,
+        num_running: int,
+        num_waiting: int,
+    ) -> EngineStats:
+        """An independent copy with the gauges set from the engine's current state."""
+        used = self.kv_pages_total - kv_pages_free
+        return msgspec.structs.replace(
+            self,
+            prefix_cache_hit_rate=self.prefix_cache_hit_tokens
+            / max(1, self.prefix_cache_query_tokens),
+            prompt_tokens=self.prefix_cache_query_tokens,
+            evicted_pages=evicted_pages,
+            cached_pages=cached_pages,
+            kv_pages_free=kv_pages_free,
+            kv_pages_used=used,
+            kv_usage=used / self.kv_pages_total if self.kv_pages_total else 0.0,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            finish_reasons=dict(self.finish_reasons),
+        )

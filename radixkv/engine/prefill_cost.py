@@ -11,12 +11,13 @@ in that step; counting attention too splits such a step, so early requests finis
 from __future__ import annotations
 
 import math
-from typing import Any
+
+from radixkv.model.config import ModelConfig
 
 PREFILL_BUDGETS = ("tokens", "attention")
 
 
-def attention_cost_ratio(model_config: Any) -> float:
+def attention_cost_ratio(model_config: ModelConfig) -> float:
     """``R`` = linear multiply-adds per token / attention multiply-adds per (query, key) pair.
 
     Per layer: q and o projections ``hidden * heads * head_dim`` each, k and v

@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import enum
 from array import array
-from typing import Any
-
-import torch
+from collections import deque
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from radixkv.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixkv.cache import TreeNode
+
+# What partitions the prefix cache (a tenant, a LoRA, a cache salt): any hashable value, None
+# for the shared default namespace. Two requests share cached pages only within one namespace.
+Namespace = Hashable
 
 
 class SeqStatus(enum.Enum):
@@ -36,7 +45,6 @@ class Sequence:
     """
 
     __slots__ = (
-        "admit_order",
         "detok",
         "finish_reason",
         "generator",
@@ -63,7 +71,7 @@ class Sequence:
         index: int,
         prompt_ids: list[int],
         generator: torch.Generator | None,
-        detok: IncrementalDetokenizer | None,
+        detok: IncrementalDetokenizer,
     ) -> None:
         self.group = group
         self.index = index
@@ -79,19 +87,20 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.page_table: list[int] = []
         self.num_shared_pages = 0
-        self.locked_node: Any = None
+        self.locked_node: TreeNode | None = None
         self.num_computed = 0
         self.num_cached_tokens = -1  # set at first admission
-        self.admit_order = -1
-        self.page_keys: list[Any] = []  # chained page keys for in-batch sharing (lazily grown)
-        self.inflight_keys: list[Any] = []  # keys this sequence announced it is computing
+        # in-batch sharing (inflight.py): chained hashes of the full pages (grown lazily), and
+        # (page index, hash) of the pages this sequence announced it is computing, in page order
+        self.page_keys: list[int] = []
+        self.inflight_keys: deque[tuple[int, int]] = deque()
 
     @property
     def params(self) -> SamplingParams:
         return self.group.params
 
     @property
-    def namespace(self) -> Any:
+    def namespace(self) -> Namespace:
         return self.group.namespace
 
     @property
@@ -135,7 +144,7 @@ class RequestGroup:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        namespace: Any,
+        namespace: Namespace,
         arrival_time: float,
         stream: bool,
     ) -> None:
@@ -162,11 +171,8 @@ class RequestGroup:
         for s in self.seqs:
             out_ids = s.output_ids
             fin = s.finished
-            if s.detok is not None:
-                delta = s.detok.take_delta(fin)
-                text = s.detok.emitted_text
-            else:
-                text, delta = "", ""
+            delta = s.detok.take_delta(fin)
+            text = s.detok.emitted_text
             prev = self._emitted_tokens[s.index]
             self._emitted_tokens[s.index] = len(out_ids)
             outs.append(

@@ -9,8 +9,9 @@ Each ``schedule()`` builds one mixed batch, in this order:
    computed full pages are inserted into the trie, everything is released, it goes back to the
    front of the queue and later resumes by hitting its own pages), so the oldest sequence
    always progresses;
-2. admission of waiting sequences (``lpm``: longest cached prefix first; ``fcfs``: arrival),
-   while the budget, ``max_running_requests`` and the pool allow.
+2. admission of waiting sequences in the order of the schedule policy (schedule_policy.py:
+   ``lpm``, longest cached prefix first; ``fcfs``, arrival), while the budget,
+   ``max_running_requests`` and the pool allow.
 
 The step budget is ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (as in
 SGLang, where admitted requests draw on the chunk budget too): a burst of short prompts then
@@ -26,28 +27,26 @@ running sequence is computing waits for it and then hits it instead of computing
 from __future__ import annotations
 
 import contextlib
-import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.inflight import InflightPages
 from radixkv.engine.kv_manager import SeqKV
-from radixkv.engine.prefill_cost import PREFILL_BUDGETS, chunk_cost, max_chunk
+from radixkv.engine.prefill_cost import chunk_cost, max_chunk
 from radixkv.engine.request import SeqStatus, Sequence
-
-_LPM_MAX_QUEUE = 128  # beyond this many waiting, matching them all each step costs too much
-
-
-def _out_of_pages_error() -> type[Exception]:
-    from radixkv.cache.errors import OutOfPages
-
-    return OutOfPages
+from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
+from radixkv.model.runner import SeqInput
+from radixkv.pages import pages_for
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step's work: ``seqs[i]`` computes ``num_new[i]`` tokens starting at its
-    ``num_computed``. ``preempted`` lists sequences sent back to the queue this step."""
+    ``num_computed``. ``preempted`` lists sequences sent back to the queue this step. The
+    ``*_queries`` / ``*_tokens`` counters are the prefix-cache lookups of the sequences admitted
+    for the first time this step (for ``EngineStats``)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
@@ -55,6 +54,9 @@ class ScheduledBatch:
     num_prefill_tokens: int = 0
     prefill_cost: float = 0.0  # num_prefill_tokens in the scheduler's budget units
     num_decode: int = 0
+    num_queries: int = 0  # sequences admitted for the first time
+    num_query_tokens: int = 0  # their prompt tokens
+    num_hit_tokens: int = 0  # of those, served from the prefix cache
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -63,6 +65,13 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def model_inputs(self) -> list[SeqInput]:
+        """What the model runner computes: each sequence's new tokens over its page table."""
+        return [
+            SeqInput(s.token_ids[s.num_computed : s.num_computed + n], s.page_table, s.num_computed)
+            for s, n in zip(self.seqs, self.num_new)
+        ]
+
 
 class Scheduler:
     """Owns the waiting queue and the running list (in admission order).
@@ -70,46 +79,22 @@ class Scheduler:
     Mutates sequences' status and, through ``SeqKV``, their pages. Not thread-safe.
     """
 
-    def __init__(
-        self,
-        kv: SeqKV,
-        *,
-        max_running_requests: int,
-        max_prefill_tokens: int,
-        chunked_prefill_size: int | None,
-        policy: str,
-        prefill_budget: str = "tokens",
-        attention_ratio: float | None = None,
-    ) -> None:
-        """``prefill_budget="attention"`` needs ``attention_ratio`` (R in prefill_cost.py)."""
-        if policy not in ("lpm", "fcfs"):
-            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {policy!r}")
-        if prefill_budget not in PREFILL_BUDGETS:
-            raise ValueError(
-                f"prefill_budget must be one of {PREFILL_BUDGETS}, got {prefill_budget!r}"
-            )
-        if prefill_budget == "attention" and not (attention_ratio and attention_ratio > 0):
-            raise ValueError("prefill_budget='attention' needs attention_ratio > 0")
+    def __init__(self, config: EngineConfig, kv: SeqKV, *, attention_ratio: float) -> None:
+        """``attention_ratio``: R of the model (prefill_cost.py), used when
+        ``config.prefill_budget == "attention"``."""
         self.kv = kv
-        self.page_size = kv.page_size
-        self.max_running = max_running_requests
-        self.max_prefill_tokens = max_prefill_tokens
-        self.chunk_size = chunked_prefill_size or None
+        self.page_size = config.page_size
+        self.max_running = config.max_running_requests
+        self.chunk_size = config.chunk_size
         # prefill tokens (budget units) of one whole step: see the module docstring
-        self.step_budget = min(max_prefill_tokens, self.chunk_size or max_prefill_tokens)
-        self.policy = policy
+        self.step_budget = config.step_prefill_budget
+        self.policy = config.schedule_policy
+        self._admission_order = SCHEDULE_POLICIES[config.schedule_policy]
         # None: the budget counts new tokens only
-        self._ratio = attention_ratio if prefill_budget == "attention" else None
+        self._ratio = attention_ratio if config.prefill_budget == "attention" else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._inflight = InflightPages(self.page_size, enabled=kv.enabled)  # see inflight.py
-        self._admit_counter = 0
-        self._out_of_pages = _out_of_pages_error()
-        self.num_preemptions = 0
-        # prefix-cache lookups, counted once per sequence at its first admission
-        self.stat_queries = 0
-        self.stat_query_tokens = 0
-        self.stat_hit_tokens = 0
 
     # ------------------------------------------------------------------ queue ops
     def add(self, seq: Sequence) -> None:
@@ -135,7 +120,6 @@ class Scheduler:
         self.kv.release(seq, insert=True)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
@@ -217,14 +201,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: float) -> None:
         if not self.waiting:
             return
-        if self.policy == "lpm" and self.kv.enabled and len(self.waiting) <= _LPM_MAX_QUEUE:
-            # stable sort: among equal matches, arrival order (preempted ones are at the front)
-            scored = [(-self.kv.peek_match_len(s), i, s) for i, s in enumerate(self.waiting)]
-            scored.sort(key=lambda t: (t[0], t[1]))
-            order = [s for _, _, s in scored]
-        else:
-            # a long queue: look at its head only (deferred candidates cost a match each)
-            order = list(itertools.islice(self.waiting, _LPM_MAX_QUEUE))
+        order = self._admission_order(self.waiting, self.kv)  # schedule_policy.py
         used = 0.0  # budget units
         tokens = 0
         admitted: list[Sequence] = []
@@ -242,14 +219,15 @@ class Scheduler:
                 self.kv.release(seq, insert=False)
                 break
             self.kv.reserve(seq, n)
-            if seq.num_cached_tokens < 0:
+            if seq.num_cached_tokens < 0:  # first admission: count its prefix-cache lookup
                 seq.num_cached_tokens = hit
-                self.stat_queries += 1
-                self.stat_query_tokens += seq.num_prompt_tokens
-                self.stat_hit_tokens += hit
+                batch.num_queries += 1
+                batch.num_query_tokens += seq.num_prompt_tokens
+                batch.num_hit_tokens += hit
+            metrics = seq.group.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = time.monotonic()
             seq.status = SeqStatus.RUNNING
-            seq.admit_order = self._admit_counter
-            self._admit_counter += 1
             self.running.append(seq)
             admitted.append(seq)
             self._inflight.announce(seq)
@@ -276,22 +254,19 @@ class Scheduler:
             n = max(n, min(remaining, self.chunk_size, self.page_size))
         return n
 
-    def _available_pages(self) -> int:
-        return self.kv.cache.pool.num_free + self.kv.cache.num_evictable_pages
-
     def _fit(self, seq: Sequence, n: int) -> int:
         """Largest token count <= n whose pages the pool can supply now."""
-        if self.kv.pages_needed(seq, n) <= self._available_pages():
+        if self.kv.pages_needed(seq, n) <= self.kv.available_pages():
             return n
-        slots = (len(seq.page_table) + self._available_pages()) * self.page_size
+        slots = (len(seq.page_table) + self.kv.available_pages()) * self.page_size
         return max(0, slots - seq.num_computed)
 
     def _has_room(self, seq: Sequence, n: int) -> bool:
         # keep a page of headroom per running sequence so admissions do not immediately force
         # preemptions of the decodes already running
         need = self.kv.pages_needed(seq, n)
-        return need + len(self.running) <= self._available_pages() or (
-            not self.running and need <= self._available_pages()
+        return need + len(self.running) <= self.kv.available_pages() or (
+            not self.running and need <= self.kv.available_pages()
         )
 
     # ------------------------------------------------------------------ after the forward
@@ -314,19 +289,15 @@ class Scheduler:
             self.kv.rollback_uncomputed(seq)
 
     def check_invariants(self) -> None:
-        """Queues and announcements are consistent (cheap; called by Engine.check_invariants)."""
+        """Queues and announcements are consistent (cheap; called by Engine.check_invariants;
+        the pages themselves are checked by ``SeqKV.check_invariants``)."""
         for s in self.running:
             assert s.status is SeqStatus.RUNNING, s
             assert 0 <= s.num_computed <= len(s.token_ids), s
-            need = -(-s.num_computed // self.page_size)
+            need = pages_for(s.num_computed, self.page_size)
             assert len(s.page_table) == need, (s, need)
             assert s.num_shared_pages <= len(s.page_table), s
-            if not self.kv.enabled:
-                assert s.locked_node is None and s.num_shared_pages == 0, s
         for s in self.waiting:
             assert s.status is SeqStatus.WAITING, s
             assert not s.page_table and s.locked_node is None and not s.inflight_keys, s
         self._inflight.check(self.running)
-        assert self.kv.num_private_pages == sum(
-            len(s.page_table) - s.num_shared_pages for s in self.running
-        ), "private page count out of sync"

@@ -1,35 +1,67 @@
 """Session: a token state that several branches continue from (tree-of-thought style).
 
 A session is a list of token ids plus a pin: a lock on the deepest cached trie node of its
-tokens, so the state's KV stays cached (never evicted) while the program decides what to do
-next. ``fork(n)`` makes n sessions on the same state (each pins the same node: no copy);
-``Session.generate_all(branches, params)`` runs every branch in one batch, where they share
-the state's pages and only compute their own continuation, then appends each output to its
-branch and re-pins it. Close sessions (or use ``with``) to release their pins.
+tokens (taken through the engine's ``SeqKV``, which counts pins), so the state's KV stays
+cached (never evicted) while the program decides what to do next. ``fork(n)`` makes n sessions
+on the same state (each pins the same node: no copy); ``Session.generate_all(branches,
+params)`` runs every branch in one batch, where they share the state's pages and only compute
+their own continuation, then appends each output to its branch and re-pins it. Close sessions
+(or use ``with``) to release their pins.
+
+A session drives its engine only through the engine's public request API (``prepare``,
+``submit``, ``iter_outputs``) and ``seq_kv``'s pins; :class:`SessionEngine` spells out that
+interface (``Engine`` provides it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Collection, Generator, Sequence
+from typing import Protocol
 
+from radixkv.cache import TreeNode
+from radixkv.engine.intake import Prompt, normalise_prompt
+from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.outputs import RequestOutput
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.validate import normalise_prompt
+from radixkv.engine.request import Namespace, RequestGroup
+from radixkv.model.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from radixkv.engine.engine import Engine
+
+class SessionEngine(Protocol):
+    """What a session uses of its engine (see ``Engine`` for the contracts)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    seq_kv: SeqKV
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        namespace: Namespace = None,
+        stream: bool = True,
+        arrival_time: float | None = None,
+    ) -> RequestGroup: ...
+
+    def submit(self, request: RequestGroup) -> str: ...
+
+    def iter_outputs(
+        self, request_ids: Collection[str]
+    ) -> Generator[RequestOutput, None, None]: ...
 
 
 class Session:
     """Use ``engine.session(prompt)``. Not thread-safe (like the engine)."""
 
-    def __init__(self, engine: Engine, prompt: str | Sequence[int], *, namespace: Any = None):
+    def __init__(self, engine: SessionEngine, prompt: Prompt, *, namespace: Namespace = None):
         self.engine = engine
         self.namespace = namespace
         _, ids = normalise_prompt(prompt, engine.tokenizer, engine.vocab_size)
         self.tokens: list[int] = ids
-        self._node: Any = None
+        self._node: TreeNode | None = None
         self.closed = False
         self._repin()
 
@@ -42,7 +74,7 @@ class Session:
         """Tokens of this state whose KV the pin keeps cached."""
         return 0 if self._node is None else int(self._node.depth_tokens)
 
-    def extend(self, more: str | Sequence[int]) -> Session:
+    def extend(self, more: Prompt) -> Session:
         """Append text (encoded without special tokens) or token ids to the state."""
         self._check_open()
         if isinstance(more, str):
@@ -69,7 +101,9 @@ class Session:
         sessions: Sequence[Session], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
         """Continue every session in one batch (they must share an engine); each output is
-        appended to its session. ``params.n`` must be 1."""
+        appended to its session. ``params.n`` must be 1. If a step raises (or the loop is
+        interrupted), the branches' requests are aborted, so their locks and pages are
+        released, and no session changes."""
         if not sessions:
             return []
         if params is not None and params.n != 1:
@@ -80,15 +114,14 @@ class Session:
             if s.engine is not engine:
                 raise ValueError("Session.generate_all: sessions belong to different engines")
         groups = [
-            engine._make_group(list(s.tokens), params, None, s.namespace, stream=False)
+            engine.prepare(list(s.tokens), params, namespace=s.namespace, stream=False)
             for s in sessions
         ]
-        ids = {g.request_id for g in groups}
-        for g in groups:
-            engine._enqueue(g)
-        pending = len(groups)
-        while pending:
-            pending -= sum(1 for o in engine.step() if o.finished and o.request_id in ids)
+        ids = [engine.submit(g) for g in groups]
+        # closing: whatever ends the loop early, the requests still live are aborted now
+        with contextlib.closing(engine.iter_outputs(ids)) as outputs:
+            for _ in outputs:
+                pass
         outs = [g.make_output() for g in groups]
         for s, o in zip(sessions, outs):
             s.tokens.extend(o.token_ids)
@@ -98,8 +131,7 @@ class Session:
     def close(self) -> None:
         """Release the pin (idempotent). The state's pages become evictable."""
         if self._node is not None:
-            self.engine.cache.unlock(self._node)
-            self.engine._num_pins -= 1
+            self.engine.seq_kv.unpin(self._node)
             self._node = None
         self.closed = True
 
@@ -114,15 +146,9 @@ class Session:
             raise ValueError("session is closed")
 
     def _repin(self) -> None:
-        eng = self.engine
-        if not eng.config.enable_prefix_cache:
-            return
-        m = eng.cache.match_prefix(self.tokens, namespace=self.namespace)
-        if m.node is self._node:
-            return
-        eng.cache.lock(m.node)
-        eng._num_pins += 1
+        """Move the pin to the deepest cached node of the current tokens."""
+        kv = self.engine.seq_kv
+        node = kv.pin(self.tokens, self.namespace)  # pin the new node before unpinning the old
         if self._node is not None:
-            eng.cache.unlock(self._node)
-            eng._num_pins -= 1
-        self._node = m.node
+            kv.unpin(self._node)
+        self._node = node

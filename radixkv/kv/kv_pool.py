@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixkv.pages import pages_for
+
 
 def _check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -106,9 +108,9 @@ class KVPool:
     def slot_indices(self, page_table: Sequence[int], start: int, end: int) -> list[int]:
         """Flat slots of tokens ``start .. end-1`` of a sequence with this page table."""
         ps = self.page_size
-        if start < 0 or end < start or (end + ps - 1) // ps > len(page_table):
+        if start < 0 or end < start or pages_for(end, ps) > len(page_table):
             raise ValueError(
-                f"KVPool.slot_indices: tokens [{start}, {end}) need {(end + ps - 1) // ps} pages, "
+                f"KVPool.slot_indices: tokens [{start}, {end}) need {pages_for(end, ps)} pages, "
                 f"page table has {len(page_table)}"
             )
         return [page_table[i // ps] * ps + i % ps for i in range(start, end)]

@@ -7,14 +7,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.attention.cascade_backend import CascadeDecodeBackend
 from radixkv.attention.registry import get_backend
+from radixkv.debug import debug_checks_enabled
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from radixkv.attention.cascade_plan import CascadePlan
+
+
+class CascadeSchedule(Protocol):
+    """A decode step's cascade plan and its row order (the engine's ``CascadeDecision``)."""
+
+    @property
+    def plan(self) -> CascadePlan: ...
+
+    @property
+    def order(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -35,11 +50,21 @@ class ModelRunner:
     """Runs ``model`` on batches of :class:`SeqInput` with ``kv_pool`` as its KV cache.
 
     ``forward`` mutates the pool: every layer's K/V of every new token is written to the slots
-    given by its page table. Nothing else is mutated. Input is validated before any write; a bad
-    batch raises ValueError and leaves the pool untouched.
+    given by its page table. Nothing else is mutated. The engine checks prompts once, at intake,
+    and builds the page tables itself, so per-step input checks are debug-only: with
+    ``check_inputs`` (default: ``RADIXKV_DEBUG_CHECKS``, see radixkv/debug.py) a bad batch
+    (token ids outside the vocabulary, past the context, short or out-of-range page tables)
+    raises ValueError before any write and leaves the pool untouched.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_pool: KVPool,
+        backend: str = "auto",
+        *,
+        check_inputs: bool | None = None,
+    ) -> None:
         cfg = model.config
         problems = []
         if kv_pool.num_layers != cfg.num_layers:
@@ -65,15 +90,16 @@ class ModelRunner:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
         )
-        self._cascade: Any = None  # CascadeDecodeBackend, created on the first cascade step
+        self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
+        self.attn.check_layouts = self.check_inputs  # the backend validates each layout
+        self._cascade: CascadeDecodeBackend | None = None  # created on the first cascade step
 
     @property
     def backend_name(self) -> str:
         return self.attn.name
 
-    def _validate(self, seqs: Sequence[SeqInput]) -> BatchLayout:
-        if not seqs:
-            raise ValueError("ModelRunner.forward: empty batch")
+    def _check_inputs(self, seqs: Sequence[SeqInput]) -> None:
+        """Debug check of a batch (the engine's batches pass by construction)."""
         vocab, max_ctx = self.config.vocab_size, self.config.max_position_embeddings
         for i, s in enumerate(seqs):
             if not isinstance(s, SeqInput):
@@ -86,17 +112,14 @@ class ModelRunner:
                 raise ValueError(
                     f"sequence {i}: {end} tokens exceed the model's context of {max_ctx}"
                 )
-        layout = BatchLayout.build(
-            [s.page_table for s in seqs],
-            [s.num_past for s in seqs],
-            [len(s.new_token_ids) for s in seqs],
-        )
-        layout.validate(self.kv_pool.page_size, self.kv_pool.num_pages)
-        return layout
 
     @torch.inference_mode()
     def forward(
-        self, seqs: Sequence[SeqInput], *, all_logits: bool = False, cascade: Any = None
+        self,
+        seqs: Sequence[SeqInput],
+        *,
+        all_logits: bool = False,
+        cascade: CascadeSchedule | None = None,
     ) -> torch.Tensor:
         """fp32 logits ``[len(seqs), vocab]`` of each sequence's last new token, or with
         ``all_logits=True`` ``[sum of new tokens, vocab]`` for every new token in batch order.
@@ -104,7 +127,15 @@ class ModelRunner:
         ``cascade``: for a decode-only batch, a ``CascadeDecision`` from
         :class:`radixkv.engine.cascade_planner.CascadePlanner` over these sequences (in this
         order): shared prefixes are then read once per group (same logits, fewer KV reads)."""
-        layout = self._validate(seqs)
+        if not seqs:
+            raise ValueError("ModelRunner.forward: empty batch")
+        if self.check_inputs:
+            self._check_inputs(seqs)
+        layout = BatchLayout.build(
+            [s.page_table for s in seqs],
+            [s.num_past for s in seqs],
+            [len(s.new_token_ids) for s in seqs],
+        )
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []
@@ -120,10 +151,9 @@ class ModelRunner:
         attn.plan(layout)
         return self.model(ids_t, pos_t, attn, idx_t, max_position=max(positions))
 
-    def _cascade_attn(self, decision: Any) -> AttentionBackend:
-        from radixkv.attention.cascade_backend import CascadeDecodeBackend
-
+    def _cascade_attn(self, decision: CascadeSchedule) -> AttentionBackend:
         if self._cascade is None:
             self._cascade = CascadeDecodeBackend(self.attn)
+            self._cascade.check_layouts = self.check_inputs
         self._cascade.set_plan(decision.plan, decision.order)
         return self._cascade

@@ -1,3 +1,3 @@
-from radixkv.server import main
+from radixkv.server.cli import main
 
 raise SystemExit(main())

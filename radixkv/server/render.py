@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 
 from radixkv.server import protocol as P
-from radixkv.server.driver import Submission
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server.submission import Submission
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from radixkv.server import protocol as P
 from radixkv.server import render as R
 from radixkv.server.auth import Authenticator, Principal
 from radixkv.server.config import ServerConfig
-from radixkv.server.driver import Submission
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server.submission import Submission
 from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
 log = logging.getLogger("radixkv.server")

@@ -14,10 +14,11 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.outputs import RequestOutput
 from radixkv.engine.params import SamplingParams
+from radixkv.engine.request import Namespace
 
 
 @dataclass
@@ -47,11 +48,11 @@ class Submission:
 
     def __init__(
         self,
-        engine: Any,
+        engine: AsyncEngine,
         prompts: Sequence[list[int]],
         params: SamplingParams,
         *,
-        namespace: Any,
+        namespace: Namespace,
         request_id: str,
     ) -> None:
         self.engine = engine
@@ -70,7 +71,7 @@ class Submission:
             for i, ids in enumerate(prompts)
         ]
 
-    async def _pump(self, i: int, ids: list[int], namespace: Any) -> None:
+    async def _pump(self, i: int, ids: list[int], namespace: Namespace) -> None:
         try:
             async for out in self.engine.generate(
                 ids, self.params, request_id=f"{self.request_id}-{i}", namespace=namespace
@@ -113,9 +114,6 @@ class Submission:
             if isinstance(item, BaseException):
                 return item
         return None
-
-    def has_pending_events(self) -> bool:
-        return not self._events.empty()
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,0 +1,202 @@
+"""Engine configuration: every engine knob in one frozen dataclass, validated on construction.
+
+Components take the config they need instead of copies of its fields. The ``radixkv serve`` and
+``radixkv serve-ray`` command lines derive their engine flags from these fields
+(:meth:`EngineConfig.add_cli_arguments`, :meth:`EngineConfig.from_cli_args`), so a knob added
+here reaches both, with the same name, default, choices and help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from radixkv.attention.registry import BACKENDS
+from radixkv.cache.eviction import POLICIES
+from radixkv.engine.cascade_planner import CASCADE_MODES
+from radixkv.engine.prefill_cost import PREFILL_BUDGETS
+from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _cli(
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    type: Callable[[str], Any] | None = None,
+    flag: str | None = None,
+) -> dict[str, Any]:
+    """Field metadata for the field's command-line flag: ``help``, ``choices``, the argparse
+    ``type`` (default: the type of the field's default) and, for a bool that defaults to True,
+    the ``flag`` that turns it off (``--disable-...``)."""
+    return {"help": help, "choices": choices, "type": type, "flag": flag}
+
+
+def _pos_int(name: str, v: object) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def _one_of(name: str, v: object, allowed: Sequence[str]) -> None:
+    if v not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Engine knobs (see each field's help). Raises ValueError naming the field on a bad value.
+
+    KV pool size: ``num_pages`` wins over ``kv_cache_memory`` (bytes); with neither, the pool
+    gets 1 GiB on a CPU or half the free memory on a GPU. A step computes at most
+    ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (``None`` or 0
+    disables chunking); ``prefill_budget`` says whether that counts new tokens only ("tokens") or
+    new tokens plus their attention to past ones ("attention", see engine/prefill_cost.py).
+    """
+
+    # 16 tokens: small enough that little of a prompt is left in an uncacheable partial page,
+    # large enough that page tables and the trie stay short
+    page_size: int = field(
+        default=16, metadata=_cli("tokens per KV page (only whole pages are cached)")
+    )
+    num_pages: int | None = field(
+        default=None, metadata=_cli("KV pool size in pages (wins over --kv-cache-memory)", type=int)
+    )
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=_cli(
+            "KV pool size in bytes (default: 1 GiB on a CPU, half the free GPU memory)", type=int
+        ),
+    )
+    max_running_requests: int = field(default=256, metadata=_cli("most sequences running at once"))
+    # 8192 / 2048: a step computes at most 2048 prefill tokens, so running streams stall at most
+    # one chunk's time and a burst of short prompts runs as several short steps (scheduler.py)
+    max_prefill_tokens: int = field(default=8192, metadata=_cli("most prefill tokens in one step"))
+    chunked_prefill_size: int | None = field(
+        default=2048,
+        metadata=_cli(
+            "longest prefill chunk of one sequence per step; 0 disables chunking", type=int
+        ),
+    )
+    prefill_budget: str = field(
+        default="tokens",
+        metadata=_cli(
+            "what the step budget counts: new tokens, or new tokens plus their attention to past "
+            "ones (splits steps whose new tokens attend to long cached prefixes)",
+            choices=PREFILL_BUDGETS,
+        ),
+    )
+    # "lpm": admit the longest cached prefix first, so a shared prefix is hit while it is cached
+    schedule_policy: str = field(
+        default="lpm",
+        metadata=_cli(
+            "admission order of waiting requests (engine/schedule_policy.py)",
+            choices=tuple(SCHEDULE_POLICIES),
+        ),
+    )
+    enable_prefix_cache: bool = field(
+        default=True,
+        metadata=_cli(
+            "turn the prefix cache off (every prompt is computed)", flag="--disable-prefix-cache"
+        ),
+    )
+    eviction_policy: str = field(
+        default="lru", metadata=_cli("which cached pages go first", choices=tuple(POLICIES))
+    )
+    # "auto": flashinfer on a CUDA pool in fp16/bf16 when it is installed, else torch
+    attention_backend: str = field(
+        default="auto", metadata=_cli("attention kernels", choices=BACKENDS)
+    )
+    # "auto": read shared prefixes once per group only when the step saves enough reads
+    cascade: str = field(
+        default="auto",
+        metadata=_cli(
+            "shared-prefix (cascade) decode attention: when it pays, always, or never",
+            choices=CASCADE_MODES,
+        ),
+    )
+    device: str | torch.device | None = field(
+        default=None, metadata=_cli("torch device (default: cuda if available, else cpu)", type=str)
+    )
+    dtype: str | torch.dtype | None = field(
+        default=None, metadata=_cli("weight and KV dtype (default: the model's)", type=str)
+    )
+    seed: int = field(default=0, metadata=_cli("seed of the per-request sampling seeds"))
+
+    def __post_init__(self) -> None:
+        _pos_int("page_size", self.page_size)
+        if self.num_pages is not None:
+            _pos_int("num_pages", self.num_pages)
+        if self.kv_cache_memory is not None:
+            _pos_int("kv_cache_memory", self.kv_cache_memory)
+        _pos_int("max_running_requests", self.max_running_requests)
+        _pos_int("max_prefill_tokens", self.max_prefill_tokens)
+        if self.chunked_prefill_size not in (None, 0):
+            _pos_int("chunked_prefill_size", self.chunked_prefill_size)
+        _one_of("prefill_budget", self.prefill_budget, PREFILL_BUDGETS)
+        _one_of("schedule_policy", self.schedule_policy, tuple(SCHEDULE_POLICIES))
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise ValueError(
+                f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"
+            )
+        _one_of("eviction_policy", self.eviction_policy, tuple(POLICIES))
+        _one_of("attention_backend", self.attention_backend, BACKENDS)
+        _one_of("cascade", self.cascade, CASCADE_MODES)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """``chunked_prefill_size`` with 0 read as None (no chunking)."""
+        return self.chunked_prefill_size or None
+
+    @property
+    def step_prefill_budget(self) -> int:
+        """Prefill tokens (budget units) of one whole step: ``min(max_prefill_tokens,
+        chunked_prefill_size)``."""
+        return min(self.max_prefill_tokens, self.chunk_size or self.max_prefill_tokens)
+
+    def options(self) -> dict[str, Any]:
+        """The fields that are set (not None), as keyword arguments: ``Engine(model,
+        **config.options())`` builds the same engine (used to ship a config to Ray replicas)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    # ------------------------------------------------------------------ command line
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Declare one flag per field on ``parser`` (``page_size`` -> ``--page-size``; a bool
+        that defaults to True gets its ``--disable-...`` flag); returns ``parser``."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta["flag"] is not None:
+                group.add_argument(meta["flag"], action="store_true", help=meta["help"])
+                continue
+            group.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=meta["type"] or type(f.default),
+                default=f.default,
+                choices=meta["choices"],
+                help=meta["help"],
+            )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config of flags declared by :meth:`add_cli_arguments` (raises ValueError)."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            flag = f.metadata["flag"]
+            if flag is not None:
+                values[f.name] = not getattr(args, flag.lstrip("-").replace("-", "_"))
+            else:
+                values[f.name] = getattr(args, f.name)
+        return cls(**values)
