@@ -18,6 +18,7 @@ import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.kv.kv_pool import KVPool
+from radixkv.pages import pages_for
 
 # The FlashInfer kernel family of every wrapper (prefill, decode, cascade levels). FlashInfer's
 # "auto" picks FA3 on Hopper for a prefill batch holding a request of more than 64 query rows and
@@ -70,7 +71,7 @@ class _Csr:
         indices: list[int] = []
         last: list[int] = []
         for pt, n in zip(tables, kv_lens, strict=True):
-            n_pages = (n + page_size - 1) // page_size
+            n_pages = pages_for(n, page_size)
             indices.extend(pt[:n_pages])
             indptr.append(len(indices))
             last.append(n - (n_pages - 1) * page_size)
@@ -123,7 +124,8 @@ class FlashInferAttention(AttentionBackend):
     def plan(self, layout: BatchLayout) -> None:
         pool = self.kv_pool
         ps, dev = pool.page_size, pool.device
-        layout.validate(ps, pool.num_pages)
+        if self.check_layouts:
+            layout.validate(ps, pool.num_pages)
         self._plan_slots(layout)
         pre_tables, pre_lens, pre_qo = [], [], [0]
         dec_tables, dec_lens = [], []

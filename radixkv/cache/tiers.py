@@ -10,7 +10,9 @@ implementation over radixkv's KVPool and HostKVPool.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from radixkv.cache.page_pool import PagePool
 
 if TYPE_CHECKING:
     from radixkv.cache.node import TreeNode
@@ -25,6 +27,8 @@ __all__ = [
     "Copier",
     "CopyHandle",
     "LoadBack",
+    "TierState",
+    "check_tier_args",
 ]
 
 WRITE_THROUGH = "write_through"  # back a node up when it is inserted
@@ -191,3 +195,73 @@ class LoadBack:
             f"num_loaded_tokens={self.num_loaded_tokens}, pages={len(self.pages)}, "
             f"error={self.error!r})"
         )
+
+
+class TierState:
+    """The host tier's state and counters, one attribute of the cache (``_tier``)."""
+
+    __slots__ = (
+        "backup_failures",
+        "backup_pages",
+        "backup_skipped",
+        "copier",
+        "demoted_pages",
+        "hindex",
+        "host_cached",
+        "host_evictable",
+        "host_evicted_pages",
+        "host_hit_tokens",
+        "load_failures",
+        "loaded_pages",
+        "threshold",
+        "write_back_pages",
+        "write_policy",
+    )
+
+    def __init__(
+        self, host: PagePool | None, copier: Any, write_policy: str, threshold: int
+    ) -> None:
+        self.copier = copier
+        self.write_policy = write_policy
+        self.threshold = threshold
+        self.hindex: Any = None  # HostEvictionIndex, with a host pool
+        self.host_cached = 0  # host pages owned by nodes
+        self.host_evictable = 0  # host pages of unlocked nodes
+        # cumulative (CacheStats)
+        self.host_hit_tokens = self.loaded_pages = self.load_failures = 0
+        self.backup_pages = self.write_back_pages = self.backup_failures = 0
+        self.backup_skipped = self.demoted_pages = self.host_evicted_pages = 0
+
+
+def check_tier_args(
+    pool: PagePool,
+    host_pool: PagePool | None,
+    copier: Any,
+    write_policy: Any,
+    threshold: Any,
+) -> None:
+    """RadixCache's host-tier arguments, checked before anything is built."""
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+    if type(threshold) is not int or threshold < 1:
+        raise ValueError(f"write_through_threshold must be an int >= 1, got {threshold!r}")
+    if host_pool is None:
+        if copier is not None:
+            raise ValueError("a copier was given without a host_pool: no host tier to copy to")
+        return
+    if not isinstance(host_pool, PagePool):
+        raise TypeError(f"host_pool must be a PagePool, got {type(host_pool).__name__}")
+    if host_pool is pool:
+        raise ValueError("host_pool must be a PagePool of its own, not the device pool")
+    if host_pool.num_pages < 1:
+        raise ValueError(
+            "host_pool has no pages: a host tier needs at least one page (pass host_pool=None "
+            "for no host tier)"
+        )
+    if host_pool.num_free != host_pool.num_pages:
+        raise ValueError("host_pool must be unused: some of its pages are already allocated")
+    if copier is None:
+        raise ValueError("a host tier needs a copier (radixkv.cache.tiers.Copier) to move pages")
+    for name in ("to_host", "to_device"):
+        if not callable(getattr(copier, name, None)):
+            raise TypeError(f"copier must have a callable {name}(pairs) method, got {copier!r}")
