@@ -13,34 +13,32 @@ from pathlib import Path
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from radixkv.engine.benchmark import format_table, measure, shared_system_prompt_chats
+    from radixkv.engine.benchmark import format_table, measure, shared_module_prompts
     from radixkv.engine.engine import Engine
     from radixkv.engine.params import SamplingParams
     from radixkv.model.loader import load_model
 
     t0 = time.perf_counter()
     lm = load_model(args.model, device=args.device or "cpu")
-    prompts = shared_system_prompt_chats(
-        lm.tokenizer,
-        num_requests=args.requests,
-        system_words=args.system_words,
-        question_words=12,
-        seed=args.seed,
+    prompts = shared_module_prompts(
+        lm.tokenizer, num_requests=args.requests, system_words=args.system_words, seed=args.seed
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     n_tok = sum(map(len, prompts))
     print(
-        f"radixkv demo: {len(prompts)} chat requests on {lm.name} sharing a "
-        f"{_shared(prompts)}-token system prompt ({n_tok:,} prompt tokens, {args.max_tokens} output tokens each, "
+        f"radixkv demo: {len(prompts)} requests on {lm.name}, each asking for the body of one "
+        f"method of a Python class; all share the module above it ({_shared(prompts)} tokens; "
+        f"{n_tok:,} prompt tokens, {args.max_tokens} output tokens each, "
         f"torch threads={torch.get_num_threads()})"
     )
     results = []
-    engine = None
+    engines = []
     for cache_on in (False, True):
         engine = Engine(lm, enable_prefix_cache=cache_on, num_pages=args.num_pages, seed=args.seed)
         desc = f"cache {'on' if cache_on else 'off'}"
-        results.append(measure(engine, prompts, params, name="shared-system", desc=desc))
+        results.append(measure(engine, prompts, params, name="shared-module", desc=desc))
         engine.check_invariants()
+        engines.append(engine)
     off, on = results
     print()
     print(format_table(results))
@@ -51,9 +49,23 @@ def _demo(args: argparse.Namespace) -> int:
         f"{on.throughput_tok_s / off.throughput_tok_s:.1f}x, "
         f"{on.prefill_saved:,} of {on.prompt_tokens:,} prompt tokens served from cache"
     )
-    if engine is not None and args.tree:
+    if args.show > 0:  # what the model wrote: the same seeded samples with the cache off and on
+        shown = prompts[: args.show]
+        sample = SamplingParams(
+            temperature=0.8, top_k=20, max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed
+        )
+        texts = [[o.text for o in e.generate(shown, sample, use_tqdm=False)] for e in engines]
+        same = "identical" if texts[0] == texts[1] else "DIFFERENT"
+        print(
+            f"\nsampled continuations (temperature 0.8, top-k 20, seed {args.seed}; {same} with "
+            "the cache off and on):"
+        )
+        for ids, text in zip(shown, texts[1]):
+            sig = lm.tokenizer.decode(ids).rstrip().rsplit("\n", 1)[-1]
+            print(f"{sig}\n{text}\n")
+    if engines and args.tree:
         print("\ncache tree after the run (cache on):")
-        lines = engine.cache.pretty(max_tokens_shown=6).splitlines()
+        lines = engines[-1].cache.pretty(max_tokens_shown=6).splitlines()
         print("\n".join(lines[: args.tree_lines]))
         if len(lines) > args.tree_lines:
             print(f"... ({len(lines) - args.tree_lines} more lines)")
@@ -120,11 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="radixkv", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="shared-system-prompt workload, prefix cache off vs on")
+    d = sub.add_parser("demo", help="shared-prefix code completions, prefix cache off vs on")
     d.add_argument("--model", default="radixkv-tiny")
     d.add_argument("--requests", type=int, default=48)
-    d.add_argument("--system-words", type=int, default=200, help="system prompt length (words)")
-    d.add_argument("--max-tokens", type=int, default=16)
+    d.add_argument(  # radixkv-tiny was trained on 512-token windows: prompt + output fit in that
+        "--system-words", type=int, default=12, help="shared module docstring length (words)"
+    )
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--show", type=int, default=3, help="print this many continuations")
     d.add_argument("--num-pages", type=int, default=None)
     d.add_argument("--device", default=None)
     d.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,7 @@ wrote (page-aligned and not, page sizes 1 and 16), decode steps, mixed batches, 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +189,53 @@ def test_bfloat16_load_is_close_to_fp32(tmp_path: Path) -> None:
     assert got.dtype == torch.float32
     scale = ref.abs().max().item()
     assert (got - ref).abs().max().item() < 0.1 * scale
+
+
+def test_trained_radixkv_tiny_matches_transformers(tmp_path: Path) -> None:
+    """The shipped radixkv-tiny weights, saved as a Hugging Face folder and loaded back by
+    transformers, give the same logits and the same greedy tokens as radixkv's paged runner."""
+    import transformers
+
+    tiny = load_model("radixkv-tiny")
+    c = tiny.config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=False,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=list(c.eos_token_ids),
+    )
+    folder = tmp_path / "radixkv-tiny-hf"
+    build = transformers.LlamaForCausalLM(cfg).eval()
+    build.load_state_dict(tiny.model.state_dict(), strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build.save_pretrained(folder, safe_serialization=True)
+        hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = tiny.tokenizer.encode('def read_lines(path):\n    """Return the lines of *path*."""\n')
+    runner = _runner(tiny, 16)
+    table = list(range(12))
+    _close(runner.forward([SeqInput(prompt, table, 0)], all_logits=True), hf_logits(hf, prompt))
+    from radixkv import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    (out,) = Engine(tiny, num_pages=64).generate([prompt], params, use_tqdm=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert out.token_ids == ref[0, len(prompt) :].tolist()

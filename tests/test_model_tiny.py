@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -49,8 +51,8 @@ def test_chunked_prefill_and_decode_match_full_prefill(tiny: LoadedModel) -> Non
         parts.append(runner.forward([SeqInput(ids[a:b], pt2, a)], all_logits=True))
     for i in range(n - 3, n):  # decode steps
         parts.append(runner.forward([SeqInput([ids[i]], pt2, i)]))
-    # radixkv-tiny's logits reach ~500 (random tied embeddings), where fp32 spacing is 3e-5: allow
-    # a few ulps on top of the absolute 1e-4 that the Hugging Face comparisons use
+    # allow a few fp32 ulps of large logits on top of the absolute 1e-4 that the Hugging Face
+    # comparisons use
     torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=1e-6)
 
 
@@ -120,11 +122,11 @@ def test_tiny_tokenizer_and_chat_template(tiny: LoadedModel) -> None:
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
-def test_tiny_speaks_printable_ascii_and_samples_vary() -> None:
+def test_tiny_random_speaks_printable_ascii_and_samples_vary() -> None:
     from radixkv import Engine, SamplingParams
     from radixkv.model.tiny import PRINTABLE
 
-    eng = Engine("radixkv-tiny", num_pages=256)
+    eng = Engine("radixkv-tiny-random", num_pages=256)
     prompt = "Problem: a farmer has 17 sheep. Think step by step."
     greedy = eng.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
     assert all(t in PRINTABLE for t in greedy[0].token_ids)
@@ -134,3 +136,59 @@ def test_tiny_speaks_printable_ascii_and_samples_vary() -> None:
     (out,) = eng.generate([prompt], params, use_tqdm=False)
     samples = {tuple(c.token_ids) for c in out.outputs}
     assert len(samples) > 1  # sampling explores; a tied random head mostly repeats its input
+
+
+# Python the model has not seen verbatim (written for this test, in the standard library's style)
+SNIPPET = '''def read_config(path, defaults=None):
+    """Return the settings in the file at *path* as a dictionary.
+
+    Lines that are empty or start with a hash are ignored. Every other line
+    must have the form ``name = value``; the value is stripped of spaces.
+    """
+    settings = dict(defaults or {})
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, sep, value = line.partition("=")
+            if not sep:
+                raise ValueError("line %d: expected name = value" % lineno)
+            settings[name.strip()] = value.strip()
+    return settings
+'''
+
+
+def _bits_per_byte(lm: LoadedModel, text: str) -> float:
+    ids = lm.tokenizer.encode(text)
+    runner = _runner(lm, page_size=16, num_pages=(len(ids) + 15) // 16)
+    logits = runner.forward([SeqInput(ids, list(range((len(ids) + 15) // 16)), 0)], all_logits=True)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return float(nll) / math.log(2)
+
+
+def test_trained_tiny_predicts_python_and_writes_it(tiny: LoadedModel) -> None:
+    """The packaged weights are the trained ones: far better than random on unseen Python."""
+    from radixkv import Engine, SamplingParams
+    from radixkv.model.tiny import tiny_training_summary
+
+    trained = _bits_per_byte(tiny, SNIPPET)
+    random = _bits_per_byte(load_model("radixkv-tiny-random"), SNIPPET)
+    assert trained < 3.0 < 8.0 < random, (trained, random)
+    summary = tiny_training_summary()
+    assert (
+        len(summary["corpus"]["sha256"]) == 64 and summary["steps_run"] == summary["args"]["steps"]
+    )
+    assert summary["held_out"]["trained_bits_per_byte"] < 3.0
+
+    eng = Engine(tiny, num_pages=128, seed=0)
+    prompt = "def read_lines(path):\n"
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    (greedy,) = eng.generate([prompt], params, use_tqdm=False)
+    (again,) = eng.generate([prompt], params, use_tqdm=False)
+    assert again.token_ids == greedy.token_ids
+    assert greedy.text.startswith("    ")  # a body, indented under the signature
+    assert greedy.text.isascii() and all(ch.isprintable() or ch == "\n" for ch in greedy.text)
+    sampled = SamplingParams(max_tokens=32, temperature=0.8, n=3, seed=7, ignore_eos=True)
+    (out,) = eng.generate([prompt], sampled, use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1

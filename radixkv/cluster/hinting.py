@@ -28,9 +28,9 @@ from radixkv.server.errors import APIError
 
 def load_tokenizer(model: str) -> Any:
     """The tokenizer the engine would load for ``model`` (no weights are loaded)."""
-    from radixkv.model.tiny import TINY_NAME, tiny_tokenizer
+    from radixkv.model.tiny import TINY_NAMES, tiny_tokenizer
 
-    if str(model) == TINY_NAME:
+    if str(model) in TINY_NAMES:
         return tiny_tokenizer()
     from radixkv.model.config import ModelConfig
     from radixkv.model.loader import _load_tokenizer

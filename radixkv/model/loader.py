@@ -1,4 +1,4 @@
-"""load_model: radixkv-tiny, or a local Hugging Face model folder.
+"""load_model: radixkv-tiny (trained, packaged), radixkv-tiny-random, or a local HF model folder.
 
 A folder needs ``config.json``, weights as ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json`` (any ``*.safetensors`` as a last resort), and ``tokenizer.json``.
@@ -19,7 +19,13 @@ import torch
 from radixkv.model.config import ModelConfig, parse_dtype
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.llama import LlamaForCausalLM
-from radixkv.model.tiny import TINY_NAME, build_tiny_model, tiny_tokenizer
+from radixkv.model.tiny import (
+    TINY_NAME,
+    TINY_RANDOM_NAME,
+    build_tiny_model,
+    build_tiny_random_model,
+    tiny_tokenizer,
+)
 from radixkv.model.tokenizer import HFTokenizer, Tokenizer
 
 # Tensors some checkpoints carry that the model recomputes.
@@ -39,15 +45,16 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
 ) -> LoadedModel:
-    """Load ``"radixkv-tiny"`` or the HF folder at ``name_or_path`` onto ``device``.
+    """Load ``"radixkv-tiny"``, ``"radixkv-tiny-random"`` or the HF folder at ``name_or_path`` onto ``device``.
 
     ``dtype`` defaults to the checkpoint's (``torch_dtype`` in config.json), fp32 for the tiny model.
     """
     device = torch.device(device)
     want = None if dtype is None else parse_dtype(dtype, "load_model", "dtype")
-    if str(name_or_path) == TINY_NAME:
-        model = build_tiny_model(device, want or torch.float32)
-        return LoadedModel(model, model.config, tiny_tokenizer(), TINY_NAME)
+    if str(name_or_path) in (TINY_NAME, TINY_RANDOM_NAME):
+        build = build_tiny_model if str(name_or_path) == TINY_NAME else build_tiny_random_model
+        model = build(device, want or torch.float32)
+        return LoadedModel(model, model.config, tiny_tokenizer(), str(name_or_path))
     folder = Path(name_or_path)
     if not folder.is_dir():
         raise ModelLoadError(

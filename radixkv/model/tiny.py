@@ -1,11 +1,19 @@
-"""radixkv-tiny: an embedded Llama-architecture model with seeded random weights.
+"""radixkv-tiny: an embedded Llama-architecture model, trained here on Python's own source.
 
-No files and no download: the weights are drawn from a fixed-seed generator on the CPU (so they are
-the same on every machine with the same torch), the tokenizer is byte-level, and a small chat
-template is built in. Its outputs are meaningless printable ASCII, deterministic under greedy
-decoding and varied under sampling; it exists so that the engine, the cache and the benchmarks
-have a real model to run. Sized so a 4,000-token prefill takes a fraction of a second on 2 CPU
-cores.
+No download: the weights ship inside the package (``weights/radixkv-tiny.safetensors``, fp16
+storage, served in fp32), the tokenizer is byte-level, and a small chat template is built in. The
+weights were trained from scratch on the CPU by ``tools/train_tiny.py`` on the CPython 3.11
+standard library's source (PSF license; see that script for the corpus, its hash and the held-out
+split), so the model continues Python code and docstrings: give it a function signature or the
+start of a class and it writes Python-shaped text (not working code; held-out 2.3 bits/byte,
+see docs/tiny_model.md). It was trained on 512-byte windows: keep prompt + output under ~500
+tokens, past that it writes garbage. Greedy decoding mostly writes indentation; sample. It exists so that the engine, the
+cache, the benchmarks and the notebooks have a real model whose outputs can be read. Sized so a
+4,000-token prefill takes a fraction of a second on 2 CPU cores.
+
+``radixkv-tiny-random`` is the same shape with seeded random weights drawn on the fly (no file;
+its output head only speaks printable ASCII). Tests that want weights independent of the shipped
+file use it; its text is noise.
 
 Proportions: a scale model of a production LLM, not just a small one. What the prefix cache
 saves depends on how a token's cost splits between the linear layers (fixed per token) and
@@ -16,13 +24,18 @@ Llama-3-70B; here it is 37,888 (hidden 512, SwiGLU 3072, one 64-dim attention he
 model with the usual shape (hidden 256, 4 heads, MLP 768) has 1,536: at 4k context its attention
 would cost 3x its linear layers, about 20x the share attention has in those models, and every
 cache and scheduling measurement would be about attention kernels rather than the workloads
-the cache is for. Two layers keep it fast; head_dim 64 is a size FlashInfer compiles for. GQA is
-exercised by the Hugging Face test models, not by this one.
+the cache is for. The output head (264 x 512, run on sampled rows only) adds 1.4% to a
+decoded token's linear work. Two layers keep it fast; head_dim 64 is a size FlashInfer compiles
+for. GQA is exercised by the Hugging Face test models, not by this one.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from functools import cache
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +44,9 @@ from radixkv.model.llama import LlamaForCausalLM
 from radixkv.model.tokenizer import ByteTokenizer
 
 TINY_NAME = "radixkv-tiny"
+TINY_RANDOM_NAME = "radixkv-tiny-random"
+TINY_NAMES = (TINY_NAME, TINY_RANDOM_NAME)
+TINY_WEIGHTS = Path(__file__).with_name("weights") / "radixkv-tiny.safetensors"
 TINY_SEED = 20240607
 PRINTABLE = [10, *range(32, 127)]  # the bytes the output head can produce: newline and ASCII
 LOGIT_STD = 3.0  # spread of the printable logits: temperature 1 samples vary, greedy is stable
@@ -70,7 +86,7 @@ def tiny_config(dtype: torch.dtype = torch.float32) -> ModelConfig:
         max_position_embeddings=16384,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
-        tie_word_embeddings=False,  # see build_tiny_model: its output head speaks printable ASCII
+        tie_word_embeddings=False,  # trained untied; the random model's head speaks ASCII
         dtype=dtype,
         bos_token_id=256,
         eos_token_ids=(257, 261),
@@ -86,11 +102,43 @@ def tiny_tokenizer() -> ByteTokenizer:
     )
 
 
+@cache
+def _trained_state() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not TINY_WEIGHTS.is_file():
+        raise FileNotFoundError(
+            f"{TINY_NAME}: the packaged weights {TINY_WEIGHTS} are missing (reinstall radixkv, "
+            f"or rebuild them with tools/train_tiny.py); {TINY_RANDOM_NAME!r} needs no file"
+        )
+    return load_file(str(TINY_WEIGHTS))
+
+
+def tiny_training_summary() -> dict[str, Any]:
+    """How the shipped weights were trained: corpus, its hash, steps, held-out loss."""
+    from safetensors import safe_open
+
+    with safe_open(str(TINY_WEIGHTS), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("radixkv", "{}"))
+
+
 @torch.no_grad()
 def build_tiny_model(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> LlamaForCausalLM:
-    """The tiny model with its deterministic weights, on ``device`` in ``dtype``."""
+    """The trained tiny model (the packaged weights), on ``device`` in ``dtype``."""
+    cfg = tiny_config(dtype)
+    model = LlamaForCausalLM(cfg, device="cpu", dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in _trained_state().items()}, strict=True)
+    model.eval()
+    return model.to(device=torch.device(device), dtype=dtype)
+
+
+@torch.no_grad()
+def build_tiny_random_model(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """radixkv-tiny-random: the tiny shape with seeded random weights, on ``device`` in ``dtype``."""
     cfg = tiny_config(dtype)
     model = LlamaForCausalLM(cfg, device="cpu", dtype=torch.float32)
     gen = torch.Generator().manual_seed(TINY_SEED)
