@@ -233,7 +233,7 @@ _ARGS = ["self", "self, key", "self, key, default=None"]
 
 
 def shared_module_prompts(
-    tokenizer: Any, *, num_requests: int, system_words: int, seed: int = 0
+    tokenizer: Tokenizer, *, num_requests: int, system_words: int, seed: int = 0
 ) -> list[list[int]]:
     """Token prompts that share one Python module (a docstring of ``system_words`` words, imports
     and a class header) and differ in the method signature that ends them (plus the body's
