@@ -140,3 +140,22 @@ def test_cli_flags() -> None:
     assert parse_bytes("512MiB") == 512 << 20
     with pytest.raises(ValueError, match="byte count"):
         parse_bytes("4XB")
+
+
+def test_serve_flags_and_metrics(tiny: LoadedModel) -> None:
+    from radixkv.server import add_serve_arguments
+    from radixkv.server.metrics import PREFIX, ServerMetrics
+
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--host-cache-memory", "4GB", "--write-policy", "write_through_selective"]
+    )
+    cfg = EngineConfig.from_cli_args(args)
+    assert (cfg.host_cache_memory, cfg.write_policy) == (4 * 10**9, "write_through_selective")
+
+    eng = Engine(tiny, page_size=4, num_pages=64, host_cache_memory=HOST_BYTES)
+    _run(eng, rounds=2)
+    text = ServerMetrics(eng.stats).render().decode()
+    for series in ("prefix_cache_host_hits_tokens_total", "host_load_back_pages_total"):
+        line = next(x for x in text.splitlines() if x.startswith(f"{PREFIX}_{series} "))
+        assert float(line.split()[-1]) > 0, line
+    assert f"{PREFIX}_host_kv_pages_total " in text
