@@ -138,3 +138,21 @@ def test_publisher_rejects_bad_config_and_close_is_idempotent() -> None:
     pub.close()
     pub.close()
     pub.publish(AllBlocksCleared())  # after close: dropped, no error
+
+
+def test_to_wire_keeps_the_host_tier_medium() -> None:
+    """Host-tier events (medium "CPU") reach the wire with their medium; device events (medium
+    None) get the publisher's."""
+    from radixkv.cache.events import BlockRemoved as CacheRemoved
+    from radixkv.cache.events import BlockStored as CacheStored
+    from radixkv.cache.tiers import HOST_MEDIUM
+
+    host = CacheStored(
+        block_hashes=[1], parent_block_hash=None, token_ids=[5, 6], page_size=2, medium=HOST_MEDIUM
+    )
+    dev = CacheStored(block_hashes=[2], parent_block_hash=1, token_ids=[7, 8], page_size=2)
+    assert to_wire(host, "GPU").medium == "CPU"
+    assert to_wire(dev, "GPU").medium == "GPU"
+    assert to_wire(dev).medium is None
+    assert to_wire(CacheRemoved(block_hashes=[1], medium=HOST_MEDIUM), "GPU").medium == "CPU"
+    assert to_wire(CacheRemoved(block_hashes=[2]), "GPU").medium == "GPU"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.attention.registry import BACKENDS
 from radixkv.cache.eviction import POLICIES
+from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH
 from radixkv.engine.cascade_planner import CASCADE_MODES
 from radixkv.engine.prefill_cost import PREFILL_BUDGETS
 from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
@@ -35,6 +36,30 @@ def _cli(
     ``type`` (default: the type of the field's default) and, for a bool that defaults to True,
     the ``flag`` that turns it off (``--disable-...``)."""
     return {"help": help, "choices": choices, "type": type, "flag": flag}
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count from the command line: ``4000000000``, ``4GB`` (10**9), ``4GiB`` (2**30),
+    ``512MiB``, ``1.5GB``; raises ValueError (argparse reports it as a bad flag value)."""
+    t = text.strip().upper().replace("_", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num) :].strip()
+    try:
+        if unit not in _UNITS:
+            raise ValueError(unit)
+        value = float(num) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"not a byte count: {text!r} (e.g. 4000000000, 4GB, 512MiB)") from None
+    if value != int(value):
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
+parse_bytes.__name__ = "byte count"  # argparse names the type in its error message
 
 
 def _pos_int(name: str, v: object) -> None:
@@ -71,6 +96,28 @@ class EngineConfig:
         metadata=_cli(
             "KV pool size in bytes (default: 1 GiB on a CPU, half the free GPU memory)", type=int
         ),
+    )
+    # off by default: a host tier pays only when the working set outgrows the device pool
+    # (bench/bench_tiers.py, docs/cache_design.md "Tiers")
+    host_cache_memory: int | None = field(
+        default=None,
+        metadata=_cli(
+            "host-memory KV tier size in bytes (e.g. 4GB, 16GiB); evicted prefixes stay in host "
+            "memory and are copied back instead of recomputed (default: no host tier)",
+            type=parse_bytes,
+        ),
+    )
+    write_policy: str = field(
+        default=WRITE_THROUGH,
+        metadata=_cli(
+            "when cached pages are copied to the host tier: on insert, once hit "
+            "--write-through-threshold times, or when evicted from the device",
+            choices=WRITE_POLICIES,
+        ),
+    )
+    write_through_threshold: int = field(
+        default=1,
+        metadata=_cli("hits before write_through_selective backs a prefix up to the host tier"),
     )
     max_running_requests: int = field(default=256, metadata=_cli("most sequences running at once"))
     # 8192 / 2048: a step computes at most 2048 prefill tokens, so running streams stall at most
@@ -133,6 +180,10 @@ class EngineConfig:
             _pos_int("num_pages", self.num_pages)
         if self.kv_cache_memory is not None:
             _pos_int("kv_cache_memory", self.kv_cache_memory)
+        if self.host_cache_memory is not None:
+            _pos_int("host_cache_memory", self.host_cache_memory)
+        _one_of("write_policy", self.write_policy, WRITE_POLICIES)
+        _pos_int("write_through_threshold", self.write_through_threshold)
         _pos_int("max_running_requests", self.max_running_requests)
         _pos_int("max_prefill_tokens", self.max_prefill_tokens)
         if self.chunked_prefill_size not in (None, 0):

@@ -47,6 +47,8 @@ from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import sample
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.session import Session
+from radixkv.kv.copier import KVCopier
+from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
@@ -83,7 +85,16 @@ class Engine:
         self.tokenizer: Tokenizer = self.model.tokenizer
         self.kv_pool = _kv_pool(self.model, cfg)
         self.pool = PagePool(self.kv_pool.num_pages)
-        self.cache = RadixCache(self.pool, page_size=cfg.page_size, policy=cfg.eviction_policy)
+        self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
+        self.cache = RadixCache(
+            self.pool,
+            page_size=cfg.page_size,
+            policy=cfg.eviction_policy,
+            host_pool=None if self.host_kv_pool is None else PagePool(self.host_kv_pool.num_pages),
+            copier=self.copier,
+            write_policy=cfg.write_policy,
+            write_through_threshold=cfg.write_through_threshold,
+        )
         self.runner = ModelRunner(self.model.model, self.kv_pool, backend=cfg.attention_backend)
         self.page_size = cfg.page_size
         self.vocab_size: int = mc.vocab_size
@@ -171,6 +182,7 @@ class Engine:
         If the forward raises, the batch's requests end with "error", their final outputs wait
         for :meth:`drain` (or the next step) and the exception propagates."""
         t0 = time.perf_counter()
+        self.seq_kv.poll()  # retire finished host-tier copies (no-op without a host tier)
         batch = self.scheduler.schedule()
         self._record_schedule(batch)
         if not batch.seqs:
@@ -243,6 +255,7 @@ class Engine:
             queries=batch.num_queries,
             query_tokens=batch.num_query_tokens,
             hit_tokens=batch.num_hit_tokens,
+            host_hit_tokens=batch.num_host_hit_tokens,
         )
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -421,6 +434,8 @@ class Engine:
             kv_pages_free=kv.num_free_pages,
             num_running=running,
             num_waiting=len(self._live) - running,
+            cache=self.cache.stats if kv.tiered else None,
+            load_back_seconds=kv.load_back_seconds,
         )
 
     def check_invariants(self) -> None:
@@ -441,6 +456,18 @@ def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
         return model
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return load_model(model, device=device, dtype=cfg.dtype)
+
+
+def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopier | None]:
+    """The host KV tier's buffers and copier when ``host_cache_memory`` is set (ValueError
+    naming the field when the budget holds not even one page)."""
+    if cfg.host_cache_memory is None:
+        return None, None
+    try:
+        host = HostKVPool.from_memory_budget(cfg.host_cache_memory, kv)
+    except ValueError as e:
+        raise ValueError(f"host_cache_memory is too small for the host KV tier: {e}") from None
+    return host, KVCopier(kv, host)
 
 
 def _kv_pool(lm: LoadedModel, cfg: EngineConfig) -> KVPool:

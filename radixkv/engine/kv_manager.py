@@ -11,6 +11,7 @@ keep a state's pages cached between requests, session.py) are taken and counted 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 
 from radixkv.cache import RadixCache, TreeNode
@@ -30,6 +31,10 @@ class SeqKV:
         self.enabled = enable_prefix_cache
         self.num_private_pages = 0  # pages held privately by sequences (for invariants/stats)
         self.num_pins = 0  # locks held by pin() and not yet unpinned
+        self.tiered = cache.host_pool is not None
+        # host tier: tokens the last acquire() loaded back, and cumulative load-back wait time
+        self.last_loaded_tokens = 0
+        self.load_back_seconds = 0.0
 
     # ------------------------------------------------------------------ lookups
     def peek_match_len(self, seq: Sequence) -> int:
@@ -37,7 +42,8 @@ class SeqKV:
         no split, no recency or hit-count refresh, so LFU/LRU order and stats stay honest)."""
         if not self.enabled or len(seq.token_ids) <= 1:
             return 0
-        return self.cache.peek_prefix(seq.token_ids[:-1], namespace=seq.namespace)
+        # a host continuation counts: loading it back is a copy, not a forward
+        return self.cache.peek_prefix(seq.token_ids[:-1], namespace=seq.namespace, host=True)
 
     def available_pages(self) -> int:
         """Pages an allocation could get now: free ones plus cached ones eviction could free."""
@@ -47,18 +53,40 @@ class SeqKV:
     def acquire(self, seq: Sequence) -> int:
         """Match the sequence's longest cached prefix (capped at len - 1 so the last token is
         computed and yields logits) and lock it. Requires a sequence holding no pages.
-        Returns the number of tokens hit."""
+        Returns the number of tokens hit.
+
+        With a host tier, a continuation found there is loaded back into device pages (a copy)
+        and waited for here, so the forward never reads a page before its copy landed
+        (``last_loaded_tokens`` says how many tokens came from the host). A failed load is a
+        miss for those tokens: only the device prefix counts as computed."""
         assert not seq.page_table and seq.locked_node is None, seq
+        self.last_loaded_tokens = 0
         if not self.enabled or len(seq.token_ids) <= 1:
             seq.num_computed = 0
             return 0
-        m = self.cache.match_prefix(seq.token_ids[:-1], namespace=seq.namespace)
-        self.cache.lock(m.node)
-        seq.locked_node = m.node
-        seq.page_table = list(m.pages)
-        seq.num_shared_pages = len(m.pages)
-        seq.num_computed = m.num_tokens
-        return m.num_tokens
+        cache = self.cache
+        m = cache.match_prefix(seq.token_ids[:-1], namespace=seq.namespace)
+        node, pages, hit = m.node, m.pages, m.num_tokens
+        if m.num_host_tokens:
+            t = time.perf_counter()
+            lb = cache.load_back(m)
+            cache.lock(lb.node)
+            if cache.wait_load(lb):
+                node, pages, hit = lb.node, lb.pages, lb.num_tokens
+                self.last_loaded_tokens = lb.num_loaded_tokens
+            else:  # the copy failed: its nodes are host-only again; hit the device prefix
+                cache.unlock(lb.node)
+                m = cache.match_prefix(seq.token_ids[:-1], namespace=seq.namespace)
+                cache.lock(m.node)
+                node, pages, hit = m.node, m.pages, m.num_tokens
+            self.load_back_seconds += time.perf_counter() - t
+        else:
+            cache.lock(node)
+        seq.locked_node = node
+        seq.page_table = list(pages)
+        seq.num_shared_pages = len(pages)
+        seq.num_computed = hit
+        return hit
 
     def pages_needed(self, seq: Sequence, num_new: int) -> int:
         """Private pages to allocate so ``num_new`` more tokens have slots."""
@@ -137,6 +165,11 @@ class SeqKV:
         self.num_pins -= 1
 
     # ------------------------------------------------------------------ cache-wide
+    def poll(self) -> None:
+        """Retire finished host-tier copies (write-through backups); no-op without a tier."""
+        if self.tiered:
+            self.cache.poll()
+
     @property
     def num_free_pages(self) -> int:
         return self.cache.pool.num_free
@@ -158,7 +191,8 @@ class SeqKV:
         """Raise AssertionError unless: the cache's invariants hold; free + cached + private ==
         total pages; each running sequence's shared pages are exactly its locked node's path;
         no page is held twice. ``idle`` (nothing queued or running): unless a pin is held,
-        every lock count is zero and no private page remains."""
+        every lock count is zero (once the host tier's copies in flight are retired) and no
+        private page remains."""
         cache, pool = self.cache, self.cache.pool
         cache.check_invariants()
         total = pool.num_free + cache.num_cached_pages + self.num_private_pages
@@ -188,6 +222,8 @@ class SeqKV:
         assert len(seen) + pool.num_free == pool.num_pages, "a page is held twice"
         if idle and not self.num_pins:
             assert self.num_private_pages == 0, "private pages remain after drain"
-            for node in cache.iter_nodes():
+            # a host-tier copy in flight holds its own lock until poll() retires it
+            busy = self.tiered and cache.stats.copies_in_flight
+            for node in () if busy else cache.iter_nodes():
                 if node.parent is not None:
                     assert node.lock_ref == 0, f"lock_ref {node.lock_ref} after drain"

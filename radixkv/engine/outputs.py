@@ -6,8 +6,12 @@ All times are seconds from ``time.monotonic()`` (step phase times: ``time.perf_c
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from radixkv.cache.stats import CacheStats
 
 
 class RequestMetrics(msgspec.Struct, kw_only=True):
@@ -74,6 +78,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_hit_rate: float = 0.0
+    # of the hit tokens, by where they were found: device pool, or host tier (loaded back)
+    prefix_cache_device_hit_tokens: int = 0
+    prefix_cache_host_hit_tokens: int = 0
     evicted_pages: int = 0
     cached_pages: int = 0
     # KV pool gauges
@@ -105,6 +112,17 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_bytes_read_plain: int = 0
     kv_bytes_read_cascade: int = 0
     cascade_steps: int = 0
+    # host KV tier (all 0 without one): pages copied host -> device and the time admissions
+    # waited for them, failed load backs, pages copied device -> host (backups, of which
+    # write_back_pages on eviction), host pool gauges
+    load_back_pages: int = 0
+    load_back_seconds: float = 0.0
+    load_back_failures: int = 0
+    backup_pages: int = 0
+    write_back_pages: int = 0
+    host_pages_total: int = 0
+    host_pages_used: int = 0
+    host_usage: float = 0.0
 
     # ------------------------------------------------------------------ counting
     def record_request(self) -> None:
@@ -119,6 +137,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
         queries: int,
         query_tokens: int,
         hit_tokens: int,
+        host_hit_tokens: int = 0,
     ) -> None:
         """What one ``Scheduler.schedule()`` did: prefill tokens it scheduled, sequences it
         preempted, and the prefix-cache lookups of sequences admitted for the first time
@@ -128,6 +147,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
         self.prefix_cache_queries += queries
         self.prefix_cache_query_tokens += query_tokens
         self.prefix_cache_hit_tokens += hit_tokens
+        self.prefix_cache_host_hit_tokens += host_hit_tokens
+        self.prefix_cache_device_hit_tokens += hit_tokens - host_hit_tokens
 
     def record_decode_reads(self, plain_bytes: int, read_bytes: int, *, cascade: bool) -> None:
         """One step's decode KV traffic: what plain paged decode would read, what was read, and
@@ -164,11 +185,28 @@ class EngineStats(msgspec.Struct, kw_only=True):
         kv_pages_free: int,
         num_running: int,
         num_waiting: int,
+        cache: CacheStats | None = None,
+        load_back_seconds: float = 0.0,
     ) -> EngineStats:
-        """An independent copy with the gauges set from the engine's current state."""
+        """An independent copy with the gauges set from the engine's current state (the host
+        tier's from the cache's ``cache`` stats)."""
         used = self.kv_pages_total - kv_pages_free
+        tier: dict[str, Any] = {}
+        if cache is not None:
+            host_total = cache.host_free_pages + cache.host_cached_pages
+            tier = dict(
+                load_back_pages=cache.loaded_pages,
+                load_back_seconds=load_back_seconds,
+                load_back_failures=cache.load_failures,
+                backup_pages=cache.backup_pages,
+                write_back_pages=cache.write_back_pages,
+                host_pages_total=host_total,
+                host_pages_used=cache.host_cached_pages,
+                host_usage=cache.host_cached_pages / host_total if host_total else 0.0,
+            )
         return msgspec.structs.replace(
             self,
+            **tier,
             prefix_cache_hit_rate=self.prefix_cache_hit_tokens
             / max(1, self.prefix_cache_query_tokens),
             prompt_tokens=self.prefix_cache_query_tokens,

@@ -57,6 +57,7 @@ class ScheduledBatch:
     num_queries: int = 0  # sequences admitted for the first time
     num_query_tokens: int = 0  # their prompt tokens
     num_hit_tokens: int = 0  # of those, served from the prefix cache
+    num_host_hit_tokens: int = 0  # of those, loaded back from the host tier
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -224,6 +225,7 @@ class Scheduler:
                 batch.num_queries += 1
                 batch.num_query_tokens += seq.num_prompt_tokens
                 batch.num_hit_tokens += hit
+                batch.num_host_hit_tokens += self.kv.last_loaded_tokens
             metrics = seq.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.monotonic()

@@ -58,6 +58,11 @@ class BlockRemoved(KVCacheEvent):
     medium: str | None
 
 
+def _medium(event: Any, default: str | None) -> str | None:
+    own = getattr(event, "medium", None)
+    return own if own is not None else default
+
+
 class AllBlocksCleared(KVCacheEvent):
     pass
 
@@ -83,6 +88,9 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 def to_wire(event: Any, medium: str | None = None) -> WireEvent | None:
     """Convert a cache event (radixkv.cache.events) to its wire form; None for unknown kinds.
 
+    ``medium`` names the device pool; an event that names its own medium (the host tier's
+    "CPU", radixkv.cache.tiers.HOST_MEDIUM) keeps it.
+
     Matched by class name so this module does not import the cache (and stays importable alone).
     """
     kind = type(event).__name__
@@ -95,10 +103,12 @@ def to_wire(event: Any, medium: str | None = None) -> WireEvent | None:
             token_ids=[int(t) for t in event.token_ids],
             block_size=int(getattr(event, "page_size", getattr(event, "block_size", 0))),
             lora_id=None,
-            medium=medium,
+            medium=_medium(event, medium),
         )
     if kind == "BlockRemoved":
-        return BlockRemoved(block_hashes=[int(h) for h in event.block_hashes], medium=medium)
+        return BlockRemoved(
+            block_hashes=[int(h) for h in event.block_hashes], medium=_medium(event, medium)
+        )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None

@@ -73,6 +73,44 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
         "Fraction of KV pages in use",
         "kv_usage",
     ),
+    "prefix_cache_device_hits_tokens": (
+        "counter",
+        "Prompt tokens served from the device KV pool",
+        "prefix_cache_device_hit_tokens",
+    ),
+    "prefix_cache_host_hits_tokens": (
+        "counter",
+        "Prompt tokens served from the host KV tier (loaded back, not recomputed)",
+        "prefix_cache_host_hit_tokens",
+    ),
+    "host_load_back_pages": (
+        "counter",
+        "KV pages copied back from the host tier to the device",
+        "load_back_pages",
+    ),
+    "host_load_back_seconds": (
+        "counter",
+        "Seconds admissions waited for host-tier load backs",
+        "load_back_seconds",
+    ),
+    "host_load_back_failures": (
+        "counter",
+        "Host-tier load backs that failed (served as misses)",
+        "load_back_failures",
+    ),
+    "host_backup_pages": (
+        "counter",
+        "KV pages copied from the device to the host tier",
+        "backup_pages",
+    ),
+    "host_write_back_pages": (
+        "counter",
+        "KV pages copied to the host tier when evicted from the device (write_back)",
+        "write_back_pages",
+    ),
+    "host_kv_pages_used": ("gauge", "Host-tier KV pages in use", "host_pages_used"),
+    "host_kv_pages_total": ("gauge", "KV pages in the host tier", "host_pages_total"),
+    "host_kv_usage_ratio": ("gauge", "Fraction of host-tier KV pages in use", "host_usage"),
     "num_requests_running": ("gauge", "Requests running in the engine", "num_running"),
     "num_requests_waiting": ("gauge", "Requests waiting in the engine", "num_waiting"),
 }

@@ -1,0 +1,161 @@
+"""The engine with a host KV tier (EngineConfig.host_cache_memory): same greedy outputs as
+without it, prefixes evicted from a tiny device pool come back from host memory, a failing
+copier turns loads into misses without leaking locks or pages, config and CLI checks."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from radixkv.cache.tiers import WRITE_POLICIES, CompletedCopy
+from radixkv.engine.config import EngineConfig, parse_bytes
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+from radixkv.model.loader import LoadedModel, load_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+HOST_BYTES = 8_000_000  # thousands of pages of radixkv-tiny at page_size 4
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("radixkv-tiny")
+
+
+def _prompts(seed: int = 0, n: int = 6) -> list[list[int]]:
+    """Prompts sharing a system prompt, each long enough that a tiny pool cannot keep them all."""
+    rng = random.Random(seed)
+    system = [rng.randrange(5, 200) for _ in range(40)]
+    return [system + [rng.randrange(5, 200) for _ in range(60)] for _ in range(n)]
+
+
+def _run(engine: Engine, rounds: int = 3) -> list[list[int]]:
+    outs: list[list[int]] = []
+    prompts = _prompts()
+    for _ in range(rounds):
+        for o in engine.generate(prompts, GREEDY, use_tqdm=False):
+            outs.append(list(o.outputs[0].token_ids))
+        engine.check_invariants()
+    return outs
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+@pytest.mark.parametrize("num_pages", [64, 4096], ids=["pressure", "roomy"])
+def test_outputs_identical_with_host_tier(tiny: LoadedModel, policy: str, num_pages: int) -> None:
+    ref = _run(Engine(tiny, page_size=4, num_pages=num_pages))
+    eng = Engine(
+        tiny,
+        page_size=4,
+        num_pages=num_pages,
+        host_cache_memory=HOST_BYTES,
+        write_policy=policy,
+    )
+    assert _run(eng) == ref
+    eng.cache.wait_all()
+    eng.check_invariants()
+    st = eng.stats()
+    assert st.host_pages_total > 0
+    assert st.prefix_cache_device_hit_tokens + st.prefix_cache_host_hit_tokens == (
+        st.prefix_cache_hit_tokens
+    )
+    if num_pages == 64:  # prefixes were evicted to the host and loaded back
+        assert st.prefix_cache_host_hit_tokens > 0
+        assert st.load_back_pages > 0
+        assert st.backup_pages > 0
+        assert st.host_pages_used > 0
+        if policy == "write_back":
+            assert st.write_back_pages > 0
+
+
+class _FailingWait:
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise RuntimeError("copy failed (injected)")
+
+
+@pytest.mark.parametrize("mode", ["raise", "wait"])
+def test_failing_load_back_is_a_miss(tiny: LoadedModel, mode: str) -> None:
+    ref = _run(Engine(tiny, page_size=4, num_pages=64))
+    eng = Engine(tiny, page_size=4, num_pages=64, host_cache_memory=HOST_BYTES)
+
+    def to_device(pairs: list[tuple[int, int]]) -> object:
+        if mode == "raise":
+            raise RuntimeError("copier down (injected)")
+        return _FailingWait()
+
+    eng.copier.to_device = to_device  # type: ignore[method-assign]
+    assert _run(eng) == ref
+    st = eng.stats()
+    assert st.load_back_failures > 0
+    assert st.prefix_cache_host_hit_tokens == 0
+    assert st.finish_reasons == {"length": len(ref)}
+    eng.cache.wait_all()
+    eng.check_invariants()  # locks back to zero, pages conserved
+    # the engine keeps serving, and with a working copier the host tier is used again
+    del eng.copier.to_device  # the KVCopier's own method again
+    assert _run(eng, rounds=1) == ref[: len(_prompts())]
+    eng.check_invariants()
+
+
+def test_failing_backup_keeps_serving(tiny: LoadedModel) -> None:
+    ref = _run(Engine(tiny, page_size=4, num_pages=64))
+    eng = Engine(tiny, page_size=4, num_pages=64, host_cache_memory=HOST_BYTES)
+    failed = CompletedCopy(RuntimeError("injected"))
+    eng.copier.to_host = lambda pairs: failed  # type: ignore[method-assign]
+    assert _run(eng) == ref
+    eng.cache.wait_all()
+    eng.check_invariants()
+    assert eng.stats().backup_pages == 0
+
+
+def test_host_budget_too_small(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="host_cache_memory"):
+        Engine(tiny, page_size=4, num_pages=64, host_cache_memory=100)
+    with pytest.raises(ValueError, match="host_cache_memory"):
+        EngineConfig(host_cache_memory=0)
+    with pytest.raises(ValueError, match="write_policy"):
+        EngineConfig(write_policy="sometimes")
+    with pytest.raises(ValueError, match="write_through_threshold"):
+        EngineConfig(write_through_threshold=0)
+
+
+def test_cli_flags() -> None:
+    parser = EngineConfig.add_cli_arguments(argparse.ArgumentParser())
+    cfg = EngineConfig.from_cli_args(parser.parse_args([]))
+    assert cfg.host_cache_memory is None and cfg.write_policy == "write_through"
+    for text, want in [("4000000000", 4_000_000_000), ("4GB", 4 * 10**9), ("2GiB", 2 << 30)]:
+        args = parser.parse_args(["--host-cache-memory", text, "--write-policy", "write_back"])
+        cfg = EngineConfig.from_cli_args(args)
+        assert cfg.host_cache_memory == want and cfg.write_policy == "write_back"
+    args = parser.parse_args(["--write-through-threshold", "3"])
+    assert EngineConfig.from_cli_args(args).write_through_threshold == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--host-cache-memory", "lots"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--write-policy", "sometimes"])
+    assert parse_bytes("512MiB") == 512 << 20
+    with pytest.raises(ValueError, match="byte count"):
+        parse_bytes("4XB")
+
+
+def test_serve_flags_and_metrics(tiny: LoadedModel) -> None:
+    from radixkv.server import add_serve_arguments
+    from radixkv.server.metrics import PREFIX, ServerMetrics
+
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--host-cache-memory", "4GB", "--write-policy", "write_through_selective"]
+    )
+    cfg = EngineConfig.from_cli_args(args)
+    assert (cfg.host_cache_memory, cfg.write_policy) == (4 * 10**9, "write_through_selective")
+
+    eng = Engine(tiny, page_size=4, num_pages=64, host_cache_memory=HOST_BYTES)
+    _run(eng, rounds=2)
+    text = ServerMetrics(eng.stats).render().decode()
+    for series in ("prefix_cache_host_hits_tokens_total", "host_load_back_pages_total"):
+        line = next(x for x in text.splitlines() if x.startswith(f"{PREFIX}_{series} "))
+        assert float(line.split()[-1]) > 0, line
+    assert f"{PREFIX}_host_kv_pages_total " in text
