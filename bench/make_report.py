@@ -62,6 +62,17 @@ SECTIONS: list[tuple[str, str, str]] = [
         "`bench/bench_cluster.py`: replicas behind the prefix-affinity router vs round robin.",
     ),
     (
+        "bench_tiers",
+        "Host KV tier: multi-turn chat beyond the device pool",
+        "`bench/bench_tiers.py`: interleaved chat conversations whose working set is 4x the device "
+        "pool; device only vs device + host tier (each write policy) vs an unbounded device pool.",
+    ),
+    (
+        "bench_tiers_issue_sizes",
+        "Host KV tier at the issue's sizes (64 conversations, 2K system prompt, 256-token turns)",
+        "`bench/bench_tiers.py --convs 64 --turns 4 --system 2048 --user 256 --answer 32`.",
+    ),
+    (
         "bench_model",
         "Model forward",
         "`bench/bench_model.py`: the paged model forward on its own.",
