@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from radixkv.cluster.cli import add_arguments, config_from_args, main
-from radixkv.engine.config import EngineConfig
+from radixkv.engine.config import EngineConfig, parse_bytes
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -66,6 +66,8 @@ def _non_default_engine_argv() -> tuple[list[str], EngineConfig]:
             continue
         if meta["choices"]:
             value: object = next(c for c in meta["choices"] if c != f.default)
+        elif meta["type"] is parse_bytes:
+            value = (f.default or 0) + (1 << 20)
         elif (meta["type"] or type(f.default)) is int:
             value = (f.default or 0) + 3
         else:
