@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import json
 import platform
 import random
@@ -192,90 +191,6 @@ def bench_end_to_end(
     )
     out["outputs_identical"] = texts["auto"] == texts["off"]
     return out
-
-
-def _cuda_time(fn: Callable[[], Any], reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
-def gpu_check_cascade(device: str = "cuda") -> list[dict[str, Any]]:
-    """FlashInfer cascade vs the torch cascade (fp32 reference) on a GPU; called by
-    bench/gpu_check.py. Scenarios cover both FlashInfer paths: one trunk read by every row
-    (MultiLevelCascadeAttentionWrapper) and nested/partial sharing (per-level wrappers)."""
-    from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
-
-    results: list[dict[str, Any]] = []
-    tol = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
-    h_q, h_kv, d, ps = 32, 8, 128, 16
-    scenarios = {
-        "one_trunk_B32_P4096": ([(None, 4096)], [0] * 32, 128),
-        "nested_partial": ([(None, 1024), (0, 512), (0, 256)], [1, 1, 1, 2, 2, 0, 0, -1], 40),
-    }
-    for name, (nodes_spec, membership, suffix) in scenarios.items():
-        rng = random.Random(0)
-        nodes: list[Any] = []
-        for parent, n_tok in nodes_spec:
-            node = _Node(n_tok)
-            node.parent = None if parent is None else nodes[parent]
-            nodes.append(node)
-        total_pages = sum(n for _, n in nodes_spec) // ps + len(membership) * (suffix // ps + 2)
-        ids = list(range(total_pages))
-        rng.shuffle(ids)
-        node_pages: dict[int, list[int]] = {}
-        for node in nodes:
-            node_pages[id(node)] = [ids.pop() for _ in range(node.num_tokens // ps)]
-        entries = []
-        for m in membership:
-            shared: list[int] = []
-            node = nodes[m] if m >= 0 else None
-            while node is not None:
-                shared = node_pages[id(node)] + shared
-                node = node.parent
-            own_len = suffix + rng.randrange(ps)
-            own = [ids.pop() for _ in range(-(-own_len // ps))]
-            entries.append(
-                DecodeEntry(nodes[m] if m >= 0 else None, shared + own,
-                            len(shared) * ps + own_len, len(shared))
-            )  # fmt: skip
-        dec = CascadePlanner(ps, mode="on").plan(entries)
-        plain = CascadePlan.plain(
-            [entries[i].page_table for i in dec.order], [entries[i].seq_len for i in dec.order], ps
-        )
-        g = torch.Generator(device="cpu").manual_seed(1)
-        k32 = torch.randn(total_pages, ps, h_kv, d, generator=g).to(device)
-        v32 = torch.randn(total_pages, ps, h_kv, d, generator=g).to(device)
-        q32 = torch.randn(len(entries), h_q, d, generator=g).to(device)
-        ref = TorchCascadeAttention(dec.plan, device).forward(q32, k32, v32)
-        for dtype, atol in tol.items():
-            q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
-            fi = FlashInferCascadeAttention(device)
-            fi.plan(dec.plan, num_qo_heads=h_q, num_kv_heads=h_kv, head_dim=d, q_data_type=dtype)
-            out, lse = fi.forward(q, k, v, return_lse=True)
-            _, ref_lse = TorchCascadeAttention(dec.plan, device).forward(
-                q.float(), k.float(), v.float(), return_lse=True
-            )
-            err = (out.float() - ref).abs().max().item()
-            lse_err = (lse.float() - ref_lse).abs().max().item()
-            fi_plain = FlashInferCascadeAttention(device)
-            fi_plain.plan(plain, num_qo_heads=h_q, num_kv_heads=h_kv, head_dim=d, q_data_type=dtype)
-            t_c = _cuda_time(functools.partial(fi.forward, q, k, v))
-            t_p = _cuda_time(functools.partial(fi_plain.forward, q, k, v))
-            results.append({
-                "scenario": name, "dtype": str(dtype).removeprefix("torch."),
-                "mode": fi._mode, "levels": dec.num_levels, "max_abs_diff": err,
-                "lse_max_abs_diff": lse_err, "ok": err <= atol and lse_err <= 1e-2,
-                "cascade_us": round(t_c * 1e6, 1), "plain_us": round(t_p * 1e6, 1),
-                "speedup": round(t_p / t_c, 2),
-            })  # fmt: skip
-            print(results[-1])
-    return results
 
 
 def main() -> None:
