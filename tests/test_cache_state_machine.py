@@ -53,7 +53,38 @@ namespaces = st.sampled_from([None, "a", 3])
 Prefix = tuple[int, ...]
 
 
-class CacheMachine(RuleBasedStateMachine):
+class SharedRules(RuleBasedStateMachine):
+    """Rules that read nothing of a machine's model, so both machines below run them as is:
+    ``cache`` is the RadixCache under test, ``held`` the pages allocated privately."""
+
+    cache: Any
+    held: list[int]
+
+    @rule(data=st.data())
+    def free_private(self, data: st.DataObject) -> None:
+        if not self.held:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(self.held), unique=True, min_size=1))
+        self.cache.pool.free(chosen)
+        self.held = [p for p in self.held if p not in chosen]
+
+    @rule(data=st.data())
+    def unlock_unlocked_fails(self, data: st.DataObject) -> None:
+        free_nodes = [n for n in self.cache.iter_nodes() if n.num_tokens and n.lock_ref == 0]
+        if not free_nodes:
+            return
+        node = data.draw(st.sampled_from(free_nodes))
+        before = snapshot(self.cache)
+        try:
+            self.cache.unlock(node)
+        except LockError:
+            pass
+        else:
+            raise AssertionError("unlock of an unlocked node succeeded")
+        assert snapshot(self.cache) == before
+
+
+class CacheMachine(SharedRules):
     hash_fn: Any = None
 
     @initialize(
@@ -187,21 +218,6 @@ class CacheMachine(RuleBasedStateMachine):
         _, _, node = self.locks.pop(i)
         self.cache.unlock(node)
 
-    @rule(data=st.data())
-    def unlock_unlocked_fails(self, data: st.DataObject) -> None:
-        free_nodes = [n for n in self.cache.iter_nodes() if n.num_tokens and n.lock_ref == 0]
-        if not free_nodes:
-            return
-        node = data.draw(st.sampled_from(free_nodes))
-        before = snapshot(self.cache)
-        try:
-            self.cache.unlock(node)
-        except LockError:
-            pass
-        else:
-            raise AssertionError("unlock of an unlocked node succeeded")
-        assert snapshot(self.cache) == before
-
     @rule(n=st.integers(0, 6))
     def alloc_private(self, n: int) -> None:
         evictable = self.num_model_pages() - len(self.protected())
@@ -214,14 +230,6 @@ class CacheMachine(RuleBasedStateMachine):
         assert free + evictable >= n
         assert len(pages) == n and not set(pages) & set(self.held)
         self.held += pages
-
-    @rule(data=st.data())
-    def free_private(self, data: st.DataObject) -> None:
-        if not self.held:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(self.held), unique=True, min_size=1))
-        self.cache.pool.free(chosen)
-        self.held = [p for p in self.held if p not in chosen]
 
     @rule(n=st.integers(0, 8))
     def evict(self, n: int) -> None:
@@ -273,7 +281,7 @@ class ConstantHashCacheMachine(CacheMachine):
 Key = tuple[Any, Prefix]  # (namespace, prefix)
 
 
-class TieredCacheMachine(RuleBasedStateMachine):
+class TieredCacheMachine(SharedRules):
     hash_fn: Any = None
 
     @initialize(
@@ -501,21 +509,6 @@ class TieredCacheMachine(RuleBasedStateMachine):
             del self.loads[j]
         self.cache.unlock(node)
 
-    @rule(data=st.data())
-    def unlock_unlocked_fails(self, data: st.DataObject) -> None:
-        free_nodes = [n for n in self.cache.iter_nodes() if n.num_tokens and n.lock_ref == 0]
-        if not free_nodes:
-            return
-        node = data.draw(st.sampled_from(free_nodes))
-        before = snapshot(self.cache)
-        try:
-            self.cache.unlock(node)
-        except LockError:
-            pass
-        else:
-            raise AssertionError("unlock of an unlocked node succeeded")
-        assert snapshot(self.cache) == before
-
     @rule(n=st.integers(0, 6))
     def alloc_private(self, n: int) -> None:
         self.cache.poll()
@@ -531,14 +524,6 @@ class TieredCacheMachine(RuleBasedStateMachine):
         assert len(pages) == n and not set(pages) & set(self.held)
         assert not set(pages) & self.copier.busy_pages()[0]
         self.held += pages
-
-    @rule(data=st.data())
-    def free_private(self, data: st.DataObject) -> None:
-        if not self.held:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(self.held), unique=True, min_size=1))
-        self.cache.pool.free(chosen)
-        self.held = [p for p in self.held if p not in chosen]
 
     @rule(n=st.integers(0, 8))
     def evict(self, n: int) -> None:
