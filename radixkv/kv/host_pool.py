@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from radixkv.kv.kv_pool import KVPool
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"HostKVPool: {name} must be a positive int, got {value!r}")
+from radixkv.kv.kv_pool import KVPool, check_page_shape, check_positive
 
 
 class HostKVPool:
@@ -44,16 +39,9 @@ class HostKVPool:
         dtype: torch.dtype = torch.float32,
         pin_memory: bool = False,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_pages", num_pages),
-            ("page_size", page_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            _check_positive(name, value)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"HostKVPool: dtype must be a floating torch.dtype, got {dtype!r}")
+        check_page_shape(
+            "HostKVPool", num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype
+        )
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -101,7 +89,7 @@ class HostKVPool:
                 f"int of bytes, got {num_bytes!r}"
             )
         if max_pages is not None:
-            _check_positive("max_pages", max_pages)
+            check_positive("HostKVPool", "max_pages", max_pages)
         per_page = like.bytes_per_page
         num_pages = num_bytes // per_page
         if max_pages is not None:

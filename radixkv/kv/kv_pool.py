@@ -14,9 +14,32 @@ import torch
 from radixkv.pages import pages_for
 
 
-def _check_positive(name: str, value: int) -> None:
+def check_positive(owner: str, name: str, value: object) -> None:
+    """ValueError naming ``owner`` unless ``value`` is a positive int (bools are not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"KVPool: {name} must be a positive int, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+def check_page_shape(
+    owner: str,
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> None:
+    """The checks every pool of K/V pages makes on its shape and dtype (errors name ``owner``)."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_pages", num_pages),
+        ("page_size", page_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        check_positive(owner, name, value)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{owner}: dtype must be a floating torch.dtype, got {dtype!r}")
 
 
 class KVPool:
@@ -40,16 +63,7 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_pages", num_pages),
-            ("page_size", page_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            _check_positive(name, value)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"KVPool: dtype must be a floating torch.dtype, got {dtype!r}")
+        check_page_shape("KVPool", num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype)
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
