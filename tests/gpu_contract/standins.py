@@ -286,6 +286,17 @@ class _WrapperStandIn:
     _fake: FakeFlashInfer
     real_name = ""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        name = f"{self.real_name}.__init__"
+        a = bind(name, self._real_cls().__init__, args, kwargs, method=True)
+        self._init_checks(name, a)
+        _need(
+            a["backend"] == "fa2",
+            name,
+            f"radixkv pins FA2 kernels (the kit compiles those), backend={a['backend']!r}",
+        )
+        self._fake.record(name, a)
+
     def _real_cls(self) -> Any:
         return getattr(self._fake.real, self.real_name)
 
@@ -508,17 +519,6 @@ class _WrapperStandIn:
 class _PrefillStandIn(_WrapperStandIn):
     real_name = "BatchPrefillWithPagedKVCacheWrapper"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        name = f"{self.real_name}.__init__"
-        a = bind(name, self._real_cls().__init__, args, kwargs, method=True)
-        self._init_checks(name, a)
-        _need(
-            a["backend"] == "fa2",
-            name,
-            f"radixkv pins FA2 kernels (the kit compiles those), backend={a['backend']!r}",
-        )
-        self._fake.record(name, a)
-
     def plan(self, *args: Any, **kwargs: Any) -> None:
         name = f"{self.real_name}.plan"
         a = bind(name, self._real_cls().plan, args, kwargs, method=True)
@@ -583,17 +583,6 @@ class _PrefillStandIn(_WrapperStandIn):
 
 class _DecodeStandIn(_WrapperStandIn):
     real_name = "BatchDecodeWithPagedKVCacheWrapper"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        name = f"{self.real_name}.__init__"
-        a = bind(name, self._real_cls().__init__, args, kwargs, method=True)
-        self._init_checks(name, a)
-        _need(
-            a["backend"] == "fa2",
-            name,
-            f"radixkv pins FA2 kernels (the kit compiles those), backend={a['backend']!r}",
-        )
-        self._fake.record(name, a)
 
     def plan(self, *args: Any, **kwargs: Any) -> None:
         name = f"{self.real_name}.plan"
