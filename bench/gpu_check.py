@@ -145,16 +145,6 @@ def check_paged(kind: str, dtype: torch.dtype, page_size: int, seed: int = 0) ->
 
 # ------------------------------------------------------------------------------------------------
 # cascade vs torch cascade
-def _level(page_size: int, segs: list[tuple[int, list[int], int]]) -> CascadeLevel:
-    qo, kv, idx, last = [0], [0], [], []
-    for rows, pages, n_tok in segs:
-        qo.append(qo[-1] + rows)
-        idx.extend(pages)
-        kv.append(len(idx))
-        last.append(0 if n_tok == 0 else n_tok - (len(pages) - 1) * page_size)
-    return CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last))
-
-
 def cascade_plan(
     case: str, page_size: int, batch: int, prefix: int, suffix: int, seed: int = 0
 ) -> tuple[CascadePlan, list[list[int]], list[int], int]:
@@ -200,8 +190,8 @@ def cascade_plan(
                 segs[-1] = (segs[-1][0] + 1, pages, n_tok)
             else:
                 segs.append((1, pages, n_tok))
-        levels.append(_level(ps, segs))
-    levels.append(_level(ps, [(1, o, n) for o, n in zip(own, own_lens)]))
+        levels.append(CascadeLevel.from_segments(ps, segs))
+    levels.append(CascadeLevel.from_segments(ps, [(1, o, n) for o, n in zip(own, own_lens)]))
     tables = [[pg for pages, _ in p for pg in pages] + o for p, o in zip(paths, own)]
     lens = [sum(n for _, n in p) + n for p, n in zip(paths, own_lens)]
     return CascadePlan(ps, batch, tuple(levels)), tables, lens, n_pages

@@ -37,14 +37,9 @@ def reference_decode(
 
 def level(page_size: int, segments: Sequence[tuple[int, Sequence[int], int]]) -> CascadeLevel:
     """Build a level from ``(num_rows, pages, kv_len)`` segments laid out in row order."""
-    qo, kv, idx, last = [0], [0], [], []
-    for rows, pages, kv_len in segments:
+    for _, pages, kv_len in segments:
         assert len(pages) == -(-kv_len // page_size)
-        qo.append(qo[-1] + rows)
-        idx.extend(pages)
-        kv.append(len(idx))
-        last.append(0 if kv_len == 0 else kv_len - (len(pages) - 1) * page_size)
-    return CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last))
+    return CascadeLevel.from_segments(page_size, segments)
 
 
 def random_kv(

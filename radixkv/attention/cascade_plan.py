@@ -68,6 +68,25 @@ class CascadeLevel:
         if any(p < 0 for p in self.kv_indices):
             raise ValueError("kv_indices must be non-negative page ids")
 
+    @classmethod
+    def from_segments(
+        cls, page_size: int, segments: Sequence[tuple[int, Sequence[int], int]]
+    ) -> CascadeLevel:
+        """A level from ``(num_rows, pages, kv_len)`` segments in row order (``kv_len`` 0: the
+        rows read nothing here). ValueError when a segment's pages do not hold its ``kv_len``."""
+        qo, kv, idx, last = [0], [0], [], []
+        for rows, pages, kv_len in segments:
+            if len(pages) != pages_for(kv_len, page_size):
+                raise ValueError(
+                    f"CascadeLevel.from_segments: {kv_len} tokens need "
+                    f"{pages_for(kv_len, page_size)} pages of {page_size}, got {len(pages)}"
+                )
+            qo.append(qo[-1] + rows)
+            idx.extend(pages)
+            kv.append(len(idx))
+            last.append(0 if kv_len == 0 else kv_len - (len(pages) - 1) * page_size)
+        return cls(tuple(qo), tuple(kv), tuple(idx), tuple(last))
+
     @property
     def num_segments(self) -> int:
         return len(self.qo_indptr) - 1
