@@ -1,4 +1,6 @@
-"""The ``radixkv`` command line: demo, generate, bench-cache, serve."""
+"""The ``radixkv`` command line: demo, generate, bench-cache, serve, serve-ray.
+
+``radixkv ...`` and ``python -m radixkv ...`` are the same program."""
 
 from __future__ import annotations
 
@@ -87,9 +89,13 @@ def _shared(prompts: list[list[int]]) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from radixkv.engine.engine import Engine
+    from radixkv.engine.intake import Prompt
     from radixkv.engine.params import SamplingParams
+    from radixkv.model.tokenizer import encode_chat
 
-    engine = Engine(args.model, device=args.device, seed=args.seed)
+    engine = Engine(
+        args.model, device=args.device, dtype=args.dtype, revision=args.revision, seed=args.seed
+    )
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -97,9 +103,9 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed if args.temperature > 0 else None,
         stop=args.stop or (),
     )
-    prompt = args.prompt
-    if args.chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    prompt: Prompt = args.prompt
+    if args.chat:  # the ids Engine.chat and the server's chat completions make (one chat path)
+        prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     if args.stream:
         for out in engine.stream(prompt, params):
             sys.stdout.write(out.outputs[0].delta_text)
@@ -129,7 +135,11 @@ def _bench_cache(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from radixkv import __version__
+    from radixkv.engine.config import DTYPES
+
     ap = argparse.ArgumentParser(prog="radixkv", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"radixkv {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="shared-prefix code completions, prefix cache off vs on")
@@ -149,12 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt")
-    g.add_argument("--model", default="radixkv-tiny")
+    g.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default="radixkv-tiny",
+        help="radixkv-tiny, a local Hugging Face model folder, or a Hugging Face repo id",
+    )
+    g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id")
+    g.add_argument("--dtype", default=None, choices=DTYPES)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--stop", action="append", default=None)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the chat template (as Engine.chat and "
+        "the server's chat completions do)",
+    )
     g.add_argument("--stream", action="store_true")
     g.add_argument("--device", default=None)
     g.add_argument("--seed", type=int, default=0)

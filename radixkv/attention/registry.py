@@ -1,13 +1,15 @@
 """Backend registry: ``get_backend("auto" | "torch" | "flashinfer", ...)``.
 
 ``"auto"`` picks flashinfer when the pool is on CUDA in fp16/bf16 and flashinfer is installed,
-else torch. flashinfer is
-only imported inside :mod:`radixkv.attention.flashinfer_backend`, and only when chosen.
+else torch; :func:`choose_backend` says which and why (the engine logs it, and warns when "auto"
+leaves a CUDA pool on the torch kernels). flashinfer is only imported inside
+:mod:`radixkv.attention.flashinfer_backend`, and only when chosen.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
@@ -17,19 +19,55 @@ from radixkv.kv.kv_pool import KVPool
 BACKENDS = ("auto", "torch", "flashinfer")
 
 
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend ``name`` resolves to, ``reason`` (one clause, for the startup log) and
+    ``fallback``: "auto" chose the torch kernels for a CUDA pool, which runs but far slower
+    than FlashInfer would (the reason says what to change)."""
+
+    name: str
+    reason: str
+    fallback: bool = False
+
+
 def flashinfer_available() -> bool:
     """True if the ``flashinfer`` package can be found (does not import it)."""
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_backend_name(name: str, kv_pool: KVPool) -> str:
+def pool_device_type(kv_pool: KVPool) -> str:
+    """``"cuda"``, ``"cpu"``, ...: where the pool's buffers live (what "auto" decides on)."""
+    return kv_pool.device.type
+
+
+def choose_backend(name: str, kv_pool: KVPool) -> BackendChoice:
+    """Resolve ``name`` for ``kv_pool``: explicit names are kept; "auto" is flashinfer on a CUDA
+    pool in fp16/bf16 with flashinfer installed, else torch. ValueError on an unknown name."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    if name == "auto":
-        on_cuda = kv_pool.device.type == "cuda"
-        half = kv_pool.dtype in (torch.float16, torch.bfloat16)  # FlashInfer has no fp32 kernels
-        return "flashinfer" if on_cuda and half and flashinfer_available() else "torch"
-    return name
+    if name != "auto":
+        return BackendChoice(name, "requested")
+    device = pool_device_type(kv_pool)
+    if device != "cuda":
+        return BackendChoice("torch", f"auto: the KV pool is on {device} (flashinfer needs CUDA)")
+    dtype = str(kv_pool.dtype).removeprefix("torch.")
+    if kv_pool.dtype not in (torch.float16, torch.bfloat16):  # FlashInfer has no fp32 kernels
+        return BackendChoice(
+            "torch",
+            f"auto: flashinfer has no {dtype} kernels (serve in bfloat16 or float16 to use it)",
+            fallback=True,
+        )
+    if not flashinfer_available():
+        return BackendChoice(
+            "torch",
+            "auto: flashinfer is not installed (pip install 'radixkv[gpu]')",
+            fallback=True,
+        )
+    return BackendChoice("flashinfer", f"auto: CUDA pool in {dtype} and flashinfer is installed")
+
+
+def resolve_backend_name(name: str, kv_pool: KVPool) -> str:
+    return choose_backend(name, kv_pool).name
 
 
 def get_backend(

@@ -84,6 +84,13 @@ class ClusterConfig:
     def page_size(self) -> int:
         return int(self.engine_kwargs.get("page_size", 16))
 
+    @property
+    def tokenizer_source(self) -> dict[str, Any]:
+        """The engine options that decide the tokenizer (revision, tokenizer, chat_template):
+        the ingress loads the replicas' tokenizer with them to hash prompts as they will."""
+        keys = ("revision", "tokenizer", "chat_template")
+        return {k: self.engine_kwargs[k] for k in keys if self.engine_kwargs.get(k) is not None}
+
 
 def build_cluster_app(config: ClusterConfig | None = None) -> Any:
     """The Ray Serve application (ingress bound to the engine replicas) for ``config``."""
@@ -117,7 +124,13 @@ def build_cluster_app(config: ClusterConfig | None = None) -> Any:
         num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=max(256, cfg.max_ongoing_requests * cfg.replicas),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
-    ).bind(replica, cfg.model, cfg.page_size, dict(cfg.server_kwargs))
+    ).bind(
+        replica,
+        cfg.model,
+        cfg.page_size,
+        dict(cfg.server_kwargs),
+        tokenizer_source=cfg.tokenizer_source,
+    )
 
 
 def replica_actor_names(app_name: str) -> list[str]:

@@ -15,13 +15,13 @@ import time
 from typing import Any
 
 from radixkv.engine.config import EngineConfig
-from radixkv.server.cli import add_server_arguments, server_config_from_args
+from radixkv.server.cli import add_model_argument, add_server_arguments, server_config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the ``radixkv serve-ray`` flags: the fleet's, the server's (as ``radixkv serve``)
     and the engine's (generated from EngineConfig, as for ``radixkv serve``)."""
-    p.add_argument("--model", default="radixkv-tiny", help="model name or local HF folder")
+    add_model_argument(p)
     p.add_argument("--replicas", type=int, default=2, help="engine replicas")
     p.add_argument("--router", choices=["affinity", "default"], default="affinity")
     p.add_argument("--host", default="127.0.0.1")

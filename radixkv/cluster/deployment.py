@@ -151,11 +151,12 @@ class RadixKVIngress:
         server_kwargs: dict[str, Any] | None = None,
         *,
         max_attempts: int = 3,
+        tokenizer_source: dict[str, Any] | None = None,
     ) -> None:
         server_kwargs = server_kwargs or {}
         self.replicas = replicas
         self.hasher = PromptHasher(
-            load_tokenizer(model),
+            load_tokenizer(model, **(tokenizer_source or {})),
             page_size,
             api_keys=server_kwargs.get("api_keys"),
             admin_key=server_kwargs.get("admin_key"),

@@ -2,8 +2,8 @@
 
 The ingress holds the *same tokenizer* as the engine replicas (loaded from the same model name
 or folder) and computes, for each request, exactly the token ids the replica's server app will
-compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat: the chat template,
-then ``encode(text, add_special_tokens=False)``) and the namespace it will use (the
+compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat:
+:func:`~radixkv.model.tokenizer.encode_chat`, the one chat path) and the namespace it will use (the
 authenticated tenant plus ``cache_salt``). Their chained page hashes
 (:func:`radixkv.cache.hashing.page_hashes`, Dynamo-compatible) travel with the forwarded
 request as the router's hint. The replica tokenizes again for its engine (the request is
@@ -15,29 +15,22 @@ with its usual 400/401): routing never rejects a request.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from radixkv.cache.hashing import page_hashes
+from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.auth import Authenticator
 from radixkv.server.errors import APIError
 
 
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer the engine would load for ``model`` (no weights are loaded)."""
-    from radixkv.model.tiny import TINY_NAMES, tiny_tokenizer
+def load_tokenizer(model: str, **source: Any) -> Any:
+    """The tokenizer the engine would load for ``model`` (no weights are loaded); ``source``:
+    the engine's ``revision``, ``tokenizer`` and ``chat_template`` overrides."""
+    from radixkv.model.loader import load_tokenizer as load
 
-    if str(model) in TINY_NAMES:
-        return tiny_tokenizer()
-    from radixkv.model.config import ModelConfig
-    from radixkv.model.loader import _load_tokenizer
-
-    folder = Path(model)
-    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    return _load_tokenizer(folder, cfg)
+    return load(model, **source)
 
 
 @dataclass(frozen=True)
@@ -80,10 +73,13 @@ class PromptHasher:
                 return ids, req
             if path == "/v1/chat/completions":
                 req = P.decode_request(body, P.ChatCompletionRequest)
-                text = self.tokenizer.apply_chat_template(
-                    req.template_messages(), add_generation_prompt=True
+                ids = encode_chat(
+                    self.tokenizer,
+                    req.template_messages(),
+                    tools=req.tools,
+                    chat_template_kwargs=req.chat_template_kwargs,
                 )
-                return list(self.tokenizer.encode(text, add_special_tokens=False)), req
+                return ids, req
         except (P.ProtocolError, ValueError, TypeError):
             return None
         return None

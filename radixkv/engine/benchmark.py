@@ -17,7 +17,7 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.intake import Prompt
 from radixkv.engine.outputs import RequestOutput
 from radixkv.engine.params import SamplingParams
-from radixkv.model.tokenizer import Tokenizer
+from radixkv.model.tokenizer import Tokenizer, encode_chat
 
 
 class WorkloadResult(msgspec.Struct, kw_only=True):
@@ -183,8 +183,7 @@ def shared_system_prompt_chats(
         q = f"Question {i}: " + _text(rng, question_words) + "?"
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            prompts.append(encode_chat(tokenizer, msgs))
         else:
             prompts.append(tokenizer.encode(system + "\n" + q + "\n"))
     return prompts

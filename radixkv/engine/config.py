@@ -31,11 +31,38 @@ def _cli(
     choices: Sequence[str] | None = None,
     type: Callable[[str], Any] | None = None,
     flag: str | None = None,
+    aliases: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Field metadata for the field's command-line flag: ``help``, ``choices``, the argparse
-    ``type`` (default: the type of the field's default) and, for a bool that defaults to True,
-    the ``flag`` that turns it off (``--disable-...``)."""
-    return {"help": help, "choices": choices, "type": type, "flag": flag}
+    ``type`` (default: the type of the field's default), for a bool that defaults to True the
+    ``flag`` that turns it off (``--disable-...``), and ``aliases``: other spellings of the same
+    flag (vLLM's or SGLang's), accepted and listed in ``--help``."""
+    return {"help": help, "choices": choices, "type": type, "flag": flag, "aliases": tuple(aliases)}
+
+
+# Keyword spellings of other engines accepted for a field (``Engine(enable_prefix_caching=False)``
+# as in vLLM); each maps to exactly one field and means the same thing. ``canonical_options``
+# applies them.
+KEYWORD_ALIASES: dict[str, str] = {
+    "enable_prefix_caching": "enable_prefix_cache",  # vLLM
+    "context_length": "max_model_len",  # SGLang
+}
+
+# "auto" and the names parse_dtype knows (vLLM's --dtype choices)
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+
+def canonical_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with alias keywords (:data:`KEYWORD_ALIASES`) renamed to their field; raises
+    TypeError when an alias and its field are both given (even with equal values: one spelling
+    per call keeps a typo in one of them from hiding)."""
+    out = dict(options)
+    for alias, name in KEYWORD_ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise TypeError(f"{alias} is another name for {name}: pass one of them, not both")
+            out[name] = out.pop(alias)
+    return out
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -72,15 +99,36 @@ def _one_of(name: str, v: object, allowed: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v!r}")
 
 
+def _check_dtype(v: object) -> None:
+    """None, one of :data:`DTYPES`, or a torch dtype the model layer supports."""
+    if v is None or (isinstance(v, str) and v in DTYPES):
+        return
+    import torch
+
+    from radixkv.model.config import parse_dtype
+
+    if isinstance(v, torch.dtype | str):
+        try:
+            parse_dtype(v, "EngineConfig", "dtype")  # accepts "torch.float16" too
+            return
+        except ValueError:
+            pass
+    raise ValueError(f"dtype must be None, one of {DTYPES} or a torch dtype, got {v!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """Engine knobs (see each field's help). Raises ValueError naming the field on a bad value.
 
     KV pool size: ``num_pages`` wins over ``kv_cache_memory`` (bytes); with neither, the pool
     gets 1 GiB on a CPU or half the free memory on a GPU. A step computes at most
-    ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (``None`` or 0
+    ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (``None``, 0 or -1
     disables chunking); ``prefill_budget`` says whether that counts new tokens only ("tokens") or
     new tokens plus their attention to past ones ("attention", see engine/prefill_cost.py).
+
+    ``Engine(...)`` also takes the spellings in :data:`KEYWORD_ALIASES` (``enable_prefix_caching``,
+    ``context_length``), and the flags have vLLM's / SGLang's aliases (``--disable-radix-cache``,
+    ``--context-length``).
     """
 
     # 16 tokens: small enough that little of a prompt is left in an uncacheable partial page,
@@ -126,7 +174,7 @@ class EngineConfig:
     chunked_prefill_size: int | None = field(
         default=2048,
         metadata=_cli(
-            "longest prefill chunk of one sequence per step; 0 disables chunking", type=int
+            "longest prefill chunk of one sequence per step; 0 or -1 disables chunking", type=int
         ),
     )
     prefill_budget: str = field(
@@ -148,11 +196,22 @@ class EngineConfig:
     enable_prefix_cache: bool = field(
         default=True,
         metadata=_cli(
-            "turn the prefix cache off (every prompt is computed)", flag="--disable-prefix-cache"
+            "turn the prefix cache off (every prompt is computed)",
+            flag="--disable-prefix-cache",
+            aliases=("--disable-radix-cache",),  # SGLang
         ),
     )
     eviction_policy: str = field(
         default="lru", metadata=_cli("which cached pages go first", choices=tuple(POLICIES))
+    )
+    # None: the model's max_position_embeddings (capped at sliding_window where it applies)
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_cli(
+            "longest prompt + output in tokens (default and most: the model's context length)",
+            type=int,
+            aliases=("--context-length",),  # SGLang
+        ),
     )
     # "auto": flashinfer on a CUDA pool in fp16/bf16 when it is installed, else torch
     attention_backend: str = field(
@@ -169,8 +228,31 @@ class EngineConfig:
     device: str | torch.device | None = field(
         default=None, metadata=_cli("torch device (default: cuda if available, else cpu)", type=str)
     )
+    # None keeps the checkpoint's dtype everywhere; "auto" also keeps it except where it is slow
+    # (half precision on a CPU -> float32; radixkv/model/dtype.py decides and logs it)
     dtype: str | torch.dtype | None = field(
-        default=None, metadata=_cli("weight and KV dtype (default: the model's)", type=str)
+        default=None,
+        metadata=_cli(
+            "weight and KV dtype (default: the checkpoint's; auto: the checkpoint's, float32 on "
+            "a CPU for half-precision checkpoints)",
+            choices=DTYPES,
+            type=str,
+        ),
+    )
+    # Model source: a Hugging Face repo id is fetched through huggingface_hub (model/hub.py)
+    revision: str | None = field(
+        default=None,
+        metadata=_cli("branch, tag or commit of a Hugging Face repo id (default: main)", type=str),
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata=_cli("folder or Hugging Face repo id to take the tokenizer from", type=str),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_cli(
+            "chat template file (or the template itself) replacing the model's", type=str
+        ),
     )
     seed: int = field(default=0, metadata=_cli("seed of the per-request sampling seeds"))
 
@@ -186,7 +268,7 @@ class EngineConfig:
         _pos_int("write_through_threshold", self.write_through_threshold)
         _pos_int("max_running_requests", self.max_running_requests)
         _pos_int("max_prefill_tokens", self.max_prefill_tokens)
-        if self.chunked_prefill_size not in (None, 0):
+        if self.chunked_prefill_size not in (None, 0, -1):  # -1: SGLang's "off"
             _pos_int("chunked_prefill_size", self.chunked_prefill_size)
         _one_of("prefill_budget", self.prefill_budget, PREFILL_BUDGETS)
         _one_of("schedule_policy", self.schedule_policy, tuple(SCHEDULE_POLICIES))
@@ -195,15 +277,23 @@ class EngineConfig:
                 f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"
             )
         _one_of("eviction_policy", self.eviction_policy, tuple(POLICIES))
+        if self.max_model_len is not None:
+            _pos_int("max_model_len", self.max_model_len)
         _one_of("attention_backend", self.attention_backend, BACKENDS)
         _one_of("cascade", self.cascade, CASCADE_MODES)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        _check_dtype(self.dtype)
+        for name in ("revision", "tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
 
     @property
     def chunk_size(self) -> int | None:
-        """``chunked_prefill_size`` with 0 read as None (no chunking)."""
-        return self.chunked_prefill_size or None
+        """``chunked_prefill_size`` with 0 and -1 read as None (no chunking)."""
+        size = self.chunked_prefill_size
+        return size if size is not None and size > 0 else None
 
     @property
     def step_prefill_budget(self) -> int:
@@ -229,10 +319,13 @@ class EngineConfig:
         for f in dataclasses.fields(cls):
             meta = f.metadata
             if meta["flag"] is not None:
-                group.add_argument(meta["flag"], action="store_true", help=meta["help"])
+                group.add_argument(
+                    meta["flag"], *meta["aliases"], action="store_true", help=meta["help"]
+                )
                 continue
             group.add_argument(
                 "--" + f.name.replace("_", "-"),
+                *meta["aliases"],
                 type=meta["type"] or type(f.default),
                 default=f.default,
                 choices=meta["choices"],

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Collection, Generator, Iterator, Sequence
 from pathlib import Path
@@ -34,9 +35,10 @@ from typing import Any
 
 import torch
 
+from radixkv.attention.registry import BackendChoice, choose_backend
 from radixkv.cache import PagePool, RadixCache
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
-from radixkv.engine.config import EngineConfig
+from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.outputs import EngineStats, RequestOutput
@@ -52,8 +54,14 @@ from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
-from radixkv.model.tokenizer import Tokenizer
+from radixkv.model.tokenizer import Tokenizer, encode_chat
 from radixkv.pages import pages_for
+
+log = logging.getLogger(__name__)
+
+# A conversation: messages as dicts with at least "role" (and usually "content"), as in OpenAI's
+# chat API and transformers' apply_chat_template.
+Conversation = list[dict[str, Any]]
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~1M tokens of radixkv-tiny (1 KiB of K+V per token)
 _DEFAULT_GPU_KV_FRACTION = 0.5  # of the free GPU memory after the weights are loaded
@@ -62,11 +70,14 @@ _DEFAULT_GPU_KV_FRACTION = 0.5  # of the free GPU memory after the weights are l
 class Engine:
     """A continuous-batching inference engine with a radix prefix cache.
 
-    ``model`` is a name (``"radixkv-tiny"``), a local Hugging Face folder, or an already loaded
-    ``LoadedModel``. The knobs are :class:`EngineConfig`'s: pass ``config=EngineConfig(...)``,
-    its fields as keyword arguments (``Engine(model, page_size=8, cascade="off")``), or both
-    (the keywords override the config's fields). ``stats()`` reports hit rates, KV usage and,
-    with cascade decode attention, KV bytes read with and without it.
+    ``model`` is a name (``"radixkv-tiny"``), a local Hugging Face folder, a Hugging Face repo id
+    (``"Qwen/Qwen2.5-0.5B-Instruct"``, fetched through the Hub cache; ``revision=`` picks a
+    branch, tag or commit), or an already loaded ``LoadedModel``. The knobs are
+    :class:`EngineConfig`'s: pass ``config=EngineConfig(...)``, its fields as keyword arguments
+    (``Engine(model, page_size=8, cascade="off")``; vLLM's / SGLang's spellings such as
+    ``enable_prefix_caching`` are accepted too), or both (the keywords override the config's
+    fields). ``stats()`` reports hit rates, KV usage and, with cascade decode attention, KV bytes
+    read with and without it. Construction logs one summary line (logger ``radixkv.engine``).
 
     Not thread-safe: drive it from one thread (``AsyncEngine`` does that for asyncio code).
     """
@@ -78,12 +89,14 @@ class Engine:
         config: EngineConfig | None = None,
         **options: Any,
     ) -> None:
+        options = canonical_options(options)
         cfg = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
         self.config = cfg
         self.model = _load(model, cfg)
         mc = self.model.config
         self.tokenizer: Tokenizer = self.model.tokenizer
-        self.kv_pool = _kv_pool(self.model, cfg)
+        self.max_context: int = _max_context(mc.max_position_embeddings, cfg.max_model_len)
+        self.kv_pool = _kv_pool(self.model, cfg, self.max_context)
         self.pool = PagePool(self.kv_pool.num_pages)
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
         self.cache = RadixCache(
@@ -95,10 +108,10 @@ class Engine:
             write_policy=cfg.write_policy,
             write_through_threshold=cfg.write_through_threshold,
         )
-        self.runner = ModelRunner(self.model.model, self.kv_pool, backend=cfg.attention_backend)
+        self.backend_choice: BackendChoice = choose_backend(cfg.attention_backend, self.kv_pool)
+        self.runner = ModelRunner(self.model.model, self.kv_pool, backend=self.backend_choice.name)
         self.page_size = cfg.page_size
         self.vocab_size: int = mc.vocab_size
-        self.max_context: int = mc.max_position_embeddings
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         # the only engine code that calls the cache (kv_manager.py)
         self.seq_kv = SeqKV(self.cache, enable_prefix_cache=cfg.enable_prefix_cache)
@@ -116,6 +129,37 @@ class Engine:
         self._next_id = 0
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
         self._kv_bytes_per_token = self.kv_pool.bytes_per_page // cfg.page_size
+        self._log_startup()
+
+    def _log_startup(self) -> None:
+        """One INFO line saying what was built, and a WARNING when "auto" left a CUDA pool on
+        the torch attention kernels (it works, at a fraction of FlashInfer's speed)."""
+        kv, cfg, choice = self.kv_pool, self.config, self.backend_choice
+        log.info(
+            "radixkv engine: model %s (%s, %d layers, max context %d tokens) on %s in %s; "
+            "attention %s (%s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB); "
+            "prefix cache %s",
+            self.model.name,
+            self.model.config.architecture,
+            self.model.config.num_layers,
+            self.max_context,
+            kv.device,
+            str(kv.dtype).removeprefix("torch."),
+            choice.name,
+            choice.reason,
+            kv.num_pages,
+            cfg.page_size,
+            kv.num_pages * cfg.page_size,
+            kv.num_pages * kv.bytes_per_page / 2**20,
+            f"on ({cfg.eviction_policy} eviction)" if cfg.enable_prefix_cache else "off",
+        )
+        if choice.fallback:
+            log.warning(
+                "attention backend auto fell back to the torch kernels on %s: %s; pass "
+                "attention_backend='torch' (--attention-backend torch) to silence this",
+                kv.device,
+                choice.reason,
+            )
 
     # ------------------------------------------------------------------ the request API
     def prepare(
@@ -236,12 +280,18 @@ class Engine:
         yielded). If the loop is left early (a step raises, the caller stops iterating and
         closes the iterator, KeyboardInterrupt), the requests still live are aborted, so their
         locks and pages are released."""
+        for outs in self._iter_steps(request_ids):
+            yield from outs
+
+    def _iter_steps(
+        self, request_ids: Collection[str]
+    ) -> Generator[list[RequestOutput], None, None]:
+        """:meth:`iter_outputs` one step at a time: each step's outputs of these requests (an
+        empty list for a step without news of them), same abort-on-exit guarantee."""
         ids = set(request_ids)
         try:
             while any(rid in self._live for rid in ids):
-                for out in self.step():
-                    if out.request_id in ids:
-                        yield out
+                yield [out for out in self.step() if out.request_id in ids]
         finally:
             for rid in ids:
                 if rid in self._live:
@@ -356,11 +406,15 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         namespace: Namespace = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. All prompts are validated before
         any is queued. Other queued requests progress too (their outputs are not returned).
-        If interrupted, the prompts' requests are aborted."""
+        If interrupted, the prompts' requests are aborted. ``sampling_params`` is vLLM's name
+        for ``params`` (give one of them). The progress bar (``use_tqdm``) counts finished
+        requests and shows prompt and output tokens per second."""
+        params = _one_params(params, sampling_params)
         plist = as_prompt_list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             params_list = [params] * len(plist)
@@ -372,23 +426,77 @@ class Engine:
             self.prepare(p, sp, namespace=namespace, stream=False)
             for p, sp in zip(plist, params_list)
         ]
+        return self._run_to_completion(groups, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        namespace: Namespace = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of message dicts) or a list of them;
+        outputs in input order. Each conversation becomes token ids exactly as the HTTP server's
+        chat completions make them (:func:`~radixkv.model.tokenizer.encode_chat`: the chat
+        template rendered with ``tools`` and ``chat_template_kwargs``, then encoded without
+        adding special tokens), so the same conversation gives the same ids, and shares the same
+        cache entries, from Python and over HTTP. Raises ValueError (the template's message)
+        before anything is queued when a conversation is rejected."""
+        convs = _as_conversations(messages)
+        prompts = [
+            encode_chat(
+                self.tokenizer,
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conv in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm, namespace=namespace)
+
+    def _run_to_completion(self, groups: list[RequestGroup], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue prepared requests, step until they finish, return their outputs in order."""
         ids = [self.submit(g) for g in groups]
         # plain tqdm: tqdm.auto warns in notebooks without ipywidgets
         from tqdm import tqdm
 
+        stats = self._stats
+        out0, t0 = stats.generated_tokens, time.perf_counter()
+        prompt_tokens = 0  # of the requests finished so far
         with (
             tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar,
-            contextlib.closing(self.iter_outputs(ids)) as outs,
+            contextlib.closing(self._iter_steps(ids)) as steps,
         ):
-            for out in outs:
-                bar.update(int(out.finished))
+            for outs in steps:
+                done = [out for out in outs if out.finished]  # not streamed: once, at the end
+                bar.update(len(done))
+                prompt_tokens += sum(len(out.prompt_token_ids) for out in done)
+                if use_tqdm:
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(
+                        f"in {prompt_tokens / elapsed:,.0f} tok/s, "
+                        f"out {(stats.generated_tokens - out0) / elapsed:,.0f} tok/s",
+                        refresh=False,
+                    )
         return [g.make_output() for g in groups]
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, namespace: Namespace = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        sampling_params: SamplingParams | None = None,
+        namespace: Namespace = None,
     ) -> Iterator[RequestOutput]:
         """Yield this request's output each step it progresses (``delta_text`` is the news);
-        the last one has ``finished=True``. Closing the iterator early aborts the request."""
+        the last one has ``finished=True``. Closing the iterator early aborts the request.
+        ``sampling_params`` is another name for ``params``."""
+        params = _one_params(params, sampling_params)
         rid = self.add_request(prompt, params, namespace=namespace, stream=True)
         yield from self.iter_outputs([rid])
 
@@ -453,9 +561,35 @@ class Engine:
 
 def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
     if isinstance(model, LoadedModel):
+        given = [n for n in ("revision", "tokenizer", "chat_template") if getattr(cfg, n)]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply when the engine loads the model; pass them to "
+                "load_model() for an already loaded one"
+            )
         return model
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return load_model(model, device=device, dtype=cfg.dtype)
+    return load_model(
+        model,
+        device=device,
+        dtype=cfg.dtype,
+        revision=cfg.revision,
+        tokenizer=cfg.tokenizer,
+        chat_template=cfg.chat_template,
+    )
+
+
+def _max_context(model_max: int, max_model_len: int | None) -> int:
+    """The longest prompt + output served: ``max_model_len`` when set (ValueError past what the
+    model was built for), else the model's ``max_position_embeddings``."""
+    if max_model_len is None:
+        return model_max
+    if max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's context length {model_max} "
+            "(max_position_embeddings / sliding_window in its config.json)"
+        )
+    return max_model_len
 
 
 def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopier | None]:
@@ -470,7 +604,7 @@ def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopi
     return host, KVCopier(kv, host)
 
 
-def _kv_pool(lm: LoadedModel, cfg: EngineConfig) -> KVPool:
+def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool:
     """The paged K/V buffers: ``num_pages`` pages, else as many as ``kv_cache_memory`` bytes
     hold (default: 1 GiB on a CPU, half the free GPU memory), on the model's device and dtype."""
     mc = lm.config
@@ -488,7 +622,7 @@ def _kv_pool(lm: LoadedModel, cfg: EngineConfig) -> KVPool:
         else:
             budget = _DEFAULT_CPU_KV_BYTES
     # more pages than the context could ever address across max_running is waste
-    cap = pages_for(mc.max_position_embeddings, cfg.page_size) * cfg.max_running_requests
+    cap = pages_for(max_context, cfg.page_size) * cfg.max_running_requests
     return KVPool.from_memory_budget(
         budget,
         num_layers=mc.num_layers,
@@ -501,4 +635,28 @@ def _kv_pool(lm: LoadedModel, cfg: EngineConfig) -> KVPool:
     )
 
 
-__all__ = ["Engine", "EngineConfig", "Prompt", "SeqStatus"]
+def _one_params(params: Any, sampling_params: Any) -> Any:
+    """``params`` or its vLLM spelling ``sampling_params``; TypeError when both are given."""
+    if sampling_params is None:
+        return params
+    if params is not None:
+        raise TypeError("params and sampling_params are the same argument: pass one of them")
+    return sampling_params
+
+
+def _as_conversations(messages: object) -> list[Conversation]:
+    """One conversation (a list of message dicts) or a list of them -> a list of them."""
+    if isinstance(messages, list | tuple) and messages:
+        if all(isinstance(m, dict) for m in messages):
+            return [list(messages)]
+        if all(
+            isinstance(c, list | tuple) and all(isinstance(m, dict) for m in c) for c in messages
+        ):
+            return [list(c) for c in messages]
+    raise TypeError(
+        "messages must be a conversation (a non-empty list of message dicts, e.g. "
+        "[{'role': 'user', 'content': 'hi'}]) or a list of conversations"
+    )
+
+
+__all__ = ["Conversation", "Engine", "EngineConfig", "Prompt", "SeqStatus"]

@@ -1,15 +1,17 @@
-"""load_model: radixkv-tiny (trained, packaged), radixkv-tiny-random, or a local HF model folder.
+"""load_model: radixkv-tiny (trained, packaged), radixkv-tiny-random, a local HF model folder, or
+a Hugging Face repo id (``org/name``, fetched into the Hub cache, see hub.py).
 
 A folder needs ``config.json``, weights as ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json`` (any ``*.safetensors`` as a last resort), and ``tokenizer.json``.
-``tokenizer_config.json`` (or ``chat_template.jinja``) supplies the chat template and the BOS/EOS
-strings; ``generation_config.json`` supplies EOS ids. Every problem raises
-:class:`~radixkv.model.errors.ModelLoadError` naming the file and field.
+``tokenizer_config.json`` (or ``chat_template.jinja`` / ``chat_template.json``) supplies the chat
+template and the BOS/EOS strings; ``generation_config.json`` supplies EOS ids. Every problem
+raises :class:`~radixkv.model.errors.ModelLoadError` naming the file and field.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,16 +19,21 @@ from typing import Any
 import torch
 
 from radixkv.model.config import ModelConfig, parse_dtype
+from radixkv.model.dtype import AUTO, auto_dtype
 from radixkv.model.errors import ModelLoadError
+from radixkv.model.hub import TOKENIZER_FILES, resolve_model_folder
 from radixkv.model.llama import LlamaForCausalLM
 from radixkv.model.tiny import (
     TINY_NAME,
-    TINY_RANDOM_NAME,
+    TINY_NAMES,
     build_tiny_model,
     build_tiny_random_model,
+    tiny_config,
     tiny_tokenizer,
 )
 from radixkv.model.tokenizer import HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -34,6 +41,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass
 class LoadedModel:
+    """A model ready to serve. ``name`` is what it is served under: the name or repo id the user
+    passed (``org/name`` for a Hub cache snapshot folder), a local folder's own name."""
+
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
@@ -44,24 +54,39 @@ def load_model(
     name_or_path: str | Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
+    *,
+    revision: str | None = None,
+    tokenizer: str | Path | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
-    """Load ``"radixkv-tiny"``, ``"radixkv-tiny-random"`` or the HF folder at ``name_or_path`` onto ``device``.
+    """Load ``"radixkv-tiny"``, ``"radixkv-tiny-random"``, the HF folder at ``name_or_path`` or
+    the Hugging Face repo ``name_or_path`` (``org/name`` at ``revision``) onto ``device``.
 
-    ``dtype`` defaults to the checkpoint's (``torch_dtype`` in config.json), fp32 for the tiny model.
+    ``dtype``: None = the checkpoint's (``torch_dtype`` in config.json; fp32 for the tiny
+    models); ``"auto"`` = the checkpoint's unless that is slow on ``device`` (see
+    :func:`~radixkv.model.dtype.auto_dtype`; the choice is logged); or an explicit dtype.
+    ``tokenizer``: a folder or repo id to take the tokenizer files from instead of the model's
+    (EOS ids still come from the model's generation_config.json / config.json).
+    ``chat_template``: a template file, or the template itself, replacing the tokenizer's.
     """
     device = torch.device(device)
-    want = None if dtype is None else parse_dtype(dtype, "load_model", "dtype")
-    if str(name_or_path) in (TINY_NAME, TINY_RANDOM_NAME):
-        build = build_tiny_model if str(name_or_path) == TINY_NAME else build_tiny_random_model
+    auto = isinstance(dtype, str) and dtype == AUTO
+    want = None if dtype is None or auto else parse_dtype(dtype, "load_model", "dtype")
+    name = str(name_or_path)
+    if name in TINY_NAMES:
+        _no_revision(name, revision)
+        build = build_tiny_model if name == TINY_NAME else build_tiny_random_model
         model = build(device, want or torch.float32)
-        return LoadedModel(model, model.config, tiny_tokenizer(), str(name_or_path))
-    folder = Path(name_or_path)
-    if not folder.is_dir():
-        raise ModelLoadError(
-            str(folder), None, f"not a model folder (and not {TINY_NAME!r}); no such directory"
-        )
-    config_path = folder / "config.json"
-    cfg = ModelConfig.from_hf(_read_json(config_path, required=True), file=str(config_path))
+        tok = _override_tokenizer(tiny_tokenizer(), model.config, None, tokenizer, chat_template)
+        return LoadedModel(model, model.config, tok, name)
+    source = resolve_model_folder(name_or_path, revision=revision)
+    folder = source.folder
+    cfg = _read_config(folder)
+    if auto:
+        choice = auto_dtype(cfg.dtype, device)
+        want = choice.dtype
+        if choice.note:
+            log.info("%s: %s", source.name, choice.note)
     if want is not None and want != cfg.dtype:
         cfg = _with_dtype(cfg, want)
     with torch.device("meta"):
@@ -71,8 +96,84 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, folder)
     model.eval()
-    tokenizer = _load_tokenizer(folder, cfg)
-    return LoadedModel(model, cfg, tokenizer, folder.name)
+    tok = _override_tokenizer(
+        _load_tokenizer(folder, cfg, eos_from=folder), cfg, folder, tokenizer, chat_template
+    )
+    return LoadedModel(model, cfg, tok, source.name)
+
+
+def load_tokenizer(
+    name_or_path: str | Path,
+    *,
+    revision: str | None = None,
+    tokenizer: str | Path | None = None,
+    chat_template: str | None = None,
+) -> Tokenizer:
+    """The tokenizer :func:`load_model` gives the same arguments, without reading (or, for a
+    repo id, fetching) any weights."""
+    name = str(name_or_path)
+    if name in TINY_NAMES:
+        _no_revision(name, revision)
+        cfg = tiny_config()
+        return _override_tokenizer(tiny_tokenizer(), cfg, None, tokenizer, chat_template)
+    folder = resolve_model_folder(
+        name_or_path, revision=revision, files=("config.json", *TOKENIZER_FILES)
+    ).folder
+    cfg = _read_config(folder)
+    tok = _load_tokenizer(folder, cfg, eos_from=folder)
+    return _override_tokenizer(tok, cfg, folder, tokenizer, chat_template)
+
+
+def _no_revision(name: str, revision: str | None) -> None:
+    if revision is not None:
+        raise ModelLoadError(name, None, "revision applies to Hugging Face repo ids only")
+
+
+def _read_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    return ModelConfig.from_hf(_read_json(path, required=True), file=str(path))
+
+
+def _override_tokenizer(
+    tok: Tokenizer,
+    cfg: ModelConfig,
+    folder: Path | None,
+    tokenizer: str | Path | None,
+    chat_template: str | None,
+) -> Tokenizer:
+    """``tok``, or the tokenizer of the ``tokenizer`` folder / repo id (EOS ids still from the
+    model ``folder``), with its chat template replaced by ``chat_template`` when given."""
+    if tokenizer is not None:
+        tok_folder = resolve_model_folder(tokenizer, files=TOKENIZER_FILES, what="tokenizer").folder
+        tok = _load_tokenizer(tok_folder, cfg, eos_from=folder)
+        if tok.vocab_size > cfg.vocab_size:
+            log.warning(
+                "tokenizer %s has %d tokens but the model only %d: prompts using the extra ids "
+                "are rejected",
+                tokenizer,
+                tok.vocab_size,
+                cfg.vocab_size,
+            )
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def read_chat_template(value: str | Path) -> str:
+    """A chat template override: the text of the file ``value`` names, or ``value`` itself when
+    it is a template (contains ``{{`` or ``{%``). ModelLoadError otherwise."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(str(path), None, f"cannot read the chat template: {exc}") from exc
+    text = str(value)
+    if "{{" in text or "{%" in text:
+        return text
+    raise ModelLoadError(
+        text, None, "chat_template: no such file (and not a template: no '{{' or '{%' in it)"
+    )
 
 
 def _with_dtype(cfg: ModelConfig, dtype: torch.dtype) -> ModelConfig:
@@ -178,7 +279,10 @@ def _token_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _load_tokenizer(folder: Path, cfg: ModelConfig) -> HFTokenizer:
+def _load_tokenizer(folder: Path, cfg: ModelConfig, *, eos_from: Path | None) -> HFTokenizer:
+    """The tokenizer in ``folder``. EOS ids: ``eos_token_id`` of generation_config.json in the
+    model's folder ``eos_from`` (None: a built-in model, no such file), else config.json's, else
+    the tokenizer's EOS token."""
     from tokenizers import Tokenizer as RawTokenizer
 
     tok_path = folder / "tokenizer.json"
@@ -192,10 +296,11 @@ def _load_tokenizer(folder: Path, cfg: ModelConfig) -> HFTokenizer:
     tok_cfg = _read_json(tc_path, required=False)
     template = _chat_template(folder, tok_cfg, tc_path)
     bos, eos = _token_str(tok_cfg.get("bos_token")), _token_str(tok_cfg.get("eos_token"))
-    gen_path = folder / "generation_config.json"
-    gen = _read_json(gen_path, required=False)
+    gen_path = None if eos_from is None else eos_from / "generation_config.json"
+    gen = {} if gen_path is None else _read_json(gen_path, required=False)
     eos_ids: list[int] = []
     if "eos_token_id" in gen:
+        assert gen_path is not None
         eos_ids = _ids(gen["eos_token_id"], gen_path, "eos_token_id")
     elif cfg.eos_token_ids:
         eos_ids = list(cfg.eos_token_ids)
@@ -221,6 +326,12 @@ def _chat_template(folder: Path, tok_cfg: dict[str, Any], tc_path: Path) -> str 
     jinja_path = folder / "chat_template.jinja"
     if jinja_path.is_file():
         return jinja_path.read_text(encoding="utf-8")
+    json_path = folder / "chat_template.json"  # {"chat_template": "..."} (newer transformers)
+    if json_path.is_file():
+        template = _read_json(json_path, required=True).get("chat_template")
+        if not isinstance(template, str):
+            raise ModelLoadError(str(json_path), "chat_template", "must be a string")
+        return template
     template = tok_cfg.get("chat_template")
     if template is None or isinstance(template, str):
         return template

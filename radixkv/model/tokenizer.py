@@ -1,5 +1,10 @@
 """Tokenizers: a protocol, a wrapper around ``tokenizers.Tokenizer``, and the byte-level one of
-radixkv-tiny. Both render chat templates with :mod:`radixkv.model.chat_template`."""
+radixkv-tiny. Both render chat templates with :mod:`radixkv.model.chat_template`.
+
+:func:`encode_chat` is the one way a conversation becomes token ids: ``Engine.chat``, the HTTP
+server's chat completions, the Ray ingress's routing hints and ``radixkv generate --chat`` all
+call it, so the same conversation gives the same ids (and shares cache entries) on every path.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str: ...
 
 
@@ -31,9 +41,16 @@ class _ChatMixin:
     eos_token: str | None
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Render the chat template. Encode the result with ``add_special_tokens=False``: the
+        """Render the chat template (``tools``: JSON schemas the template lists for the model;
+        ``chat_template_kwargs``: the template's own switches, e.g. ``enable_thinking``).
+        Encode the result with ``add_special_tokens=False`` (:func:`encode_chat` does): the
         template already writes any BOS it wants."""
         if not self.chat_template:
             raise ChatTemplateError("this tokenizer has no chat template")
@@ -41,9 +58,37 @@ class _ChatMixin:
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The token ids of a conversation: the chat template rendered, then encoded without
+    adding special tokens, because the template writes the BOS the model expects (encoding with
+    special tokens would put a second one in front; transformers' ``apply_chat_template(...,
+    tokenize=True)`` encodes the same way). Raises
+    ChatTemplateError (a ValueError) when the template rejects the messages or they render to
+    no tokens."""
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise ChatTemplateError("the messages render to no tokens")
+    return ids
 
 
 class ByteTokenizer(_ChatMixin):

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from fastapi import FastAPI
 
 from radixkv.engine.config import EngineConfig
 from radixkv.server.config import ServerConfig
+
+# tenant of the one key --api-key sets (its requests share one cache namespace)
+SINGLE_KEY_TENANT = "default"
+# uvicorn's --log-level names; "trace" is uvicorn's level 5, below DEBUG
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO"}
+_LEVELS |= {"debug": "DEBUG", "trace": "DEBUG"}
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -28,6 +36,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="JSON object mapping API key -> tenant name",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RADIXKV_API_KEY"),
+        metavar="KEY",
+        help="a single API key (tenant 'default'), as in vLLM; use --api-keys for several "
+        "(default: $RADIXKV_API_KEY)",
     )
     p.add_argument(
         "--admin-key",
@@ -46,11 +61,16 @@ def server_config_from_args(
     kv_events_replay: str | None = None,
 ) -> ServerConfig:
     """The ServerConfig of the flags :func:`add_server_arguments` declared (plus KV events)."""
-    from radixkv.server.auth import load_api_keys
+    from radixkv.server.auth import load_api_keys, validate_api_keys
 
+    if args.api_key is not None and args.api_keys:
+        raise ValueError("--api-key and --api-keys both given: use one (--api-keys for several)")
+    api_keys = load_api_keys(args.api_keys) if args.api_keys else None
+    if args.api_key is not None:
+        api_keys = validate_api_keys({args.api_key: SINGLE_KEY_TENANT})
     return ServerConfig(
         model_name=args.served_model_name,
-        api_keys=load_api_keys(args.api_keys) if args.api_keys else None,
+        api_keys=api_keys,
         admin_key=args.admin_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
@@ -59,9 +79,23 @@ def server_config_from_args(
     )
 
 
+def add_model_argument(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--model`` (SGLang's ``--model-path`` too): what ``radixkv serve`` and ``serve-ray``
+    load; the engine flags ``--revision``, ``--tokenizer``, ``--chat-template`` refine it."""
+    p.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default="radixkv-tiny",
+        help="radixkv-tiny, a local Hugging Face model folder, or a Hugging Face repo id "
+        "(org/name, fetched into the Hugging Face cache; HF_HOME and HF_HUB_OFFLINE apply)",
+    )
+    return p
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the ``radixkv serve`` flags on ``p`` (a subparser)."""
-    p.add_argument("--model", default="radixkv-tiny", help="model name or local HF folder")
+    add_model_argument(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_server_arguments(p)
@@ -77,9 +111,31 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         help="ZMQ ROUTER endpoint for replay",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="level of uvicorn's and radixkv's logs (one handler, stderr)",
+    )
     EngineConfig.add_cli_arguments(p)
     return p
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging config with the ``radixkv`` loggers added on its default handler at
+    ``level``, so the engine's startup summary and warnings print like uvicorn's own lines.
+    ``radixkv serve`` applies it before the engine is built and hands it to uvicorn."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["loggers"]["radixkv"] = {
+        "handlers": ["default"],
+        "level": _LEVELS[level],
+        "propagate": False,
+    }
+    return cfg
 
 
 def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, ServerConfig]:
@@ -99,10 +155,14 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, ServerConfig]:
 def cli_entry(args: argparse.Namespace) -> int:
     """Run ``radixkv serve`` until interrupted (SIGINT/SIGTERM: graceful shutdown); returns the
     exit code. Raises ValueError on bad settings (before anything is loaded where possible)."""
+    import logging.config
+
     import uvicorn
 
+    logs = log_config(args.log_level)
+    logging.config.dictConfig(logs)  # now, so loading the model is logged too
     app, _ = build_from_args(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=logs)
     return 0
 
 

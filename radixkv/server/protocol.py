@@ -6,7 +6,8 @@ app turns into an OpenAI-shaped 400. Range checks live in ``__post_init__`` so a
 exists is a valid one. Responses are Structs too, encoded with ``msgspec.json``.
 
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
-sharing within the caller's tenant), ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+sharing within the caller's tenant), ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # Rendered by the chat template (tool schemas the model is shown; the template's switches,
+    # e.g. {"enable_thinking": false} for Qwen3, as vLLM and SGLang take them). The reply is
+    # plain text: tool calls are not parsed out of it.
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.max_completion_tokens is not None:

@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from radixkv.engine.async_engine import AsyncEngine, QueueFull
 from radixkv.engine.params import SamplingParams
+from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server import render as R
 from radixkv.server.auth import Authenticator, Principal
@@ -100,16 +101,17 @@ class ServerState:
         return prompt
 
     def chat_ids(self, req: P.ChatCompletionRequest) -> list[int]:
+        """The request's conversation as token ids, made as ``Engine.chat`` makes them
+        (:func:`~radixkv.model.tokenizer.encode_chat`)."""
         try:
-            text = self.tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True
+            return encode_chat(
+                self.tokenizer,
+                req.template_messages(),
+                tools=req.tools,
+                chat_template_kwargs=req.chat_template_kwargs,
             )
         except ValueError as e:  # ChatTemplateError is a ValueError
             raise bad_request(f"chat template rejected the messages: {e}", "messages") from None
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        if not ids:
-            raise bad_request("messages render to no tokens", "messages")
-        return ids
 
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
         total = len(ids) + max_tokens
