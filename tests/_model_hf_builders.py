@@ -145,3 +145,29 @@ def hf_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(ids) :].tolist()
+
+
+def write_hub_snapshot(
+    cache_dir: Path, repo_id: str, source: Path, commit: str, refs: tuple[str, ...] = ("main",)
+) -> Path:
+    """Put the files of the folder ``source`` into a Hugging Face Hub cache at ``cache_dir`` the
+    way huggingface_hub lays one out (``models--org--name/blobs/<hash>``, ``snapshots/<commit>/``
+    holding relative symlinks to the blobs, ``refs/<ref>`` holding the commit); returns the
+    snapshot folder. ``commit`` is a 40-hex-digit commit id."""
+    import hashlib
+    import os
+
+    repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(source.iterdir()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)  # huggingface_hub writes no newline
+    return snapshot

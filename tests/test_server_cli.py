@@ -92,20 +92,25 @@ def test_main_reports_bad_settings(tmp_path, capsys: pytest.CaptureFixture[str])
 
 
 def test_radixkv_serve_process(tmp_path) -> None:
-    """The real command: start, answer, shut down gracefully on SIGINT."""
+    """The real command (as ``python -m radixkv serve``, SGLang's ``--model-path``): start, log
+    the engine's startup summary through uvicorn's handler, answer, shut down gracefully on
+    SIGINT."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
         sys.executable,
         "-m",
-        "radixkv.server",
+        "radixkv",
+        "serve",
+        "--model-path",
+        "radixkv-tiny",
         "--port",
         str(port),
         "--num-pages",
         "128",
         "--log-level",
-        "warning",
+        "info",
     ]
     proc = subprocess.Popen(
         cmd,
@@ -137,3 +142,9 @@ def test_radixkv_serve_process(tmp_path) -> None:
             proc.kill()
             out = proc.communicate()[0].decode()
     assert proc.returncode == 0, out
+    # the radixkv logger prints through uvicorn's default handler, like uvicorn's own lines
+    summary = next(line for line in out.splitlines() if "radixkv engine:" in line)
+    assert summary.startswith("INFO:")
+    for part in ("model radixkv-tiny", "in float32", "attention torch (auto:", "128 pages x 16"):
+        assert part in summary, (part, summary)
+    assert "Uvicorn running on" in out

@@ -14,6 +14,7 @@ and the live-request table stay with the engine, which assigns the id between th
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterable
@@ -26,6 +27,8 @@ from radixkv.engine.request import Namespace, RequestGroup, Sequence
 from radixkv.engine.sampler import make_generator
 from radixkv.model.tokenizer import Tokenizer
 from radixkv.pages import pages_for
+
+log = logging.getLogger(__name__)
 
 # What ``Engine.add_request`` accepts as a prompt: text (tokenised by the engine's tokenizer) or
 # token ids (a list or tuple of ints; numpy arrays and tensors are converted with ``tolist()``).
@@ -103,6 +106,8 @@ class RequestIntake:
         self.page_size = config.page_size
         self.num_pages = num_pages
         self._rng = random.Random(config.seed)
+        self._special_prefix = _special_prefix(tokenizer)
+        self._warned_double_bos = False
 
     def check(
         self, prompt: object, params: SamplingParams | None, namespace: object
@@ -113,6 +118,8 @@ class RequestIntake:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = normalise_prompt(prompt, self.tokenizer, self.vocab_size)
+        if text is not None:
+            self._check_double_bos(ids)
         total = len(ids) + params.max_tokens
         if total > self.max_context:
             raise ValueError(
@@ -130,6 +137,22 @@ class RequestIntake:
         except TypeError:
             raise TypeError(f"namespace must be hashable, got {type(namespace).__name__}") from None
         return params, text, ids
+
+    def _check_double_bos(self, ids: list[int]) -> None:
+        """Warn (once) when a text prompt starts with the tokenizer's added special tokens
+        twice: the text already began with them (typically a rendered chat template, which
+        writes its own BOS) and encoding added them again. Engine.chat encodes conversations
+        without adding them, as the server does."""
+        pre = self._special_prefix
+        if not pre or self._warned_double_bos or ids[: 2 * len(pre)] != pre + pre:
+            return
+        self._warned_double_bos = True
+        log.warning(
+            "a text prompt starts with %s twice: the text already has it (a rendered chat "
+            "template?) and encoding added it again; use Engine.chat(messages) or pass token "
+            "ids (logged once)",
+            self.tokenizer.decode(pre),
+        )
 
     def build(
         self,
@@ -158,3 +181,12 @@ class RequestIntake:
             seq.live_detok = live_detok
             group.seqs.append(seq)
         return group
+
+
+def _special_prefix(tokenizer: Tokenizer) -> list[int]:
+    """The ids ``encode(text)`` puts in front of the text (BOS for most tokenizers; none for
+    Qwen's, say), found by encoding one letter with and without special tokens."""
+    plain = list(tokenizer.encode("a", add_special_tokens=False))
+    full = list(tokenizer.encode("a"))
+    n = len(full) - len(plain)
+    return full[:n] if n > 0 and full[n:] == plain else []

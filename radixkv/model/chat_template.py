@@ -86,6 +86,8 @@ def render_chat_template(
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise ChatTemplateError("tools must be a list of JSON objects (dicts)")
+    # keys set to None are dropped, as transformers does, so `message.x is defined` agrees
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     if not all(isinstance(k, str) for k in kwargs):
         raise ChatTemplateError("chat_template_kwargs keys must be strings")
