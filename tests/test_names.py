@@ -100,6 +100,18 @@ def test_flag_aliases(make: object) -> None:
         assert flag in help_text
 
 
+def test_serve_ray_ships_the_model_source_to_the_ingress() -> None:
+    from radixkv.cluster.cli import config_from_args
+
+    parser = add_serve_ray_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--model-path", "org/m", "--revision", "v2", "--tokenizer", "org/tok"]
+    )
+    cfg = config_from_args(args)
+    assert cfg.model == "org/m" and cfg.engine_kwargs["revision"] == "v2"
+    assert cfg.tokenizer_source == {"revision": "v2", "tokenizer": "org/tok"}
+
+
 def test_eviction_policy_has_choices(capsys: pytest.CaptureFixture[str]) -> None:
     assert _serve("--eviction-policy", "lfu").eviction_policy == "lfu"
     with pytest.raises(SystemExit) as e:
