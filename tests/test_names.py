@@ -139,6 +139,21 @@ def test_single_api_key(tmp_path: Path) -> None:
         build_from_args(_serve("--api-key", "short"))
 
 
+def test_api_key_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixkv.server.cli import server_config_from_args
+
+    monkeypatch.setenv("RADIXKV_API_KEY", "env-key-1234")
+    assert server_config_from_args(_serve()).api_keys == {"env-key-1234": "default"}
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"file-key-1234": "team"}))
+    # an explicit --api-keys file wins over the environment's single key
+    assert server_config_from_args(_serve("--api-keys", str(keys))).api_keys == {
+        "file-key-1234": "team"
+    }
+    monkeypatch.delenv("RADIXKV_API_KEY")
+    assert server_config_from_args(_serve()).api_keys is None
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         radixkv_main(["--version"])

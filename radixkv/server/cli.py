@@ -39,10 +39,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("RADIXKV_API_KEY"),
+        default=None,
         metavar="KEY",
         help="a single API key (tenant 'default'), as in vLLM; use --api-keys for several "
-        "(default: $RADIXKV_API_KEY)",
+        "(default: $RADIXKV_API_KEY unless --api-keys is given)",
     )
     p.add_argument(
         "--admin-key",
@@ -66,8 +66,11 @@ def server_config_from_args(
     if args.api_key is not None and args.api_keys:
         raise ValueError("--api-key and --api-keys both given: use one (--api-keys for several)")
     api_keys = load_api_keys(args.api_keys) if args.api_keys else None
-    if args.api_key is not None:
-        api_keys = validate_api_keys({args.api_key: SINGLE_KEY_TENANT})
+    key = args.api_key
+    if key is None and not args.api_keys:
+        key = os.environ.get("RADIXKV_API_KEY") or None
+    if key is not None:
+        api_keys = validate_api_keys({key: SINGLE_KEY_TENANT})
     return ServerConfig(
         model_name=args.served_model_name,
         api_keys=api_keys,
