@@ -6,6 +6,8 @@ they cannot fit, and waiting for the application with a deadline.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,6 +24,7 @@ from radixkv.cluster.readiness import (
     DeploymentNotReady,
     DeploymentState,
     app_state,
+    check_reachable,
     wait_until_running,
 )
 
@@ -85,6 +88,7 @@ def test_a_joined_cluster_only_warns() -> None:
     assert plan.replica_cpus == 1.0 and not plan.fitted  # Ray's usual reservation, not fitted
     assert not plan.fits
     assert "4 replicas x 1 CPU (the default)" in plan.describe()
+    assert "= 4.1 of 2 CPUs free" in plan.describe()
     assert "waiting for the cluster to grow" in plan.describe()
     assert plan_cpus(replicas=1, available_cpus=2.0, local=False).fits
 
@@ -172,6 +176,34 @@ def test_bad_startup_flags_are_usage_errors(
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and argv[-2] in err
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_an_address_nobody_answers_fails_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """ray.init retries an unreachable address for many minutes; serve-ray says so instead."""
+    address = f"127.0.0.1:{_closed_port()}"
+    with pytest.raises(DeploymentNotReady, match=f"no Ray cluster answers at {address}"):
+        check_reachable(address, timeout_s=5)
+    assert main(["--address", address]) == 1
+    err = capsys.readouterr().err
+    assert f"radixkv serve-ray: error: no Ray cluster answers at {address} (--address)" in err
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_reachable_and_unprobed_addresses_pass() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_reachable(f"127.0.0.1:{s.getsockname()[1]}", timeout_s=5)
+    for address in ("auto", "ray://127.0.0.1:1", "local"):  # left to Ray
+        check_reachable(address, timeout_s=5)
 
 
 # --- waiting for the application -------------------------------------------------------------

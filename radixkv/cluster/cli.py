@@ -23,7 +23,12 @@ import time
 from typing import Any
 
 from radixkv.cluster.placement import CpuPlan, FleetDoesNotFit, plan_cpus
-from radixkv.cluster.readiness import DeploymentNotReady, app_state, wait_until_running
+from radixkv.cluster.readiness import (
+    DeploymentNotReady,
+    app_state,
+    check_reachable,
+    wait_until_running,
+)
 from radixkv.engine.config import EngineConfig
 from radixkv.server.cli import add_server_arguments, server_config_from_args
 
@@ -185,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             # explicitly so it has exactly the CPUs the plan counted
             ray.init(address="local", num_cpus=cpus, include_dashboard=False)
         else:
+            check_reachable(args.address)
             ray.init(address=args.address)
             plan = _plan(config, args, ray.available_resources().get("CPU", 0.0), local=False)
+        # ray.init installs its own SIGTERM handler (it aborts the driver, leaving Ray's
+        # processes to die on their own): ours again, for the orderly shutdown below
+        signal.signal(signal.SIGTERM, stop)
         assert plan is not None
         _say(plan.describe(), err=not plan.fits)
         config = dataclasses.replace(config, replica_num_cpus=plan.replica_cpus)

@@ -81,6 +81,7 @@ class CpuPlan:
         line = (
             f"{self.replicas} replicas x {self.replica_cpus:g} CPU ({how}) + "
             f"{_ingress(self)} = {self.total_cpus:g} of {self.available_cpus:g} CPUs"
+            + ("" if self.local else " free")
         )
         if self.fitted and self.replica_cpus < DEFAULT_REPLICA_CPUS:
             line += (

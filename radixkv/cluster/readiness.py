@@ -13,6 +13,7 @@ so the waiting logic is tested without Ray.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,25 @@ TIMEOUT_FLAG = "--ready-timeout"
 
 
 class DeploymentNotReady(RuntimeError):
-    """The application failed to deploy, or was not RUNNING before the deadline."""
+    """The application failed to deploy, or was not RUNNING before the deadline (or the
+    cluster to deploy it on does not answer)."""
+
+
+def check_reachable(address: str, *, timeout_s: float = 10.0) -> None:
+    """Raise DeploymentNotReady unless something accepts connections at a ``host:port``
+    address (a Ray cluster's GCS). ``ray.init`` retries an unreachable address for many
+    minutes, so a mistyped ``--address`` would otherwise look like a hang. Other address forms
+    ("auto", "ray://...") are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or "://" in address:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise DeploymentNotReady(
+            f"no Ray cluster answers at {address} (--address): {e.strerror or e}"
+        ) from e
 
 
 @dataclass(frozen=True, kw_only=True)
