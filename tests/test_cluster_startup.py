@@ -356,3 +356,14 @@ def test_app_state_reads_rays_status_objects() -> None:
         },
     )
     assert app_state(status, "other") is None
+
+
+def test_docs_show_the_lines_serve_ray_prints() -> None:
+    """docs/cluster.md quotes the plan line and the does-not-fit error: they must stay true."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cluster.md").read_text()
+    assert f"radixkv serve-ray: {plan_cpus(replicas=4, available_cpus=2.0).describe()}\n" in doc
+    with pytest.raises(FleetDoesNotFit) as e:
+        plan_cpus(replicas=4, available_cpus=2.0, replica_cpus=1.0)
+    assert f"radixkv serve-ray: error: {e.value}\n" in doc
