@@ -457,6 +457,8 @@ class Engine:
             kv_pages_free=kv.num_free_pages,
             num_running=running,
             num_waiting=len(self._live) - running,
+            locked_pages=kv.num_locked_pages,
+            private_pages=kv.num_private_pages,
             cache=self.cache.stats if kv.tiered else None,
             load_back_seconds=kv.load_back_seconds,
         )

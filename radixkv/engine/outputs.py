@@ -113,6 +113,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_pages_total: int = 0
     kv_pages_used: int = 0  # cached + private
     kv_pages_free: int = 0
+    # of the cached pages, those on the path of a locked node (a running request's or a
+    # session's prefix: not evictable now); pages held privately by running requests (their
+    # uncached tail: partial last pages, prefill chunks not yet published)
+    locked_pages: int = 0
+    private_pages: int = 0
     kv_usage: float = 0.0
     # request gauges and counters
     num_running: int = 0
@@ -211,6 +216,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
         kv_pages_free: int,
         num_running: int,
         num_waiting: int,
+        locked_pages: int = 0,
+        private_pages: int = 0,
         cache: CacheStats | None = None,
         load_back_seconds: float = 0.0,
     ) -> EngineStats:
@@ -239,6 +246,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
             evicted_pages=evicted_pages,
             cached_pages=cached_pages,
             kv_pages_free=kv_pages_free,
+            locked_pages=locked_pages,
+            private_pages=private_pages,
             kv_pages_used=used,
             kv_usage=used / self.kv_pages_total if self.kv_pages_total else 0.0,
             num_running=num_running,
