@@ -55,6 +55,29 @@ def _errors(*statuses: int) -> dict[str, Any]:
     }
 
 
+def sse_event(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream (the schema of each event, as OpenAPI 3.1 reads a
+    ``text/event-stream`` schema): its ``data`` is a ``chunk`` as JSON, or ``[DONE]`` last."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "description": f"A {chunk} as JSON; the last event's data is [DONE]",
+                "anyOf": [
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": _ref(chunk),
+                    },
+                    {"const": "[DONE]"},
+                ],
+            },
+            "event": {"type": "string"},
+        },
+    }
+
+
 def generation_route(request: str, response: str, chunk: str, summary: str) -> dict[str, Any]:
     """``openapi_extra`` of POST /v1/completions or /v1/chat/completions."""
     return {
@@ -68,7 +91,7 @@ def generation_route(request: str, response: str, chunk: str, summary: str) -> d
                 ),
                 "content": {
                     **_json(response),
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    "text/event-stream": {"schema": sse_event(chunk)},
                 },
             },
             **_errors(400, 401, 404, 413, 500, 503),

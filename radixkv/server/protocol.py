@@ -106,7 +106,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
 
 
-PromptType = str | list[str | TokenId | list[TokenId]]
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+PromptType = (
+    NonEmptyStr
+    | Annotated[
+        list[NonEmptyStr | TokenId | Annotated[list[TokenId], msgspec.Meta(min_length=1)]],
+        msgspec.Meta(min_length=1),
+    ]
+)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -173,7 +180,7 @@ class ChatMessage(msgspec.Struct):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None

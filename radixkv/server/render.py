@@ -152,13 +152,21 @@ def cache_headers(sub: Submission, request_id: str) -> dict[str, str]:
     }
 
 
+def _with_sampled(t: TokenLogprob) -> dict[str, float]:
+    """The legacy shape's top_logprobs entry: the top alternatives plus the sampled token (so
+    up to k + 1 entries, as OpenAI and vLLM do), most likely first."""
+    entries = {tok: lp for tok, lp, _ in t.top}
+    entries.setdefault(t.token, t.logprob)
+    return dict(sorted(entries.items(), key=lambda kv: -kv[1]))
+
+
 def completion_logprobs(tokens: list[TokenLogprob] | None) -> P.CompletionLogprobs | None:
     if tokens is None:
         return None
     return P.CompletionLogprobs(
         tokens=[t.token for t in tokens],
         token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[{tok: lp for tok, lp, _ in t.top} for t in tokens],
+        top_logprobs=[_with_sampled(t) for t in tokens],
         text_offset=[t.text_offset for t in tokens],
     )
 

@@ -27,6 +27,10 @@ from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
 log = logging.getLogger("radixkv.server")
 
+# distinct unknown field names logged at most (a client inventing names cannot flood the log
+# or grow the set without bound)
+MAX_WARNED_FIELDS = 64
+
 
 class ServerState:
     """Everything the routes share (``app.state.radixkv``)."""
@@ -87,12 +91,19 @@ class ServerState:
         except P.ProtocolError as e:
             raise bad_request(e.message, e.param) from None
         for name in ignored:
-            if name not in self._warned_fields:
-                self._warned_fields.add(name)
+            if name in self._warned_fields or len(self._warned_fields) > MAX_WARNED_FIELDS:
+                continue
+            self._warned_fields.add(name)
+            if len(self._warned_fields) > MAX_WARNED_FIELDS:
+                log.warning(
+                    "more than %d distinct unknown request fields: no longer logging them",
+                    MAX_WARNED_FIELDS,
+                )
+            else:
                 log.warning(
                     "ignoring unknown request field %r (logged once per field name; "
                     "--strict-api rejects unknown fields)",
-                    name,
+                    name[:80],
                 )
         return req
 
