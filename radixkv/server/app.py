@@ -158,7 +158,7 @@ def build_app(
     @app.get(
         "/metrics",
         openapi_extra=OA.simple_route(
-            "Prometheus metrics", "", *metrics_errors, media=CONTENT_TYPE_LATEST.split(";")[0]
+            "Prometheus metrics", None, *metrics_errors, media=CONTENT_TYPE_LATEST.split(";")[0]
         ),
     )
     async def metrics(request: Request) -> Response:
@@ -178,9 +178,6 @@ def build_app(
         await engine.reset_prefix_cache()
         return Response(_OK, media_type="application/json")
 
-    for route in app.routes:  # FastAPI's own docs routes are not part of the API
-        if getattr(route, "path", None) in ("/openapi.json", "/docs", "/docs/oauth2-redirect"):
-            route.include_in_schema = False  # type: ignore[attr-defined]
     return app
 
 

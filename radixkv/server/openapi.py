@@ -100,11 +100,11 @@ def generation_route(request: str, response: str, chunk: str, summary: str) -> d
 
 
 def simple_route(
-    summary: str, ok: str, *errors: int, media: str = "application/json"
+    summary: str, ok: str | None, *errors: int, media: str = "application/json"
 ) -> dict[str, Any]:
-    """``openapi_extra`` of a route without a body: 200 with ``ok`` (a schema name or, for
-    another media type, plain text) and the given error statuses."""
-    content = _json(ok) if media == "application/json" else {media: {"schema": {"type": "string"}}}
+    """``openapi_extra`` of a route without a body: 200 with the ``ok`` schema (JSON) or, when
+    ``ok`` is None, text of type ``media``, and the given error statuses."""
+    content = _json(ok) if ok is not None else {media: {"schema": {"type": "string"}}}
     return {
         "summary": summary,
         "responses": {"200": {"description": "OK", "content": content}, **_errors(*errors)},
