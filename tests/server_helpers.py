@@ -58,3 +58,20 @@ def assert_clean(st: ServerState) -> None:
     for node in core.cache.iter_nodes():
         assert node.lock_ref == 0 or node.parent is None, f"lock_ref {node.lock_ref} after drain"
     assert core.pool.num_free + core.cache.num_cached_pages == core.pool.num_pages
+
+
+def metric_values(text: str, model_name: str | None = None) -> dict[str, float]:
+    """A Prometheus text page as ``{'name{label="v",...}': value}`` with the ``model_name`` label
+    left out of the key (every sample must carry it, equal to ``model_name`` when given)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            name = labels.pop("model_name", None)
+            assert name is not None, f"{sample.name} has no model_name label"
+            assert model_name is None or name == model_name, (sample, model_name)
+            inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[sample.name + (f"{{{inner}}}" if inner else "")] = sample.value
+    return out

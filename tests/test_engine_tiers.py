@@ -8,6 +8,7 @@ import argparse
 import random
 
 import pytest
+from server_helpers import metric_values
 
 from radixkv.cache.tiers import WRITE_POLICIES, CompletedCopy
 from radixkv.engine.config import EngineConfig, parse_bytes
@@ -201,8 +202,7 @@ def test_serve_flags_and_metrics(tiny: LoadedModel) -> None:
 
     eng = Engine(tiny, page_size=4, num_pages=64, host_cache_memory=HOST_BYTES)
     _run(eng, rounds=2)
-    text = ServerMetrics(eng.stats).render().decode()
+    values = metric_values(ServerMetrics(eng.stats).render().decode())
     for series in ("prefix_cache_host_hits_tokens_total", "host_load_back_pages_total"):
-        line = next(x for x in text.splitlines() if x.startswith(f"{PREFIX}_{series} "))
-        assert float(line.split()[-1]) > 0, line
-    assert f"{PREFIX}_host_kv_pages_total " in text
+        assert values[f"{PREFIX}_{series}"] > 0, series
+    assert f"{PREFIX}_host_kv_pages_total" in values

@@ -33,6 +33,11 @@ from radixkv.pages import pages_for
         ({"stop_token_ids": "ab"}, "stop_token_ids"),
         ({"seed": 1.0}, "seed"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": "x"}, "min_p"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 1.0}, "logprobs"),
     ],
 )
 def test_sampling_params_rejects(kwargs: dict, field: str) -> None:
@@ -80,6 +85,29 @@ def test_sampler_top_k_one_is_greedy_and_top_p_restricts() -> None:
         assert sample(
             peaked, [SamplingParams(temperature=1.0, top_p=0.5)], [make_generator(s)]
         ) == [3]
+
+
+def test_sampler_min_p_keeps_tokens_near_the_top() -> None:
+    # probabilities 0.4, 0.3, 0.2, 0.1 (x4 rows): min_p=0.5 keeps p >= 0.2, i.e. tokens 0-2
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log()[None, :].repeat(4, 1)
+    keep = SamplingParams(temperature=1.0, min_p=0.5)
+    seen = set()
+    for s in range(200):
+        seen.update(sample(logits, [keep] * 4, [make_generator(s * 4 + i) for i in range(4)]))
+    assert seen == {0, 1, 2}
+    # min_p applies after temperature: at 0.25 the probabilities are p^4 / sum, so only token 0
+    # (1.0) and token 1 (0.316) stay above 0.3 * max
+    hot = SamplingParams(temperature=0.25, min_p=0.3)
+    assert {sample(logits[:1], [hot], [make_generator(s)])[0] for s in range(200)} == {0, 1}
+    # min_p=1 keeps only the most likely token; min_p=0 changes nothing
+    assert (
+        sample(logits, [SamplingParams(min_p=1.0)] * 4, [make_generator(i) for i in range(4)])
+        == [0] * 4
+    )
+    gens = lambda: [make_generator(i) for i in range(4)]  # noqa: E731
+    plain = sample(logits, [SamplingParams(top_p=0.9)] * 4, gens())
+    assert sample(logits, [SamplingParams(top_p=0.9, min_p=0.0)] * 4, gens()) == plain
 
 
 def test_sampler_distribution_roughly_matches_softmax() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, assert_clean, live_server
+from server_helpers import MODEL, assert_clean, live_server, metric_values
 
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
@@ -230,7 +230,8 @@ def _err(exc: openai.APIStatusError) -> dict[str, Any]:
         ({"temperature": -1}, None),
         ({"top_p": 0}, None),
         ({"n": 0}, None),
-        ({"extra_body": {"foo": 1}}, "foo"),
+        ({"extra_body": {"logprobs": 99}}, "logprobs"),
+        ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
         ({"extra_body": {"max_tokens": "ten"}}, "max_tokens"),
         ({"prompt": ""}, None),
         ({"prompt": [999999]}, "prompt"),
@@ -274,11 +275,7 @@ def test_metrics_after_traffic(
     client.completions.create(model=MODEL, prompt=_doc(7, 100), max_tokens=2)
     r = httpx.get(server[0].url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    values: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, v = line.rpartition(" ")
-            values[name] = float(v)
+    values = metric_values(r.text, MODEL)
     for name in (
         "radixkv_prefix_cache_queries_tokens_total",
         "radixkv_prefix_cache_hits_tokens_total",

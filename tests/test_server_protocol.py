@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from server_helpers import metric_values
 
 from radixkv.server import protocol as P
 from radixkv.server.auth import ANONYMOUS, Authenticator, load_api_keys
@@ -42,7 +43,6 @@ def test_completion_defaults_and_prompt_shapes() -> None:
     [
         (b"{not json", None),
         (b"[]", None),
-        (_cmpl(foo=1), "foo"),
         (_cmpl(max_tokens="5"), "max_tokens"),
         (_cmpl(max_tokens=0), None),
         (_cmpl(max_tokens=1.5), "max_tokens"),
@@ -62,10 +62,23 @@ def test_completion_defaults_and_prompt_shapes() -> None:
         (_cmpl(prompt=None), "prompt"),
         (_cmpl(stream="yes"), "stream"),
         (_cmpl(stream_options={"include_usage": True}), None),  # without stream
-        (_cmpl(stream=True, stream_options={"bogus": 1}), "stream_options"),
-        (_cmpl(echo=True), None),
-        (_cmpl(logprobs=2), None),
-        (_cmpl(presence_penalty=0.5), None),
+        (
+            _cmpl(stream=True, stream_options={"include_usage": "yes"}),
+            "stream_options.include_usage",
+        ),
+        (_cmpl(echo=True), "echo"),
+        (_cmpl(suffix="x"), "suffix"),
+        (_cmpl(logprobs=P.MAX_LOGPROBS + 1), "logprobs"),
+        (_cmpl(logprobs=-1), "logprobs"),
+        (_cmpl(logprobs=True), "logprobs"),
+        (_cmpl(presence_penalty=0.5), "presence_penalty"),
+        (_cmpl(frequency_penalty=-3), "frequency_penalty"),
+        (_cmpl(response_format={"type": "json_object"}), "response_format"),
+        (_cmpl(response_format={"type": 3}), "response_format.type"),
+        (_cmpl(logit_bias={"5": 10}), "logit_bias"),
+        (_cmpl(best_of=2), "best_of"),
+        (_cmpl(min_p=1.5), "min_p"),
+        (_cmpl(temperature=None, top_p=None, model=None), "model"),
         (_cmpl(seed=2**70), None),
         (_cmpl(seed=-1), None),
         (_cmpl(cache_salt=""), None),
@@ -106,17 +119,86 @@ def test_chat_decoding() -> None:
     [
         _chat(messages=[]),
         _chat(messages=[{"role": "wizard", "content": "x"}]),
-        _chat(messages=[{"role": "user", "content": "x", "extra": 1}]),
         _chat(messages=[{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]),
         _chat(messages="hi"),
         _chat(max_tokens=3, max_completion_tokens=4),
         _chat(max_completion_tokens=0),
-        _chat(prompt="x"),
+        _chat(top_logprobs=2),  # needs logprobs=true
+        _chat(logprobs=True, top_logprobs=P.MAX_LOGPROBS + 1),
+        _chat(logprobs=2),
+        _chat(messages=[{"role": None, "content": "x"}]),
     ],
 )
 def test_chat_rejects(body: bytes) -> None:
     with pytest.raises(P.ProtocolError):
         P.decode_request(body, P.ChatCompletionRequest)
+
+
+def test_nulls_and_neutral_values_are_accepted() -> None:
+    """What real clients send: null for "not given", neutral values of unsupported features."""
+    nulls = {
+        f: None for f in P.ChatCompletionRequest.__struct_fields__ if f not in ("model", "messages")
+    }
+    r = P.decode_request(_chat(**nulls), P.ChatCompletionRequest)
+    assert (r.temperature, r.top_p, r.n, r.stream, r.max_tokens) == (1.0, 1.0, 1, False, None)
+    assert r.engine_logprobs() is None
+    r = P.decode_request(
+        _chat(
+            logprobs=False,
+            top_logprobs=0,
+            response_format={"type": "text"},
+            presence_penalty=0,
+            frequency_penalty=0.0,
+            logit_bias={},
+            min_p=0,
+            messages=[{"role": "user", "content": "hi", "name": None}],
+        ),
+        P.ChatCompletionRequest,
+    )
+    assert r.engine_logprobs() is None and r.min_p == 0.0
+    r = P.decode_request(_chat(logprobs=True, top_logprobs=3), P.ChatCompletionRequest)
+    assert r.engine_logprobs() == 3
+    assert P.decode_request(_chat(logprobs=True), P.ChatCompletionRequest).engine_logprobs() == 0
+    nulls = {f: None for f in P.CompletionRequest.__struct_fields__ if f not in ("model", "prompt")}
+    r = P.decode_request(_cmpl(**nulls), P.CompletionRequest)
+    assert r.max_tokens == 16 and r.engine_logprobs() is None
+    r = P.decode_request(_cmpl(logprobs=0, echo=False, best_of=1, min_p=0.1), P.CompletionRequest)
+    assert r.engine_logprobs() == 0 and r.min_p == 0.1
+
+
+def test_unknown_fields_ignored_or_rejected_when_strict() -> None:
+    body = _chat(
+        foo=1,
+        parallel_tool_calls=False,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": False},
+        messages=[{"role": "assistant", "content": "a", "refusal": None, "tool_calls": []}],
+    )
+    ignored: list[str] = []
+    r = P.decode_request(body, P.ChatCompletionRequest, ignored=ignored)
+    assert r.stream_options is not None and r.stream_options.include_usage
+    assert sorted(ignored) == [
+        "foo",
+        "messages[].refusal",
+        "messages[].tool_calls",
+        "parallel_tool_calls",
+        "stream_options.continuous_usage_stats",
+    ]
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request(body, P.ChatCompletionRequest, strict=True)
+    assert e.value.param in ignored and "unknown field" in e.value.message.lower()
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request(_cmpl(foo=1), P.CompletionRequest, strict=True)
+    assert e.value.param == "foo"
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request(
+            _cmpl(stream=True, stream_options={"bogus": 1}), P.CompletionRequest, strict=True
+        )
+    assert e.value.param == "stream_options.bogus"
+    # strict mode still accepts nulls and neutral values
+    P.decode_request(
+        _cmpl(temperature=None, logprobs=None, echo=False), P.CompletionRequest, strict=True
+    )
 
 
 def test_usage_shape() -> None:
@@ -193,7 +275,7 @@ def test_metrics_registries_are_per_app() -> None:
         num_waiting = 1
         evicted_pages = 4
 
-    m1, m2 = ServerMetrics(lambda: Stats()), ServerMetrics(None)
+    m1, m2 = ServerMetrics(lambda: Stats(), model_name="m-1"), ServerMetrics(None)
     m1.observe_finished(
         finish_reason="stop",
         prompt_tokens=10,
@@ -201,14 +283,26 @@ def test_metrics_registries_are_per_app() -> None:
         completion_tokens=5,
         ttft=0.1,
         latency=0.5,
+        queue_time=0.02,
     )
-    t1, t2 = m1.render().decode(), m2.render().decode()
-    assert 'radixkv_requests_total{finish_reason="stop"} 1.0' in t1
-    assert "radixkv_prefix_cache_hit_rate 0.75" in t1
-    assert "radixkv_prefix_cache_hits_tokens_total 75.0" in t1
-    assert "radixkv_kv_pages_total 10.0" in t1 and "radixkv_num_requests_waiting 1.0" in t1
-    assert "radixkv_time_per_output_token_seconds_count 1.0" in t1
-    assert 'finish_reason="stop"' not in t2 and "hit_rate" not in t2
+    m1.count_client_closed("body")
+    m1.count_http_error(400)
+    v1 = metric_values(m1.render().decode(), "m-1")
+    v2 = metric_values(m2.render().decode(), "radixkv")
+    assert v1['radixkv_requests_total{finish_reason="stop"}'] == 1.0
+    assert v1["radixkv_prefix_cache_hit_rate"] == 0.75
+    assert v1["radixkv_prefix_cache_hits_tokens_total"] == 75.0
+    assert v1["radixkv_kv_pages_total"] == 10.0 and v1["radixkv_num_requests_waiting"] == 1.0
+    assert v1["radixkv_time_per_output_token_seconds_count"] == 1.0
+    assert v1["radixkv_request_queue_time_seconds_count"] == 1.0
+    assert v1["radixkv_request_queue_time_seconds_sum"] == pytest.approx(0.02)
+    assert v1['radixkv_client_closed_requests_total{phase="body"}'] == 1.0
+    assert v1['radixkv_client_closed_requests_total{phase="streaming"}'] == 0.0
+    assert v1['radixkv_http_errors_total{status="400"}'] == 1.0
+    assert 'radixkv_requests_total{finish_reason="stop"}' not in v2
+    assert "radixkv_prefix_cache_hit_rate" not in v2
+    with pytest.raises(ValueError, match="phase"):
+        m1.count_client_closed("elsewhere")
 
     def broken() -> object:
         raise RuntimeError("boom")

@@ -15,7 +15,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, assert_clean, in_loop, live_server, wait_drained
+from server_helpers import (
+    MODEL,
+    assert_clean,
+    in_loop,
+    live_server,
+    metric_values,
+    wait_drained,
+)
 
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
@@ -81,7 +88,7 @@ BAD_BODIES: list[tuple[str, bytes, int]] = [
         400,
     ),
     ("/v1/chat/completions", json.dumps({**GOOD_CHAT, "temperature": "hot"}).encode(), 400),
-    ("/v1/chat/completions", json.dumps({**GOOD_CHAT, "prompt": "x"}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({**GOOD_CHAT, "top_logprobs": 3}).encode(), 400),
     ("/v1/chat/completions", json.dumps({**GOOD_CHAT, "max_tokens": 20000}).encode(), 400),
     ("/v1/chat/completions", json.dumps({**GOOD_CHAT, "model": ""}).encode(), 404),
     ("/v1/completions", json.dumps({**GOOD_CMPL, "prompt": "p" * 40000}).encode(), 413),
@@ -116,8 +123,10 @@ def test_body_limit_without_content_length(http: httpx.Client) -> None:
         ("GET", "/reset_prefix_cache", 405),
         ("POST", "/reset_prefix_cache", 401),
         ("GET", "/nope", 404),
-        ("GET", "/docs", 404),
-        ("GET", "/openapi.json", 404),
+        ("POST", "/openapi.json", 405),
+        ("POST", "/reset_prefix_cache/", 404),  # no redirect echoing the Host header
+        ("POST", "/v1/completions/", 404),
+        ("GET", "/v1/models/", 404),
     ],
 )
 def test_bad_methods_and_paths(http: httpx.Client, method: str, path: str, status: int) -> None:
@@ -133,8 +142,8 @@ def test_good_requests_still_served_after_errors(
     assert http.post("/v1/chat/completions", json=GOOD_CHAT).status_code == 200
     assert http.get("/health").status_code == 200
     assert http.get("/v1/models").status_code == 200
-    metrics = http.get("/metrics").text
-    assert 'radixkv_http_errors_total{status="400"}' in metrics
+    values = metric_values(http.get("/metrics").text, MODEL)
+    assert values['radixkv_http_errors_total{status="400"}'] >= 6
     assert_clean(server[1])
 
 
@@ -181,7 +190,9 @@ def test_queue_full_is_503_and_recovers() -> None:
         live_server(ServerConfig(max_queue=2)) as (srv, st),
         httpx.Client(base_url=srv.url, timeout=30) as c,
     ):
-        _assert_error(c.post("/v1/completions", json={**GOOD_CMPL, "n": 3}), 503)
+        # more sequences than could ever be admitted: a client error (retrying cannot help)
+        err = _assert_error(c.post("/v1/completions", json={**GOOD_CMPL, "n": 3}), 400)
+        assert err["param"] == "n" and "max_queue=2" in err["message"]
         long = {**GOOD_CMPL, "max_tokens": 3000, "ignore_eos": True, "n": 2, "stream": True}
         with c.stream("POST", "/v1/completions", json=long) as r:
             assert r.status_code == 200

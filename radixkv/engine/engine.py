@@ -41,6 +41,7 @@ from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, Deco
 from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
 from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.logprobs import TokenTexts, step_logprobs
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.prefill_cost import attention_cost_ratio
@@ -129,6 +130,7 @@ class Engine:
         self._next_id = 0
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
         self._kv_bytes_per_token = self.kv_pool.bytes_per_page // cfg.page_size
+        self._token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings, memoised
         self._log_startup()
 
     def _log_startup(self) -> None:
@@ -243,6 +245,8 @@ class Engine:
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
         seqs = [batch.seqs[i] for i in rows]
         tokens = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        if any(s.logprobs is not None for s in seqs):
+            self._record_logprobs(logits, rows, seqs, tokens)
         t3 = time.perf_counter()
         self._append_tokens(seqs, tokens)
         outs = self.drain()
@@ -343,6 +347,25 @@ class Engine:
             plain * per_token, read * per_token, cascade=decision is not None
         )
         return decision
+
+    def _record_logprobs(
+        self, logits: torch.Tensor, rows: list[int], seqs: list[Seq], tokens: list[int]
+    ) -> None:
+        """Log probabilities of this step's tokens, for the sequences that asked for them (the
+        others' rows are not touched)."""
+        want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        idx = torch.tensor([rows[i] for i in want], device=logits.device)
+        entries = step_logprobs(
+            logits.index_select(0, idx),
+            [tokens[i] for i in want],
+            [seqs[i].params.logprobs or 0 for i in want],
+            self._token_texts,
+        )
+        for i, entry in zip(want, entries):
+            seq = seqs[i]
+            assert seq.logprobs is not None
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[tokens[i]].logprob
 
     def _append_tokens(self, seqs: list[Seq], tokens: list[int]) -> None:
         """Append one sampled token to each sequence; finish those that hit a stop token, a
@@ -547,6 +570,8 @@ class Engine:
             kv_pages_free=kv.num_free_pages,
             num_running=running,
             num_waiting=len(self._live) - running,
+            locked_pages=kv.num_locked_pages,
+            private_pages=kv.num_private_pages,
             cache=self.cache.stats if kv.tiered else None,
             load_back_seconds=kv.load_back_seconds,
         )

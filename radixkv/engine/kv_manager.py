@@ -197,6 +197,11 @@ class SeqKV:
         return self.cache.num_cached_pages
 
     @property
+    def num_locked_pages(self) -> int:
+        """Cached pages that locks protect from eviction (running requests', pins')."""
+        return self.cache.num_locked_pages
+
+    @property
     def num_evicted_pages(self) -> int:
         """Pages evicted from the cache since it was built."""
         return self.cache.stats.evicted_pages

@@ -25,6 +25,26 @@ class RequestMetrics(msgspec.Struct, kw_only=True):
     latency: float | None = None  # finish_time - arrival_time
 
 
+class Logprob(msgspec.Struct, frozen=True):
+    """One token's log probability at one output position (vLLM's ``Logprob``).
+
+    ``logprob`` is ``log_softmax`` of the step's logits (the model's distribution, before
+    temperature and filtering; may be ``-inf``); ``rank`` is 1 for the most likely token (1 +
+    the number of tokens strictly more likely); ``decoded_token`` is the token decoded on its
+    own, special tokens included (a byte that is part of a multi-byte character decodes to
+    U+FFFD, as in vLLM).
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One dict per output token: token id -> Logprob, the sampled token first, then the requested
+# number of most likely tokens (so k or k + 1 entries), as in vLLM.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
 class CompletionOutput(msgspec.Struct, kw_only=True):
     """One of the ``n`` samples of a request.
 
@@ -32,6 +52,10 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     since the previous output of this request was emitted (what a stream sends). While a stop
     string could still be forming, up to ``max_stop_len - 1`` trailing characters are held
     back from ``delta_text`` and ``text`` (so streamed text never has to be retracted).
+
+    ``logprobs`` (only with ``SamplingParams.logprobs`` set, else None) has one entry per
+    token of ``token_ids`` (cumulative, like ``token_ids``); ``cumulative_logprob`` is the sum
+    of the sampled tokens' log probabilities.
     """
 
     index: int
@@ -41,6 +65,8 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     delta_text: str = ""
     delta_token_ids: list[int] = msgspec.field(default_factory=list)
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -87,6 +113,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_pages_total: int = 0
     kv_pages_used: int = 0  # cached + private
     kv_pages_free: int = 0
+    # of the cached pages, those on the path of a locked node (a running request's or a
+    # session's prefix: not evictable now); pages held privately by running requests (their
+    # uncached tail: partial last pages, prefill chunks not yet published)
+    locked_pages: int = 0
+    private_pages: int = 0
     kv_usage: float = 0.0
     # request gauges and counters
     num_running: int = 0
@@ -185,6 +216,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
         kv_pages_free: int,
         num_running: int,
         num_waiting: int,
+        locked_pages: int = 0,
+        private_pages: int = 0,
         cache: CacheStats | None = None,
         load_back_seconds: float = 0.0,
     ) -> EngineStats:
@@ -213,6 +246,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
             evicted_pages=evicted_pages,
             cached_pages=cached_pages,
             kv_pages_free=kv_pages_free,
+            locked_pages=locked_pages,
+            private_pages=private_pages,
             kv_pages_used=used,
             kv_usage=used / self.kv_pages_total if self.kv_pages_total else 0.0,
             num_running=num_running,

@@ -20,6 +20,9 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); otherwise logits are divided by it.
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep only the k most likely tokens; 0 (or -1) disables it.
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the
+            most likely token's, in [0, 1]; 0 disables it. Applied before top-k and top-p, as
+            vLLM does.
         max_tokens: most tokens to generate (>= 1).
         stop: strings that end the output when they appear; the stop string is not included.
             A single string or a sequence of strings; normalised to a tuple.
@@ -30,6 +33,13 @@ class SamplingParams:
             request uses ``seed + i``). None draws from the engine's seeded generator.
         skip_special_tokens: leave special tokens (chat markers, EOS) out of ``text``, as
             vLLM and SGLang do by default; ``token_ids`` always keeps them.
+        logprobs: None (default) returns no log probabilities and costs nothing. An int k >= 0
+            returns, for every output token, the log probability of the sampled token and of
+            the k most likely tokens at that step (0: the sampled token only), in
+            ``CompletionOutput.logprobs``, as vLLM does. They are the model's own distribution
+            (``log_softmax`` of the step's logits), before temperature, top-k/top-p/min-p
+            filtering: what vLLM returns by default (its ``raw_logprobs``), so they do not
+            depend on how the token was chosen.
 
     Raises:
         ValueError: on any out-of-range value or wrongly typed field (the message names it).
@@ -39,12 +49,14 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -61,6 +73,12 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}"
             )
+        if not isinstance(self.min_p, int | float) or isinstance(self.min_p, bool):
+            raise ValueError(f"min_p must be a number, got {self.min_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
@@ -82,6 +100,7 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
 
     @property
     def greedy(self) -> bool:

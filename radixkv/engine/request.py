@@ -14,7 +14,12 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from radixkv.engine.detokenizer import IncrementalDetokenizer
-from radixkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from radixkv.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from radixkv.engine.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,6 +51,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "cumulative_logprob",
         "detok",
         "finish_reason",
         "generator",
@@ -55,6 +61,7 @@ class Sequence:
         "live_detok",
         "load",
         "locked_node",
+        "logprobs",
         "num_cached_tokens",
         "num_computed",
         "num_prompt_tokens",
@@ -88,6 +95,11 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        # one entry per output token when the params ask for logprobs (engine/logprobs.py)
+        self.logprobs: list[dict[int, Logprob]] | None = (
+            None if group.params.logprobs is None else []
+        )
+        self.cumulative_logprob = 0.0
         self.page_table: list[int] = []
         self.num_shared_pages = 0
         self.locked_node: TreeNode | None = None
@@ -191,6 +203,8 @@ class RequestGroup:
                     delta_text=delta,
                     delta_token_ids=out_ids[prev:],
                     stop_reason=s.stop_reason,
+                    logprobs=None if s.logprobs is None else list(s.logprobs),
+                    cumulative_logprob=None if s.logprobs is None else s.cumulative_logprob,
                 )
             )
         first = outs[0]

@@ -1,4 +1,5 @@
-"""Batched next-token sampling: greedy, temperature, top-k and top-p, with per-sequence seeds.
+"""Batched next-token sampling: greedy, temperature, min-p, top-k and top-p, with per-sequence
+seeds.
 
 The whole batch is filtered and normalised in a few tensor ops; only the uniform draw is per
 sequence (one ``torch.rand`` from each sequence's own ``torch.Generator``), so a seeded request
@@ -7,6 +8,7 @@ samples the same tokens whatever else is in its batch (up to float ties at a CDF
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +53,14 @@ def sample(
     temps = torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev)
     x = logits.index_select(0, idx).float() / temps[:, None]  # [S, V]
     vocab = x.shape[1]
+    if any(p.min_p > 0.0 for p in sp):
+        # p >= min_p * p_max  <=>  logit >= max logit + log(min_p) (softmax shares one normaliser)
+        floor = torch.tensor(
+            [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in sp],
+            dtype=torch.float32,
+            device=dev,
+        )
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor[:, None], float("-inf"))
     need_sort = any(p.top_p < 1.0 or 0 < p.top_k < vocab for p in sp)
     order: torch.Tensor | None = None
     if need_sort:

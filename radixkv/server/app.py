@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, config) -> FastAPI``.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-GET /health, GET /metrics, POST /reset_prefix_cache (admin key).
+GET /health, GET /metrics, POST /reset_prefix_cache (admin key); GET /openapi.json describes them
+(server/openapi.py) and GET /docs renders it. Paths are exact: a trailing slash is 404 (no
+redirect, whose Location would echo the request's Host header).
 
 The app drives an :class:`~radixkv.engine.async_engine.AsyncEngine` it is given; it does not
 own it unless ``owns_engine=True`` (then the app's shutdown shuts the engine down). The same app
@@ -10,9 +12,12 @@ object can be mounted elsewhere (e.g. a Ray Serve ingress): everything it needs 
 and shutdown (ASGI lifespan).
 
 Request contract: a request is authenticated first (401), then its body is read with a size
-limit (413), decoded strictly (400), admitted against ``max_queue`` (503), and only then
-submitted. Whatever happens afterwards (finish, error, client disconnect, server shutdown), its
-engine requests are finished or aborted, so their locks and pages are released.
+limit (413), decoded (400; unknown fields are ignored unless ``config.strict_api``), admitted
+against ``max_queue`` (503), and only then submitted. Whatever happens afterwards (finish,
+error, client disconnect, server shutdown), its engine requests are finished or aborted, so
+their locks and pages are released. A client that disconnects while still sending its body is
+a closed connection: nothing is logged as an error, and it is counted in
+``radixkv_client_closed_requests_total{phase="body"}``.
 """
 
 from __future__ import annotations
@@ -28,27 +33,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixkv import __version__
 from radixkv.engine.async_engine import AsyncEngine
+from radixkv.server import openapi as OA
 from radixkv.server import protocol as P
 from radixkv.server.config import ServerConfig
 from radixkv.server.errors import (
     APIError,
     api_error_handler,
-    bad_request,
     http_exception_handler,
+    unauthorized,
     unhandled_exception_handler,
 )
 from radixkv.server.state import ServerState
-from radixkv.server.transport import read_body
+from radixkv.server.transport import ClientGone, read_body
 
 __all__ = ["ServerState", "build_app"]
 
-
-def _decode(body: bytes, kind: type[P.R]) -> P.R:
-    try:
-        return P.decode_request(body, kind)
-    except P.ProtocolError as e:
-        raise bad_request(e.message, e.param) from None
+_OK = b'{"status":"ok"}'
 
 
 def build_app(
@@ -67,17 +69,45 @@ def build_app(
             await st.shutdown(shutdown_engine=owns_engine)
 
     app = FastAPI(
-        title="radixkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="radixkv",
+        version=__version__,
+        description="OpenAI-compatible API of a radixkv engine (prefix-cached inference).",
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
+        redirect_slashes=False,
     )
     app.state.radixkv = st
     app.add_exception_handler(APIError, _counting(st, api_error_handler))
     app.add_exception_handler(StarletteHTTPException, _counting(st, http_exception_handler))
+    app.add_exception_handler(ClientGone, _client_gone(st))
     app.add_exception_handler(Exception, _counting(st, unhandled_exception_handler))
 
-    @app.post("/v1/completions")
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            app.openapi_schema = OA.complete(doc, strict=config.strict_api)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.post(
+        "/v1/completions",
+        openapi_extra=OA.generation_route(
+            "CompletionRequest", "CompletionResponse", "CompletionResponse", "Text completion"
+        ),
+    )
     async def completions(request: Request) -> Response:
         principal = st.auth.authenticate(request.headers.get("authorization"))
-        req = _decode(await read_body(request, config.max_body_bytes), P.CompletionRequest)
+        req = st.decode(await read_body(request, config.max_body_bytes), P.CompletionRequest)
         st.check_model(req.model)
         assert req.max_tokens is not None  # defaulted in the Struct
         prompts = [st.prompt_ids(p) for p in req.prompts()]
@@ -86,10 +116,18 @@ def build_app(
         params = st.sampling_params(req, req.max_tokens)
         return await st.run(request, principal, req, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=OA.generation_route(
+            "ChatCompletionRequest",
+            "ChatCompletionResponse",
+            "ChatCompletionChunk",
+            "Chat completion (messages rendered with the model's chat template)",
+        ),
+    )
     async def chat_completions(request: Request) -> Response:
         principal = st.auth.authenticate(request.headers.get("authorization"))
-        req = _decode(await read_body(request, config.max_body_bytes), P.ChatCompletionRequest)
+        req = st.decode(await read_body(request, config.max_body_bytes), P.ChatCompletionRequest)
         st.check_model(req.model)
         ids = st.chat_ids(req)
         max_tokens = req.max_tokens
@@ -101,30 +139,44 @@ def build_app(
         params = st.sampling_params(req, max_tokens)
         return await st.run(request, principal, req, [ids], params, chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=OA.simple_route("The served model", "ModelList", 401))
     async def models(request: Request) -> Response:
         st.auth.authenticate(request.headers.get("authorization"))
         body = P.ModelList([P.ModelCard(st.model_name, st.created)])
         return Response(P.encode(body), media_type="application/json")
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=OA.simple_route("Liveness of the engine loop", "Status", 503))
     async def health() -> Response:
         try:
             await asyncio.wait_for(engine.stats(), timeout=10)
         except Exception as e:
             raise APIError(503, f"engine unavailable: {type(e).__name__}: {e}") from None
-        return Response(b'{"status":"ok"}', media_type="application/json")
+        return Response(_OK, media_type="application/json")
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    metrics_errors = (401,) if config.metrics_require_key else ()
+
+    @app.get(
+        "/metrics",
+        openapi_extra=OA.simple_route(
+            "Prometheus metrics", None, *metrics_errors, media=CONTENT_TYPE_LATEST.split(";")[0]
+        ),
+    )
+    async def metrics(request: Request) -> Response:
+        if config.metrics_require_key and not st.auth.is_key(request.headers.get("authorization")):
+            raise unauthorized("/metrics needs an API key or the admin key")
         st.last_stats = await asyncio.wait_for(engine.stats(), timeout=10)
         return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/reset_prefix_cache")
+    @app.post(
+        "/reset_prefix_cache",
+        openapi_extra=OA.simple_route(
+            "Drop every unlocked prefix-cache entry (admin key)", "Status", 401, 403
+        ),
+    )
     async def reset_prefix_cache(request: Request) -> Response:
         st.auth.require_admin(request.headers.get("authorization"))
         await engine.reset_prefix_cache()
-        return Response(b'{"status":"ok"}', media_type="application/json")
+        return Response(_OK, media_type="application/json")
 
     return app
 
@@ -132,7 +184,18 @@ def build_app(
 def _counting(st: ServerState, handler: Callable[[Request, Exception], Awaitable[Response]]) -> Any:
     async def wrapped(request: Request, exc: Exception) -> Response:
         response = await handler(request, exc)
-        st.metrics.http_errors.labels(status=str(response.status_code)).inc()
+        st.metrics.count_http_error(response.status_code)
         return response
 
     return wrapped
+
+
+def _client_gone(st: ServerState) -> Any:
+    """A client that went away while sending its request body: a closed connection. Nobody
+    reads the answer; 499 (nginx's "client closed request") is what access logs show."""
+
+    async def handler(request: Request, exc: Exception) -> Response:
+        st.metrics.count_client_closed("body")
+        return Response(status_code=499)
+
+    return handler

@@ -6,6 +6,11 @@ narrow sharing further inside that tenant: namespace = (tenant, cache_salt), so 
 end up in the same namespace whatever salts they send.
 
 Without configured keys the server is open (one anonymous tenant); ``cache_salt`` still splits it.
+
+Revoking a key needs no restart: with a key file, the Authenticator re-reads it when the file
+changes (checked by ``os.stat`` on each authentication: a syscall, no read) or after
+``request_reload()`` (what ``radixkv serve`` calls on SIGHUP). A file that cannot be read or is
+invalid is logged as an error and the previous keys stay in force until it is fixed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +29,8 @@ from radixkv.server.errors import APIError, unauthorized
 Namespace = tuple[str, ...] | None
 
 ANONYMOUS = ""
+
+log = logging.getLogger("radixkv.server")
 
 
 def _digest(key: str) -> bytes:
@@ -68,26 +76,88 @@ class Principal:
         return (self.tenant, cache_salt)
 
 
+def _file_version(path: Path) -> tuple[int, int, int] | None:
+    """What changes when the file is rewritten or replaced; None if it cannot be stat'ed."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
 class Authenticator:
     """Maps ``Authorization: Bearer KEY`` headers to a Principal.
 
     Keys are compared by SHA-256 digest (dict lookup on the digest leaks nothing useful about
-    the key) and the admin key with ``hmac.compare_digest``.
+    the key) and the admin key with ``hmac.compare_digest``. With ``keys_file`` the keys are
+    that file's (``api_keys``, if also given, are what was read from it) and are reloaded when
+    it changes (see the module doc).
     """
 
-    def __init__(self, api_keys: Mapping[str, str] | None, admin_key: str | None) -> None:
-        self._tenants = (
-            {_digest(k): t for k, t in validate_api_keys(dict(api_keys)).items()}
-            if api_keys
-            else {}
-        )
+    def __init__(
+        self,
+        api_keys: Mapping[str, str] | None,
+        admin_key: str | None,
+        *,
+        keys_file: str | Path | None = None,
+    ) -> None:
+        self._file = Path(keys_file) if keys_file is not None else None
+        self._file_version = _file_version(self._file) if self._file is not None else None
+        self._reload_requested = False
+        if self._file is not None and api_keys is None:
+            api_keys = load_api_keys(self._file)
+        self._tenants = self._digests(api_keys)
         if admin_key is not None and len(admin_key) < 8:
             raise ValueError("admin key must be at least 8 characters")
         self._admin = _digest(admin_key) if admin_key is not None else None
 
+    @staticmethod
+    def _digests(api_keys: Mapping[str, str] | None) -> dict[bytes, str]:
+        if not api_keys:
+            return {}
+        return {_digest(k): t for k, t in validate_api_keys(dict(api_keys)).items()}
+
+    # ------------------------------------------------------------ reloading
+    def request_reload(self) -> None:
+        """Re-read the key file before the next authentication (async-signal-safe: sets a flag)."""
+        self._reload_requested = True
+
+    def reload(self) -> bool:
+        """Re-read the key file now. On success the new keys replace the old ones (a removed
+        key is refused from the next request on) and True is returned; on failure the old keys
+        stay, the error is logged, and False is returned. No-op (False) without a key file."""
+        self._reload_requested = False
+        if self._file is None:
+            return False
+        self._file_version = _file_version(self._file)
+        try:
+            tenants = self._digests(load_api_keys(self._file))
+        except ValueError as e:
+            log.error("API keys not reloaded, the previous keys stay in force: %s", e)
+            return False
+        added = len(tenants.keys() - self._tenants.keys())
+        removed = len(self._tenants.keys() - tenants.keys())
+        self._tenants = tenants
+        log.info("API keys reloaded from %s: %d added, %d removed", self._file, added, removed)
+        return True
+
+    def _refresh(self) -> None:
+        if self._file is None:
+            return
+        if self._reload_requested or _file_version(self._file) != self._file_version:
+            self.reload()
+
     @property
     def enabled(self) -> bool:
-        return bool(self._tenants)
+        return bool(self._tenants) or self._file is not None
+
+    def is_key(self, authorization: str | None) -> bool:
+        """True for any configured key: a tenant's or the admin key."""
+        self._refresh()
+        token = self.bearer(authorization)
+        return token is not None and (
+            _digest(token) in self._tenants or self.is_admin(authorization)
+        )
 
     @staticmethod
     def bearer(authorization: str | None) -> str | None:
@@ -108,6 +178,7 @@ class Authenticator:
         """Principal for a generation request; raises 401 APIError when keys are on and it fails."""
         if not self.enabled:
             return Principal(ANONYMOUS)
+        self._refresh()
         token = self.bearer(authorization)
         if token is None:
             raise unauthorized("Missing API key: send Authorization: Bearer <key>")

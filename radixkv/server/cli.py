@@ -35,7 +35,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="JSON object mapping API key -> tenant name",
+        help="JSON object mapping API key -> tenant name (radixkv serve re-reads it when it "
+        "changes or on SIGHUP)",
     )
     p.add_argument(
         "--api-key",
@@ -74,11 +75,14 @@ def server_config_from_args(
     return ServerConfig(
         model_name=args.served_model_name,
         api_keys=api_keys,
+        api_keys_file=args.api_keys,
         admin_key=args.admin_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         kv_events=kv_events,
         kv_events_replay=kv_events_replay,
+        strict_api=getattr(args, "strict_api", False),
+        metrics_require_key=getattr(args, "metrics_require_key", False),
     )
 
 
@@ -113,6 +117,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="ENDPOINT",
         help="ZMQ ROUTER endpoint for replay",
+    )
+    p.add_argument(
+        "--strict-api",
+        action="store_true",
+        help="reject unknown request fields with 400 (default: ignore them, warning once per "
+        "field name)",
+    )
+    p.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="GET /metrics needs an API key or the admin key",
     )
     p.add_argument(
         "--log-level",
@@ -165,8 +180,23 @@ def cli_entry(args: argparse.Namespace) -> int:
     logs = log_config(args.log_level)
     logging.config.dictConfig(logs)  # now, so loading the model is logged too
     app, _ = build_from_args(args)
+    install_sighup_reload(app)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=logs)
     return 0
+
+
+def install_sighup_reload(app: FastAPI) -> bool:
+    """SIGHUP makes the app re-read its API key file before the next request (key changes are
+    also picked up without it, from the file's mtime). Main thread only; returns whether the
+    handler was installed (not on platforms without SIGHUP, nor off the main thread)."""
+    import signal
+    import threading
+
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return False
+    auth = app.state.radixkv.auth
+    signal.signal(signal.SIGHUP, lambda signum, frame: auth.request_reload())
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

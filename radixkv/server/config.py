@@ -13,6 +13,9 @@ class ServerConfig:
     Attributes:
         model_name: the model id clients must send (and /v1/models lists); None = the engine's.
         api_keys: API key -> tenant name. None or empty: no auth, one anonymous tenant.
+        api_keys_file: the JSON file the keys come from (read here when ``api_keys`` is None);
+            re-read whenever it changes or on SIGHUP, so a revoked key stops working without a
+            restart.
         admin_key: key for admin endpoints (POST /reset_prefix_cache); None disables them.
         max_queue: most sequences (each of a request's ``n`` samples counts) admitted and not yet
             finished; a request that would exceed it gets 503 and nothing is submitted.
@@ -22,10 +25,16 @@ class ServerConfig:
         kv_events: ZMQ endpoint to bind a KV event PUB socket on (e.g. tcp://127.0.0.1:5557).
         kv_events_replay: optional ZMQ endpoint for the replay ROUTER socket.
         kv_events_topic: topic frame of every KV event message.
+        strict_api: reject unknown request fields with 400. Off (default), they are ignored and
+            logged once per field name, as vLLM does, since real clients send fields a server
+            may not know.
+        metrics_require_key: GET /metrics needs a configured key (a tenant's or the admin
+            key); needs keys or an admin key to be configured.
     """
 
     model_name: str | None = None
     api_keys: Mapping[str, str] | None = None
+    api_keys_file: str | None = None
     admin_key: str | None = None
     max_queue: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
@@ -33,6 +42,8 @@ class ServerConfig:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = "kv-events"
+    strict_api: bool = False
+    metrics_require_key: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -45,3 +56,5 @@ class ServerConfig:
             raise ValueError("model_name must be non-empty when given")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("kv_events_replay needs kv_events")
+        if self.metrics_require_key and not (self.api_keys or self.api_keys_file or self.admin_key):
+            raise ValueError("metrics_require_key needs API keys or an admin key to check")

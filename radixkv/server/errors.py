@@ -93,7 +93,11 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
     if status == 404:
-        message = f"Not found: {request.method} {request.url.path}"
+        path = request.url.path
+        message = f"Not found: {request.method} {path}"
+        bare = path.rstrip("/")
+        if bare != path and any(getattr(r, "path", None) == bare for r in request.app.routes):
+            message += f" (paths take no trailing slash: {bare})"
     elif status == 405:
         message = f"Method {request.method} not allowed on {request.url.path}"
     else:

@@ -1,11 +1,17 @@
 """Prometheus metrics for one app, in its own CollectorRegistry (apps and tests never collide).
 
 Two sources:
-- request-level series the server observes itself (TTFT, time per output token, latency, requests
-  by finish reason, prompt/generated/cached token counters, HTTP errors by status);
+- request-level series the server observes itself (TTFT, queue time, time per output token,
+  latency, requests by finish reason, prompt/generated/cached token counters, HTTP errors by
+  status, requests whose client went away);
 - engine/cache series read from ``engine.stats()`` at scrape time by ``EngineStatsCollector``
-  (prefix cache queries and hits in tokens, hit rate, KV pages used/total, evictions,
-  running/waiting requests), so they are never stale and cost nothing between scrapes.
+  (prefix cache queries and hits in tokens, hit rate, KV pages used/total/cached/locked/private,
+  evictions, running/waiting requests, aborts, preemptions), so they are never stale and cost
+  nothing between scrapes.
+
+Every series carries a ``model_name`` label (the served model id), as vLLM's and SGLang's do, so
+dashboards that aggregate several servers can tell models apart. docs/serving.md lists each
+series with its vLLM / SGLang counterpart.
 """
 
 from __future__ import annotations
@@ -25,6 +31,25 @@ PREFIX = "radixkv"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_QUEUE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+# where a client that went away was: sending its body, waiting for a whole answer, or streaming
+CLIENT_CLOSED_PHASES = ("body", "waiting", "streaming")
 
 # metric suffix -> (kind, help, EngineStats field)
 _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
@@ -67,6 +92,16 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
         "gauge",
         "KV pages owned by the prefix cache",
         "cached_pages",
+    ),
+    "kv_pages_locked": (
+        "gauge",
+        "Cached KV pages locked by running requests or sessions (not evictable now)",
+        "locked_pages",
+    ),
+    "kv_pages_private": (
+        "gauge",
+        "KV pages held privately by running requests (not in the prefix cache yet)",
+        "private_pages",
     ),
     "kv_usage_ratio": (
         "gauge",
@@ -113,6 +148,16 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
     "host_kv_usage_ratio": ("gauge", "Fraction of host-tier KV pages in use", "host_usage"),
     "num_requests_running": ("gauge", "Requests running in the engine", "num_running"),
     "num_requests_waiting": ("gauge", "Requests waiting in the engine", "num_waiting"),
+    "num_aborted_requests": (
+        "counter",
+        "Requests aborted before they finished (client gone, cancelled, server shutdown)",
+        "num_aborted",
+    ),
+    "num_preemptions": (
+        "counter",
+        "Sequences preempted to free KV pages (they resume from their cached pages)",
+        "num_preemptions",
+    ),
 }
 
 
@@ -126,8 +171,9 @@ def _lookup(stats: Any, field: str) -> float | None:
 class EngineStatsCollector(Collector):
     """Reads ``stats_fn()`` on every scrape; a series whose attribute the stats lack is skipped."""
 
-    def __init__(self, stats_fn: Callable[[], Any]) -> None:
+    def __init__(self, stats_fn: Callable[[], Any], model_name: str) -> None:
         self._stats_fn = stats_fn
+        self._labels = [model_name]
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -139,58 +185,107 @@ class EngineStatsCollector(Collector):
             value = _lookup(stats, field)
             if value is None:
                 continue
-            if kind == "counter":
-                yield CounterMetricFamily(f"{PREFIX}_{suffix}", doc, value=value)
-            else:
-                yield GaugeMetricFamily(f"{PREFIX}_{suffix}", doc, value=value)
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            metric = family(f"{PREFIX}_{suffix}", doc, labels=["model_name"])
+            metric.add_metric(self._labels, value)
+            yield metric
 
 
 class ServerMetrics:
-    """All metrics of one app. ``stats_fn`` is usually ``engine.stats``."""
+    """All metrics of one app. ``stats_fn`` is usually ``engine.stats``; ``model_name`` is the
+    value of every series' ``model_name`` label."""
 
-    def __init__(self, stats_fn: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, stats_fn: Callable[[], Any] | None = None, *, model_name: str = "radixkv"
+    ) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        m = ["model_name"]
+        self._requests = Counter(
             f"{PREFIX}_requests",
             "Finished requests (per choice) by finish reason",
-            ["finish_reason"],
+            [*m, "finish_reason"],
             registry=r,
         )
-        self.http_errors = Counter(
-            f"{PREFIX}_http_errors", "Error responses by HTTP status", ["status"], registry=r
+        self._http_errors = Counter(
+            f"{PREFIX}_http_errors", "Error responses by HTTP status", [*m, "status"], registry=r
         )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "Prompt tokens processed", registry=r
-        )
-        self.cached_prompt_tokens = Counter(
-            f"{PREFIX}_cached_prompt_tokens",
-            "Prompt tokens served from the prefix cache",
+        self._client_closed = Counter(
+            f"{PREFIX}_client_closed_requests",
+            "Requests whose client disconnected before the answer was complete, by phase "
+            "(body: while sending the request; waiting: before a whole answer; streaming: "
+            "mid-stream). Their engine requests were aborted.",
+            [*m, "phase"],
             registry=r,
         )
-        self.generation_tokens = Counter(
-            f"{PREFIX}_generation_tokens", "Tokens generated", registry=r
+        one = self._labelled
+        self.prompt_tokens = one(
+            Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed", m, registry=r)
         )
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
-            "Time to first token",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+        self.cached_prompt_tokens = one(
+            Counter(
+                f"{PREFIX}_cached_prompt_tokens",
+                "Prompt tokens served from the prefix cache",
+                m,
+                registry=r,
+            )
         )
-        self.tpot = Histogram(
-            f"{PREFIX}_time_per_output_token_seconds",
-            "Mean time per output token after the first, per request",
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+        self.generation_tokens = one(
+            Counter(f"{PREFIX}_generation_tokens", "Tokens generated", m, registry=r)
         )
-        self.latency = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds",
-            "End-to-end request latency",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = one(
+            Histogram(
+                f"{PREFIX}_time_to_first_token_seconds",
+                "Time to first token",
+                m,
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            )
         )
+        self.queue_time = one(
+            Histogram(
+                f"{PREFIX}_request_queue_time_seconds",
+                "Time a request waited in the engine's queue before it was first scheduled",
+                m,
+                buckets=_QUEUE_BUCKETS,
+                registry=r,
+            )
+        )
+        self.tpot = one(
+            Histogram(
+                f"{PREFIX}_time_per_output_token_seconds",
+                "Mean time per output token after the first, per request",
+                m,
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            )
+        )
+        self.latency = one(
+            Histogram(
+                f"{PREFIX}_e2e_request_latency_seconds",
+                "End-to-end request latency",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
+        )
+        for phase in CLIENT_CLOSED_PHASES:  # exported at 0 from the start, so rates work
+            self._client_closed.labels(model_name, phase)
         if stats_fn is not None:
-            r.register(EngineStatsCollector(stats_fn))
+            r.register(EngineStatsCollector(stats_fn, model_name))
+
+    def _labelled(self, metric: Any) -> Any:
+        return metric.labels(self.model_name)
+
+    def count_http_error(self, status: int) -> None:
+        self._http_errors.labels(self.model_name, str(status)).inc()
+
+    def count_client_closed(self, phase: str) -> None:
+        """A client went away during ``phase`` (one of CLIENT_CLOSED_PHASES)."""
+        if phase not in CLIENT_CLOSED_PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        self._client_closed.labels(self.model_name, phase).inc()
 
     def observe_finished(
         self,
@@ -201,15 +296,19 @@ class ServerMetrics:
         completion_tokens: int,
         ttft: float | None,
         latency: float | None,
+        queue_time: float | None = None,
     ) -> None:
         """Record one finished choice (times in seconds; None when unknown or already counted:
-        with ``n > 1`` the prompt's tokens and TTFT are passed for its first sample only)."""
-        self.requests.labels(finish_reason=finish_reason).inc()
+        with ``n > 1`` the prompt's tokens, TTFT and queue time are passed for its first sample
+        only)."""
+        self._requests.labels(self.model_name, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(cached_tokens)
         self.generation_tokens.inc(completion_tokens)
         if ttft is not None:
             self.ttft.observe(max(ttft, 0.0))
+        if queue_time is not None:
+            self.queue_time.observe(max(queue_time, 0.0))
         if latency is not None:
             self.latency.observe(max(latency, 0.0))
             if ttft is not None and completion_tokens > 1:

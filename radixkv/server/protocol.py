@@ -1,26 +1,40 @@
 """OpenAI-compatible request and response shapes (msgspec Structs).
 
-Requests are decoded strictly: unknown fields, wrong JSON types and out-of-range values are
-rejected by ``decode_request`` with a ``ProtocolError`` naming the offending parameter, which the
-app turns into an OpenAI-shaped 400. Range checks live in ``__post_init__`` so a Struct that
-exists is a valid one. Responses are Structs too, encoded with ``msgspec.json``.
+Requests are decoded the way real OpenAI clients send them (``decode_request``):
+
+- ``null`` for an optional field means "not given" (its default), at any depth;
+- neutral values of features the engine does not have are accepted (``"logprobs": false``,
+  ``"response_format": {"type": "text"}``, zero penalties, ``"echo": false``, an empty
+  ``logit_bias``, ``best_of`` equal to ``n``); other values of those are 400 naming the field;
+- unknown fields are dropped and reported to the caller (the app logs one warning per field
+  name), or, with ``strict=True`` (``radixkv serve --strict-api``), rejected with 400;
+- wrong JSON types and out-of-range values are a ``ProtocolError`` naming the parameter, which
+  the app turns into an OpenAI-shaped 400.
+
+Range checks are msgspec ``Meta`` constraints (so the OpenAPI schema, server/openapi.py, states
+them too) plus cross-field checks in ``__post_init__`` whose messages start with the field's
+name; a Struct that exists is a valid one. Responses are Structs too, encoded with
+``msgspec.json``.
 
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
-sharing within the caller's tenant), ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``chat_template_kwargs``.
+sharing within the caller's tenant), ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
+``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob tokens as
+``"token_id:N"``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+import msgspec.inspect as mi
 
 # Bounds that keep one request from monopolising the server; the engine checks the context length.
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1 - MAX_N  # sample i uses seed + i
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs
 
 
 class ProtocolError(ValueError):
@@ -32,92 +46,100 @@ class ProtocolError(ValueError):
         self.param = param
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class ResponseFormat(msgspec.Struct):
+    """Only ``{"type": "text"}`` (the default: plain text) is supported."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
 def _check_sampling(req: _SamplingFields) -> None:
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise ValueError("max_tokens must be >= 1")
-    if not 0.0 <= req.temperature <= 2.0:
-        raise ValueError("temperature must be in [0, 2]")
-    if not 0.0 < req.top_p <= 1.0:
-        raise ValueError("top_p must be in (0, 1]")
-    if req.top_k is not None and req.top_k < -1:
-        raise ValueError("top_k must be -1 (disabled) or >= 0")
-    if not 1 <= req.n <= MAX_N:
-        raise ValueError(f"n must be in [1, {MAX_N}]")
-    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
-        raise ValueError(f"seed must be in [0, {MAX_SEED}]")
-    stops = stop_list(req.stop)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-    if any(s == "" for s in stops):
+    if any(s == "" for s in stop_list(req.stop)):
         raise ValueError("stop strings must be non-empty")
-    if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
-        raise ValueError("stop_token_ids must be non-negative")
-    if req.cache_salt is not None and not 1 <= len(req.cache_salt) <= 256:
-        raise ValueError("cache_salt must be 1..256 characters")
     if req.stream_options is not None and not req.stream:
         raise ValueError("stream_options is only allowed with stream=true")
+    if req.presence_penalty != 0.0:
+        raise ValueError("presence_penalty is not supported (must be 0)")
+    if req.frequency_penalty != 0.0:
+        raise ValueError("frequency_penalty is not supported (must be 0)")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ValueError(
+            f"response_format type {req.response_format.type!r} is not supported "
+            "(only 'text': structured output is not implemented)"
+        )
+    if req.logit_bias:
+        raise ValueError("logit_bias is not supported (must be empty)")
 
 
-class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    n: int = 1
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1 or 0: off
+    min_p: Probability = 0.0
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     ignore_eos: bool = False
     user: str | None = None
-    cache_salt: str | None = None
-    # Accepted only at their neutral values: the engine has no penalties or logprobs.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    def _check_unsupported(self) -> None:
-        if self.presence_penalty != 0.0:
-            raise ValueError("presence_penalty is not supported (must be 0)")
-        if self.frequency_penalty != 0.0:
-            raise ValueError("frequency_penalty is not supported (must be 0)")
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    return_tokens_as_token_ids: bool = False
+    # Accepted only at their neutral values: the engine has no penalties, biases or grammars.
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
 
-PromptType = str | list[str | int | list[int]]
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+PromptType = (
+    NonEmptyStr
+    | Annotated[
+        list[NonEmptyStr | TokenId | Annotated[list[TokenId], msgspec.Meta(min_length=1)]],
+        msgspec.Meta(min_length=1),
+    ]
+)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: PromptType
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None  # top alternatives per token; 0: the sampled one only
     suffix: str | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
             self.max_tokens = 16  # OpenAI's default for /v1/completions
         _check_sampling(self)
-        self._check_unsupported()
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (must equal n)")
         prompts = self.prompts()  # validates the shape
         if not prompts:
             raise ValueError("prompt must not be empty")
         for p in prompts:
             if len(p) == 0:
                 raise ValueError("prompt must not be empty")
-            if isinstance(p, list) and any(t < 0 for t in p):
-                raise ValueError("token ids must be non-negative")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts: each a string or a list of token ids."""
@@ -135,13 +157,17 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             "or a list of token id lists (not a mixture)"
         )
 
+    def engine_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` for this request."""
+        return self.logprobs
 
-class TextContentPart(msgspec.Struct, forbid_unknown_fields=True):
+
+class TextContentPart(msgspec.Struct):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -155,8 +181,10 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
     # Rendered by the chat template (tool schemas the model is shown; the template's switches,
     # e.g. {"enable_thinking": false} for Qwen3, as vLLM and SGLang take them). The reply is
     # plain text: tool calls are not parsed out of it.
@@ -169,9 +197,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                 raise ValueError("max_tokens and max_completion_tokens disagree")
             self.max_tokens = self.max_completion_tokens
         _check_sampling(self)
-        self._check_unsupported()
         if not self.messages:
             raise ValueError("messages must not be empty")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+
+    def engine_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` for this request."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as plain dicts for ``tokenizer.apply_chat_template``."""
@@ -189,27 +222,80 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 _AT_PATH = re.compile(r"- at `\$\.?([^`]*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
+_FIRST_WORD = re.compile(r"[a-z_]+")
 
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
-def decode_request(body: bytes, kind: type[R]) -> R:
-    """Decode and validate a JSON request body; raises ProtocolError (never returns a bad Struct)."""
+def _unwrap(t: mi.Type) -> mi.Type:
+    while isinstance(t, mi.Metadata):
+        t = t.type
+    return t
+
+
+def _prune(value: Any, t: mi.Type, path: str, unknown: list[str]) -> Any:
+    """``value`` (decoded JSON) with unknown keys dropped (their paths appended to ``unknown``)
+    and nulls of optional fields dropped, at every depth the Struct types describe."""
+    t = _unwrap(t)
+    if isinstance(t, mi.UnionType):  # pick the member matching the JSON value's shape
+        for member in map(_unwrap, t.types):
+            if (isinstance(value, dict) and isinstance(member, mi.StructType)) or (
+                isinstance(value, list) and isinstance(member, mi.ListType)
+            ):
+                return _prune(value, member, path, unknown)
+        return value
+    if isinstance(t, mi.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f for f in t.fields}
+        out = {}
+        for key, v in value.items():
+            f = fields.get(key)
+            if f is None:
+                unknown.append(f"{path}{key}")
+            elif v is not None or f.required:
+                out[key] = _prune(v, f.type, f"{path}{key}.", unknown)
+        return out
+    if isinstance(t, mi.ListType) and isinstance(value, list):
+        item_path = path[:-1] + "[]." if path else "[]."
+        return [_prune(v, t.item_type, item_path, unknown) for v in value]
+    return value
+
+
+def decode_request(
+    body: bytes, kind: type[R], *, strict: bool = False, ignored: list[str] | None = None
+) -> R:
+    """Decode and validate a JSON request body; raises ProtocolError (never returns a bad Struct).
+
+    Unknown fields (named like ``foo``, ``stream_options.foo``, ``messages[].foo``) are dropped
+    and appended to ``ignored`` when given, or, with ``strict``, rejected."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"Invalid JSON body: {e}") from None
+    unknown: list[str] = []
+    data = _prune(raw, mi.type_info(kind), "", unknown)
+    if unknown and strict:
+        raise ProtocolError(
+            f"Unknown field `{unknown[0]}` (this server rejects unknown fields: --strict-api)",
+            unknown[0],
+        )
+    if ignored is not None:
+        ignored.extend(unknown)
+    try:
+        return msgspec.convert(data, type=kind)
     except msgspec.ValidationError as e:
         msg = str(e)
         param = None
-        for pattern in (_AT_PATH, _UNKNOWN, _MISSING):
+        for pattern in (_AT_PATH, _MISSING):
             m = pattern.search(msg)
             if m:
                 param = m.group(1) or None
                 break
+        if param is None:  # a __post_init__ check: its message starts with the field's name
+            m = _FIRST_WORD.match(msg)
+            if m and m.group(0) in kind.__struct_fields__:
+                param = m.group(0)
         raise ProtocolError(msg, param) from None
-    except msgspec.DecodeError as e:
-        raise ProtocolError(f"Invalid JSON body: {e}") from None
 
 
 # ---------------------------------------------------------------- responses
@@ -235,11 +321,20 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     )
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -251,6 +346,24 @@ class CompletionResponse(msgspec.Struct):
     object: str = "text_completion"
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatResponseMessage(msgspec.Struct):
     content: str
     role: str = "assistant"
@@ -260,7 +373,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -281,7 +394,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -303,6 +416,10 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+class Status(msgspec.Struct):
+    status: str
 
 
 def encode(obj: Any) -> bytes:

@@ -28,6 +28,10 @@ from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
 log = logging.getLogger("radixkv.server")
 
+# distinct unknown field names logged at most (a client inventing names cannot flood the log
+# or grow the set without bound)
+MAX_WARNED_FIELDS = 64
+
 
 class ServerState:
     """Everything the routes share (``app.state.radixkv``)."""
@@ -35,14 +39,15 @@ class ServerState:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.auth = Authenticator(config.api_keys, config.admin_key)
-        self.last_stats: Any = None
-        self.metrics = ServerMetrics(stats_fn=lambda: self.last_stats)
+        self.auth = Authenticator(config.api_keys, config.admin_key, keys_file=config.api_keys_file)
         core = engine.engine
         self.tokenizer = core.tokenizer
         self.max_context: int = core.max_context
         self.vocab_size: int = core.vocab_size
         self.model_name = config.model_name or str(getattr(core.model, "name", "radixkv"))
+        self.last_stats: Any = None
+        self.metrics = ServerMetrics(stats_fn=lambda: self.last_stats, model_name=self.model_name)
+        self._warned_fields: set[str] = set()  # unknown request fields already logged
         self.created = int(time.time())
         self.in_flight = 0  # sequences admitted and not yet released
         self.publisher: Any = None
@@ -78,6 +83,31 @@ class ServerState:
             await self.engine.shutdown()
 
     # ------------------------------------------------------------ request preparation
+    def decode(self, body: bytes, kind: type[P.R]) -> P.R:
+        """The request, or 400 naming the bad parameter. Unknown fields are 400 with
+        ``strict_api``, else ignored with one warning per field name."""
+        ignored: list[str] = []
+        try:
+            req = P.decode_request(body, kind, strict=self.config.strict_api, ignored=ignored)
+        except P.ProtocolError as e:
+            raise bad_request(e.message, e.param) from None
+        for name in ignored:
+            if name in self._warned_fields or len(self._warned_fields) > MAX_WARNED_FIELDS:
+                continue
+            self._warned_fields.add(name)
+            if len(self._warned_fields) > MAX_WARNED_FIELDS:
+                log.warning(
+                    "more than %d distinct unknown request fields: no longer logging them",
+                    MAX_WARNED_FIELDS,
+                )
+            else:
+                log.warning(
+                    "ignoring unknown request field %r (logged once per field name; "
+                    "--strict-api rejects unknown fields)",
+                    name[:80],
+                )
+        return req
+
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(
@@ -134,7 +164,9 @@ class ServerState:
                 temperature=req.temperature,
                 top_p=req.top_p,
                 top_k=0 if req.top_k is None else req.top_k,
+                min_p=req.min_p,
                 max_tokens=max_tokens,
+                logprobs=req.engine_logprobs(),
                 stop=tuple(P.stop_list(req.stop)),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
@@ -155,6 +187,12 @@ class ServerState:
         chat: bool,
     ) -> Response:
         seqs = len(prompts) * params.n
+        if seqs > self.config.max_queue:  # could never be admitted: retrying will not help
+            raise bad_request(
+                f"This request has {seqs} sequences ({len(prompts)} prompts x n={params.n}), "
+                f"more than the server admits at once (max_queue={self.config.max_queue})",
+                "prompt" if len(prompts) > 1 else "n",
+            )
         if self.in_flight + seqs > self.config.max_queue:
             raise APIError(
                 503,
@@ -177,6 +215,11 @@ class ServerState:
                 await sub.close()
                 self.in_flight -= seqs
 
+        fmt = (
+            None
+            if params.logprobs is None
+            else R.LogprobFormat(params.logprobs, req.return_tokens_as_token_ids)
+        )
         try:
             created = int(time.time())
             if req.stream:
@@ -185,10 +228,13 @@ class ServerState:
                     raise _engine_error(err)
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 body = self._stream(
-                    sub, rid, req.model, created, chat=chat, include_usage=include_usage
+                    sub, rid, req.model, created, chat=chat, include_usage=include_usage, fmt=fmt
                 )
                 response: Response = SSEResponse(
-                    body, headers=R.cache_headers(sub, rid), cleanup=release
+                    body,
+                    headers=R.cache_headers(sub, rid),
+                    cleanup=release,
+                    on_client_gone=lambda: self.metrics.count_client_closed("streaming"),
                 )
                 handed_off = True  # the response owns the submission from here on
                 return response
@@ -198,12 +244,13 @@ class ServerState:
             for i in range(len(sub.prompts)):
                 R.take_deltas(sub, i, self.metrics)
             payload = (R.chat_response if chat else R.completion_response)(
-                sub, rid, req.model, created
+                sub, rid, req.model, created, fmt
             )
             return Response(
                 P.encode(payload), media_type="application/json", headers=R.cache_headers(sub, rid)
             )
         except ClientGone:
+            self.metrics.count_client_closed("waiting")
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         finally:
             if not handed_off:
@@ -218,12 +265,13 @@ class ServerState:
         *,
         chat: bool,
         include_usage: bool,
+        fmt: R.LogprobFormat | None,
     ) -> AsyncIterator[bytes]:
         chunk = R.chat_chunk if chat else R.completion_chunk
         if chat:
             yield R.chat_role_chunk(rid, model, created, sub.params.n)
         for i in range(len(sub.prompts)):
-            deltas = R.take_deltas(sub, i, self.metrics)
+            deltas = R.take_deltas(sub, i, self.metrics, fmt)
             if deltas:
                 yield chunk(rid, model, created, deltas)
         while not sub.finished:
@@ -231,7 +279,7 @@ class ServerState:
             if isinstance(item, BaseException):
                 yield R.sse(_engine_error(item).body_struct())
                 break
-            deltas = R.take_deltas(sub, i, self.metrics)
+            deltas = R.take_deltas(sub, i, self.metrics, fmt)
             if deltas:
                 yield chunk(rid, model, created, deltas)
         if include_usage:

@@ -28,6 +28,8 @@ class ChoiceState:
     sent_chars: int = 0
     finish_reason: str | None = None
     completion_tokens: int = 0
+    sent_logprobs: int = 0  # tokens whose logprobs were sent
+    logprob_chars: int = 0  # characters of those tokens' text (the next token's text_offset)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -19,12 +19,13 @@ log = logging.getLogger("radixkv.server")
 
 
 class ClientGone(Exception):
-    """The client disconnected before its (non-streamed) answer was ready."""
+    """The client disconnected before its answer was ready (or while sending its request)."""
 
 
 class SSEResponse(StreamingResponse):
     """A stream that always notices a client disconnect (even while no token is flowing),
-    always closes its iterator, and always runs ``cleanup`` exactly once."""
+    always closes its iterator, and always runs ``cleanup`` exactly once; ``on_client_gone``
+    runs when the client left before the stream ended."""
 
     media_type = "text/event-stream"
 
@@ -34,17 +35,21 @@ class SSEResponse(StreamingResponse):
         *,
         headers: dict[str, str],
         cleanup: Callable[[], Awaitable[None]],
+        on_client_gone: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(
             content, headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
         )
         self._cleanup = cleanup
+        self._on_client_gone = on_client_gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.create_task(self.stream_response(send))
         listen = asyncio.create_task(self.listen_for_disconnect(receive))
         try:
-            await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
+            if stream not in done and self._on_client_gone is not None:
+                self._on_client_gone()
         finally:
             for t in (stream, listen):
                 t.cancel()
@@ -84,7 +89,8 @@ async def wait_or_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 as soon as it is known to exceed ``limit`` bytes."""
+    """The request body, or 413 as soon as it is known to exceed ``limit`` bytes. A client that
+    disconnects while sending it raises ClientGone (a closed connection, not a server error)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -96,9 +102,12 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise bad_request("Invalid Content-Length header") from None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"Request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"Request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
     return b"".join(chunks)

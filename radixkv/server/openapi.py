@@ -1,0 +1,145 @@
+"""The OpenAPI document of the app (``GET /openapi.json``, rendered by ``GET /docs``).
+
+Routes read their bodies themselves (server/transport.py, strict size limits and msgspec
+decoding), so FastAPI cannot infer their schemas; this module states them from the same msgspec
+Structs the routes decode and encode (``msgspec.json.schema_components``), so the document
+cannot drift from what the server accepts: a field added to a Struct appears here. Two things
+the decoder does that JSON Schema derived from the Structs would not say are added: every
+optional request field also accepts ``null`` (it means "not given"), and unknown fields are
+allowed unless the server runs with ``strict_api``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixkv.server import protocol as P
+from radixkv.server.errors import ErrorResponse
+
+REF = "#/components/schemas/{name}"
+
+_REQUESTS: list[Any] = [P.CompletionRequest, P.ChatCompletionRequest]
+_RESPONSES: list[Any] = [
+    P.CompletionResponse,
+    P.ChatCompletionResponse,
+    P.ChatCompletionChunk,
+    P.ModelList,
+    P.Status,
+    ErrorResponse,
+]
+
+_ERROR_TEXT = {
+    400: "Invalid request: bad JSON, a wrong type or value (param names it), context too long",
+    401: "Missing or invalid API key",
+    403: "Admin endpoints are disabled (no admin key configured)",
+    404: "Unknown model (code model_not_found)",
+    413: "Request body over the size limit",
+    500: "The engine failed while serving the request",
+    503: "Server at capacity (code queue_full, retry-after), or the engine is unavailable",
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(name=name)}
+
+
+def _json(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(name)}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {
+        str(s): {"description": _ERROR_TEXT[s], "content": _json("ErrorResponse")} for s in statuses
+    }
+
+
+def sse_event(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream (the schema of each event, as OpenAPI 3.1 reads a
+    ``text/event-stream`` schema): its ``data`` is a ``chunk`` as JSON, or ``[DONE]`` last."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "description": f"A {chunk} as JSON; the last event's data is [DONE]",
+                "anyOf": [
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": _ref(chunk),
+                    },
+                    {"const": "[DONE]"},
+                ],
+            },
+            "event": {"type": "string"},
+        },
+    }
+
+
+def generation_route(request: str, response: str, chunk: str, summary: str) -> dict[str, Any]:
+    """``openapi_extra`` of POST /v1/completions or /v1/chat/completions."""
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {
+            "200": {
+                "description": (
+                    f"A {response}; with stream=true, server-sent events each carrying a "
+                    f"{chunk} as JSON, then `data: [DONE]`"
+                ),
+                "content": {
+                    **_json(response),
+                    "text/event-stream": {"schema": sse_event(chunk)},
+                },
+            },
+            **_errors(400, 401, 404, 413, 500, 503),
+        },
+    }
+
+
+def simple_route(
+    summary: str, ok: str | None, *errors: int, media: str = "application/json"
+) -> dict[str, Any]:
+    """``openapi_extra`` of a route without a body: 200 with the ``ok`` schema (JSON) or, when
+    ``ok`` is None, text of type ``media``, and the given error statuses."""
+    content = _json(ok) if ok is not None else {media: {"schema": {"type": "string"}}}
+    return {
+        "summary": summary,
+        "responses": {"200": {"description": "OK", "content": content}, **_errors(*errors)},
+    }
+
+
+def _nullable_optionals(schema: dict[str, Any]) -> None:
+    """Let every optional property also be null (the decoder reads null as "not given")."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        options = prop.get("anyOf", [prop])
+        if any(o.get("type") == "null" for o in options):
+            continue
+        inner = {k: v for k, v in prop.items() if k not in ("default", "description", "title")}
+        outer = {k: prop[k] for k in ("default", "description", "title") if k in prop}
+        schema["properties"][name] = {"anyOf": [inner, {"type": "null"}], **outer}
+
+
+def components(*, strict: bool) -> dict[str, Any]:
+    """The schemas of every request and response Struct, adjusted to what the decoder accepts."""
+    _, requests = msgspec.json.schema_components(_REQUESTS, ref_template=REF)
+    _, responses = msgspec.json.schema_components(_RESPONSES, ref_template=REF)
+    for schema in requests.values():
+        if schema.get("type") == "object":
+            _nullable_optionals(schema)
+            if strict:
+                schema["additionalProperties"] = False
+    overlap = requests.keys() & responses.keys()
+    assert not overlap, f"request and response schemas share names: {overlap}"
+    return {**requests, **responses}
+
+
+def complete(doc: dict[str, Any], *, strict: bool) -> dict[str, Any]:
+    """FastAPI's document of the routes, plus the components their ``openapi_extra`` refer to."""
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(components(strict=strict))
+    return doc

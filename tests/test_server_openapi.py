@@ -1,0 +1,203 @@
+"""``/openapi.json`` describes the real endpoints: its paths are the app's routes, its request
+schemas are the Structs the routes decode (and agree with the decoder on what is valid), and a
+schemathesis run against it, positive and negative examples, finds no 5xx and no response that
+contradicts it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import msgspec
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import checks as C
+from server_helpers import MODEL, assert_clean, live_server
+
+from radixkv.server import protocol as P
+from radixkv.server.background import BackgroundServer
+from radixkv.server.config import ServerConfig
+from radixkv.server.state import ServerState
+
+ADMIN = "admin-key-0123"
+ROUTES = {
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+    ("get", "/v1/models"),
+    ("get", "/health"),
+    ("get", "/metrics"),
+    ("post", "/reset_prefix_cache"),
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
+    # default_max_tokens keeps fuzzed chat requests (no max_tokens) short
+    with live_server(ServerConfig(admin_key=ADMIN, default_max_tokens=4)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def doc(server: tuple[BackgroundServer, ServerState]) -> dict[str, Any]:
+    r = httpx.get(server[0].url + "/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    return r.json()
+
+
+def test_paths_are_the_routes(server: tuple[BackgroundServer, ServerState], doc: dict) -> None:
+    documented = {(m, path) for path, ops in doc["paths"].items() for m in ops}
+    assert documented == ROUTES
+    app = server[0].server.config.app
+    served = {
+        (m.lower(), r.path)
+        for r in app.routes
+        if getattr(r, "include_in_schema", False)
+        for m in r.methods
+        if m != "HEAD"
+    }
+    assert served == ROUTES
+    docs = httpx.get(server[0].url + "/docs")
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
+
+
+def _schema(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return doc["components"]["schemas"][name]
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest)],
+)
+def test_request_schemas_are_the_decoded_structs(doc: dict, path: str, kind: type) -> None:
+    body = doc["paths"][path]["post"]["requestBody"]
+    ref = body["content"]["application/json"]["schema"]["$ref"]
+    schema = _schema(doc, ref.rsplit("/", 1)[1])
+    assert set(schema["properties"]) == set(kind.__struct_fields__)
+    required = {f.name for f in msgspec.inspect.type_info(kind).fields if f.required}
+    assert set(schema["required"]) == required
+    for name, prop in schema["properties"].items():  # null is "not given" for optional fields
+        if name not in required:
+            assert {"type": "null"} in prop.get("anyOf", []), name
+    assert "additionalProperties" not in schema  # unknown fields are ignored (not strict)
+    ok = doc["paths"][path]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "500", "503"} <= set(ok)
+
+
+def _validator(doc: dict[str, Any], name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+    )
+
+
+CMPL = {"model": "m", "prompt": "hi"}
+BODIES: list[tuple[dict[str, Any], bool]] = [
+    (CMPL, True),
+    ({**CMPL, "temperature": None, "logprobs": 3, "stop": ["x"], "unknown": 1}, True),
+    ({**CMPL, "prompt": [[1, 2], [3]], "n": 2, "min_p": 0.5, "response_format": None}, True),
+    ({**CMPL, "temperature": 2.5}, False),
+    ({**CMPL, "n": 0}, False),
+    ({**CMPL, "prompt": ""}, False),
+    ({**CMPL, "prompt": []}, False),
+    ({**CMPL, "prompt": [-1]}, False),
+    ({**CMPL, "logprobs": 21}, False),
+    ({**CMPL, "seed": -1}, False),
+    ({**CMPL, "stream_options": {"include_usage": "yes"}}, False),
+    ({"prompt": "x"}, False),
+]
+
+
+@pytest.mark.parametrize(("body", "valid"), BODIES)
+def test_schema_and_decoder_agree(doc: dict, body: dict[str, Any], valid: bool) -> None:
+    """Where the schema can say it (types, ranges, required fields), it says what the decoder
+    does. (Cross-field rules, e.g. stream_options without stream, are the decoder's alone.)"""
+    assert _validator(doc, "CompletionRequest").is_valid(body) == valid
+    raw = json.dumps(body).encode()
+    if valid:
+        P.decode_request(raw, P.CompletionRequest)
+    else:
+        with pytest.raises(P.ProtocolError):
+            P.decode_request(raw, P.CompletionRequest)
+
+
+def test_strict_and_metrics_key_documented() -> None:
+    keys = {"key-alice-000": "alice"}
+    config = ServerConfig(strict_api=True, api_keys=keys, metrics_require_key=True)
+    with live_server(config) as (srv, _):
+        doc = httpx.get(srv.url + "/openapi.json").json()
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions"):
+        assert _schema(doc, name)["additionalProperties"] is False, name
+    assert "401" in doc["paths"]["/metrics"]["get"]["responses"]
+
+
+# ------------------------------------------------------------------ schemathesis
+
+MAX_EXAMPLES = 80  # per operation and generation mode: about 350 cases, ~20 s on 2 cores
+CHECKS = [
+    C.not_a_server_error,
+    C.status_code_conformance,
+    C.content_type_conformance,
+    C.response_schema_conformance,
+]
+
+
+def _bounded(case: Any) -> None:
+    """Keep fuzzed requests cheap: a few tokens each, and mostly for the served model (a random
+    model name only ever reaches the 404 path)."""
+    body = case.body
+    if isinstance(body, dict):
+        if isinstance(body.get("model"), str) and len(body["model"]) % 4:
+            body["model"] = MODEL
+        for k in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(k), int) and body[k] > 4:
+                body[k] = 4
+
+
+def _fuzz(
+    op: Any,
+    mode: schemathesis.GenerationMode,
+    url: str,
+    headers: dict[str, str] | None,
+    statuses: dict[tuple[str, int], int],
+) -> None:
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=op.as_strategy(mode))
+    def run(case: Any) -> None:
+        _bounded(case)
+        response = case.call(base_url=url, headers=headers, timeout=60)
+        key = (op.label, response.status_code)
+        statuses[key] = statuses.get(key, 0) + 1
+        case.validate_response(response, checks=CHECKS)
+
+    run()
+
+
+def test_schemathesis_finds_no_server_error(server: tuple[BackgroundServer, ServerState]) -> None:
+    srv, st = server
+    schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
+    statuses: dict[tuple[str, int], int] = {}
+    t0 = time.monotonic()
+    for result in schema.get_all_operations():
+        op = result.ok()
+        headers = {"Authorization": f"Bearer {ADMIN}"} if "reset" in op.label else None
+        _fuzz(op, schemathesis.GenerationMode.POSITIVE, srv.url, headers, statuses)
+        if op.body:  # the routes without a body have nothing to make invalid
+            _fuzz(op, schemathesis.GenerationMode.NEGATIVE, srv.url, headers, statuses)
+    elapsed = time.monotonic() - t0
+    cases = sum(statuses.values())
+    print(f"schemathesis: {cases} cases in {elapsed:.1f} s: {sorted(statuses.items())}")
+    assert not any(status >= 500 for _, status in statuses)
+    for label in ("POST /v1/completions", "POST /v1/chat/completions"):
+        assert statuses.get((label, 200), 0) > 0, label  # fuzzing reached the engine
+        assert statuses.get((label, 400), 0) > 0, label  # and its validation
+    assert cases >= 100
+    assert_clean(st)
