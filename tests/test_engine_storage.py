@@ -320,7 +320,7 @@ def test_config_cli_and_metrics(tiny: LoadedModel, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_storage"):
         Engine(tiny, kv_storage="s3://bucket", page_size=4, num_pages=64)
     with pytest.raises(ValueError, match="prefix cache"):
-        EngineConfig(kv_storage="file:///x", enable_prefix_cache=False)
+        Engine(tiny, kv_storage=f"file://{tmp_path}", enable_prefix_cache=False, num_pages=64)
     with pytest.raises(ValueError, match="kv_storage_timeout"):
         EngineConfig(kv_storage_timeout=0)
     with pytest.raises(ValueError, match="kv_storage_write_policy"):

@@ -199,11 +199,10 @@ class EngineConfig:
             _pos_int("host_cache_memory", self.host_cache_memory)
         _one_of("write_policy", self.write_policy, WRITE_POLICIES)
         _pos_int("write_through_threshold", self.write_through_threshold)
-        if self.kv_storage is not None:
-            if not isinstance(self.kv_storage, str) or not self.kv_storage.strip():
-                raise ValueError(f"kv_storage must be a storage URL, got {self.kv_storage!r}")
-            if not self.enable_prefix_cache:
-                raise ValueError("kv_storage needs the prefix cache (enable_prefix_cache=True)")
+        if self.kv_storage is not None and (
+            not isinstance(self.kv_storage, str) or not self.kv_storage.strip()
+        ):
+            raise ValueError(f"kv_storage must be a storage URL, got {self.kv_storage!r}")
         _one_of("kv_storage_write_policy", self.kv_storage_write_policy, WRITE_POLICIES)
         _pos_int("kv_storage_prefetch_threshold", self.kv_storage_prefetch_threshold)
         t = self.kv_storage_timeout

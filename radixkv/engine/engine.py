@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from radixkv.cache import PagePool, RadixCache
-from radixkv.cache.storage import kv_format_id, open_storage
+from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
@@ -88,8 +88,9 @@ class Engine:
         self.tokenizer: Tokenizer = self.model.tokenizer
         self.kv_pool = _kv_pool(self.model, cfg)
         self.pool = PagePool(self.kv_pool.num_pages)
+        backend = _storage_backend(cfg)  # checked before any thread starts
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
-        self.storage = _storage_tier(self.model, self.kv_pool, self.host_kv_pool, cfg)
+        self.storage = _storage_tier(self.model, self.kv_pool, self.host_kv_pool, cfg, backend)
         self.cache = RadixCache(
             self.pool,
             page_size=cfg.page_size,
@@ -527,18 +528,31 @@ def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopi
 _DEFAULT_STORAGE_HOST_BYTES = 4 << 30  # host tier with storage and no host_cache_memory: at most
 
 
-def _storage_tier(
-    lm: LoadedModel, kv: KVPool, host: HostKVPool | None, cfg: EngineConfig
-) -> StorageTier | None:
-    """The storage tier when ``kv_storage`` is set (ValueError naming the field on a bad URL;
+def _storage_backend(cfg: EngineConfig) -> StorageBackend | None:
+    """The storage backend ``kv_storage`` names (ValueError naming the field on a bad URL;
     nothing is connected yet: a store that is down is a runtime fault, not a config error)."""
     if cfg.kv_storage is None:
         return None
-    assert host is not None  # _host_tier gives storage a host tier
+    if not cfg.enable_prefix_cache:
+        raise ValueError("kv_storage needs the prefix cache (enable_prefix_cache=True)")
     try:
-        backend = open_storage(cfg.kv_storage, timeout=float(cfg.kv_storage_timeout))
+        return open_storage(cfg.kv_storage, timeout=float(cfg.kv_storage_timeout))
     except ValueError as e:
         raise ValueError(f"kv_storage: {e}") from None
+
+
+def _storage_tier(
+    lm: LoadedModel,
+    kv: KVPool,
+    host: HostKVPool | None,
+    cfg: EngineConfig,
+    backend: StorageBackend | None,
+) -> StorageTier | None:
+    """The storage tier over ``backend`` (None: no storage tier), keyed by this model's KV
+    format."""
+    if backend is None:
+        return None
+    assert host is not None  # _host_tier gives storage a host tier
     fmt = kv_format_id(
         model_fingerprint(lm.model, lm.config),
         str(kv.dtype),
