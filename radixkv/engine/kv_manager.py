@@ -255,6 +255,7 @@ class SeqKV:
         n = len(job.payloads)
         if not n:
             return 0
+        t = time.perf_counter()
         cache, ps = self.cache, self.page_size
         tokens = array("q")
         tokens.frombytes(job.key_bytes[: (job.start + n) * ps * 8])
@@ -285,7 +286,7 @@ class SeqKV:
                 cache.unlock(pin)
         end = (job.start + n) * ps
         job.landed_tokens = (end - added * ps, end)
-        self.storage.record_landed(job, added)
+        self.storage.record_landed(added, time.perf_counter() - t)
         return added
 
     # ------------------------------------------------------------------ cache-wide
@@ -317,7 +318,8 @@ class SeqKV:
     def check_invariants(self, running: Iterable[Sequence], *, idle: bool) -> None:
         """Raise AssertionError unless: the cache's invariants hold; free + cached + private ==
         total pages; each running sequence's shared pages are exactly its locked node's path;
-        no page is held twice. ``idle`` (nothing queued or running): unless a pin is held,
+        no page is held twice; no host page is held (storage landings give theirs to the trie
+        or back). ``idle`` (nothing queued or running): unless a pin is held,
         every lock count is zero (once the host tier's copies in flight are retired) and no
         private page remains."""
         cache, pool = self.cache, self.cache.pool
@@ -347,6 +349,8 @@ class SeqKV:
             private_total += len(private)
         assert private_total == self.num_private_pages, "private page count out of sync"
         assert len(seen) + pool.num_free == pool.num_pages, "a page is held twice"
+        if self.tiered:  # host pages are held only inside a call (a backup, a landing)
+            assert cache.host_pool.num_held == 0, "host pages held outside a call"
         if idle and not self.num_pins:
             assert self.num_private_pages == 0, "private pages remain after drain"
             # a host-tier copy in flight holds its own lock until poll() retires it

@@ -127,12 +127,14 @@ class EngineStats(msgspec.Struct, kw_only=True):
     host_pages_used: int = 0
     host_usage: float = 0.0
     # storage tier (all 0 without one): prefetch lookups and the pages they put in the host
-    # tier, reader seconds, lookups cut short by the timeout; pages written, writes dropped
+    # tier, reader seconds and seconds putting them in the host tier, lookups cut short by the
+    # timeout; pages written, writes dropped
     # (queue full or storage unavailable); failed backend calls, corrupt objects found (and
     # deleted); whether storage is usable now (1) or in an outage's back-off (0)
     storage_prefetch_jobs: int = 0
     storage_prefetch_pages: int = 0
     storage_prefetch_seconds: float = 0.0
+    storage_land_seconds: float = 0.0
     storage_prefetch_timeouts: int = 0
     storage_write_pages: int = 0
     storage_dropped_write_pages: int = 0
@@ -230,6 +232,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
                 storage_prefetch_jobs=storage.prefetch_jobs,
                 storage_prefetch_pages=storage.prefetch_pages,
                 storage_prefetch_seconds=storage.prefetch_seconds,
+                storage_land_seconds=storage.land_seconds,
                 storage_prefetch_timeouts=storage.prefetch_timeouts,
                 storage_write_pages=storage.write_pages,
                 storage_dropped_write_pages=storage.dropped_write_pages,

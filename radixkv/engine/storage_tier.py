@@ -61,6 +61,7 @@ class StorageStats(msgspec.Struct, kw_only=True):
     prefetch_found_pages: int = 0  # pages found intact in storage
     prefetch_pages: int = 0  # of those, pages put in the host tier (landed)
     prefetch_seconds: float = 0.0  # reader time spent on jobs (issue to done)
+    land_seconds: float = 0.0  # engine time putting found pages in the host tier
     prefetch_timeouts: int = 0  # jobs cut short by their deadline (or not started in time)
     write_pages: int = 0  # pages written to storage
     write_skipped_pages: int = 0  # not written: known to be stored already
@@ -215,9 +216,10 @@ class StorageTier:
         """Copy the first ``len(host_pages)`` pages ``job`` found into ``host_pages``."""
         self.host_kv.write_pages(host_pages, job.payloads[: len(host_pages)])
 
-    def record_landed(self, job: PrefetchJob, pages: int) -> None:
+    def record_landed(self, pages: int, seconds: float) -> None:
         with self._lock:
             self._stats.prefetch_pages += pages
+            self._stats.land_seconds += seconds
 
     # ------------------------------------------------------------------ writes (engine thread)
     def observe(self, run: HostRun) -> None:
