@@ -308,6 +308,7 @@ def storage_main(args: argparse.Namespace) -> None:
             "routing": "round robin",
         },
         "machine": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "targets": STORAGE_TARGETS,
         "restart": restart,
         "miss_lookup": lookups,

@@ -116,10 +116,12 @@ class EngineConfig:
             choices=WRITE_POLICIES,
         ),
     )
-    # 32 tokens (2 pages at the default page size): below that a lookup's round trip and the
-    # request's wait cost more than the prefill they save (bench/bench_tiers.py --storage)
+    # 16 tokens (a page at the default page size): a missed lookup costs 47 us (directory) or
+    # 94 us (Valkey on loopback), less than recomputing 2 tokens of radixkv-tiny on a CPU, so
+    # every whole page is worth a lookup there; raise it to (miss round trip / prefill cost per
+    # token) when prefill is cheap or the store far (bench/bench_tiers.py --storage, tuning.md)
     kv_storage_prefetch_threshold: int = field(
-        default=32,
+        default=16,
         metadata=_cli("fewest tokens a storage lookup must be able to find to be started"),
     )
     # 1 s: a healthy store answers a long prefix in milliseconds; a request never waits longer
