@@ -198,11 +198,15 @@ class Engine:
         t0 = time.perf_counter()
         self.seq_kv.poll()  # retire finished host-tier copies, land storage prefetches
         batch = self.scheduler.schedule()
+        # host-tier loads started at admission must land before the forward reads them
+        failed = self.seq_kv.finish_loads(batch.seqs)
+        if failed:  # a failed copy is a miss: those sequences go back to the queue
+            self.scheduler.unschedule_failed_loads(batch, failed)
         self._record_schedule(batch)
         if not batch.seqs:
             # requests waiting for their storage prefetch: wait a little for it (nothing else
             # to run), else the queue's head cannot be admitted at all
-            if not self.seq_kv.wait_prefetch():
+            if not failed and not self.seq_kv.wait_prefetch():
                 self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()
