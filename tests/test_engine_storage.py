@@ -86,6 +86,7 @@ _PREVIOUS = textwrap.dedent(
     from radixkv.engine.engine import Engine
     with Engine("radixkv-tiny", kv_storage={url!r}, **OPTS) as eng:
         eng.generate(prompts(0), GREEDY, use_tqdm=False)
+        eng.flush_storage()
         print(eng.stats().storage_write_pages)
     """
 )
