@@ -39,7 +39,14 @@ from radixkv.cache import (
     page_hashes,
 )
 from radixkv.cache.hashing import chain_start
-from radixkv.cache.tiers import HOST_LEAVING, HOST_MEDIUM, HOST_STORED, WRITE_POLICIES, HostRun
+from radixkv.cache.tiers import (
+    HOST_HIT,
+    HOST_LEAVING,
+    HOST_MEDIUM,
+    HOST_STORED,
+    WRITE_POLICIES,
+    HostRun,
+)
 
 # Trunks over a tiny alphabet so sequences share prefixes and diverge at every offset.
 TRUNKS = [
@@ -326,7 +333,7 @@ class TieredCacheMachine(SharedRules):
         self.loads: list[tuple[Any, list[int], Any]] = []  # (namespace, tokens, LoadBack)
         self.held: list[int] = []
         self.cache.add_listener(self.on_event)
-        self.observed = {HOST_STORED: 0, HOST_LEAVING: 0}
+        self.observed = {HOST_STORED: 0, HOST_LEAVING: 0, HOST_HIT: 0}
         self.cache.set_host_observer(self.on_host_run)
 
     # ------------------------------------------------------------------ model helpers
