@@ -116,8 +116,8 @@ class EngineConfig:
             choices=WRITE_POLICIES,
         ),
     )
-    # 16 tokens (a page at the default page size): a missed lookup costs 47 us (directory) or
-    # 94 us (Valkey on loopback), less than recomputing 2 tokens of radixkv-tiny on a CPU, so
+    # 16 tokens (a page at the default page size): a missed lookup costs 63 us (directory) or
+    # 133 us (Valkey on loopback), less than recomputing a token of radixkv-tiny on a CPU, so
     # every whole page is worth a lookup there; raise it to (miss round trip / prefill cost per
     # token) when prefill is cheap or the store far (bench/bench_tiers.py --storage, tuning.md)
     kv_storage_prefetch_threshold: int = field(
