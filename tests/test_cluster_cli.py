@@ -70,6 +70,8 @@ def _non_default_engine_argv() -> tuple[list[str], EngineConfig]:
             value = (f.default or 0) + (1 << 20)
         elif (meta["type"] or type(f.default)) is int:
             value = (f.default or 0) + 3
+        elif (meta["type"] or type(f.default)) is float:
+            value = f.default + 0.5
         else:
             value = "cpu" if f.name == "device" else "x"
         argv += ["--" + f.name.replace("_", "-"), str(value)]

@@ -41,15 +41,19 @@ _pack2 = struct.Struct("<QQ").pack
 default_hash_fn: HashFn = xxhash.xxh3_64_intdigest
 
 
+def namespace_bytes(namespace: Any) -> bytes:
+    """A namespace as stable bytes (str, bytes, int, or anything with a stable repr); the
+    input of ``namespace_hash`` and of the storage tier's prefix digests."""
+    if isinstance(namespace, bytes):
+        return b"b:" + namespace
+    if isinstance(namespace, str):
+        return b"s:" + namespace.encode("utf-8")
+    return b"r:" + repr(namespace).encode("utf-8")
+
+
 def namespace_hash(namespace: Any) -> int:
     """Stable 64-bit hash of a namespace (str, bytes, int, or anything with a stable repr)."""
-    if isinstance(namespace, bytes):
-        data = b"b:" + namespace
-    elif isinstance(namespace, str):
-        data = b"s:" + namespace.encode("utf-8")
-    else:
-        data = b"r:" + repr(namespace).encode("utf-8")
-    return _xxh3(data, DYNAMO_SEED)
+    return _xxh3(namespace_bytes(namespace), DYNAMO_SEED)
 
 
 def local_hashes_of_key(key: bytes, page_size: int) -> list[int]:

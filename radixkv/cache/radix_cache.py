@@ -33,12 +33,17 @@ from radixkv.cache.pretty import render_dot, render_text
 from radixkv.cache.stats import CacheStats
 from radixkv.cache.tiers import (
     BACKUP,
+    HOST_HIT,
+    HOST_LEAVING,
     HOST_MEDIUM,
+    HOST_STORED,
     LOAD,
     WRITE_BACK,
     WRITE_THROUGH,
     WRITE_THROUGH_SELECTIVE,
     Copier,
+    HostObserver,
+    HostRun,
     InFlight,
     LoadBack,
     TierState,
@@ -311,6 +316,7 @@ class RadixCache:
             backup_skipped_pages=self._tier.backup_skipped,
             demoted_pages=self._tier.demoted_pages,
             host_evicted_pages=self._tier.host_evicted_pages,
+            host_inserted_pages=self._tier.host_inserted_pages,
             host_cached_pages=self._tier.host_cached,
             host_evictable_pages=self._tier.host_evictable,
             host_free_pages=self._host.num_free if self._host is not None else 0,
@@ -988,7 +994,150 @@ class RadixCache:
             self.poll()
         return self._evict_host(num_pages)
 
+    def alloc_host(self, n: int) -> list[int]:
+        """``n`` HELD host pages, host-evicting unlocked nodes (policy order) if short.
+
+        For data that enters the host tier from elsewhere (storage): fill the pages, then hand
+        them to ``insert_host`` (or free them with ``host_pool.free``). Raises OutOfPages, with
+        nothing evicted, if free + evictable host pages < n; ValueError without a host tier.
+        """
+        if type(n) is not int or n < 0:
+            raise ValueError(f"alloc_host needs a non-negative int, got {n!r}")
+        if self._host is None:
+            raise ValueError("this RadixCache has no host tier (no host_pool)")
+        if self._copies:
+            self.poll()
+        pages = self._alloc_host(n)
+        if pages is None:
+            host = self._host
+            raise OutOfPages(n, host.num_free + self._tier.host_evictable, "free or evictable host")
+        return pages
+
+    def insert_host(self, tokens: Any, host_pages: Any, namespace: Any = None) -> int:
+        """Cache the last ``len(host_pages)`` pages of ``tokens`` in the host tier only; takes
+        ownership of ``host_pages`` (HELD, from ``alloc_host``, already holding the KV).
+
+        ``tokens`` is the whole sequence up to the last page (whole pages). The pages before
+        the passed ones must be cached now, in either tier; the passed pages continue them as
+        one new host-only leaf (one BlockStored with medium "CPU"), and ``match_prefix`` then
+        reports them as a host continuation, loaded back like any other. Passed pages whose
+        tokens are cached already are duplicates and go back to the host pool; if the prefix
+        before them is not cached (evicted meanwhile) none can be attached and all go back.
+        Returns the number of pages that joined. Checks everything before the first change
+        (TypeError/ValueError, the cache unchanged); ValueError without a host tier. The host
+        observer is not called: these pages came from its side.
+        """
+        host = self._host
+        if host is None:
+            raise ValueError("this RadixCache has no host tier (no host_pool)")
+        if self._copies:
+            self.poll()
+        qb = encode_tokens(tokens)
+        try:
+            if type(host_pages) is not list:
+                host_pages = list(host_pages)
+            pb = self._pb
+            total = len(qb) // pb
+            if len(qb) % pb or len(host_pages) > total:
+                check_range(qb)
+                raise ValueError(
+                    f"insert_host needs whole pages of tokens covering the {len(host_pages)} "
+                    f"host pages: got {len(qb) >> TOKEN_SHIFT} tokens with page_size "
+                    f"{self.page_size}"
+                )
+            if namespace is not None:
+                hash(namespace)
+            check_range(qb)
+            pages = host.check_held(host_pages)  # raises: nothing changed yet
+            first = total - len(pages)  # index of the first passed page
+            start = self.root if namespace is None else self._ns_roots.get(namespace)
+            path: list[TreeNode] = []
+            partial = None
+            off = 0
+            if start is not None and total:
+                path, off, partial = self._walk(start, qb, len(qb))
+            matched = off // pb + (partial[1] if partial is not None else 0)
+            if matched < first or matched >= total or not pages:
+                host.release_held(pages)  # the prefix is gone, or everything is cached
+                return 0
+            self._settle_walk(path, partial)
+            # ---- mutation starts
+            dups, new = pages[: matched - first], pages[matched - first :]
+            if dups:
+                host.release_held(dups)
+            self._clock += 1
+            if partial is not None:
+                path.append(self._split(*partial))
+            parent = path[-1] if path else (start or self._make_ns_root(namespace))
+            leaf = self._new_node(
+                parent,
+                bytes(qb[matched * pb :]),
+                [],
+                namespace,
+                parent.depth_tokens + (len(new) * self.page_size),
+            )
+            self._attach(parent, leaf)
+            self._num_nodes += 1
+            self._set_host(leaf, new)
+            self._tier.host_inserted_pages += len(new)
+            self._reindex(leaf)
+            self._reindex(parent)
+            if self._listeners:
+                self._emit_stored(leaf, HOST_MEDIUM)
+            return len(new)
+        finally:
+            if type(qb) is memoryview:
+                _release(qb)
+
+    def set_host_observer(self, observer: HostObserver | None) -> None:
+        """Call ``observer(HostRun)`` for each node whose host copy becomes valid or is about
+        to be freed (see tiers.HostObserver); None stops. ValueError without a host tier."""
+        if self._host is None:
+            raise ValueError("this RadixCache has no host tier (no host_pool)")
+        if observer is not None and not callable(observer):
+            raise TypeError(f"a host observer must be callable, got {observer!r}")
+        self._tier.observer = observer
+
+    def host_runs(self) -> list[HostRun]:
+        """Every node whose host copy is valid (no copy in flight on it), as a HOST_STORED
+        HostRun, top-down: what a storage tier writes out at shutdown under write_back."""
+        if self._host is None:
+            return []
+        out: list[HostRun] = []
+        stack: list[tuple[TreeNode, bytes]] = [(self.root, b"")]
+        while stack:
+            node, above = stack.pop()
+            for c in node.iter_children():
+                prefix = above + c.key
+                if c._host_pages is not None and not c._inflight:
+                    out.append(
+                        HostRun(HOST_STORED, c.namespace, prefix, list(c._host_pages), c.hit_count)
+                    )
+                stack.append((c, prefix))
+        return out
+
     # ---- the tiers' internals: nothing below validates; callers hold the preconditions
+    def _path_key(self, node: TreeNode) -> bytes:
+        """Tokens from the start of the sequence through ``node`` (key encoding)."""
+        parts: list[bytes] = []
+        while node is not None and node.key:
+            parts.append(node.key)
+            node = node.parent
+        return b"".join(reversed(parts))
+
+    def _observe(self, event: str, n: TreeNode, prefix: bytes | None = None) -> None:
+        """Tell the host observer about ``n`` (which has host pages); callers test that one is
+        set (``self._tier.observer``) first."""
+        self._tier.observer(
+            HostRun(
+                event,
+                n.namespace,
+                self._path_key(n) if prefix is None else prefix,
+                list(n._host_pages),
+                n.hit_count,
+            )
+        )
+
     def _prefix_result(self, node: TreeNode) -> LoadBack:
         """A LoadBack that loads nothing: the device-resident prefix ending at ``node``."""
         if not node.key:
@@ -1023,6 +1172,11 @@ class RadixCache:
             else:
                 hpages += n._host_pages
             self._reindex(n)  # re-keys the node where it is a candidate
+        if self._tier.observer is not None:
+            thr = self._tier.threshold
+            for n in path:
+                if n.hit_count == thr and n._host_pages is not None and not n._inflight:
+                    self._observe(HOST_HIT, n)
         if self._tier.write_policy == WRITE_THROUGH_SELECTIVE:
             thr = self._tier.threshold
             hot = [
@@ -1138,6 +1292,8 @@ class RadixCache:
         self._set_host(v, hp)
         self._tier.backup_pages += k
         self._tier.write_back_pages += k
+        if self._tier.observer is not None:
+            self._observe(HOST_STORED, v)
         if self._listeners:
             self._emit_stored(v, HOST_MEDIUM)
 
@@ -1171,6 +1327,10 @@ class RadixCache:
         else:
             self._tier.backup_pages += c.pages
         self.unlock(c.pin)
+        if ok and not load and self._tier.observer is not None:
+            for n in c.nodes:
+                if n.parent is not None and n._host_pages is not None:
+                    self._observe(HOST_STORED, n)
         if ok and self._listeners:
             for n in c.nodes:
                 self._emit_stored(n, None if load else HOST_MEDIUM)
@@ -1258,6 +1418,8 @@ class RadixCache:
                 k = need
             if node._pages:  # device+host: only the host copy goes
                 hashes = self._node_hashes(node) if self._listeners else None
+                if self._tier.observer is not None:
+                    self._observe(HOST_LEAVING, node)
                 hindex.discard(node)
                 self._clear_host(node)
                 self._tier.host_evicted_pages += k
@@ -1277,6 +1439,14 @@ class RadixCache:
         for n in sub:  # grows while iterating
             sub.extend(n.iter_children())
         hashes = {n.node_id: self._node_hashes(n) for n in sub} if self._listeners else None
+        if self._tier.observer is not None:  # while the links the prefixes follow are there
+            above = self._path_key(v.parent)
+            prefixes = {v.node_id: above + v.key}
+            for n in sub[1:]:
+                prefixes[n.node_id] = prefixes[n.parent.node_id] + n.key
+            for n in sub:
+                if n._host_pages is not None:
+                    self._observe(HOST_LEAVING, n, prefixes[n.node_id])
         parent = v.parent
         self._detach(parent, v)
         parent._ndev -= bool(v._pages)

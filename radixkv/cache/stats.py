@@ -33,6 +33,7 @@ class CacheStats(msgspec.Struct, frozen=True, kw_only=True):
     backup_skipped_pages: int = 0  # pages a policy wanted backed up but the host tier had no room
     demoted_pages: int = 0  # device pages evicted while a host copy kept the node
     host_evicted_pages: int = 0  # host pages freed by host eviction or dropped subtrees
+    host_inserted_pages: int = 0  # host pages that joined through insert_host (from storage)
     # gauges
     cached_pages: int = 0
     evictable_pages: int = 0

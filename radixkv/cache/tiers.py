@@ -10,7 +10,8 @@ implementation over radixkv's KVPool and HostKVPool.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from radixkv.cache.page_pool import PagePool
 
@@ -18,7 +19,10 @@ if TYPE_CHECKING:
     from radixkv.cache.node import TreeNode
 
 __all__ = [
+    "HOST_HIT",
+    "HOST_LEAVING",
     "HOST_MEDIUM",
+    "HOST_STORED",
     "WRITE_BACK",
     "WRITE_POLICIES",
     "WRITE_THROUGH",
@@ -26,6 +30,8 @@ __all__ = [
     "CompletedCopy",
     "Copier",
     "CopyHandle",
+    "HostObserver",
+    "HostRun",
     "LoadBack",
     "TierState",
     "check_tier_args",
@@ -39,6 +45,38 @@ WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
 HOST_MEDIUM = "CPU"
 """``medium`` of the KV events about the host tier (vLLM names its CPU offload tier "CPU").
 Events about the device pool keep ``medium=None``, as they always had."""
+
+
+HOST_STORED = "stored"  # a node's pages became valid in the host tier (a backup completed)
+HOST_LEAVING = "leaving"  # a node's host pages are about to be freed (host eviction, a drop)
+HOST_HIT = "hit"  # matches through a host-resident node reached write_through_threshold
+
+
+class HostRun(NamedTuple):
+    """What a host observer (``RadixCache.set_host_observer``) is told about one node.
+
+    ``host_pages`` hold the last ``len(host_pages)`` pages of ``prefix``, the node's tokens
+    with everything above it (the cache's key encoding: native int64 bytes, from the first
+    token of the sequence), under ``namespace``. Their data is valid during the call only:
+    after a HOST_LEAVING call the pages are freed and soon overwritten, so an observer that
+    keeps the data copies it before returning. It must not call the cache.
+    """
+
+    event: str  # HOST_STORED, HOST_LEAVING or HOST_HIT
+    namespace: Any
+    prefix: bytes
+    host_pages: list[int]
+    hit_count: int  # matches through the node so far (for selective write policies)
+
+
+HostObserver = Callable[[HostRun], None]
+"""Called by the cache, in the thread that calls it, for each node whose host copy became valid
+(HOST_STORED: a backup retired, a write_back) or is about to go (HOST_LEAVING: host eviction,
+a node dropped with its subtree), and once for a node with a valid host copy when a match
+through it brings its hit count to ``write_through_threshold`` (HOST_HIT). Not called by
+``reset`` (a reset drops), nor for pages put in the host tier by ``insert_host`` (they came
+from the observer's side). The storage tier
+(radixkv/engine/storage_tier.py) is one: it writes host pages to storage."""
 
 
 @runtime_checkable
@@ -211,8 +249,10 @@ class TierState:
         "host_evictable",
         "host_evicted_pages",
         "host_hit_tokens",
+        "host_inserted_pages",
         "load_failures",
         "loaded_pages",
+        "observer",
         "threshold",
         "write_back_pages",
         "write_policy",
@@ -231,6 +271,8 @@ class TierState:
         self.host_hit_tokens = self.loaded_pages = self.load_failures = 0
         self.backup_pages = self.write_back_pages = self.backup_failures = 0
         self.backup_skipped = self.demoted_pages = self.host_evicted_pages = 0
+        self.host_inserted_pages = 0  # host pages given by insert_host (e.g. from storage)
+        self.observer: HostObserver | None = None
 
 
 def check_tier_args(

@@ -47,6 +47,7 @@ class AsyncEngine:
         **engine_kwargs: Any,
     ) -> None:
         self.engine = engine if engine is not None else Engine(model, **engine_kwargs)
+        self._owns_engine = engine is None  # shutdown closes an engine it built
         self.max_queued = max_queued
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._commands: list[Callable[[], None]] = []
@@ -140,6 +141,8 @@ class AsyncEngine:
                 await self._task
             self._task = None
         self._executor.shutdown(wait=True)
+        if self._owns_engine:  # finish storage writes, stop the tiers' threads
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     # ------------------------------------------------------------------ the loop
     def _ensure_loop(self) -> None:

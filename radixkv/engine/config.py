@@ -20,6 +20,7 @@ from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH
 from radixkv.engine.cascade_planner import CASCADE_MODES
 from radixkv.engine.prefill_cost import PREFILL_BUDGETS
 from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
+from radixkv.units import parse_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -63,30 +64,6 @@ def canonical_options(options: dict[str, Any]) -> dict[str, Any]:
                 raise TypeError(f"{alias} is another name for {name}: pass one of them, not both")
             out[name] = out.pop(alias)
     return out
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count from the command line: ``4000000000``, ``4GB`` (10**9), ``4GiB`` (2**30),
-    ``512MiB``, ``1.5GB``; raises ValueError (argparse reports it as a bad flag value)."""
-    t = text.strip().upper().replace("_", "")
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num) :].strip()
-    try:
-        if unit not in _UNITS:
-            raise ValueError(unit)
-        value = float(num) * _UNITS[unit]
-    except ValueError:
-        raise ValueError(f"not a byte count: {text!r} (e.g. 4000000000, 4GB, 512MiB)") from None
-    if value != int(value):
-        raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(value)
-
-
-parse_bytes.__name__ = "byte count"  # argparse names the type in its error message
 
 
 def _pos_int(name: str, v: object) -> None:
@@ -166,6 +143,46 @@ class EngineConfig:
     write_through_threshold: int = field(
         default=1,
         metadata=_cli("hits before write_through_selective backs a prefix up to the host tier"),
+    )
+    # off by default: a storage tier is for prefixes that must outlive the process or be shared
+    # by a fleet (docs/cache_design.md "Storage tier", docs/tuning.md "Storage tier")
+    kv_storage: str | None = field(
+        default=None,
+        metadata=_cli(
+            "KV storage tier URL: file:///path (a directory; ?quota=50GB) or "
+            "redis://host:port/db (Redis or Valkey; ?ttl=SECONDS). Prefixes survive restarts "
+            "and are shared by every engine using it; needs a host tier (default: one as large "
+            "as the KV pool, at most 4 GiB)",
+            type=str,
+        ),
+    )
+    kv_storage_write_policy: str = field(
+        default=WRITE_THROUGH,
+        metadata=_cli(
+            "when host-tier pages are written to storage: once in the host tier, once hit "
+            "--write-through-threshold times, or when evicted from the host tier (and at close)",
+            choices=WRITE_POLICIES,
+        ),
+    )
+    # 16 tokens (a page at the default page size): a missed lookup costs 63 us (directory) or
+    # 133 us (Valkey on loopback), less than recomputing a token of radixkv-tiny on a CPU, so
+    # every whole page is worth a lookup there; raise it to (miss round trip / prefill cost per
+    # token) when prefill is cheap or the store far (bench/bench_tiers.py --storage, tuning.md)
+    kv_storage_prefetch_threshold: int = field(
+        default=16,
+        metadata=_cli("fewest tokens a storage lookup must be able to find to be started"),
+    )
+    # 1 s: a healthy store answers a long prefix in milliseconds; a request never waits longer
+    kv_storage_timeout: float = field(
+        default=1.0,
+        metadata=_cli(
+            "seconds a request waits for its storage prefetch (and a Redis call may take) "
+            "before it proceeds as a miss"
+        ),
+    )
+    kv_storage_write_queue: int = field(
+        default=4096,
+        metadata=_cli("pages waiting to be written to storage before writes are dropped"),
     )
     max_running_requests: int = field(default=256, metadata=_cli("most sequences running at once"))
     # 8192 / 2048: a step computes at most 2048 prefill tokens, so running streams stall at most
@@ -266,6 +283,16 @@ class EngineConfig:
             _pos_int("host_cache_memory", self.host_cache_memory)
         _one_of("write_policy", self.write_policy, WRITE_POLICIES)
         _pos_int("write_through_threshold", self.write_through_threshold)
+        if self.kv_storage is not None and (
+            not isinstance(self.kv_storage, str) or not self.kv_storage.strip()
+        ):
+            raise ValueError(f"kv_storage must be a storage URL, got {self.kv_storage!r}")
+        _one_of("kv_storage_write_policy", self.kv_storage_write_policy, WRITE_POLICIES)
+        _pos_int("kv_storage_prefetch_threshold", self.kv_storage_prefetch_threshold)
+        t = self.kv_storage_timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 600:
+            raise ValueError(f"kv_storage_timeout must be seconds in (0, 600], got {t!r}")
+        _pos_int("kv_storage_write_queue", self.kv_storage_write_queue)
         _pos_int("max_running_requests", self.max_running_requests)
         _pos_int("max_prefill_tokens", self.max_prefill_tokens)
         if self.chunked_prefill_size not in (None, 0, -1):  # -1: SGLang's "off"

@@ -37,6 +37,7 @@ import torch
 
 from radixkv.attention.registry import BackendChoice, choose_backend
 from radixkv.cache import PagePool, RadixCache
+from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
 from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
@@ -50,9 +51,11 @@ from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import sample
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.session import Session
+from radixkv.engine.storage_tier import StorageTier
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.kv_pool import KVPool
+from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
 from radixkv.model.tokenizer import Tokenizer, encode_chat
@@ -99,7 +102,9 @@ class Engine:
         self.max_context: int = _max_context(mc.max_position_embeddings, cfg.max_model_len)
         self.kv_pool = _kv_pool(self.model, cfg, self.max_context)
         self.pool = PagePool(self.kv_pool.num_pages)
+        backend = _storage_backend(cfg)  # checked before any thread starts
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
+        self.storage = _storage_tier(self.model, self.kv_pool, self.host_kv_pool, cfg, backend)
         self.cache = RadixCache(
             self.pool,
             page_size=cfg.page_size,
@@ -115,7 +120,14 @@ class Engine:
         self.vocab_size: int = mc.vocab_size
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         # the only engine code that calls the cache (kv_manager.py)
-        self.seq_kv = SeqKV(self.cache, enable_prefix_cache=cfg.enable_prefix_cache)
+        self.seq_kv = SeqKV(
+            self.cache,
+            enable_prefix_cache=cfg.enable_prefix_cache,
+            storage=self.storage,
+            prefetch_threshold=cfg.kv_storage_prefetch_threshold,
+        )
+        if self.storage is not None:  # host pages reach storage as the cache reports them
+            self.cache.set_host_observer(self.storage.observe)
         self.scheduler = Scheduler(cfg, self.seq_kv, attention_ratio=attention_cost_ratio(mc))
         self.cascade_planner = CascadePlanner(cfg.page_size, mode=cfg.cascade)
         self._intake = RequestIntake(
@@ -131,6 +143,7 @@ class Engine:
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
         self._kv_bytes_per_token = self.kv_pool.bytes_per_page // cfg.page_size
         self._token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings, memoised
+        self._closed = False
         self._log_startup()
 
     def _log_startup(self) -> None:
@@ -195,6 +208,7 @@ class Engine:
             raise ValueError(f"request_id {rid!r} is already in use")
         self._live[rid] = request
         self._stats.record_request()
+        self.seq_kv.start_prefetch(request)  # storage tier: look the prompt up meanwhile
         for seq in request.seqs:
             self.scheduler.add(seq)
         return rid
@@ -228,7 +242,7 @@ class Engine:
         If the forward raises, the batch's requests end with "error", their final outputs wait
         for :meth:`drain` (or the next step) and the exception propagates."""
         t0 = time.perf_counter()
-        self.seq_kv.poll()  # retire finished host-tier copies (no-op without a host tier)
+        self.seq_kv.poll()  # retire finished host-tier copies, land storage prefetches
         batch = self.scheduler.schedule()
         # host-tier loads started at admission must land before the forward reads them
         failed = self.seq_kv.finish_loads(batch.seqs)
@@ -236,7 +250,9 @@ class Engine:
             self.scheduler.unschedule_failed_loads(batch, failed)
         self._record_schedule(batch)
         if not batch.seqs:
-            if not failed:
+            # requests waiting for their storage prefetch: wait a little for it (nothing else
+            # to run), else the queue's head cannot be admitted at all
+            if not failed and not self.seq_kv.wait_prefetch():
                 self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()
@@ -315,6 +331,7 @@ class Engine:
             query_tokens=batch.num_query_tokens,
             hit_tokens=batch.num_hit_tokens,
             host_hit_tokens=batch.num_host_hit_tokens,
+            storage_hit_tokens=batch.num_storage_hit_tokens,
         )
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -574,6 +591,7 @@ class Engine:
             private_pages=kv.num_private_pages,
             cache=self.cache.stats if kv.tiered else None,
             load_back_seconds=kv.load_back_seconds,
+            storage=None if self.storage is None else self.storage.stats(),
         )
 
     def check_invariants(self) -> None:
@@ -585,8 +603,40 @@ class Engine:
         self.seq_kv.check_invariants(self.scheduler.running, idle=not self._live)
 
     def reset_prefix_cache(self) -> None:
-        """Drop every unlocked cache entry (running requests keep theirs)."""
+        """Drop every unlocked cache entry (running requests keep theirs). Storage keeps its
+        pages: they are keyed by content, model and namespace, so they stay valid."""
         self.seq_kv.reset_cache()
+
+    def flush_storage(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the pages queued for the storage tier are written (True), or ``timeout``
+        seconds passed (False); True at once without a storage tier."""
+        if self.storage is None:
+            return True
+        self.cache.wait_all()  # backups in flight report their pages when retired
+        return self.storage.flush(timeout)
+
+    def close(self) -> None:
+        """Stop the background threads: finish the storage writes queued (under the
+        ``write_back`` storage policy, first queue every page held only in the host tier, which
+        would be lost otherwise), then stop the storage and host-tier threads. Idempotent; the
+        engine must not be stepped afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.storage is not None:
+            self.cache.wait_all()
+            if self.storage.write_policy == "write_back":
+                self.storage.write_all(self.cache.host_runs())
+            self.storage.close()
+        if self.copier is not None:
+            self.cache.wait_all()
+            self.copier.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
@@ -625,13 +675,65 @@ def _max_context(model_max: int, max_model_len: int | None) -> int:
 def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopier | None]:
     """The host KV tier's buffers and copier when ``host_cache_memory`` is set (ValueError
     naming the field when the budget holds not even one page)."""
-    if cfg.host_cache_memory is None:
-        return None, None
+    budget = cfg.host_cache_memory
+    if budget is None:
+        if cfg.kv_storage is None:
+            return None, None
+        # storage lands pages in host memory: a host tier as large as the device pool, capped
+        budget = min(kv.bytes_per_page * kv.num_pages, _DEFAULT_STORAGE_HOST_BYTES)
     try:
-        host = HostKVPool.from_memory_budget(cfg.host_cache_memory, kv)
+        host = HostKVPool.from_memory_budget(budget, kv)
     except ValueError as e:
         raise ValueError(f"host_cache_memory is too small for the host KV tier: {e}") from None
     return host, KVCopier(kv, host)
+
+
+_DEFAULT_STORAGE_HOST_BYTES = 4 << 30  # host tier with storage and no host_cache_memory: at most
+
+
+def _storage_backend(cfg: EngineConfig) -> StorageBackend | None:
+    """The storage backend ``kv_storage`` names (ValueError naming the field on a bad URL;
+    nothing is connected yet: a store that is down is a runtime fault, not a config error)."""
+    if cfg.kv_storage is None:
+        return None
+    if not cfg.enable_prefix_cache:
+        raise ValueError("kv_storage needs the prefix cache (enable_prefix_cache=True)")
+    try:
+        return open_storage(cfg.kv_storage, timeout=float(cfg.kv_storage_timeout))
+    except ValueError as e:
+        raise ValueError(f"kv_storage: {e}") from None
+
+
+def _storage_tier(
+    lm: LoadedModel,
+    kv: KVPool,
+    host: HostKVPool | None,
+    cfg: EngineConfig,
+    backend: StorageBackend | None,
+) -> StorageTier | None:
+    """The storage tier over ``backend`` (None: no storage tier), keyed by this model's KV
+    format."""
+    if backend is None:
+        return None
+    assert host is not None  # _host_tier gives storage a host tier
+    fmt = kv_format_id(
+        model_fingerprint(lm.model, lm.config),
+        str(kv.dtype),
+        kv.page_size,
+        kv.num_layers,
+        kv.num_kv_heads,
+        kv.head_dim,
+    )
+    return StorageTier(
+        backend,
+        host,
+        format_id=fmt,
+        page_size=kv.page_size,
+        write_policy=cfg.kv_storage_write_policy,
+        write_threshold=cfg.write_through_threshold,
+        timeout=float(cfg.kv_storage_timeout),
+        write_queue_pages=cfg.kv_storage_write_queue,
+    )
 
 
 def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool:

@@ -6,17 +6,29 @@
 to the trie by ``insert``). With the prefix cache disabled nothing is matched or inserted:
 every page is private and is freed when the sequence is released. Sessions' pins (locks that
 keep a state's pages cached between requests, session.py) are taken and counted here too.
+
+With a storage tier (storage_tier.py), a queued request's prefix past its device + host hit is
+looked up in storage in the background (``start_prefetch``), and what was found is put in the
+host tier at the start of a step (``land_prefetches``), so that admission loads it back like
+any host hit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from array import array
 from collections.abc import Iterable
 
-from radixkv.cache import RadixCache, TreeNode
-from radixkv.engine.request import Namespace, Sequence
+from radixkv.cache import OutOfPages, RadixCache, TreeNode
+from radixkv.engine.request import Namespace, RequestGroup, Sequence
+from radixkv.engine.storage_tier import PrefetchJob, StorageTier
 from radixkv.pages import pages_for
+
+log = logging.getLogger("radixkv.storage")
+
+_IDLE_WAIT_S = 0.05  # longest an idle step waits for a prefetch before returning
 
 
 class SeqKV:
@@ -25,7 +37,14 @@ class SeqKV:
     Every method leaves the cache's invariants intact; on ``OutOfPages`` nothing is changed.
     """
 
-    def __init__(self, cache: RadixCache, *, enable_prefix_cache: bool) -> None:
+    def __init__(
+        self,
+        cache: RadixCache,
+        *,
+        enable_prefix_cache: bool,
+        storage: StorageTier | None = None,
+        prefetch_threshold: int = 0,
+    ) -> None:
         self.cache = cache
         self.page_size: int = cache.page_size
         self.enabled = enable_prefix_cache
@@ -35,6 +54,12 @@ class SeqKV:
         # host tier: tokens the last acquire() loaded back, and cumulative load-back wait time
         self.last_loaded_tokens = 0
         self.load_back_seconds = 0.0
+        # storage tier: prefetches not landed yet; of the last acquire's loaded tokens, how
+        # many a prefetch had brought from storage
+        self.storage = storage
+        self.prefetch_threshold = prefetch_threshold
+        self._jobs: list[PrefetchJob] = []
+        self.last_storage_tokens = 0
 
     # ------------------------------------------------------------------ lookups
     def peek_match_len(self, seq: Sequence) -> int:
@@ -61,7 +86,7 @@ class SeqKV:
         it. ``last_loaded_tokens`` says how many of the tokens hit are being loaded. A sequence
         whose earlier load failed (``skip_host``) hits its device prefix only."""
         assert not seq.page_table and seq.locked_node is None, seq
-        self.last_loaded_tokens = 0
+        self.last_loaded_tokens = self.last_storage_tokens = 0
         if not self.enabled or len(seq.token_ids) <= 1:
             seq.num_computed = 0
             return 0
@@ -77,6 +102,7 @@ class SeqKV:
                 self.last_loaded_tokens = lb.num_loaded_tokens
             self.load_back_seconds += time.perf_counter() - t
         cache.lock(node)
+        self.last_storage_tokens = self.storage_hit_tokens(seq, hit, self.last_loaded_tokens)
         seq.locked_node = node
         seq.page_table = list(pages)
         seq.num_shared_pages = len(pages)
@@ -182,11 +208,118 @@ class SeqKV:
         self.cache.unlock(node)
         self.num_pins -= 1
 
+    # ------------------------------------------------------------------ storage prefetch
+    def start_prefetch(self, group: RequestGroup) -> None:
+        """Look the request's prompt up in storage past its device + host hit, in the
+        background, when at least ``prefetch_threshold`` tokens could be found there (the
+        request then waits for it, up to the storage timeout, before admission)."""
+        storage = self.storage
+        if storage is None or not self.enabled:
+            return
+        ids = group.seqs[0].token_ids
+        total = (len(ids) - 1) // self.page_size  # whole pages of what acquire() may match
+        if total <= 0:
+            return
+        hit = self.cache.peek_prefix(ids[: len(ids) - 1], namespace=group.namespace, host=True)
+        start = hit // self.page_size
+        if (total - start) * self.page_size < max(1, self.prefetch_threshold):
+            return
+        job = storage.prefetch(
+            group.namespace, ids[: total * self.page_size].tobytes(), start, total
+        )
+        group.prefetch = job
+        self._jobs.append(job)
+
+    def storage_hit_tokens(self, seq: Sequence, hit: int, loaded: int) -> int:
+        """Of ``hit`` tokens, ``loaded`` of them from the host tier, those its storage prefetch
+        had put there (pages since promoted by another request count as device hits)."""
+        job = seq.group.prefetch
+        if job is None or not job.landed or not loaded:
+            return 0
+        a, b = job.landed_tokens
+        return max(0, min(min(hit, b) - a, loaded))
+
+    def prefetch_pending(self, seq: Sequence) -> bool:
+        """Whether the sequence should wait for its storage prefetch before admission."""
+        job = seq.group.prefetch
+        return job is not None and job.holds_back(time.monotonic())
+
+    def land_prefetches(self) -> int:
+        """Put the pages of finished prefetches in the host tier; returns how many landed."""
+        if not self._jobs:
+            return 0
+        landed = 0
+        keep: list[PrefetchJob] = []
+        for job in self._jobs:
+            if not job.done:
+                keep.append(job)
+                continue
+            try:
+                landed += self._land(job)
+            except Exception:  # storage data that cannot land is a miss, never an engine error
+                log.exception("landing prefetched KV pages failed")
+            job.landed = True
+            job.payloads = []  # the host tier has them now
+        self._jobs = keep
+        return landed
+
+    def wait_prefetch(self) -> bool:
+        """For a step that could schedule nothing: wait (briefly) for the prefetches that hold
+        requests back. False if none does (the step is really stuck)."""
+        now = time.monotonic()
+        jobs = [j for j in self._jobs if j.holds_back(now)]
+        if not jobs or self.storage is None:
+            return False
+        left = min(j.deadline for j in jobs) - now
+        self.storage.wait(jobs, min(_IDLE_WAIT_S, max(0.0, left)))
+        return True
+
+    def _land(self, job: PrefetchJob) -> int:
+        n = len(job.payloads)
+        if not n:
+            return 0
+        t = time.perf_counter()
+        cache, ps = self.cache, self.page_size
+        tokens = array("q")
+        tokens.frombytes(job.key_bytes[: (job.start + n) * ps * 8])
+        pin = None
+        if job.start:  # the prefix the pages continue must not make room for them
+            m = cache.match_prefix(tokens[: job.start * ps], namespace=job.namespace)
+            if m.num_tokens + m.num_host_tokens < job.start * ps:
+                return 0  # evicted since the lookup: nothing to attach the pages to
+            pin = m.host_node
+            cache.lock(pin)
+        try:
+            st = cache.stats
+            n = min(n, st.host_free_pages + st.host_evictable_pages)
+            if not n:
+                return 0
+            try:
+                pages = cache.alloc_host(n)
+            except OutOfPages:
+                return 0
+            try:
+                self.storage.land(job, pages)
+            except Exception:
+                cache.host_pool.free(pages)
+                raise
+            added = cache.insert_host(tokens[: (job.start + n) * ps], pages, job.namespace)
+        finally:
+            if pin is not None:
+                cache.unlock(pin)
+        end = (job.start + n) * ps
+        job.landed_tokens = (end - added * ps, end)
+        self.storage.record_landed(added, time.perf_counter() - t)
+        return added
+
     # ------------------------------------------------------------------ cache-wide
     def poll(self) -> None:
-        """Retire finished host-tier copies (write-through backups); no-op without a tier."""
+        """Retire finished host-tier copies (write-through backups) and land finished storage
+        prefetches; no-op without tiers."""
         if self.tiered:
             self.cache.poll()
+        if self._jobs:
+            self.land_prefetches()
 
     @property
     def num_free_pages(self) -> int:
@@ -213,7 +346,8 @@ class SeqKV:
     def check_invariants(self, running: Iterable[Sequence], *, idle: bool) -> None:
         """Raise AssertionError unless: the cache's invariants hold; free + cached + private ==
         total pages; each running sequence's shared pages are exactly its locked node's path;
-        no page is held twice. ``idle`` (nothing queued or running): unless a pin is held,
+        no page is held twice; no host page is held (storage landings give theirs to the trie
+        or back). ``idle`` (nothing queued or running): unless a pin is held,
         every lock count is zero (once the host tier's copies in flight are retired) and no
         private page remains."""
         cache, pool = self.cache, self.cache.pool
@@ -243,6 +377,8 @@ class SeqKV:
             private_total += len(private)
         assert private_total == self.num_private_pages, "private page count out of sync"
         assert len(seen) + pool.num_free == pool.num_pages, "a page is held twice"
+        if self.tiered:  # host pages are held only inside a call (a backup, a landing)
+            assert cache.host_pool.num_held == 0, "host pages held outside a call"
         if idle and not self.num_pins:
             assert self.num_private_pages == 0, "private pages remain after drain"
             # a host-tier copy in flight holds its own lock until poll() retires it

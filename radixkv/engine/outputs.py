@@ -12,6 +12,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from radixkv.cache.stats import CacheStats
+    from radixkv.engine.storage_tier import StorageStats
 
 
 class RequestMetrics(msgspec.Struct, kw_only=True):
@@ -104,9 +105,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_hit_rate: float = 0.0
-    # of the hit tokens, by where they were found: device pool, or host tier (loaded back)
+    # of the hit tokens, by where they were found: device pool, host tier (loaded back), or
+    # storage (prefetched into the host tier, then loaded back); the three add up to the hits
     prefix_cache_device_hit_tokens: int = 0
     prefix_cache_host_hit_tokens: int = 0
+    prefix_cache_storage_hit_tokens: int = 0
     evicted_pages: int = 0
     cached_pages: int = 0
     # KV pool gauges
@@ -154,6 +157,21 @@ class EngineStats(msgspec.Struct, kw_only=True):
     host_pages_total: int = 0
     host_pages_used: int = 0
     host_usage: float = 0.0
+    # storage tier (all 0 without one): prefetch lookups and the pages they put in the host
+    # tier, reader seconds and seconds putting them in the host tier, lookups cut short by the
+    # timeout; pages written, writes dropped
+    # (queue full or storage unavailable); failed backend calls, corrupt objects found (and
+    # deleted); whether storage is usable now (1) or in an outage's back-off (0)
+    storage_prefetch_jobs: int = 0
+    storage_prefetch_pages: int = 0
+    storage_prefetch_seconds: float = 0.0
+    storage_land_seconds: float = 0.0
+    storage_prefetch_timeouts: int = 0
+    storage_write_pages: int = 0
+    storage_dropped_write_pages: int = 0
+    storage_errors: int = 0
+    storage_corrupt_objects: int = 0
+    storage_available: int = 0
 
     # ------------------------------------------------------------------ counting
     def record_request(self) -> None:
@@ -169,16 +187,20 @@ class EngineStats(msgspec.Struct, kw_only=True):
         query_tokens: int,
         hit_tokens: int,
         host_hit_tokens: int = 0,
+        storage_hit_tokens: int = 0,
     ) -> None:
         """What one ``Scheduler.schedule()`` did: prefill tokens it scheduled, sequences it
         preempted, and the prefix-cache lookups of sequences admitted for the first time
-        (``queries`` of them, ``query_tokens`` prompt tokens, ``hit_tokens`` served from cache)."""
+        (``queries`` of them, ``query_tokens`` prompt tokens, ``hit_tokens`` served from cache,
+        of which ``host_hit_tokens`` loaded back from the host tier, and of those
+        ``storage_hit_tokens`` prefetched there from storage)."""
         self.prefill_tokens_computed += prefill_tokens
         self.num_preemptions += preemptions
         self.prefix_cache_queries += queries
         self.prefix_cache_query_tokens += query_tokens
         self.prefix_cache_hit_tokens += hit_tokens
-        self.prefix_cache_host_hit_tokens += host_hit_tokens
+        self.prefix_cache_host_hit_tokens += host_hit_tokens - storage_hit_tokens
+        self.prefix_cache_storage_hit_tokens += storage_hit_tokens
         self.prefix_cache_device_hit_tokens += hit_tokens - host_hit_tokens
 
     def record_decode_reads(self, plain_bytes: int, read_bytes: int, *, cascade: bool) -> None:
@@ -220,6 +242,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
         private_pages: int = 0,
         cache: CacheStats | None = None,
         load_back_seconds: float = 0.0,
+        storage: StorageStats | None = None,
     ) -> EngineStats:
         """An independent copy with the gauges set from the engine's current state (the host
         tier's from the cache's ``cache`` stats)."""
@@ -236,6 +259,19 @@ class EngineStats(msgspec.Struct, kw_only=True):
                 host_pages_total=host_total,
                 host_pages_used=cache.host_cached_pages,
                 host_usage=cache.host_cached_pages / host_total if host_total else 0.0,
+            )
+        if storage is not None:
+            tier.update(
+                storage_prefetch_jobs=storage.prefetch_jobs,
+                storage_prefetch_pages=storage.prefetch_pages,
+                storage_prefetch_seconds=storage.prefetch_seconds,
+                storage_land_seconds=storage.land_seconds,
+                storage_prefetch_timeouts=storage.prefetch_timeouts,
+                storage_write_pages=storage.write_pages,
+                storage_dropped_write_pages=storage.dropped_write_pages,
+                storage_errors=storage.errors,
+                storage_corrupt_objects=storage.corrupt_objects,
+                storage_available=int(storage.available),
             )
         return msgspec.structs.replace(
             self,

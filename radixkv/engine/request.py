@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixkv.cache import LoadBack, TreeNode
+    from radixkv.engine.storage_tier import PrefetchJob
 
 # What partitions the prefix cache (a tenant, a LoRA, a cache salt): any hashable value, None
 # for the shared default namespace. Two requests share cached pages only within one namespace.
@@ -150,6 +151,7 @@ class RequestGroup:
         "metrics",
         "namespace",
         "params",
+        "prefetch",
         "prompt",
         "prompt_token_ids",
         "request_id",
@@ -176,6 +178,8 @@ class RequestGroup:
         self.stream = stream  # emit an output every step (else only when finished)
         self.seqs: list[Sequence] = []
         self._emitted_tokens: list[int] = []
+        # the storage tier's lookup of the prompt (kv_manager.py), or None
+        self.prefetch: PrefetchJob | None = None
 
     @property
     def finished(self) -> bool:

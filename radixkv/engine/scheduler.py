@@ -22,6 +22,8 @@ what is left), so a long prompt cannot keep short ones waiting until its prefill
 
 In-batch prefix sharing (engine/inflight.py): a candidate whose first uncached page another
 running sequence is computing waits for it and then hits it instead of computing it again.
+Likewise, with a storage tier, a candidate whose prefix is being prefetched from storage waits
+for it (up to the storage timeout) while the others are admitted.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ScheduledBatch:
     num_query_tokens: int = 0  # their prompt tokens
     num_hit_tokens: int = 0  # of those, served from the prefix cache
     num_host_hit_tokens: int = 0  # of those, loaded back from the host tier
+    num_storage_hit_tokens: int = 0  # of those, brought to the host tier from storage
     first_admissions: list[Sequence] = field(default_factory=list)  # the ones counted above
 
     def add(self, seq: Sequence, n: int) -> None:
@@ -210,6 +213,8 @@ class Scheduler:
         for seq in order:
             if len(self.running) >= self.max_running or budget - used <= 0:
                 break
+            if self.kv.prefetch_pending(seq):  # its prefix is on its way from storage
+                continue
             hit = self.kv.acquire(seq)
             if self._inflight.computed_elsewhere(seq):
                 self.kv.release(seq, insert=False)
@@ -227,6 +232,7 @@ class Scheduler:
                 batch.num_query_tokens += seq.num_prompt_tokens
                 batch.num_hit_tokens += hit
                 batch.num_host_hit_tokens += self.kv.last_loaded_tokens
+                batch.num_storage_hit_tokens += self.kv.last_storage_tokens
                 batch.first_admissions.append(seq)
             metrics = seq.group.metrics
             if metrics.first_scheduled_time is None:
@@ -261,7 +267,11 @@ class Scheduler:
                 batch.num_query_tokens -= seq.num_prompt_tokens
                 batch.num_hit_tokens -= seq.num_cached_tokens
                 if seq.load is not None:
-                    batch.num_host_hit_tokens -= seq.load.num_loaded_tokens
+                    loaded = seq.load.num_loaded_tokens
+                    batch.num_host_hit_tokens -= loaded
+                    batch.num_storage_hit_tokens -= self.kv.storage_hit_tokens(
+                        seq, seq.num_cached_tokens, loaded
+                    )
                 seq.num_cached_tokens = -1
             self.running.remove(seq)
             self._inflight.drop(seq)

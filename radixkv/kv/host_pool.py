@@ -113,6 +113,34 @@ class HostKVPool:
     def total_bytes(self) -> int:
         return self.bytes_per_page * self.num_pages
 
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of ``pages``' K/V as bytes, ``[len(pages), bytes_per_page]`` uint8: row ``i`` is
+        page ``pages[i]``'s K (every layer) then its V, the payload the storage tier stores."""
+        idx = torch.tensor(pages, dtype=torch.long)
+        n = len(pages)
+        k = self.k.index_select(0, idx).view(torch.uint8).reshape(n, -1)
+        v = self.v.index_select(0, idx).view(torch.uint8).reshape(n, -1)
+        return torch.cat((k, v), dim=1)
+
+    def write_pages(self, pages: list[int], payloads: list[bytes] | list[memoryview]) -> None:
+        """Fill ``pages`` from payloads shaped as ``read_pages`` rows (``bytes_per_page`` each;
+        ValueError, nothing written, if one is not)."""
+        per = self.bytes_per_page
+        if len(payloads) != len(pages):
+            raise ValueError(f"{len(pages)} pages but {len(payloads)} payloads")
+        buf = bytearray(per * len(pages))  # writable: torch.frombuffer shares it without a warning
+        for i, p in enumerate(payloads):
+            if len(p) != per:
+                raise ValueError(f"a page payload is {len(p)} bytes, a page here is {per}")
+            buf[i * per : (i + 1) * per] = p
+        if not pages:
+            return
+        rows = torch.frombuffer(buf, dtype=torch.uint8).view(len(pages), 2, per // 2)
+        shape = (len(pages), *self.k.shape[1:])
+        idx = torch.tensor(pages, dtype=torch.long)
+        self.k.index_copy_(0, idx, rows[:, 0].contiguous().view(self.dtype).view(shape))
+        self.v.index_copy_(0, idx, rows[:, 1].contiguous().view(self.dtype).view(shape))
+
     def matches(self, kv: KVPool) -> bool:
         """Whether a page of ``kv`` and a page here hold the same thing (shape and dtype)."""
         return (

@@ -146,6 +146,52 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
     "host_kv_pages_used": ("gauge", "Host-tier KV pages in use", "host_pages_used"),
     "host_kv_pages_total": ("gauge", "KV pages in the host tier", "host_pages_total"),
     "host_kv_usage_ratio": ("gauge", "Fraction of host-tier KV pages in use", "host_usage"),
+    "prefix_cache_storage_hits_tokens": (
+        "counter",
+        "Prompt tokens served from the storage tier (prefetched to host memory, loaded back)",
+        "prefix_cache_storage_hit_tokens",
+    ),
+    "storage_prefetch_jobs": (
+        "counter",
+        "Storage lookups started for queued requests",
+        "storage_prefetch_jobs",
+    ),
+    "storage_prefetch_pages": (
+        "counter",
+        "KV pages prefetched from storage into the host tier",
+        "storage_prefetch_pages",
+    ),
+    "storage_prefetch_seconds": (
+        "counter",
+        "Seconds the storage reader spent on prefetch lookups",
+        "storage_prefetch_seconds",
+    ),
+    "storage_prefetch_timeouts": (
+        "counter",
+        "Storage lookups cut short by the timeout (their requests proceeded as misses)",
+        "storage_prefetch_timeouts",
+    ),
+    "storage_write_pages": ("counter", "KV pages written to storage", "storage_write_pages"),
+    "storage_dropped_write_pages": (
+        "counter",
+        "KV pages not written to storage: write queue full, or storage unavailable",
+        "storage_dropped_write_pages",
+    ),
+    "storage_errors": (
+        "counter",
+        "Failed storage calls (unreachable, timeout, full, permission, I/O)",
+        "storage_errors",
+    ),
+    "storage_corrupt_objects": (
+        "counter",
+        "Corrupt KV objects found in storage (deleted, served as misses)",
+        "storage_corrupt_objects",
+    ),
+    "storage_available": (
+        "gauge",
+        "1 while the storage tier is usable, 0 during an outage's back-off",
+        "storage_available",
+    ),
     "num_requests_running": ("gauge", "Requests running in the engine", "num_running"),
     "num_requests_waiting": ("gauge", "Requests waiting in the engine", "num_waiting"),
     "num_aborted_requests": (

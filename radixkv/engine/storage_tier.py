@@ -1,0 +1,457 @@
+"""The engine's storage tier: background prefetch from storage into host memory, and
+asynchronous writes of host pages to storage.
+
+Storage is the third tier, under the device pool and the host tier; it outlives the process
+and can be shared by a fleet (docs/cache_design.md, "Storage tier"). This module does the I/O
+and nothing that touches the trie: SeqKV (kv_manager.py) decides what to prefetch and puts
+fetched pages into the host tier (``RadixCache.alloc_host`` / ``insert_host``), and the cache
+tells ``observe`` which host pages to write (its host observer).
+
+Two daemon threads, so that no step ever waits on storage:
+
+* the reader runs prefetch jobs in order: the pages of a queued request past its device + host
+  hit, by hash chain, stopping at the first page not found intact or at the job's deadline;
+* the writer drains a bounded queue of host-page snapshots (taken in the engine thread when the
+  cache reports a page, so the host pool may reuse the page at once). A full queue drops the
+  write and counts it; the step never blocks on it.
+
+Faults (backend down at start or mid-run, a timeout, disk full, permission denied) raise
+StorageError in a thread; the tier logs one warning per outage and kind, counts it, stops
+using the backend for a growing back-off (0.5 s doubling to 30 s: jobs are misses, writes are
+dropped meanwhile), then tries again and logs the recovery. The device and host tiers are never
+affected.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import torch
+
+from radixkv.cache.storage import KnownKeys, PageStore, StorageBackend, StorageError
+from radixkv.cache.tiers import (
+    HOST_HIT,
+    HOST_LEAVING,
+    HOST_STORED,
+    WRITE_BACK,
+    WRITE_THROUGH,
+    WRITE_THROUGH_SELECTIVE,
+    HostRun,
+)
+from radixkv.kv.host_pool import HostKVPool
+
+__all__ = ["PrefetchJob", "StorageStats", "StorageTier"]
+
+log = logging.getLogger("radixkv.storage")
+
+_BACKOFF_MIN_S = 0.5
+_BACKOFF_MAX_S = 30.0
+_CHUNK = 64  # pages per queued write: bounds one snapshot's memory and one backend call
+
+
+class StorageStats(msgspec.Struct, kw_only=True):
+    """The storage tier's counters (cumulative) and gauges."""
+
+    prefetch_jobs: int = 0  # lookups started (one per queued request worth prefetching)
+    prefetch_found_pages: int = 0  # pages found intact in storage
+    prefetch_pages: int = 0  # of those, pages put in the host tier (landed)
+    prefetch_seconds: float = 0.0  # reader time spent on jobs (issue to done)
+    land_seconds: float = 0.0  # engine time putting found pages in the host tier
+    prefetch_timeouts: int = 0  # jobs cut short by their deadline (or not started in time)
+    write_pages: int = 0  # pages written to storage
+    write_skipped_pages: int = 0  # not written: known to be stored already
+    dropped_write_pages: int = 0  # not written: queue full, or storage unavailable
+    errors: int = 0  # failed backend calls
+    errors_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
+    corrupt_objects: int = 0  # failed their checksum on read (deleted)
+    mismatched_objects: int = 0  # another format or prefix under a key (a collision)
+    write_queue_pages: int = 0  # gauge: snapshots waiting for the writer
+    available: bool = True  # gauge: False during an outage's back-off
+
+
+class PrefetchJob:
+    """One lookup: pages ``start..stop`` of ``key_bytes`` under ``namespace``.
+
+    The reader fills ``payloads`` (the pages found, in order) and sets ``done``; the engine
+    thread lands them in the host tier (then ``landed``). A job not done by ``deadline`` (a
+    ``time.monotonic()``) no longer holds its request back: the request proceeds as a miss.
+    """
+
+    __slots__ = (
+        "_done",
+        "deadline",
+        "issued",
+        "key_bytes",
+        "landed",
+        "landed_tokens",
+        "namespace",
+        "payloads",
+        "start",
+        "stop",
+    )
+
+    def __init__(
+        self, namespace: Any, key_bytes: bytes, start: int, stop: int, deadline: float
+    ) -> None:
+        self.namespace = namespace
+        self.key_bytes = key_bytes
+        self.start = start
+        self.stop = stop
+        self.deadline = deadline
+        self.issued = time.monotonic()
+        self.payloads: list[memoryview] = []
+        self._done = threading.Event()
+        self.landed = False
+        self.landed_tokens = (0, 0)  # [first, end) token span put in the host tier
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def holds_back(self, now: float) -> bool:
+        """Whether its request should wait for it: not landed, and before its deadline."""
+        return not self.landed and now < self.deadline
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefetchJob(pages {self.start}..{self.stop}, done={self.done}, "
+            f"found={len(self.payloads)}, landed={self.landed})"
+        )
+
+
+class StorageTier:
+    """Prefetch and write-out between a storage backend and the host tier's KV.
+
+    Args:
+        backend: the store (radixkv.cache.storage.open_storage).
+        host_kv: the host tier's K/V pages (what is read for writes and filled by landing).
+        format_id: the KV format's identity (page_format.kv_format_id).
+        page_size: tokens per page.
+        write_policy: "write_through" (a page is written once it is in the host tier),
+            "write_through_selective" (... once matches went through it ``write_threshold``
+            times: when that count is reached, or when it enters or leaves the host tier
+            hit that often) or "write_back" (when it leaves the host tier, and at ``close``).
+        write_threshold: see ``write_policy``; the cache's ``write_through_threshold`` (the
+            cache reports HOST_HIT at that count).
+        timeout: seconds a request waits for its prefetch before it proceeds as a miss.
+        write_queue_pages: pages the write queue holds before it drops writes.
+    """
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        host_kv: HostKVPool,
+        *,
+        format_id: bytes,
+        page_size: int,
+        write_policy: str = WRITE_THROUGH,
+        write_threshold: int = 1,
+        timeout: float = 1.0,
+        write_queue_pages: int = 4096,
+    ) -> None:
+        self.backend = backend
+        self.url = backend.url
+        self.host_kv = host_kv
+        self.page_size = page_size
+        self.write_policy = write_policy
+        self.write_threshold = write_threshold
+        self.timeout = timeout
+        self.write_queue_pages = write_queue_pages
+        known = KnownKeys()
+        per = host_kv.bytes_per_page
+        self._reader = PageStore(backend, format_id, page_size, per, known)
+        self._writer = PageStore(backend.clone(), format_id, page_size, per, known)
+        self._stats = StorageStats()
+        self._lock = threading.Lock()  # guards the stats, the health state and the queues
+        self._wake = threading.Condition(self._lock)
+        self._jobs: deque[PrefetchJob] = deque()
+        self._writes: deque[tuple[Any, bytes, torch.Tensor]] = deque()
+        self._queued_pages = 0  # pages queued or being written
+        self._down = False
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._warned: set[str] = set()
+        self._corrupt_warned = False
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._read_loop, name="radixkv-storage-read", daemon=True),
+            threading.Thread(target=self._write_loop, name="radixkv-storage-write", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ prefetch (engine thread)
+    def prefetch(self, namespace: Any, key_bytes: bytes, start: int, stop: int) -> PrefetchJob:
+        """Start looking up pages ``start..stop`` of ``key_bytes`` (tokens, key encoding);
+        returns the job at once."""
+        job = PrefetchJob(namespace, key_bytes, start, stop, time.monotonic() + self.timeout)
+        with self._lock:
+            self._stats.prefetch_jobs += 1
+            if self._closed:
+                job._done.set()
+                return job
+            self._jobs.append(job)
+            self._wake.notify_all()
+        return job
+
+    def wait(self, jobs: list[PrefetchJob], timeout: float) -> None:
+        """Block until one of ``jobs`` is done or ``timeout`` seconds passed (for an engine with
+        nothing else to do while its requests' prefetches run)."""
+        end = time.monotonic() + timeout
+        for job in jobs:
+            left = end - time.monotonic()
+            if left <= 0 or job.done:
+                return
+            # jobs run in order: the first not done is the one to wait for
+            job._done.wait(left)
+            if job.done:
+                return
+
+    def land(self, job: PrefetchJob, host_pages: list[int]) -> None:
+        """Copy the first ``len(host_pages)`` pages ``job`` found into ``host_pages``."""
+        self.host_kv.write_pages(host_pages, job.payloads[: len(host_pages)])
+
+    def record_landed(self, pages: int, seconds: float) -> None:
+        with self._lock:
+            self._stats.prefetch_pages += pages
+            self._stats.land_seconds += seconds
+
+    # ------------------------------------------------------------------ writes (engine thread)
+    def observe(self, run: HostRun) -> None:
+        """The cache's host observer: queue a snapshot of the run's pages when the write policy
+        says so (dropping it, counted, when the queue is full or storage is unavailable)."""
+        policy = self.write_policy
+        if policy == WRITE_THROUGH:
+            want = run.event == HOST_STORED
+        elif policy == WRITE_BACK:
+            want = run.event == HOST_LEAVING
+        else:  # once hit enough: when it reaches that count, or enters/leaves the host tier
+            assert policy == WRITE_THROUGH_SELECTIVE
+            want = run.event == HOST_HIT or run.hit_count >= self.write_threshold
+        if want:
+            self.enqueue_write(run.namespace, run.prefix, run.host_pages)
+
+    def enqueue_write(
+        self,
+        namespace: Any,
+        prefix: bytes,
+        host_pages: list[int],
+        *,
+        wait: float = 0.0,
+    ) -> int:
+        """Queue the last ``len(host_pages)`` pages of ``prefix`` (tokens, key encoding) for
+        writing, in chunks of at most 64 pages; their data is copied now. A chunk the
+        full queue has no room for is dropped (counted), after waiting up to ``wait`` seconds
+        for room (0 from the engine's step: it never waits). Returns the pages queued."""
+        pb = self.page_size * 8
+        total = len(host_pages)
+        queued = 0
+        end = time.monotonic() + wait
+        step = min(_CHUNK, self.write_queue_pages)
+        for a in range(0, total, step):
+            b = min(total, a + step)
+            chunk = host_pages[a:b]
+            if not self._reserve(len(chunk), end):
+                continue
+            snapshot = self.host_kv.read_pages(chunk)
+            with self._lock:
+                self._writes.append((namespace, prefix[: len(prefix) - (total - b) * pb], snapshot))
+                self._wake.notify_all()
+            queued += len(chunk)
+        return queued
+
+    def _reserve(self, n: int, end: float) -> bool:
+        """Room for ``n`` pages in the write queue (reserved before the copy, so the queue's
+        bound holds), waiting until ``end`` (a ``time.monotonic()``) at most."""
+        cap = self.write_queue_pages
+        with self._lock:
+            while True:
+                if self._closed or not self._available():
+                    break
+                if self._queued_pages + n <= cap:
+                    self._queued_pages += n
+                    return True
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.wait(left)
+            self._stats.dropped_write_pages += n
+            return False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done (written, skipped or failed); False if
+        ``timeout`` seconds passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._queued_pages:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._wake.wait(left)
+        return True
+
+    def write_all(self, runs: list[HostRun], timeout: float = 30.0) -> int:
+        """Queue every run for writing, waiting for room in the queue (at shutdown, for
+        ``write_back``: what is only in host memory would be lost); returns pages queued."""
+        end = time.monotonic() + timeout
+        queued = 0
+        for run in runs:
+            left = max(0.0, end - time.monotonic())
+            queued += self.enqueue_write(run.namespace, run.prefix, run.host_pages, wait=left)
+        return queued
+
+    # ------------------------------------------------------------------ lifecycle, stats
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish queued writes (up to ``timeout`` seconds), stop the threads, close the
+        backend. Idempotent; prefetches and writes after it are no-ops."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            for job in self._jobs:
+                job._done.set()
+            self._jobs.clear()
+            self._wake.notify_all()
+        for t in self._threads:
+            t.join(timeout=5.0)
+        for b in {id(s.backend): s.backend for s in (self._reader, self._writer)}.values():
+            try:
+                b.close()
+            except Exception:  # closing a dead connection: nothing left to release
+                log.debug("closing %s failed", b, exc_info=True)
+
+    def stats(self) -> StorageStats:
+        with self._lock:
+            st = self._stats
+            r, w = self._reader, self._writer
+            return msgspec.structs.replace(
+                st,
+                prefetch_found_pages=r.found_pages,
+                corrupt_objects=r.corrupt_objects,
+                mismatched_objects=r.mismatched_objects,
+                write_pages=w.stored_pages,
+                write_skipped_pages=w.skipped_known,
+                errors_by_kind=dict(st.errors_by_kind),
+                write_queue_pages=self._queued_pages,
+                available=not self._down,
+            )
+
+    def __repr__(self) -> str:
+        return f"StorageTier({self.url!r}, {self.write_policy})"
+
+    # ------------------------------------------------------------------ health (lock held)
+    def _available(self) -> bool:
+        return not self._down or time.monotonic() >= self._retry_at
+
+    def _failed(self, e: StorageError, op: str) -> None:
+        with self._lock:
+            st = self._stats
+            st.errors += 1
+            st.errors_by_kind[e.kind] = st.errors_by_kind.get(e.kind, 0) + 1
+            self._backoff = min(_BACKOFF_MAX_S, max(_BACKOFF_MIN_S, 2 * self._backoff))
+            self._retry_at = time.monotonic() + self._backoff
+            self._down = True
+            first = e.kind not in self._warned
+            self._warned.add(e.kind)
+        if first:
+            log.warning(
+                "KV storage %s: %s failed (%s): %s. Serving from the device and host tiers; "
+                "storage is retried after a back-off (metric radixkv_storage_errors).",
+                self.url,
+                op,
+                e.kind,
+                e,
+            )
+
+    def _succeeded(self) -> None:
+        if not self._down:  # the common case: no lock
+            return
+        with self._lock:
+            was = self._down
+            self._down = False
+            self._backoff = 0.0
+            self._warned.clear()
+        if was:
+            log.warning("KV storage %s is available again", self.url)
+
+    def _check_corrupt(self) -> None:
+        if self._reader.corrupt_objects and not self._corrupt_warned:
+            self._corrupt_warned = True
+            log.warning(
+                "KV storage %s: a corrupt page object was found, deleted and served as a miss "
+                "(metric radixkv_storage_corrupt_objects)",
+                self.url,
+            )
+
+    # ------------------------------------------------------------------ the threads
+    def _read_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                job = self._jobs.popleft()
+                usable = self._available()
+            t = time.monotonic()
+            try:
+                if not usable or t >= job.deadline:
+                    with self._lock:
+                        self._stats.prefetch_timeouts += int(usable)
+                else:
+                    calls = self._reader.calls
+                    job.payloads = self._reader.fetch(
+                        job.namespace, job.key_bytes, job.start, job.stop, job.deadline
+                    )
+                    if self._reader.calls > calls:  # the store answered
+                        self._succeeded()
+                    self._check_corrupt()
+                    if (
+                        time.monotonic() >= job.deadline
+                        and len(job.payloads) < job.stop - job.start
+                    ):
+                        with self._lock:
+                            self._stats.prefetch_timeouts += 1
+            except StorageError as e:
+                self._failed(e, "prefetch")
+            except Exception:  # a bug must not kill the thread: the job is a miss
+                log.exception("KV storage prefetch failed")
+            finally:
+                with self._lock:
+                    self._stats.prefetch_seconds += time.monotonic() - t
+                job._done.set()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._writes and not self._closed:
+                    self._wake.wait()
+                if not self._writes:  # closed and drained
+                    return
+                namespace, prefix, snapshot = self._writes.popleft()
+                n = snapshot.shape[0]
+                usable = self._available()
+            try:
+                if not usable:
+                    with self._lock:
+                        self._stats.dropped_write_pages += n
+                else:
+                    rows = snapshot.numpy()
+                    if self._writer.store(namespace, prefix, [memoryview(r) for r in rows]):
+                        self._succeeded()
+            except StorageError as e:
+                self._failed(e, "write")
+                with self._lock:
+                    self._stats.dropped_write_pages += n
+            except Exception:
+                log.exception("KV storage write failed")
+            finally:
+                with self._lock:
+                    self._queued_pages -= n
+                    self._wake.notify_all()
