@@ -57,6 +57,7 @@ from radixkv.cache import PagePool, RadixCache
 
 PAGE = 16
 NAMES = ("radixkv", "sglang_python", "sglang_rust")
+OPS = ("match", "insert", "match+slots")  # targets are on the first two
 TARGETS = {"sglang_python": 3.0, "sglang_rust": 1.0}  # required peer time / radixkv time
 
 
@@ -91,11 +92,15 @@ class RadixKV:
     def matched(self, m: Any) -> int:
         return m.num_tokens
 
-    def prepare_insert(self, i: int, m: Any) -> Any:
+    def slots(self, m: Any) -> Any:
+        return m.pages  # the page list, built on this first read
+
+    def prepare_insert(self, i: int, m: Any, slots: Any) -> Any:
+        assert len(slots) * PAGE == m.num_tokens
         self.cache.lock(m.node)
         full = self.trace.fulls[i]
-        new = self.cache.alloc(len(full) // PAGE - len(m.pages))
-        return (full, m.pages + new, m)
+        new = self.cache.alloc(len(full) // PAGE - len(slots))
+        return (full, slots + new, m)
 
     def insert(self, args: Any) -> Any:
         return self.cache.insert(args[0], args[1])
@@ -131,12 +136,15 @@ class SGLangPython:
     def matched(self, m: Any) -> int:
         return m.device_prefix_len
 
-    def prepare_insert(self, i: int, m: Any) -> Any:
+    def slots(self, m: Any) -> Any:
+        return self.cache.path_device_indices(m.last_device_node)[: m.device_prefix_len]
+
+    def prepare_insert(self, i: int, m: Any, prefix: Any) -> Any:
+        assert len(prefix) == m.device_prefix_len
         torch = self.torch
         node = m.last_device_node
         self.cache.inc_lock_ref(node)
         full = self.trace.fulls[i]
-        prefix = self.cache.path_device_indices(node)[: m.device_prefix_len]
         n_new = len(full) - m.device_prefix_len
         fresh = torch.arange(self.next_slot, self.next_slot + n_new, dtype=torch.int64)
         self.next_slot += n_new
@@ -167,6 +175,7 @@ class SGLangRust:
         self.rs = rs
         init = rs.TreeCoreInitParamsBinding(eviction_policy="lru", page_size=PAGE, device="cpu")
         self.core = rs.RustUnifiedTreeCoreBinding(init, [0])  # ComponentType.FULL only
+        self.root = self.core.root_node_handle()
         self.trace = trace
         self.next_slot = 0
         self.MatchParams = rs.MatchParamsBinding
@@ -178,13 +187,15 @@ class SGLangRust:
     def matched(self, m: Any) -> int:
         return m.device_prefix_len
 
-    def prepare_insert(self, i: int, m: Any) -> Any:
+    def slots(self, m: Any) -> Any:
+        return self.core.collect_full_device_indices(m.last_device_node_id, self.root)
+
+    def prepare_insert(self, i: int, m: Any, prefix: Any) -> Any:
+        assert len(prefix) == m.device_prefix_len
         torch = self.torch
         node = m.last_device_node_id
         receipt = self.core.inc_lock_ref(node)
         full = self.trace.fulls[i]
-        root = self.core.root_node_handle()
-        prefix = self.core.collect_full_device_indices(node, root)[: m.device_prefix_len]
         n_new = len(full) - m.device_prefix_len
         fresh = torch.arange(self.next_slot, self.next_slot + n_new, dtype=torch.int64)
         self.next_slot += n_new
@@ -213,7 +224,7 @@ def replay(trace: Trace, peers: dict[str, Any], rotation: int) -> dict[str, dict
     """One interleaved replay; per cache, per op, the time of every request's call (ns)."""
     clock = time.perf_counter_ns
     names = list(peers)
-    times = {n: {"match": [0] * len(trace), "insert": [0] * len(trace)} for n in names}
+    times = {n: {op: [0] * len(trace) for op in OPS} for n in names}
     matched: dict[str, list[int]] = {n: [0] * len(trace) for n in names}
     gc.collect()
     gc.disable()
@@ -225,13 +236,16 @@ def replay(trace: Trace, peers: dict[str, Any], rotation: int) -> dict[str, dict
                 t0 = clock()
                 m = peer.match(i)
                 t1 = clock()
-                args = peer.prepare_insert(i, m)
+                slots = peer.slots(m)
                 t2 = clock()
-                r = peer.insert(args)
+                args = peer.prepare_insert(i, m, slots)
                 t3 = clock()
+                r = peer.insert(args)
+                t4 = clock()
                 peer.finish(args, r)
                 times[name]["match"][i] = t1 - t0
-                times[name]["insert"][i] = t3 - t2
+                times[name]["match+slots"][i] = t2 - t0
+                times[name]["insert"][i] = t4 - t3
                 matched[name][i] = peer.matched(m)
     finally:
         gc.enable()
@@ -291,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(groups=groups, prompts=prompts, sys_len=2048, q_len=128, out_len=256, vocab=150_000)
     trace = Trace(make_workload(**cfg, seed=args.seed))
 
-    samples: dict[str, dict[str, list[list[int]]]] = {n: {"match": [], "insert": []} for n in NAMES}
+    samples: dict[str, dict[str, list[list[int]]]] = {n: {op: [] for op in OPS} for n in NAMES}
     cpu0 = time.process_time()
     for r in range(max(1, args.repeat)):
         peers = {
@@ -301,14 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         times = replay(trace, peers, rotation=r)
         for n in NAMES:
-            for op in ("match", "insert"):
+            for op in OPS:
                 samples[n][op].append(times[n][op])
         del peers
     cpu = time.process_time() - cpu0
 
-    stats = {n: {op: summarize(samples[n][op]) for op in ("match", "insert")} for n in NAMES}
+    stats = {n: {op: summarize(samples[n][op]) for op in OPS} for n in NAMES}
     rows = []
-    for op in ("match", "insert"):
+    for op in OPS:
         for stat in ("mean", "p99"):
             mine = stats["radixkv"][op][stat]
             row: dict[str, Any] = {"op": op, "stat": stat, "radixkv_us": mine}
@@ -324,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             "met": r[f"vs_{peer}"] >= t,
         }
         for r in rows
+        if r["op"] != "match+slots"
         for peer, t in TARGETS.items()
     }
 
@@ -331,11 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         f"radixkv vs SGLang {args.sglang_version}: {groups} groups x {prompts} prompts, page "
         f"{PAGE}, {args.repeat} interleaved replays (per-request min), times in us"
     )
-    hdr = f"{'op':>6} {'stat':>4} | {'radixkv':>8} | {'SGL py':>8} | {'SGL rust':>8} | "
+    hdr = f"{'op':>11} {'stat':>4} | {'radixkv':>8} | {'SGL py':>8} | {'SGL rust':>8} | "
     print(hdr + f"{'py/rkv':>7} | {'rust/rkv':>8}")
     for r in rows:
         print(
-            f"{r['op']:>6} {r['stat']:>4} | {r['radixkv_us']:8.2f} | {r['sglang_python_us']:8.2f} | "
+            f"{r['op']:>11} {r['stat']:>4} | {r['radixkv_us']:8.2f} | {r['sglang_python_us']:8.2f} | "
             f"{r['sglang_rust_us']:8.2f} | {r['vs_sglang_python']:6.2f}x | "
             f"{r['vs_sglang_rust']:7.2f}x"
         )

@@ -10,7 +10,9 @@ hot paths never touch those: they are metrics, kernels, environment switches and
 imports). The Rust extension links against libtorch; importing torch first makes its
 libraries resident, so the extension loads against the torch of this environment.
 
-Nothing here is imported by radixkv; it is benchmark tooling (not run in CI: it downloads).
+pip picks the wheel built for this machine; SGLang publishes Linux wheels (the extension is
+CPython- and platform-specific). Nothing here is imported by radixkv; it is benchmark tooling
+(not run in CI: it downloads).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ _REAL_MODULES = (
     "sglang.srt.mem_cache.utils",
 )
 _PACKAGES = ("sglang", "sglang.srt", "sglang.srt.mem_cache")
-_RUST_SO = "sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-linux-gnu.so"
+_RUST_DIR = "sglang/srt/mem_cache/rust_tree_core/"
 _RUST_MODULE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
 
 
@@ -62,12 +64,22 @@ def fetch_wheel(version: str = SGLANG_VERSION, cache_dir: Path = DEFAULT_CACHE) 
 def extract(wheel: Path, cache_dir: Path = DEFAULT_CACHE) -> Path:
     """Unpack the files the two caches need; return the folder that holds ``sglang/``."""
     root = cache_dir / wheel.stem
-    wanted = [m.replace(".", "/") + ".py" for m in _REAL_MODULES] + [_RUST_SO]
+    wanted = [m.replace(".", "/") + ".py" for m in _REAL_MODULES]
     with zipfile.ZipFile(wheel) as z:
+        wanted += [
+            n for n in z.namelist() if n.startswith(_RUST_DIR + "mem_cache.") and n.endswith(".so")
+        ]
         for name in wanted:
             if not (root / name).exists():
                 z.extract(name, root)
     return root
+
+
+def _rust_so(root: Path) -> Path:
+    found = sorted((root / _RUST_DIR).glob("mem_cache.*.so"))
+    if not found:
+        raise ImportError(f"no compiled Rust tree core under {root / _RUST_DIR}")
+    return found[0]
 
 
 class _Anything:
@@ -149,9 +161,10 @@ def load_rust_core(root: Path) -> types.ModuleType:
 
     if _RUST_MODULE in sys.modules:
         return sys.modules[_RUST_MODULE]
-    spec = importlib.util.spec_from_file_location(_RUST_MODULE, root / _RUST_SO)
+    so = _rust_so(root)
+    spec = importlib.util.spec_from_file_location(_RUST_MODULE, so)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {root / _RUST_SO}")
+        raise ImportError(f"cannot load {so}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.modules[_RUST_MODULE] = mod

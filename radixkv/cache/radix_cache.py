@@ -56,12 +56,13 @@ _new_tuple = tuple.__new__
 
 def _common_pages(key: bytes, mv: memoryview, off: int, limit: int, pb: int) -> int:
     """Whole pages shared by ``key`` and ``mv[off:limit]``: a binary search over page counts,
-    each step one ``memcmp`` (``bytes.startswith``) of a prefix."""
+    each step one ``memcmp`` (``bytes.startswith`` at an offset) of the pages between the
+    known-equal prefix and the probe, so the bytes compared add up to about one key."""
     lo = 0
     hi = min(len(key), limit - off) // pb
     while lo < hi:
         mid = (lo + hi + 1) >> 1
-        if key.startswith(mv[off : off + mid * pb]):
+        if key.startswith(mv[off + lo * pb : off + mid * pb], lo * pb):
             lo = mid
         else:
             hi = mid - 1
