@@ -1,6 +1,6 @@
-"""The cache's fast paths give exactly what the general paths give: MatchResult's lazily built
-page list (and its NamedTuple behaviour), the heap-backed eviction index, the pool's run and
-vectorised page checks, and children keyed by their first page's bytes."""
+"""The cache's fast paths give exactly what the general paths give: the walks inlined in a plain
+cache's match_prefix and insert, the heap-backed eviction index, the pool's run and vectorised
+page checks, and children keyed by their first page's bytes."""
 
 from __future__ import annotations
 
@@ -10,76 +10,37 @@ import numpy as np
 import pytest
 from cache_helpers import fill, make_cache, snapshot
 
-from radixkv.cache import MatchResult, PagePool, RadixCache, StaleMatchError
+from radixkv.cache import PagePool, RadixCache
 from radixkv.cache.errors import InvariantError
 from radixkv.cache.eviction import EvictionIndex, get_policy
 
 
-# ---------------------------------------------------------------- MatchResult
-def test_match_result_pages_are_built_on_read_and_kept() -> None:
-    cache = make_cache(page_size=2)
-    r = fill(cache, [1, 2, 3, 4, 5, 6])
-    m = cache.match_prefix([1, 2, 3, 4, 9, 9])
-    assert m._pages is None  # nothing built by the match itself
-    assert m.pages == r.pages[:2]
-    assert m.pages is m.pages  # built once, then the same list
-    assert m.num_tokens == 4 and m.node.depth_tokens == 4
-    assert m.host_node is m.node and m.host_pages == [] and m.num_host_tokens == 0
-
-
-def test_match_result_behaves_as_a_named_tuple() -> None:
-    cache = make_cache(page_size=2)
-    r = fill(cache, [1, 2, 3, 4])
-    m = cache.match_prefix([1, 2, 3, 4])
-    node, pages, ntok, host_node, host_pages, nhost = m
-    assert (node, pages, ntok, host_node, host_pages, nhost) == (
-        r.node, r.pages, 4, r.node, [], 0,
-    )  # fmt: skip
-    assert m == (r.node, r.pages, 4, r.node, [], 0) and len(m) == 6
-    assert m[1] == r.pages and m[-1] == 0 and m[:3] == (r.node, r.pages, 4)
-    assert m._fields == ("node", "pages", "num_tokens", "host_node", "host_pages",
-                         "num_host_tokens")  # fmt: skip
-    assert m._asdict()["pages"] == r.pages
-    moved = m._replace(host_node=None)
-    assert isinstance(moved, MatchResult) and moved.host_node is None and moved.pages == r.pages
-    with pytest.raises(ValueError, match="unexpected field"):
-        m._replace(nodes=None)
-    assert "pages=[" in repr(m) and repr(m).startswith("MatchResult(")
-    with pytest.raises(TypeError):
-        hash(m)
-    miss = cache.match_prefix([7, 7])
-    assert miss == (cache.root, [], 0, cache.root, [], 0)
-
-
-def test_pages_of_an_evicted_match_raise_instead_of_lying() -> None:
-    """An unlocked match is valid only until a call that may evict; reading its pages after
-    its node was evicted (or cut) raises rather than naming pages that are free again."""
-    cache = make_cache(num_pages=8, page_size=2)
-    fill(cache, [1, 2, 3, 4])
-    m = cache.match_prefix([1, 2, 3, 4])
-    cut = cache.match_prefix([1, 2, 3, 4])
-    cache.evict(1)  # the leaf loses its last page: cut
-    with pytest.raises(StaleMatchError, match="lock the node"):
-        _ = cut.pages
-    cache.evict(1)  # and now it is gone
-    with pytest.raises(StaleMatchError):
-        _ = m.pages
-    kept = cache.match_prefix([5, 6])  # nothing matched: the root, pages given at once
-    cache.evict(10)
-    assert kept.pages == []
-
-
-def test_locked_match_pages_survive_eviction_and_splits() -> None:
-    cache = make_cache(num_pages=16, page_size=2)
-    r = fill(cache, [1, 2, 3, 4, 5, 6])
-    fill(cache, [9, 9])
-    m = cache.match_prefix([1, 2, 3, 4, 5, 6])
-    cache.lock(m.node)
-    cache.match_prefix([1, 2, 7, 7])  # splits the path above m.node
-    assert cache.evict(10) == 1  # only the unlocked [9, 9]
-    assert m.pages == r.pages
-    cache.unlock(m.node)
-    cache.check_invariants()
+# ---------------------------------------------------------------- the inlined walks
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_plain_and_hashed_caches_agree_op_by_op(page_size: int) -> None:
+    """match_prefix and insert of a plain cache run the walk inlined; a cache with a hash_fn runs
+    _walk: every result, split and stat must be the same."""
+    rng = np.random.default_rng(page_size)
+    caches = [RadixCache(PagePool(5000), page_size=page_size, hash_fn=h) for h in (None, hash)]
+    for _ in range(300):
+        n = int(rng.integers(0, 7)) * page_size + int(rng.integers(0, page_size))
+        seq = array("q", (rng.integers(0, 3, 2).tolist() + rng.integers(0, 4, n).tolist())[:n])
+        got = []
+        for c in caches:
+            m = c.match_prefix(seq)
+            c.lock(m.node)
+            whole = len(seq) // page_size
+            new = c.alloc(whole - len(m.pages))
+            r = c.insert(seq[: whole * page_size], m.pages + new)
+            c.unlock(m.node)
+            got.append((m.pages, m.num_tokens, m.node.tokens, r.pages, r.num_cached_before,
+                        r.node.tokens, c.peek_prefix(seq)))  # fmt: skip
+        assert got[0] == got[1]
+    a, b = (sorted((n.tokens, n.pages) for n in c.iter_nodes()) for c in caches)
+    assert a == b
+    assert caches[0].stats == caches[1].stats
+    for c in caches:
+        c.check_invariants()
 
 
 # ---------------------------------------------------------------- eviction index
@@ -199,19 +160,3 @@ def test_children_are_keyed_by_their_first_page() -> None:
     child._hkey = keys[1]
     with pytest.raises(InvariantError, match="lookup key"):
         cache.check_invariants()
-
-
-def test_default_and_user_hash_build_the_same_trie() -> None:
-    rng = np.random.default_rng(1)
-    caches = [RadixCache(PagePool(4000), page_size=4, hash_fn=h) for h in (None, hash)]
-    for _ in range(200):
-        head = rng.integers(0, 3, 2).tolist()
-        seq = head + rng.integers(0, 4, int(rng.integers(1, 6)) * 4).tolist()
-        seq = seq[: len(seq) // 4 * 4]
-        for c in caches:
-            if seq:
-                fill(c, seq)
-    a, b = ([(n.tokens, n.pages) for n in c.iter_nodes()] for c in caches)
-    assert sorted(a) == sorted(b)
-    for c in caches:
-        c.check_invariants()

@@ -5,7 +5,6 @@ from radixkv.cache.errors import (
     InvariantError,
     LockError,
     OutOfPages,
-    StaleMatchError,
 )
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.cache.hashing import page_hashes
@@ -33,7 +32,6 @@ __all__ = [
     "OutOfPages",
     "PagePool",
     "RadixCache",
-    "StaleMatchError",
     "TreeNode",
     "page_hashes",
 ]

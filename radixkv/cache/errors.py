@@ -31,8 +31,3 @@ class LockError(ValueError):
 
 class InvariantError(AssertionError):
     """``check_invariants()`` found a violated invariant (always a bug in radixkv)."""
-
-
-class StaleMatchError(RuntimeError):
-    """``MatchResult.pages`` read after its (unlocked) node was evicted or cut: the pages it
-    named may belong to someone else by now. Lock a match's node right after matching."""

@@ -48,9 +48,8 @@ from radixkv.cache.tokens import TOKEN_BYTES, TOKEN_SHIFT, check_range, encode_t
 __all__ = ["InsertResult", "MatchResult", "RadixCache"]
 
 
-# The hot paths build results without calling a Python-level constructor: a MatchResult with
-# object.__new__ and its slots, an InsertResult (a NamedTuple) with tuple.__new__.
-_new_obj = object.__new__
+# The hot paths build results with tuple.__new__, skipping the NamedTuple's Python-level
+# __new__; the type and the fields are the same.
 _new_tuple = tuple.__new__
 
 
@@ -383,21 +382,17 @@ class RadixCache:
                 root = self.root
                 return MatchResult(root, [], 0, root, [], 0)
             self._clock = clock = self._clock + 1
+            pages: list[int] = []
             for n in path:
                 n.last_access = clock
                 n.hit_count += 1
+                pages += n._pages
             last = path[-1]
             if last._ekey is not None:  # only the last node of a path can be a leaf
                 self._index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
-            r = _new_obj(MatchResult)
-            r.node = r.host_node = last
-            r._pages = None  # built from the path when first read (results.py)
-            r.num_tokens = ntok
-            r.host_pages = []
-            r.num_host_tokens = 0
-            return r
+            return _new_tuple(MatchResult, (last, pages, ntok, last, [], 0))
         except BaseException:
             if type(qb) is memoryview:
                 _release(qb)
@@ -418,7 +413,7 @@ class RadixCache:
         self._match_queries += 1
         self._query_tokens += nq >> TOKEN_SHIFT
         if self._host is not None:
-            return MatchResult(*self._match_tiered(path, off, partial))
+            return _new_tuple(MatchResult, self._match_tiered(path, off, partial))
         if partial is not None:
             child, m = partial
             path.append(self._split(child, m))
@@ -427,15 +422,17 @@ class RadixCache:
             return MatchResult(self.root, [], 0, self.root, [], 0)
         self._clock += 1
         clock = self._clock
+        pages: list[int] = []
         for n in path:
             n.last_access = clock
             n.hit_count += 1
+            pages += n._pages
         last = path[-1]
         if last._ekey is not None:
             self._index.refresh(last)
         ntok = off >> TOKEN_SHIFT
         self._hit_tokens += ntok
-        return MatchResult(last, None, ntok, last, [], 0)
+        return _new_tuple(MatchResult, (last, pages, ntok, last, [], 0))
 
     def peek_prefix(self, tokens: Any, namespace: Any = None, *, host: bool = False) -> int:
         """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
