@@ -502,7 +502,7 @@ class RadixCache:
             path: list[TreeNode] = []
             partial = None
             off = 0
-            h = None  # the walk's hash of the page at ``off`` (the first one it did not find)
+            h = None  # the lookup key of the page at ``off`` (the first one the walk did not find)
             if start is not None and pages:
                 if self._plain:  # _walk inlined, as in match_prefix
                     node = start
