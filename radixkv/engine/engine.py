@@ -184,9 +184,14 @@ class Engine:
         t0 = time.perf_counter()
         self.seq_kv.poll()  # retire finished host-tier copies (no-op without a host tier)
         batch = self.scheduler.schedule()
+        # host-tier loads started at admission must land before the forward reads them
+        failed = self.seq_kv.finish_loads(batch.seqs)
+        if failed:  # a failed copy is a miss: those sequences go back to the queue
+            self.scheduler.unschedule_failed_loads(batch, failed)
         self._record_schedule(batch)
         if not batch.seqs:
-            self._fail_unschedulable()
+            if not failed:
+                self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()
         logits = self._forward(batch)  # [B, vocab] fp32

@@ -56,9 +56,10 @@ class SeqKV:
         Returns the number of tokens hit.
 
         With a host tier, a continuation found there is loaded back into device pages (a copy)
-        and waited for here, so the forward never reads a page before its copy landed
-        (``last_loaded_tokens`` says how many tokens came from the host). A failed load is a
-        miss for those tokens: only the device prefix counts as computed."""
+        that is only started here: it runs (copier thread / side stream) while the rest of the
+        batch is scheduled, and :meth:`finish_loads` waits for it before the forward reads
+        it. ``last_loaded_tokens`` says how many of the tokens hit are being loaded. A sequence
+        whose earlier load failed (``skip_host``) hits its device prefix only."""
         assert not seq.page_table and seq.locked_node is None, seq
         self.last_loaded_tokens = 0
         if not self.enabled or len(seq.token_ids) <= 1:
@@ -67,26 +68,41 @@ class SeqKV:
         cache = self.cache
         m = cache.match_prefix(seq.token_ids[:-1], namespace=seq.namespace)
         node, pages, hit = m.node, m.pages, m.num_tokens
-        if m.num_host_tokens:
+        if m.num_host_tokens and not seq.skip_host:
             t = time.perf_counter()
             lb = cache.load_back(m)
-            cache.lock(lb.node)
-            if cache.wait_load(lb):
-                node, pages, hit = lb.node, lb.pages, lb.num_tokens
+            node, pages, hit = lb.node, lb.pages, lb.num_tokens
+            if lb.num_loaded_tokens:
+                seq.load = lb
                 self.last_loaded_tokens = lb.num_loaded_tokens
-            else:  # the copy failed: its nodes are host-only again; hit the device prefix
-                cache.unlock(lb.node)
-                m = cache.match_prefix(seq.token_ids[:-1], namespace=seq.namespace)
-                cache.lock(m.node)
-                node, pages, hit = m.node, m.pages, m.num_tokens
             self.load_back_seconds += time.perf_counter() - t
-        else:
-            cache.lock(node)
+        cache.lock(node)
         seq.locked_node = node
         seq.page_table = list(pages)
         seq.num_shared_pages = len(pages)
         seq.num_computed = hit
         return hit
+
+    def finish_loads(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+        """Wait for the host-tier loads the sequences started in :meth:`acquire`; call before a
+        forward reads their pages. Returns the sequences whose copy failed: their loaded pages
+        went back to the pool (the nodes are host-only again), so their page tables are not
+        valid past the device prefix (their ``load`` stays set until then, for the record);
+        the caller must release them (``insert=False``) and admit them again, which then hits
+        the device prefix only."""
+        failed = []
+        t = time.perf_counter()
+        for seq in seqs:
+            lb = seq.load
+            if lb is None:
+                continue
+            if self.cache.wait_load(lb):
+                seq.load = None
+            else:
+                seq.skip_host = True
+                failed.append(seq)
+        self.load_back_seconds += time.perf_counter() - t
+        return failed
 
     def pages_needed(self, seq: Sequence, num_new: int) -> int:
         """Private pages to allocate so ``num_new`` more tokens have slots."""
@@ -128,6 +144,8 @@ class SeqKV:
             # publishing is an optimisation; freeing below must happen even if it fails
             with contextlib.suppress(Exception):
                 self.commit(seq)
+        # a load still in flight keeps its own lock until the cache retires it (poll)
+        seq.load = None
         private = seq.page_table[seq.num_shared_pages :]
         if private:
             self.cache.pool.free(private)

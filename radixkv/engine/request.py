@@ -20,7 +20,7 @@ from radixkv.engine.params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from radixkv.cache import TreeNode
+    from radixkv.cache import LoadBack, TreeNode
 
 # What partitions the prefix cache (a tenant, a LoRA, a cache salt): any hashable value, None
 # for the shared default namespace. Two requests share cached pages only within one namespace.
@@ -41,7 +41,8 @@ class Sequence:
             the tokens being computed); page i holds tokens ``[i*page_size, (i+1)*page_size)``.
         num_shared_pages: ``page_table[:num_shared_pages]`` belong to the trie and are protected
             by the lock on ``locked_node``; the rest are this sequence's private pages.
-        num_computed: tokens whose K/V are in the pool.
+        num_computed: tokens whose K/V are in the pool (once ``load``, a host-tier copy in
+            flight, has landed: ``SeqKV.finish_loads``).
     """
 
     __slots__ = (
@@ -52,6 +53,7 @@ class Sequence:
         "index",
         "inflight_keys",
         "live_detok",
+        "load",
         "locked_node",
         "num_cached_tokens",
         "num_computed",
@@ -60,6 +62,7 @@ class Sequence:
         "page_keys",
         "page_table",
         "seq_id",
+        "skip_host",
         "status",
         "stop_reason",
         "token_ids",
@@ -90,6 +93,10 @@ class Sequence:
         self.locked_node: TreeNode | None = None
         self.num_computed = 0
         self.num_cached_tokens = -1  # set at first admission
+        # host tier: the load back started at admission, waited for before the forward
+        # (kv_manager.py); after one failed, this sequence stops trying the host tier
+        self.load: LoadBack | None = None
+        self.skip_host = False
         # in-batch sharing (inflight.py): chained hashes of the full pages (grown lazily), and
         # (page index, hash) of the pages this sequence announced it is computing, in page order
         self.page_keys: list[int] = []

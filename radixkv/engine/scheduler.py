@@ -58,6 +58,7 @@ class ScheduledBatch:
     num_query_tokens: int = 0  # their prompt tokens
     num_hit_tokens: int = 0  # of those, served from the prefix cache
     num_host_hit_tokens: int = 0  # of those, loaded back from the host tier
+    first_admissions: list[Sequence] = field(default_factory=list)  # the ones counted above
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -226,6 +227,7 @@ class Scheduler:
                 batch.num_query_tokens += seq.num_prompt_tokens
                 batch.num_hit_tokens += hit
                 batch.num_host_hit_tokens += self.kv.last_loaded_tokens
+                batch.first_admissions.append(seq)
             metrics = seq.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.monotonic()
@@ -241,6 +243,33 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
         batch.num_prefill_tokens += tokens
         batch.prefill_cost += used
+
+    def unschedule_failed_loads(self, batch: ScheduledBatch, failed: list[Sequence]) -> None:
+        """Take sequences whose host-tier load failed (``SeqKV.finish_loads``) out of the batch
+        before its forward: release their pages and locks and put them back at the head of the
+        queue; the batch's lookup counters forget them, so their next admission (a device-only
+        hit) is the one counted."""
+        gone = {id(s) for s in failed}
+        keep = [(s, n) for s, n in zip(batch.seqs, batch.num_new) if id(s) not in gone]
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if id(seq) not in gone:
+                continue
+            batch.num_prefill_tokens -= n
+            batch.prefill_cost -= chunk_cost(n, seq.num_computed, self._ratio)
+            if any(s is seq for s in batch.first_admissions):  # counted this step: uncount
+                batch.num_queries -= 1
+                batch.num_query_tokens -= seq.num_prompt_tokens
+                batch.num_hit_tokens -= seq.num_cached_tokens
+                if seq.load is not None:
+                    batch.num_host_hit_tokens -= seq.load.num_loaded_tokens
+                seq.num_cached_tokens = -1
+            self.running.remove(seq)
+            self._inflight.drop(seq)
+            self.kv.release(seq, insert=False)
+            seq.status = SeqStatus.WAITING
+        batch.seqs = [s for s, _ in keep]
+        batch.num_new = [n for _, n in keep]
+        self.waiting.extendleft(reversed(failed))
 
     def _chunk(self, remaining: int, budget: float, past: int, *, first: bool) -> int:
         """Tokens to compute this step for a sequence with ``remaining`` uncomputed tokens after
