@@ -32,8 +32,9 @@ class PagePool:
     and the queries. The cache moves pages with ``check_held`` (validate, change nothing),
     ``adopt`` (HELD -> CACHED), ``release_held`` (HELD -> FREE) and ``release_cached``
     (CACHED -> FREE); the last three trust their input, so they take only pages that
-    ``check_held`` accepted or that the trie owns. Every error leaves the pool unchanged. Not
-    thread-safe.
+    ``check_held`` accepted or that the trie owns. ``adopt_run`` checks and adopts an
+    ascending run of HELD pages at once, or changes nothing. Every error leaves the pool
+    unchanged. Not thread-safe.
     """
 
     __slots__ = ("_free", "_ids", "_num_cached", "_state", "num_pages")
