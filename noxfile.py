@@ -1,4 +1,5 @@
-"""nox sessions: tests, lint, fuzz, bench, notebooks, docs, gpu_contract, gpu_kit, gpu_check."""
+"""nox sessions: tests, lint, fuzz, bench, bench_vs_sglang, bench_cluster, notebooks, docs,
+gpu_contract, gpu_kit, gpu_check."""
 
 from __future__ import annotations
 
@@ -74,6 +75,15 @@ def bench(session: nox.Session) -> None:
     )
     for script in scripts:
         session.run("python", f"bench/{script}", *session.posargs)
+    session.run("python", "bench/make_report.py")
+
+
+@nox.session(python="3.11")
+def bench_vs_sglang(session: nox.Session) -> None:
+    """radixkv's trie against SGLang's Python and Rust radix caches (downloads the sglang
+    wheel with pip, no dependencies; never part of CI), then regenerate docs/benchmarks.md."""
+    _install(session, "test")
+    session.run("python", "bench/bench_vs_sglang.py", *session.posargs)
     session.run("python", "bench/make_report.py")
 
 

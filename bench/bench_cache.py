@@ -202,7 +202,6 @@ def metadata_bytes(reqs: list[tuple[Any, Any]], page_size: int) -> dict[str, flo
     snap = tracemalloc.take_snapshot().filter_traces(
         [
             tracemalloc.Filter(True, "*radixkv/cache/*"),
-            tracemalloc.Filter(True, "*sortedcontainers/*"),
             tracemalloc.Filter(False, "*radixkv/cache/page_pool.py"),
         ]
     )

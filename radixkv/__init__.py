@@ -17,8 +17,8 @@ _EXPORTS: dict[str, str] = {
     "PagePool": "radixkv.cache.page_pool",
     "OutOfPages": "radixkv.cache.errors",
     "RadixCache": "radixkv.cache.radix_cache",
-    "MatchResult": "radixkv.cache.radix_cache",
-    "InsertResult": "radixkv.cache.radix_cache",
+    "MatchResult": "radixkv.cache.results",
+    "InsertResult": "radixkv.cache.results",
     "CacheStats": "radixkv.cache.stats",
     "LoadBack": "radixkv.cache.tiers",
     # kv / model layers

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixkv.cache import PagePool, RadixCache
+from radixkv.cache.hashing import default_hash_fn
 
 
 def constant_hash(page: bytes) -> int:
@@ -12,7 +13,9 @@ def constant_hash(page: bytes) -> int:
     return 7
 
 
-HASH_FNS = {"xxh3": None, "constant": constant_hash}
+# The default (children keyed by their first page's bytes), a real hash (XXH3-64: the
+# user-hash path without collisions) and a constant one (every child in one bucket).
+HASH_FNS = {"page-bytes": None, "xxh3": default_hash_fn, "constant": constant_hash}
 
 
 def make_cache(

@@ -1,11 +1,17 @@
 """The cache layer (torch-free): page pool, radix trie, eviction, hashing, events, host tier."""
 
-from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
+from radixkv.cache.errors import (
+    ForeignNodeError,
+    InvariantError,
+    LockError,
+    OutOfPages,
+)
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.cache.hashing import page_hashes
 from radixkv.cache.node import TreeNode
 from radixkv.cache.page_pool import PagePool
-from radixkv.cache.radix_cache import InsertResult, MatchResult, RadixCache
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.results import InsertResult, MatchResult
 from radixkv.cache.stats import CacheStats
 from radixkv.cache.tiers import CompletedCopy, Copier, CopyHandle, LoadBack
 

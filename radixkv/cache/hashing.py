@@ -2,10 +2,11 @@
 
 Two different hashes live here:
 
-* ``default_hash_fn(page_key) -> int``: picks candidate children in the trie. It sees one page
-  in the cache's key encoding (native int64 bytes). Any function of those bytes works, even a
-  constant (collision safety is part of RadixCache's contract). Injected with
-  ``RadixCache(..., hash_fn=...)``.
+* ``default_hash_fn(page_key) -> int``: a child-lookup hash (XXH3-64) one may give the trie as
+  ``RadixCache(..., hash_fn=...)``. It sees one page in the cache's key encoding (native int64
+  bytes). Any function of those bytes works, even a constant (collision safety is part of
+  RadixCache's contract). Without one the trie keys each child by its first page's bytes
+  themselves (exact, and cheaper than a Python-level hash call).
 
 * ``page_hashes(tokens, page_size, namespace)``: per-page *chained* hashes published in
   ``BlockStored``/``BlockRemoved`` events. They follow Dynamo's KV-router scheme: the local hash
@@ -36,8 +37,8 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _pack2 = struct.Struct("<QQ").pack
 
 
-# Child-lookup hash of one page (key encoding): XXH3-64, seed 0, called straight from C.
-# Collisions are safe, only slower.
+# A child-lookup hash of one page (key encoding): XXH3-64, seed 0, called straight from C.
+# Collisions are safe, only slower. (Not the trie's default: see the module docstring.)
 default_hash_fn: HashFn = xxhash.xxh3_64_intdigest
 
 

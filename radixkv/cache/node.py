@@ -160,3 +160,16 @@ class TreeNode:
             f"lock_ref={self.lock_ref}, last_access={self.last_access}, "
             f"namespace={self.namespace!r})"
         )
+
+
+def path_pages(node: TreeNode) -> list[int]:
+    """A fresh list of all device pages from the root down to and including ``node``."""
+    parts: list[list[int]] = []
+    while node is not None:
+        if node._pages:
+            parts.append(node._pages)
+        node = node.parent
+    out: list[int] = []
+    for p in reversed(parts):
+        out += p
+    return out

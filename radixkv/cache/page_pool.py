@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from operator import itemgetter
 
 from radixkv.cache.errors import InvariantError, OutOfPages
 
 FREE, HELD, CACHED = 0, 1, 2
 _STATE_NAMES = ("free", "held", "cached")
+_STATE_BYTES = (b"\x00", b"\x01", b"\x02")  # one state byte, to repeat over a run
 
 
 class PagePool:
@@ -30,18 +32,24 @@ class PagePool:
     and the queries. The cache moves pages with ``check_held`` (validate, change nothing),
     ``adopt`` (HELD -> CACHED), ``release_held`` (HELD -> FREE) and ``release_cached``
     (CACHED -> FREE); the last three trust their input, so they take only pages that
-    ``check_held`` accepted or that the trie owns. Every error leaves the pool unchanged. Not
-    thread-safe.
+    ``check_held`` accepted or that the trie owns. ``adopt_run`` checks and adopts an
+    ascending run of HELD pages at once, or changes nothing. Every error leaves the pool
+    unchanged. Not thread-safe.
     """
 
-    __slots__ = ("_free", "_num_cached", "_state", "num_pages")
+    __slots__ = ("_free", "_ids", "_num_cached", "_state", "num_pages")
 
     def __init__(self, num_pages: int) -> None:
         if type(num_pages) is not int or num_pages < 0:
             raise ValueError(f"num_pages must be a non-negative int, got {num_pages!r}")
         self.num_pages = num_pages
-        # Reversed so that alloc pops 0, 1, 2, ... first (deterministic, readable tests).
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # One int object per page id, shared by the free list, the callers and the trie:
+        # ``_ids[a:b]`` is the canonical run of pages a..b-1 (check_held and adopt compare
+        # against it, and hand it out, so the trie stores plain ints whatever was passed).
+        self._ids: list[int] = list(range(num_pages))
+        # Reversed so that alloc pops 0, 1, 2, ... first (deterministic, readable tests);
+        # freed pages go back reversed too, so alloc keeps handing out ascending runs.
+        self._free: list[int] = self._ids[::-1]
         self._state = bytearray(num_pages)
         self._num_cached = 0
 
@@ -81,9 +89,7 @@ class PagePool:
         pages = free[-n:]
         del free[-n:]
         pages.reverse()
-        state = self._state
-        for p in pages:
-            state[p] = HELD
+        self._set_state(pages, HELD)
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
@@ -101,6 +107,10 @@ class PagePool:
         Changes nothing. Raises TypeError for a non-integer id, ValueError for an id out of
         range, a page that is not HELD, or a page listed twice.
         """
+        if type(pages) is list and len(pages) > 1:
+            fast = self._check_held_fast(pages)
+            if fast is not None:
+                return fast
         out: list[int] = []
         state = self._state
         n = self.num_pages
@@ -125,31 +135,100 @@ class PagePool:
             raise ValueError(f"page {dup} is listed more than once")
         return out
 
+    def _check_held_fast(self, pages: list[int]) -> list[int] | None:
+        """check_held of two or more pages without a Python loop, or None when anything is
+        unusual (then the loop decides, and names the problem).
+
+        An ascending run of ints (what alloc hands out) costs one list compare against the
+        canonical run and one count of state bytes. Anything else: every id >= 2 (so no bool
+        and no negative id, which would index from the end; lists with pages 0 or 1 take the
+        loop), all HELD (one C gather of the
+        state bytes; an id out of range or not an integer raises), distinct (a set). The result
+        is the canonical int objects of those ids, so an id passed as, say, a numpy integer is
+        stored as a plain int.
+        """
+        n = len(pages)
+        ids = self._ids
+        try:
+            a = pages[0]
+            # (a bool equals 0 or 1, which in a run can only sit at positions 0 and 1)
+            if type(a) is int and type(pages[1]) is int and a >= 0 and pages[-1] - a == n - 1:
+                run = ids[a : a + n]
+                if pages == run:  # exactly a, a+1, ..., a+n-1
+                    return run if self._state.count(HELD, a, a + n) == n else None
+            if min(pages) < 2:
+                return None
+            get = itemgetter(*pages)
+            if get(self._state) != (HELD,) * n or len(set(pages)) != n:
+                return None
+            return list(get(ids))
+        except (TypeError, IndexError, ValueError):
+            return None
+
+    def adopt_run(self, pages: list[int]) -> list[int] | None:
+        """HELD -> CACHED, in one slice, when ``pages`` is an ascending run of two or more HELD
+        pages (a, a+1, ..., what alloc hands out); returns the run's canonical int objects.
+        Otherwise None, and nothing changed (None says nothing about validity: use
+        ``check_held`` and ``adopt`` then). The cache's fast path: check and move at once.
+        """
+        n = len(pages)
+        if n < 2:
+            return None
+        a = pages[0]
+        # (a bool equals 0 or 1, which in a run can only sit at positions 0 and 1)
+        if type(a) is not int or type(pages[1]) is not int or a < 0:
+            return None
+        try:
+            if pages[-1] - a != n - 1:
+                return None
+        except TypeError:
+            return None
+        run = self._ids[a : a + n]
+        state = self._state
+        if pages != run or state.count(HELD, a, a + n) != n:
+            return None
+        state[a : a + n] = _STATE_BYTES[CACHED] * n
+        self._num_cached += n
+        return run
+
+    def _run_start(self, pages: list[int]) -> int:
+        """``a`` when ``pages`` is the canonical run a, a+1, ..., a+n-1 (n >= 2), else -1."""
+        n = len(pages)
+        if n < 2:
+            return -1
+        a = pages[0]
+        if pages[-1] - a == n - 1 and pages == self._ids[a : a + n]:
+            return a
+        return -1
+
     def _check_range(self, page: int) -> None:
         if type(page) is not int or not 0 <= page < self.num_pages:
             raise ValueError(f"page {page!r} is out of range [0, {self.num_pages})")
 
     def adopt(self, pages: list[int]) -> None:
         """HELD -> CACHED for pages ``check_held`` accepted (the trie now owns them)."""
-        state = self._state
-        for p in pages:
-            state[p] = CACHED
+        self._set_state(pages, CACHED)
         self._num_cached += len(pages)
 
     def release_held(self, pages: list[int]) -> None:
         """HELD -> FREE for pages ``check_held`` accepted."""
-        state = self._state
-        for p in pages:
-            state[p] = FREE
-        self._free.extend(pages)
+        self._set_state(pages, FREE)
+        self._free.extend(reversed(pages))
 
     def release_cached(self, pages: list[int]) -> None:
         """CACHED -> FREE for pages the trie gives up."""
-        state = self._state
-        for p in pages:
-            state[p] = FREE
-        self._free.extend(pages)
+        self._set_state(pages, FREE)
+        self._free.extend(reversed(pages))
         self._num_cached -= len(pages)
+
+    def _set_state(self, pages: list[int], s: int) -> None:
+        a = self._run_start(pages)
+        state = self._state
+        if a >= 0:  # one slice assignment for a run
+            state[a : a + len(pages)] = _STATE_BYTES[s] * len(pages)
+        else:
+            for p in pages:
+                state[p] = s
 
     # ----------------------------------------------------------------------------- invariants
     def check_invariants(self) -> None:

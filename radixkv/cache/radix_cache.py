@@ -7,15 +7,14 @@ live and the copies between the tiers (the "host tier" section of the class; tie
 the copier it drives, the write policies and the tier's state). The ownership contract is
 stated once, in the RadixCache docstring; the fast paths and the tier rules are explained in
 docs/cache_design.md. MatchResult and InsertResult, what match_prefix and insert return, are
-defined here beside it.
+defined in results.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, NoReturn
-
-import numpy as np
+from array import array
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEmitter, Listener
@@ -24,12 +23,12 @@ from radixkv.cache.hashing import (
     HashFn,
     chain_hashes,
     chain_start,
-    default_hash_fn,
     local_hashes_of_key,
 )
-from radixkv.cache.node import TreeNode
+from radixkv.cache.node import TreeNode, path_pages
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.pretty import render_dot, render_text
+from radixkv.cache.results import InsertResult, MatchResult
 from radixkv.cache.stats import CacheStats
 from radixkv.cache.tiers import (
     BACKUP,
@@ -54,42 +53,24 @@ from radixkv.cache.tokens import TOKEN_BYTES, TOKEN_SHIFT, check_range, encode_t
 __all__ = ["InsertResult", "MatchResult", "RadixCache"]
 
 
-class MatchResult(NamedTuple):
-    """What ``RadixCache.match_prefix`` returns (see RadixCache for who owns the pages).
-
-    The first three fields are the device-resident prefix. The last three describe the
-    continuation found in the host tier right after it (always empty without a host tier):
-    ``load_back(match)`` turns it into device pages.
-    """
-
-    node: TreeNode  # deepest matched device-resident node (the root when none); lock this
-    pages: list[int]  # device pages of the matched prefix, in order (a fresh list)
-    num_tokens: int  # matched device-resident tokens, a multiple of page_size
-    host_node: TreeNode | None = None  # deepest node of the host continuation (node when none)
-    host_pages: Sequence[int] = ()  # host pages of the continuation, in order (a fresh list)
-    num_host_tokens: int = 0  # tokens of the continuation, a multiple of page_size
-
-
-class InsertResult(NamedTuple):
-    """What ``RadixCache.insert`` returns (see RadixCache for who owns the pages)."""
-
-    node: TreeNode  # node ending at the last inserted page (the root for an empty insert)
-    pages: list[int]  # canonical pages of the whole inserted prefix (a fresh list)
-    num_cached_before: int  # leading tokens that were cached (on the device) before this insert
-
-
 # The hot paths build results with tuple.__new__, skipping the NamedTuple's Python-level
 # __new__; the type and the fields are the same.
-_new_result = tuple.__new__
+_new_tuple = tuple.__new__
 
 
-def _common_pages(key: bytes, qb: bytes | memoryview, off: int, limit: int, ps: int) -> int:
-    """Whole pages shared by ``key`` and ``qb[off:limit]`` (one vectorised compare)."""
-    n = min(len(key), limit - off) >> TOKEN_SHIFT
-    a = np.frombuffer(key, np.int64, count=n)
-    b = np.frombuffer(qb, np.int64, count=n, offset=off)
-    diff = np.flatnonzero(a != b)
-    return (int(diff[0]) if diff.size else n) // ps
+def _common_pages(key: bytes, mv: memoryview, off: int, limit: int, pb: int) -> int:
+    """Whole pages shared by ``key`` and ``mv[off:limit]``: a binary search over page counts,
+    each step one ``memcmp`` (``bytes.startswith`` at an offset) of the pages between the
+    known-equal prefix and the probe, so the bytes compared add up to about one key."""
+    lo = 0
+    hi = min(len(key), limit - off) // pb
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if key.startswith(mv[off + lo * pb : off + mid * pb], lo * pb):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _fail(msg: str) -> NoReturn:
@@ -174,8 +155,10 @@ class RadixCache:
         policy: eviction order, "lru" (default) or "lfu", or an object with a ``name`` and a
             ``key(node) -> int`` method (smaller keys are evicted first; see eviction.py).
         hash_fn: child-lookup hash of one page, given as ``bytes`` holding the page's tokens in
-            the key encoding (native int64); it must return the same int for equal bytes.
-            Defaults to XXH3-64. Any function works, even a constant.
+            the key encoding (native int64); it must return the same int for equal bytes. Any
+            function works, even a constant. The default, None, hashes nothing of its own: a
+            node's children are keyed by the bytes of their first page (the dict hashes them),
+            which is exact, so siblings never share a slot.
         host_pool: the host tier's PagePool (ids of host-memory pages), or None for no host
             tier; a pool of its own, with at least one page, none of them in use.
         copier: moves pages between the tiers (tiers.Copier); required with ``host_pool``.
@@ -206,9 +189,7 @@ class RadixCache:
             raise TypeError("hash_fn must be callable(bytes) -> int")
         check_tier_args(pool, host_pool, copier, write_policy, write_through_threshold)
         self.policy = get_policy(policy)
-        if hash_fn is None:
-            hash_fn = default_hash_fn  # C code that reads the query view in place
-        else:
+        if hash_fn is not None:
             user_fn = hash_fn  # walks slice a view of the query: hand the user bytes
 
             def hash_fn(page: Any) -> int:
@@ -217,7 +198,9 @@ class RadixCache:
         self.pool = pool
         self.page_size = page_size
         self._pb = page_size * TOKEN_BYTES  # bytes per page in a key
+        # None: children are keyed by their first page's bytes themselves (the default)
         self._hash_fn = hash_fn
+        self._plain = hash_fn is None and host_pool is None  # match_prefix's inlined walk
         # the trie
         self._next_id = 0
         self._clock = 0  # logical time: bumped once per match or insert
@@ -342,14 +325,7 @@ class RadixCache:
     def path_pages(self, node: TreeNode) -> list[int]:
         """All device pages from the root down to and including ``node``."""
         self._check_node(node)
-        parts: list[list[int]] = []
-        while node is not None:
-            parts.append(node._pages)
-            node = node.parent
-        out: list[int] = []
-        for p in reversed(parts):
-            out += p
-        return out
+        return path_pages(node)
 
     # ======================================================================== match
     def match_prefix(self, tokens: Any, namespace: Any = None) -> MatchResult:
@@ -368,30 +344,50 @@ class RadixCache:
         still in flight on the path are waited for first, and ``write_through_selective`` may
         start backups of the path's hot nodes (making room by host eviction elsewhere).
         """
-        qb = encode_tokens(tokens)
+        if type(tokens) is array and tokens.typecode == "q":
+            qb: bytes | memoryview = memoryview(tokens).cast("B")  # read in place
+        else:
+            qb = encode_tokens(tokens)
+        # No explicit release of the view on return: it dies with this frame. An exception
+        # keeps the frame alive in its traceback, so there the view is released at once.
         try:
+            if not self._plain:
+                return self._match_walked(qb, namespace)
+            # The plain cache (no hash_fn, no host tier): _walk inlined, the hot path.
             pb = self._pb
-            start = self.root if namespace is None else self._ns_roots.get(namespace)
-            limit = len(qb) - len(qb) % pb
-            if start is None or limit == 0:
-                check_range(qb)
-                path, off, partial = [], 0, None
-            else:
-                path, off, partial = self._walk(start, qb, limit)
-                # The matched part equals stored (validated) keys: only the rest needs checking.
-                check_range(qb, off + (partial[1] * pb if partial else 0))
+            nq = len(qb)
+            limit = nq - nq % pb
+            node = self.root if namespace is None else self._ns_roots.get(namespace)
+            path: list[TreeNode] = []
+            off = 0
+            cut = None  # (child, pages) when the match ends inside a child
+            if node is not None:
+                while off < limit:
+                    c = node._children.get(qb[off : off + pb].tobytes())
+                    if c is None:
+                        break
+                    key = c.key
+                    end = off + len(key)
+                    if end <= limit and key.startswith(qb[off:end]):
+                        path.append(c)
+                        off = end
+                        node = c
+                        continue
+                    m = _common_pages(key, qb, off, limit, pb)
+                    if m:
+                        cut = (c, m)
+                    break
+            # The matched part equals stored (validated) keys: only the rest needs checking.
+            check_range(qb, off + cut[1] * pb if cut else off)
             self._match_queries += 1
-            self._query_tokens += len(qb) >> TOKEN_SHIFT
-            if self._host is not None:
-                return _new_result(MatchResult, self._match_tiered(path, off, partial))
-            if partial is not None:
-                child, m = partial
-                path.append(self._split(child, m))
-                off += m * pb
+            self._query_tokens += nq >> TOKEN_SHIFT
+            if cut is not None:
+                path.append(self._split(*cut))
+                off += cut[1] * pb
             if not path:
-                return MatchResult(self.root, [], 0, self.root, [], 0)
-            self._clock += 1
-            clock = self._clock
+                root = self.root
+                return MatchResult(root, [], 0, root, [], 0)
+            self._clock = clock = self._clock + 1
             pages: list[int] = []
             for n in path:
                 n.last_access = clock
@@ -402,10 +398,47 @@ class RadixCache:
                 self._index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
-            return _new_result(MatchResult, (last, pages, ntok, last, [], 0))
-        finally:
+            return _new_tuple(MatchResult, (last, pages, ntok, last, [], 0))
+        except BaseException:
             if type(qb) is memoryview:
                 _release(qb)
+            raise
+
+    def _match_walked(self, qb: bytes | memoryview, namespace: Any) -> MatchResult:
+        """match_prefix through ``_walk``: with a user hash_fn or a host tier."""
+        pb = self._pb
+        nq = len(qb)
+        limit = nq - nq % pb
+        start = self.root if namespace is None else self._ns_roots.get(namespace)
+        if start is None or limit == 0:
+            check_range(qb)
+            path, off, partial = [], 0, None
+        else:
+            path, off, partial, _ = self._walk(start, qb, limit)
+            check_range(qb, off + (partial[1] * pb if partial else 0))
+        self._match_queries += 1
+        self._query_tokens += nq >> TOKEN_SHIFT
+        if self._host is not None:
+            return _new_tuple(MatchResult, self._match_tiered(path, off, partial))
+        if partial is not None:
+            child, m = partial
+            path.append(self._split(child, m))
+            off += m * pb
+        if not path:
+            return MatchResult(self.root, [], 0, self.root, [], 0)
+        self._clock += 1
+        clock = self._clock
+        pages: list[int] = []
+        for n in path:
+            n.last_access = clock
+            n.hit_count += 1
+            pages += n._pages
+        last = path[-1]
+        if last._ekey is not None:
+            self._index.refresh(last)
+        ntok = off >> TOKEN_SHIFT
+        self._hit_tokens += ntok
+        return _new_tuple(MatchResult, (last, pages, ntok, last, [], 0))
 
     def peek_prefix(self, tokens: Any, namespace: Any = None, *, host: bool = False) -> int:
         """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
@@ -421,7 +454,7 @@ class RadixCache:
             if start is None or limit == 0:
                 check_range(qb)
                 return 0
-            path, off, partial = self._walk(start, qb, limit)
+            path, off, partial, _ = self._walk(start, qb, limit)
             if partial is not None:
                 off += partial[1] * self._pb
             check_range(qb, off)
@@ -452,28 +485,55 @@ class RadixCache:
         """
         if self._copies:
             self.poll()
-        qb = encode_tokens(tokens)
-        try:
+        if type(tokens) is array and tokens.typecode == "q":
+            qb: bytes | memoryview = memoryview(tokens).cast("B")  # read in place
+        else:
+            qb = encode_tokens(tokens)
+        try:  # as in match_prefix: the view is released explicitly only on an exception
             if type(pages) is not list:
                 pages = list(pages)
             pb = self._pb
-            if len(qb) != len(pages) * pb:
+            nq = len(qb)
+            if nq != len(pages) * pb:
                 check_range(qb)  # a bad token id is the more useful error
                 raise ValueError(
                     f"insert needs len(tokens) == len(pages) * page_size: got "
-                    f"{len(qb) >> TOKEN_SHIFT} tokens and {len(pages)} pages with page_size "
+                    f"{nq >> TOKEN_SHIFT} tokens and {len(pages)} pages with page_size "
                     f"{self.page_size}"
                 )
             if namespace is not None:
                 hash(namespace)  # unhashable namespaces fail before any change
             start = self.root if namespace is None else self._ns_roots.get(namespace)
+            host = self._host
             path: list[TreeNode] = []
             partial = None
             off = 0
+            h = None  # the lookup key of the page at ``off`` (the first one the walk did not find)
             if start is not None and pages:
-                path, off, partial = self._walk(start, qb, len(qb))
-                if self._host is not None:
-                    self._settle_walk(path, partial)
+                if self._plain:  # _walk inlined, as in match_prefix
+                    node = start
+                    while off < nq:
+                        h = qb[off : off + pb].tobytes()
+                        c = node._children.get(h)
+                        if c is None:
+                            break
+                        key = c.key
+                        end = off + len(key)
+                        if end <= nq and key.startswith(qb[off:end]):
+                            path.append(c)
+                            off = end
+                            node = c
+                            continue
+                        m = _common_pages(key, qb, off, nq, pb)
+                        if m:
+                            partial = (c, m)
+                        break
+                    else:
+                        h = None
+                else:
+                    path, off, partial, h = self._walk(start, qb, nq)
+                    if host is not None:
+                        self._settle_walk(path, partial)
             canon: list[int] = []
             for n in path:
                 canon += n._pages
@@ -481,49 +541,67 @@ class RadixCache:
                 canon += partial[0]._pages[: partial[1]]
             ncached = len(canon)
             # pages cached in host memory only, right after the device-resident ones
-            nprom = 0
-            if self._host is not None:
-                nprom = off // pb + (partial[1] if partial is not None else 0) - ncached
-            check_range(qb, (ncached + nprom) * pb)  # the cached part equals stored keys
-            head = pages[:ncached]
-            dups = [] if head == canon else [p for p, q in zip(head, canon) if p != q]
+            nold = ncached
+            if host is not None:
+                nold = off // pb + (partial[1] if partial is not None else 0)
+            # the new leaf's key (a copy of the caller's tokens); the cached part equals stored
+            # keys, so only this part needs its ids checked
+            newkey = qb[nold * pb :].tobytes()
+            check_range(newkey)
             pool = self.pool
-            checked = pool.check_held(dups + pages[ncached:])  # raises: nothing changed yet
-            dups, new = checked[: len(dups)], checked[len(dups) :]
-            if nprom:
-                promote, new = new[:nprom], new[nprom:]
+            adopted = False  # the new pages are CACHED already (one run, pool.adopt_run)
+            if ncached and pages[:ncached] != canon:
+                dups = [p for p, q in zip(pages, canon) if p != q]
+                checked = pool.check_held(dups + pages[ncached:])  # raises: nothing changed yet
+                dups, new = checked[: len(dups)], checked[len(dups) :]
+            else:
+                dups = []
+                new = pages[ncached:] if ncached else pages
+                # The last check of the call: a run is checked and adopted at once (nothing
+                # below can fail); anything else is checked here and adopted below.
+                run = pool.adopt_run(new) if host is None else None
+                if run is None:
+                    new = pool.check_held(new)  # raises: nothing changed yet
+                else:
+                    new = run
+                    adopted = True
+            if nold > ncached:
+                promote, new = new[: nold - ncached], new[nold - ncached :]
 
             # ---- mutation starts: nothing below can fail (but a listener may raise at the end)
             self._insert_calls += 1
-            self._clock += 1
-            clock = self._clock
+            self._clock = clock = self._clock + 1
             if partial is not None:
                 path.append(self._split(*partial))
             for n in path:
                 n.last_access = clock
             promoted = None
-            if nprom:
+            if nold > ncached:
                 promoted = self._promote(path, promote)
                 canon += promote
             if new:
                 parent = path[-1] if path else (start or self._make_ns_root(namespace))
-                leaf = self._new_node(
-                    parent,
-                    bytes(qb[(ncached + nprom) * pb :]),  # the new key (a copy of a memoryview)
-                    new,
-                    namespace,
-                    parent.depth_tokens + len(new) * self.page_size,
-                )
+                k = len(new)
+                self._next_id = nid = self._next_id + 1
+                leaf = TreeNode(
+                    self, nid, parent, newkey, new, namespace,
+                    parent.depth_tokens + k * self.page_size, clock,
+                )  # fmt: skip
                 if parent._ekey is not None:  # a leaf no more
                     self._index.discard(parent)
-                self._attach(parent, leaf)
-                pool.adopt(new)
-                if self._host is not None:
+                if self._plain and h is not None and nold * pb == off:
+                    leaf._hkey = h  # the walk found no child under h: the slot is free
+                    parent._children[h] = leaf
+                else:
+                    self._attach(parent, leaf)
+                if not adopted:
+                    pool.adopt(new)
+                if host is not None:
                     parent._ndev += 1
                 self._num_nodes += 1
-                self._cached += len(new)
-                self._evictable += len(new)
-                self._inserted_pages += len(new)
+                self._cached += k
+                self._evictable += k
+                self._inserted_pages += k
                 self._index.add(leaf)
                 node = leaf
                 canon += new
@@ -534,7 +612,7 @@ class RadixCache:
             if dups:
                 pool.release_held(dups)
                 self._duplicate_pages += len(dups)
-            if self._host is not None:
+            if host is not None:
                 self._after_insert(path, leaf if new else None, promoted)
             if new and self._listeners:
                 self._events.emit(
@@ -546,10 +624,11 @@ class RadixCache:
                         namespace,
                     )
                 )
-            return _new_result(InsertResult, (node, canon, ncached * self.page_size))
-        finally:
+            return _new_tuple(InsertResult, (node, canon, ncached * self.page_size))
+        except BaseException:
             if type(qb) is memoryview:
                 _release(qb)
+            raise
 
     # ======================================================================== locking
     def lock(self, node: TreeNode) -> None:
@@ -760,13 +839,15 @@ class RadixCache:
     # ======================================================================== the trie's structure
     def _walk(
         self, node: TreeNode, qb: bytes | memoryview, limit: int
-    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
+    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None, Any]:
         """Follow ``qb[:limit]`` down from ``node`` without mutating anything.
 
         The one walk behind match_prefix, peek_prefix and insert. ``qb`` is a query in the key
-        encoding (bytes, or a read-only byte memoryview of the caller's array: no copy).
-        Returns (fully matched nodes, matched bytes, (child, pages) when the match continues
-        into ``pages`` whole pages of ``child`` but not all of it).
+        encoding (bytes, or a byte memoryview of the caller's array: no copy). Returns (fully
+        matched nodes, matched bytes, (child, pages) when the match continues into ``pages``
+        whole pages of ``child`` but not all of it, and the child-lookup hash of the page at
+        the matched length when the walk computed it, else None: insert files its new leaf
+        under it without computing it again).
         """
         pb = self._pb
         hash_fn = self._hash_fn
@@ -774,14 +855,21 @@ class RadixCache:
         path: list[TreeNode] = []
         off = 0
         while off < limit:
-            c = node._children.get(hash_fn(mv[off : off + pb]))
-            if c is None:
-                break
-            if type(c) is list:  # hash collision bucket: tokens decide
-                page = mv[off : off + pb]
-                c = next((x for x in c if x.key.startswith(page)), None)
+            if hash_fn is None:  # the default: the page's own bytes are the child key
+                h = mv[off : off + pb].tobytes()
+                c = node._children.get(h)
                 if c is None:
-                    break
+                    return path, off, None, h
+            else:
+                h = hash_fn(mv[off : off + pb])
+                c = node._children.get(h)
+                if c is None:
+                    return path, off, None, h
+                if type(c) is list:  # hash collision bucket: tokens decide
+                    page = mv[off : off + pb]
+                    c = next((x for x in c if x.key.startswith(page)), None)
+                    if c is None:
+                        return path, off, None, h
             key = c.key
             end = off + len(key)
             if end <= limit and key.startswith(mv[off:end]):  # one memcmp for the whole node
@@ -789,9 +877,11 @@ class RadixCache:
                 off = end
                 node = c
                 continue
-            m = _common_pages(key, qb, off, limit, self.page_size)
-            return path, off, ((c, m) if m else None)
-        return path, off, None
+            m = _common_pages(key, mv, off, limit, pb)
+            if m:
+                return path, off, (c, m), None
+            return path, off, None, h
+        return path, off, None, None
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after its first ``m`` pages; return the new upper node.
@@ -1055,7 +1145,7 @@ class RadixCache:
             partial = None
             off = 0
             if start is not None and total:
-                path, off, partial = self._walk(start, qb, len(qb))
+                path, off, partial, _ = self._walk(start, qb, len(qb))
             matched = off // pb + (partial[1] if partial is not None else 0)
             if matched < first or matched >= total or not pages:
                 host.release_held(pages)  # the prefix is gone, or everything is cached
@@ -1670,8 +1760,9 @@ class RadixCache:
                 f"host eviction index {sorted(stored.items())} != recount "
                 f"{sorted(expected.items())}"
             )
-        if len(self._tier.hindex) != len(stored):
-            _fail("host eviction index has duplicate keys")
+        err = self._tier.hindex.check()
+        if err:
+            _fail(f"host index: {err}")
 
     def _new_node(
         self,
@@ -1686,9 +1777,15 @@ class RadixCache:
             self, self._next_id, parent, key, pages, namespace, depth_tokens, self._clock
         )
 
-    def _attach(self, parent: TreeNode, child: TreeNode) -> None:
-        """File ``child`` under the hash of its first page (a list on collision)."""
-        h = self._hash_fn(child.key[: self._pb])
+    def _lookup_key(self, page: bytes) -> Any:
+        """The key a child starting with ``page`` is filed under in its parent's dict."""
+        return page if self._hash_fn is None else self._hash_fn(page)
+
+    def _attach(self, parent: TreeNode, child: TreeNode, h: Any = None) -> None:
+        """File ``child`` under ``h``, the lookup key of its first page (computed when None;
+        a list when a user hash function collides)."""
+        if h is None:
+            h = self._lookup_key(child.key[: self._pb])
         child._hkey = h
         slot = parent._children.get(h)
         if slot is None:
@@ -1710,7 +1807,7 @@ class RadixCache:
 
     def _make_ns_root(self, namespace: Any) -> TreeNode:
         node = self._new_node(self.root, b"", [], namespace, 0)
-        node._hkey = ("ns", namespace)  # never equal to an int page hash
+        node._hkey = ("ns", namespace)  # never equal to a page's bytes or an int page hash
         self.root._children[node._hkey] = node
         self._ns_roots[namespace] = node
         self._num_nodes += 1
@@ -1804,7 +1901,7 @@ class RadixCache:
                     _fail(f"child lock {c.lock_ref} > parent lock {node.lock_ref} at {c!r}")
                 if c.key:
                     first = c.key[:pb]
-                    if c._hkey != self._hash_fn(first):
+                    if c._hkey != self._lookup_key(first):
                         _fail(f"stale lookup key on {c!r}")
                     if first in first_pages:
                         _fail(f"two children of {node!r} start with the same page")
@@ -1872,8 +1969,9 @@ class RadixCache:
                 f"eviction index {sorted(stored.items())} != recount "
                 f"{sorted(expected_index.items())}"
             )
-        if len(self._index) != len(stored):
-            _fail("eviction index has duplicate keys")
+        err = self._index.check()
+        if err:
+            _fail(err)
         if self._host is None:
             for n in self.iter_nodes():
                 if n._host_pages is not None or n._hekey is not None or n._inflight:

@@ -78,15 +78,20 @@ def check_range(key: bytes | memoryview, start: int = 0, what: str = "tokens") -
         _from_numpy(np.frombuffer(key, np.int64, offset=start), what)  # raises
 
 
-def encode_tokens(tokens: Any, what: str = "tokens") -> bytes | memoryview:
+def encode_tokens(tokens: Any, what: str = "tokens") -> memoryview:
     """The key encoding of ``tokens`` with types and shape checked but, for ``array('q')``,
     lists and tuples, the id *range* not yet checked: callers must ``check_range`` every part
     they do not prove valid otherwise (the cache skips the part that equals a stored key,
     which was validated when it was inserted).
 
-    An ``array('q')`` is not copied: the result is a read-only byte view of it, which the
-    caller must drop (or ``release()``) before returning, so the array can be resized again.
+    The result is a byte ``memoryview`` (slicing it copies nothing). An ``array('q')`` is not
+    copied: the view reads it in place, and the caller must drop (or ``release()``) the view
+    before returning, so the array can be resized again.
     """
+    return memoryview(_encode(tokens, what))
+
+
+def _encode(tokens: Any, what: str) -> bytes | memoryview:
     if type(tokens) is array and tokens.typecode == "q":
         return memoryview(tokens).cast("B").toreadonly()
     if isinstance(tokens, list | tuple):

@@ -1,0 +1,396 @@
+"""radixkv's RadixCache against SGLang's own radix caches, side by side in one run.
+
+The trace is bench_cache.py's: SGLang's generated-shared-prefix workload, 64 groups x 16
+prompts (1,024 requests, shuffled), 2,048-token system prompt per group, a 128-token question
+and 256 output tokens per request, page size 16. Each request runs a scheduler's flow on each
+cache: match the prompt, lock the match, insert prompt + output (page-aligned) with KV slots
+for the uncached rest, unlock. Three caches replay it, interleaved request by request (the
+order rotates per request, so a noisy moment hits all three alike):
+
+* radixkv: ``RadixCache.match_prefix(tokens)`` / ``insert(tokens, pages)``;
+* SGLang Python: SGLang's pure-Python ``RadixCache`` (radix_cache.py of the wheel);
+* SGLang Rust: SGLang's production tree core, a Rust crate, called straight through its PyO3
+  binding (``RustUnifiedTreeCoreBinding.match_prefix`` / ``insert``), without the Python
+  adapter and ``UnifiedRadixCache`` layers SGLang's server puts on top of it.
+
+Same work: every cache gets the same ``array('q')`` token keys and slot lists, built before
+any timing; KV events are off in all three (radixkv has no listener), so none computes page
+hashes; each insert detects the pages already cached (radixkv frees them into its pool,
+SGLang returns them for its allocator to free). The walk results are checked equal: every
+request matches the same number of tokens in all three. radixkv's match also returns the
+prefix's pages; SGLang's two need a second call for the prefix's KV slots, so a third op,
+``match+slots``, times match plus that call in all three. What each call does beyond that is
+listed in docs/benchmarks.md (the section's notes).
+
+Timing: ``perf_counter_ns`` around each call; the replay is repeated ``--repeat`` times with
+fresh caches, the GC is off while timing (collected between replays), and each request's op
+time is the minimum over the repeats (min-of-N: a preemption by another process on this shared
+machine only ever adds time); mean and p99 are then over the 1,024 requests. The median over
+repeats of each replay's plain mean is reported too.
+
+    python bench/bench_vs_sglang.py            # downloads sglang's wheel once (~40 MB)
+    python bench/bench_vs_sglang.py --quick    # 8 groups x 4 prompts, prints only
+
+Not part of CI (it downloads); ``nox -s bench_vs_sglang`` runs it and rebuilds the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sglang_peer
+from bench_cache import make_workload
+
+from radixkv.cache import PagePool, RadixCache
+
+PAGE = 16
+NAMES = ("radixkv", "sglang_python", "sglang_rust")
+OPS = ("match", "insert", "match+slots")  # targets are on the first two
+TARGETS = {"sglang_python": 3.0, "sglang_rust": 1.0}  # required peer time / radixkv time
+
+
+class Trace:
+    """The requests' keys, built once before any timing."""
+
+    def __init__(self, reqs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.prompts: list[array] = []
+        self.fulls: list[array] = []  # prompt + output, whole pages only
+        for p, o in reqs:
+            full = np.concatenate([p, o])
+            full = full[: len(full) // PAGE * PAGE]
+            self.prompts.append(array("q", p.tobytes()))
+            self.fulls.append(array("q", full.tobytes()))
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+class RadixKV:
+    """radixkv's RadixCache; KV slots are its page ids."""
+
+    def __init__(self, trace: Trace) -> None:
+        pages = sum(len(f) for f in trace.fulls) // PAGE + 1024
+        self.pool = PagePool(pages)
+        self.cache = RadixCache(self.pool, page_size=PAGE)
+        self.trace = trace
+
+    def match(self, i: int) -> Any:
+        return self.cache.match_prefix(self.trace.prompts[i])
+
+    def matched(self, m: Any) -> int:
+        return m.num_tokens
+
+    def slots(self, m: Any) -> Any:
+        return m.pages  # match_prefix built it already
+
+    def prepare_insert(self, i: int, m: Any, slots: Any) -> Any:
+        assert len(slots) * PAGE == m.num_tokens
+        self.cache.lock(m.node)
+        full = self.trace.fulls[i]
+        new = self.cache.alloc(len(full) // PAGE - len(slots))
+        return (full, slots + new, m)
+
+    def insert(self, args: Any) -> Any:
+        return self.cache.insert(args[0], args[1])
+
+    def finish(self, args: Any, r: Any) -> None:
+        self.cache.unlock(args[2].node)
+
+    def check(self) -> None:
+        self.cache.check_invariants()
+
+
+class SGLangPython:
+    """SGLang's pure-Python RadixCache; KV slots are token-level int64 tensors (as in SGLang).
+
+    Keys are wrapped in RadixKey and the call parameters built outside timing (they hold
+    references only); the slot tensor for an insert is the matched prefix's slots plus fresh
+    ones, built outside timing too.
+    """
+
+    def __init__(self, trace: Trace, rc: Any, bp: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.rc, self.bp = rc, bp
+        self.cache = rc.RadixCache.create_simulated(page_size=PAGE)
+        self.trace = trace
+        self.next_slot = 0
+        self.mparams = [bp.MatchPrefixParams(key=rc.RadixKey(p)) for p in trace.prompts]
+
+    def match(self, i: int) -> Any:
+        return self.cache.match_prefix(self.mparams[i])
+
+    def matched(self, m: Any) -> int:
+        return m.device_prefix_len
+
+    def slots(self, m: Any) -> Any:
+        return self.cache.path_device_indices(m.last_device_node)[: m.device_prefix_len]
+
+    def prepare_insert(self, i: int, m: Any, prefix: Any) -> Any:
+        assert len(prefix) == m.device_prefix_len
+        torch = self.torch
+        node = m.last_device_node
+        self.cache.inc_lock_ref(node)
+        full = self.trace.fulls[i]
+        n_new = len(full) - m.device_prefix_len
+        fresh = torch.arange(self.next_slot, self.next_slot + n_new, dtype=torch.int64)
+        self.next_slot += n_new
+        params = self.bp.InsertParams(key=self.rc.RadixKey(full), value=torch.cat([prefix, fresh]))
+        return (params, node)
+
+    def insert(self, args: Any) -> Any:
+        return self.cache.insert(args[0])
+
+    def finish(self, args: Any, r: Any) -> None:
+        self.cache.dec_lock_ref(args[1])
+
+    def check(self) -> None:
+        assert self.cache.protected_size() == 0
+
+
+class SGLangRust:
+    """SGLang's Rust tree core through its PyO3 binding; KV slots as for SGLang Python.
+
+    The binding's parameter objects are built inside timing: the key is handed to the core
+    there (as radixkv's encoding of the query is part of its calls).
+    """
+
+    def __init__(self, trace: Trace, rs: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.rs = rs
+        init = rs.TreeCoreInitParamsBinding(eviction_policy="lru", page_size=PAGE, device="cpu")
+        self.core = rs.RustUnifiedTreeCoreBinding(init, [0])  # ComponentType.FULL only
+        self.root = self.core.root_node_handle()
+        self.trace = trace
+        self.next_slot = 0
+        self.MatchParams = rs.MatchParamsBinding
+        self.InsertParams = rs.InsertParamsBinding
+
+    def match(self, i: int) -> Any:
+        return self.core.match_prefix(self.MatchParams(key=self.trace.prompts[i]))
+
+    def matched(self, m: Any) -> int:
+        return m.device_prefix_len
+
+    def slots(self, m: Any) -> Any:
+        return self.core.collect_full_device_indices(m.last_device_node_id, self.root)
+
+    def prepare_insert(self, i: int, m: Any, prefix: Any) -> Any:
+        assert len(prefix) == m.device_prefix_len
+        torch = self.torch
+        node = m.last_device_node_id
+        receipt = self.core.inc_lock_ref(node)
+        full = self.trace.fulls[i]
+        n_new = len(full) - m.device_prefix_len
+        fresh = torch.arange(self.next_slot, self.next_slot + n_new, dtype=torch.int64)
+        self.next_slot += n_new
+        return (full, torch.cat([prefix, fresh]), node, receipt)
+
+    def insert(self, args: Any) -> Any:
+        return self.core.insert(self.InsertParams(key=args[0], value=args[1]))
+
+    def finish(self, args: Any, r: Any) -> None:
+        receipt = args[3]
+        self.core.dec_lock_ref(
+            args[2],
+            self.rs.DecLockRefParamsBinding(
+                node_id=receipt.node_id,
+                skipped_lock_components=list(receipt.skipped_lock_components),
+                component_lock_uuids=dict(receipt.component_lock_uuids),
+                component_host_lock_uuids=dict(receipt.component_host_lock_uuids),
+            ),
+        )
+
+    def check(self) -> None:
+        assert self.core.protected_size() == 0
+
+
+def replay(trace: Trace, peers: dict[str, Any], rotation: int) -> dict[str, dict[str, list[int]]]:
+    """One interleaved replay; per cache, per op, the time of every request's call (ns)."""
+    clock = time.perf_counter_ns
+    names = list(peers)
+    times = {n: {op: [0] * len(trace) for op in OPS} for n in names}
+    matched: dict[str, list[int]] = {n: [0] * len(trace) for n in names}
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(len(trace)):
+            k = (i + rotation) % len(names)
+            for name in names[k:] + names[:k]:
+                peer = peers[name]
+                t0 = clock()
+                m = peer.match(i)
+                t1 = clock()
+                slots = peer.slots(m)
+                t2 = clock()
+                args = peer.prepare_insert(i, m, slots)
+                t3 = clock()
+                r = peer.insert(args)
+                t4 = clock()
+                peer.finish(args, r)
+                times[name]["match"][i] = t1 - t0
+                times[name]["match+slots"][i] = t2 - t0
+                times[name]["insert"][i] = t4 - t3
+                matched[name][i] = peer.matched(m)
+    finally:
+        gc.enable()
+    ref = matched[names[0]]
+    for n in names[1:]:
+        if matched[n] != ref:
+            bad = next(i for i, (a, b) in enumerate(zip(ref, matched[n])) if a != b)
+            raise AssertionError(
+                f"request {bad}: {names[0]} matched {ref[bad]} tokens, {n} {matched[n][bad]}"
+            )
+    for p in peers.values():
+        p.check()
+    return times
+
+
+def summarize(samples: list[list[int]]) -> dict[str, float]:
+    """Per request the minimum over repeats; mean, p50, p99 over requests (us)."""
+    a = np.asarray(samples, dtype=np.float64) / 1e3  # repeats x requests
+    best = a.min(axis=0)
+    return {
+        "mean": float(best.mean()),
+        "p50": float(np.percentile(best, 50)),
+        "p99": float(np.percentile(best, 99)),
+        "median_replay_mean": float(np.median(a.mean(axis=1))),
+    }
+
+
+def timer_overhead_ns(n: int = 200_000) -> float:
+    clock = time.perf_counter_ns
+    best = float("inf")
+    for _ in range(5):
+        t0 = clock()
+        for _ in range(n):
+            clock()
+        best = min(best, (clock() - t0) / n)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8 groups x 4 prompts, prints only")
+    ap.add_argument("--repeat", type=int, default=7, help="interleaved replays (min-of-N)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sglang-version", default=sglang_peer.SGLANG_VERSION)
+    ap.add_argument("--cache-dir", type=Path, default=sglang_peer.DEFAULT_CACHE)
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    args = ap.parse_args(argv)
+    load_at_start = os.getloadavg()[0]
+
+    wheel = sglang_peer.fetch_wheel(args.sglang_version, args.cache_dir)
+    root = sglang_peer.extract(wheel, args.cache_dir)
+    rc = sglang_peer.load_python_cache(root)
+    bp = sglang_peer.load_python_params(root)
+    rs = sglang_peer.load_rust_core(root)
+
+    groups, prompts = (8, 4) if args.quick else (64, 16)
+    cfg = dict(groups=groups, prompts=prompts, sys_len=2048, q_len=128, out_len=256, vocab=150_000)
+    trace = Trace(make_workload(**cfg, seed=args.seed))
+
+    samples: dict[str, dict[str, list[list[int]]]] = {n: {op: [] for op in OPS} for n in NAMES}
+    cpu0 = time.process_time()
+    for r in range(max(1, args.repeat)):
+        peers = {
+            "radixkv": RadixKV(trace),
+            "sglang_python": SGLangPython(trace, rc, bp),
+            "sglang_rust": SGLangRust(trace, rs),
+        }
+        times = replay(trace, peers, rotation=r)
+        for n in NAMES:
+            for op in OPS:
+                samples[n][op].append(times[n][op])
+        del peers
+    cpu = time.process_time() - cpu0
+
+    stats = {n: {op: summarize(samples[n][op]) for op in OPS} for n in NAMES}
+    rows = []
+    for op in OPS:
+        for stat in ("mean", "p99"):
+            mine = stats["radixkv"][op][stat]
+            row: dict[str, Any] = {"op": op, "stat": stat, "radixkv_us": mine}
+            for peer in NAMES[1:]:
+                row[f"{peer}_us"] = stats[peer][op][stat]
+            for peer in NAMES[1:]:
+                row[f"vs_{peer}"] = stats[peer][op][stat] / mine
+            rows.append(row)
+    verdict = {
+        f"{r['op']}_{r['stat']}_vs_{peer}": {
+            "ratio": r[f"vs_{peer}"],
+            "target": t,
+            "met": r[f"vs_{peer}"] >= t,
+        }
+        for r in rows
+        if r["op"] != "match+slots"
+        for peer, t in TARGETS.items()
+    }
+
+    print(
+        f"radixkv vs SGLang {args.sglang_version}: {groups} groups x {prompts} prompts, page "
+        f"{PAGE}, {args.repeat} interleaved replays (per-request min), times in us"
+    )
+    hdr = f"{'op':>11} {'stat':>4} | {'radixkv':>8} | {'SGL py':>8} | {'SGL rust':>8} | "
+    print(hdr + f"{'py/rkv':>7} | {'rust/rkv':>8}")
+    for r in rows:
+        print(
+            f"{r['op']:>11} {r['stat']:>4} | {r['radixkv_us']:8.2f} | {r['sglang_python_us']:8.2f} | "
+            f"{r['sglang_rust_us']:8.2f} | {r['vs_sglang_python']:6.2f}x | "
+            f"{r['vs_sglang_rust']:7.2f}x"
+        )
+    for k, v in verdict.items():
+        print(f"  {k:<32} {v['ratio']:5.2f}x >= {v['target']}x  {'ok' if v['met'] else 'MISSED'}")
+
+    out = {
+        "benchmark": "bench_vs_sglang",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, load average {load_at_start:.1f} at start",
+        "sglang": f"sglang {args.sglang_version} wheel ({wheel.name})",
+        "method": (
+            f"perf_counter_ns per call; {args.repeat} interleaved replays with fresh caches, "
+            "GC off while timing; per request the minimum over replays, then mean / p99 over "
+            f"requests; timer overhead {timer_overhead_ns():.0f} ns per call, not subtracted"
+        ),
+        "summary": rows,
+        "workload": {
+            **cfg,
+            "page_size": PAGE,
+            "requests": len(trace),
+            "input": "array('q') keys built before timing",
+        },
+        "detail_us": stats,
+        "targets": verdict,
+        "cpu_seconds_all_replays": cpu,
+    }
+    if args.quick and not args.out:
+        return 0
+    path = (
+        Path(args.out) if args.out else Path(__file__).parent / "results" / "bench_vs_sglang.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
