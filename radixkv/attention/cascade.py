@@ -55,12 +55,24 @@ class _Chunk:
     kv_len: int  # padded KV length = n_pages * page_size, trimmed to the max real length
     kv_mask: torch.Tensor | None  # [S, 1, kv_len] bool, True = masked out; None if none
     out_rows: torch.Tensor  # [R] long, rows written back (valid ones, in [S, G] order)
+    # rows a..b-1 in [S, G] order without padding: queries are read, and results written, as
+    # one slice instead of a gather and a scatter
+    row_range: tuple[int, int] | None = None
     first: bool = False  # no earlier chunk wrote these rows: store instead of merging
-    bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive kv_mask
+    # fused CPU path: each segment's keys cut into ``splits`` parts of ``split_len`` tokens (the
+    # parts are batch entries, so a kernel that parallelises over the batch uses every thread
+    # even for one shared segment), and their mask [S * splits, 1, split_len] (True = masked)
+    splits: int = 1
+    split_len: int = 0
+    split_mask: torch.Tensor | None = None
+    bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive split_mask
 
 
 # Budget of gathered KV tokens per padded batch of one-row segments (see _prepare_level).
 SINGLE_CHUNK_TOKENS = 4096
+# A segment's keys are split for parallelism only into parts of at least this many tokens:
+# below it one kernel call's fixed cost outweighs what a second thread saves.
+MIN_SPLIT_TOKENS = 512
 
 # The fused CPU attention kernel that also returns the log-sum-exp (paged_ops.FLASH_CPU_WITH_LSE)
 # is a private PyTorch op, so with ``fused_cpu=None`` (the default) it is probed once per dtype and
@@ -82,6 +94,21 @@ def _fused_op(
     return None
 
 
+def _chunk_queries(q: torch.Tensor, c: _Chunk) -> torch.Tensor:
+    """The chunk's queries as ``[S, G, Hq, D]`` (a view when its rows are one range)."""
+    S, G = c.rows.shape
+    if c.row_range is not None:
+        return q[c.row_range[0] : c.row_range[1]].view(S, G, q.shape[1], q.shape[2])
+    return q[c.rows]
+
+
+def _keep_valid(o: torch.Tensor, lse: torch.Tensor, c: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    if c.row_valid is None:
+        return o, lse
+    keep = c.row_valid.reshape(-1)
+    return o[keep], lse[keep]
+
+
 def _attend_chunk_fused(
     op: Callable[..., tuple[torch.Tensor, ...]], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
     scale: float,
@@ -92,27 +119,36 @@ def _attend_chunk_fused(
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
     grp = h_q // h_kv
-    k = k_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
-    v = v_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
+    n, length = c.splits, c.split_len
+    k = k_cache.index_select(0, c.pages.view(-1)).view(S * n, -1, h_kv, d)[:, :length]
+    v = v_cache.index_select(0, c.pages.view(-1)).view(S * n, -1, h_kv, d)[:, :length]
     # every query of the segment x every head of KV group h is one "position" of head h
-    qs = q[c.rows].view(S, G, h_kv, grp, d).transpose(1, 2).reshape(S, h_kv, G * grp, d)
+    qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d).transpose(1, 2).reshape(S, h_kv, G * grp, d)
+    if n > 1:  # each part of a segment's keys is attended by all of the segment's queries
+        qs = qs.unsqueeze(1).expand(S, n, h_kv, G * grp, d).reshape(S * n, h_kv, G * grp, d)
     mask = None
-    if c.kv_mask is not None:
+    if c.split_mask is not None:
         mask = c.bias.get(q.dtype)
         if mask is None:
-            mask = torch.zeros(c.kv_mask.shape, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(c.kv_mask, float("-inf"))
-            mask = c.bias[q.dtype] = mask.unsqueeze(1)  # [S, 1, 1, L]
+            mask = torch.zeros(c.split_mask.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(c.split_mask, float("-inf"))
+            mask = c.bias[q.dtype] = mask.unsqueeze(1)  # [S * n, 1, 1, L]
     o, lse = op(qs, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale)[
         :2
     ]
-    # o [S, Hkv, G*grp, D], lse [S, Hkv, G*grp] -> rows
-    o = o.float().view(S, h_kv, G, grp, d).transpose(1, 2).reshape(S * G, h_q, d)
-    lse = lse.float().view(S, h_kv, G, grp).transpose(1, 2).reshape(S * G, h_q)
-    if c.row_valid is not None:
-        keep = c.row_valid.reshape(-1)
-        o, lse = o[keep], lse[keep]
-    return o, lse
+    o, lse = o.float(), lse.float()  # o [S*n, Hkv, G*grp, D], lse [S*n, Hkv, G*grp]
+    if n > 1:  # exact merge of the parts (each holds at least one key: lse is finite)
+        lse = lse.view(S, n, h_kv, G * grp)
+        top = lse.amax(dim=1, keepdim=True)
+        w = torch.exp(lse - top)  # [S, n, Hkv, G*grp]
+        denom = w.sum(dim=1)
+        o = (o.view(S, n, h_kv, G * grp, d) * w.unsqueeze(-1)).sum(dim=1)
+        o = o.div_(denom.unsqueeze(-1))
+        lse = top.squeeze(1) + torch.log(denom)
+    # -> rows
+    o = o.view(S, h_kv, G, grp, d).transpose(1, 2).reshape(S * G, h_q, d)
+    lse = lse.view(S, h_kv, G, grp).transpose(1, 2).reshape(S * G, h_q)
+    return _keep_valid(o, lse, c)
 
 
 def _attend_chunk(
@@ -152,7 +188,7 @@ def _attend_chunk_matmul(
     # (index_select over whole pages is several times faster than advanced indexing on CPU)
     k = k_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
     v = v_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
-    qs = q[c.rows].view(S, G, h_kv, grp, d)
+    qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d)
     o = torch.empty(S, G, h_kv, grp, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(S, G, h_kv, grp, dtype=torch.float32, device=q.device)
     # One bmm per KV head: k[:, :, h] is a strided [S, L, D] view that BLAS reads in place,
@@ -168,12 +204,7 @@ def _attend_chunk_matmul(
         oh = torch.bmm(p.to(v.dtype), v[:, :, h]).float().div_(denom)  # [S, G*grp, D]
         o[:, :, h] = oh.view(S, G, grp, d)
         lse[:, :, h] = (m + torch.log(denom)).view(S, G, grp)
-    o = o.view(S * G, h_q, d)
-    lse = lse.view(S * G, h_q)
-    if c.row_valid is not None:
-        keep = c.row_valid.reshape(-1)
-        o, lse = o[keep], lse[keep]
-    return o, lse
+    return _keep_valid(o.view(S * G, h_q, d), lse.view(S * G, h_q), c)
 
 
 class TorchCascadeAttention:
@@ -186,6 +217,14 @@ class TorchCascadeAttention:
     once and attends all its rows' queries in one kernel call (PyTorch's fused CPU attention,
     or per-KV-head batched matmuls elsewhere). ``fused_cpu``: None uses PyTorch's fused CPU
     kernel when it works (else batched matmuls), True requires it, False never uses it.
+
+    On a CPU, a chunk with fewer segments than threads has each segment's keys cut into up to
+    ``threads`` parts (at least ``MIN_SPLIT_TOKENS`` each) that the fused kernel runs in
+    parallel and that are merged exactly by their log-sum-exp: a shared prefix read by a whole
+    batch is otherwise one kernel task, which leaves every thread but one idle. ``threads``
+    defaults to ``torch.get_num_threads()``. ``previous``: the instance of an earlier step with
+    the same device and thread count; its prepared levels are reused where this plan's level
+    is equal (shared levels do not change while the same sequences keep decoding).
     """
 
     def __init__(
@@ -194,11 +233,24 @@ class TorchCascadeAttention:
         device: torch.device | str = "cpu",
         *,
         fused_cpu: bool | None = None,
+        threads: int | None = None,
+        previous: TorchCascadeAttention | None = None,
     ) -> None:
         self.plan = plan
         self.device = torch.device(device)
         self.fused_cpu = fused_cpu
-        self._levels: list[list[_Chunk]] = [self._prepare_level(lvl) for lvl in plan.levels]
+        self.threads = torch.get_num_threads() if threads is None else max(1, int(threads))
+        old: dict[CascadeLevel, list[_Chunk]] = {}
+        if (
+            previous is not None
+            and previous.device == self.device
+            and previous.threads == self.threads
+            and previous.plan.page_size == plan.page_size
+        ):
+            old = {lvl: chunks for lvl, chunks in zip(previous.plan.levels, previous._levels)}
+        self._levels: list[list[_Chunk]] = [
+            old[lvl] if lvl in old else self._prepare_level(lvl) for lvl in plan.levels
+        ]
         self._mark_first()
 
     def _make_chunk(self, lvl: CascadeLevel, segs: list[int]) -> _Chunk:
@@ -209,6 +261,8 @@ class TorchCascadeAttention:
         g = max(len(r) for r in row_lists)
         n_pages = max(len(p) for p in page_lists)
         kv_len = max(lens)
+        splits = self._num_splits(len(segs), n_pages, min(lens))
+        n_pages = -(-n_pages // splits) * splits  # pad so that every part has as many pages
         padded_rows = [r + [r[0]] * (g - len(r)) for r in row_lists]
         padded_pages = [p + [p[0]] * (n_pages - len(p)) for p in page_lists]
         dev = self.device
@@ -217,28 +271,53 @@ class TorchCascadeAttention:
             row_valid = torch.tensor(
                 [[j < len(r) for j in range(g)] for r in row_lists], dtype=torch.bool, device=dev
             )
+        lens_t = torch.tensor(lens, device=dev)[:, None]
         kv_mask = None
         if any(n < kv_len for n in lens):
-            ar = torch.arange(kv_len, device=dev)
-            kv_mask = (ar[None, :] >= torch.tensor(lens, device=dev)[:, None]).view(
-                len(segs), 1, kv_len
-            )
+            kv_mask = (torch.arange(kv_len, device=dev)[None, :] >= lens_t).view(len(segs), 1, -1)
+        split_len = kv_len if splits == 1 else n_pages // splits * ps
+        split_mask = kv_mask
+        if splits > 1:
+            split_mask = None
+            if any(n < n_pages * ps for n in lens):
+                full = torch.arange(n_pages * ps, device=dev)[None, :] >= lens_t  # [S, L]
+                split_mask = full.view(len(segs) * splits, 1, split_len)
+        flat_rows = [x for r in row_lists for x in r]
+        row_range = None
+        if row_valid is None and flat_rows == list(range(flat_rows[0], flat_rows[-1] + 1)):
+            row_range = (flat_rows[0], flat_rows[-1] + 1)
         return _Chunk(
             rows=torch.tensor(padded_rows, dtype=torch.long, device=dev),
             row_valid=row_valid,
             pages=torch.tensor(padded_pages, dtype=torch.long, device=dev),
             kv_len=kv_len,
             kv_mask=kv_mask,
-            out_rows=torch.tensor([x for r in row_lists for x in r], dtype=torch.long, device=dev),
+            out_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
+            row_range=row_range,
+            splits=splits,
+            split_len=split_len,
+            split_mask=split_mask,
         )
 
+    def _num_splits(self, num_segments: int, n_pages: int, min_len: int) -> int:
+        """Parts to cut each segment's keys into (1: none); every part keeps at least one real
+        key of every segment, so no part is all padding."""
+        if self.device.type != "cpu" or num_segments >= self.threads:
+            return 1
+        ps = self.plan.page_size
+        n = min(self.threads // num_segments, n_pages * ps // MIN_SPLIT_TOKENS, n_pages)
+        while n > 1 and (n - 1) * -(-n_pages // n) * ps >= min_len:
+            n -= 1
+        return max(1, n)
+
     def _mark_first(self) -> None:
-        seen = torch.zeros(self.plan.num_queries, dtype=torch.bool)
+        seen = [False] * self.plan.num_queries
         for chunks in self._levels:
             for c in chunks:
-                rows = c.out_rows.cpu()
-                c.first = not bool(seen[rows].any())
-                seen[rows] = True
+                rows = range(*c.row_range) if c.row_range else c.out_rows.tolist()
+                c.first = not any(seen[r] for r in rows)
+                for r in rows:
+                    seen[r] = True
 
     def _prepare_level(self, lvl: CascadeLevel) -> list[_Chunk]:
         nonempty = [i for i in range(lvl.num_segments) if lvl.kv_last_page_len[i] > 0]
@@ -248,8 +327,12 @@ class TorchCascadeAttention:
         # One-row segments go in padded batches of at most SINGLE_CHUNK_TOKENS gathered tokens:
         # longest first, so each batch pads little, and no gather buffer grows so large that
         # allocating it (fresh pages from the OS every call) costs more than the attention.
+        # When they all fit in one batch they keep their row order (read and written as a slice).
         ps = self.plan.page_size
-        single.sort(key=lambda i: -lvl.segment_kv_len(i, ps))
+        if single:
+            widest = max(pages_for(lvl.segment_kv_len(i, ps), ps) for i in single) * ps
+            if len(single) * widest > SINGLE_CHUNK_TOKENS:
+                single.sort(key=lambda i: -lvl.segment_kv_len(i, ps))
         start = 0
         while start < len(single):
             width = pages_for(lvl.segment_kv_len(single[start], ps), ps) * ps  # padded tokens/row
@@ -277,15 +360,28 @@ class TorchCascadeAttention:
         if k_cache.shape[3] != d or h_q % k_cache.shape[2] != 0:
             raise ValueError(f"q heads/dim {h_q}/{d} do not fit KV {tuple(k_cache.shape[2:])}")
         scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-        o = torch.zeros(n, h_q, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((n, h_q), float("-inf"), dtype=torch.float32, device=q.device)
+        o: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
         for chunks in self._levels:
             for c in chunks:
                 o_c, lse_c = _attend_chunk(q, k_cache, v_cache, c, scale, self.fused_cpu)
+                if o is None or lse is None:
+                    if c.first and c.row_range == (0, n):  # the whole batch, in order: keep it
+                        o, lse = o_c, lse_c
+                        continue
+                    o = torch.zeros(n, h_q, d, dtype=torch.float32, device=q.device)
+                    lse = torch.full((n, h_q), float("-inf"), dtype=torch.float32, device=q.device)
+                if c.row_range is not None:
+                    a, b = c.row_range
+                    if not c.first:
+                        o_c, lse_c = merge_state(o[a:b], lse[a:b], o_c, lse_c)
+                    o[a:b], lse[a:b] = o_c, lse_c
+                    continue
                 if not c.first:
                     o_c, lse_c = merge_state(o[c.out_rows], lse[c.out_rows], o_c, lse_c)
                 o.index_copy_(0, c.out_rows, o_c)
                 lse.index_copy_(0, c.out_rows, lse_c)
+        assert o is not None and lse is not None  # a plan covers every row (CascadePlan checks)
         out = o.to(q.dtype)
         return (out, lse) if return_lse else out
 

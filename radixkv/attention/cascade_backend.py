@@ -49,6 +49,7 @@ class CascadeDecodeBackend(AttentionBackend):
         self._impl: Any = None
         self._fi: Any = None  # FlashInferCascadeAttention, created on first use
         self._order_t: torch.Tensor | None = None
+        self._torch_impl: TorchCascadeAttention | None = None  # last step's: levels reused
 
     def set_plan(self, plan: CascadePlan, order: Sequence[int]) -> None:
         if sorted(order) != list(range(plan.num_queries)):
@@ -99,7 +100,8 @@ class CascadeDecodeBackend(AttentionBackend):
             )
             self._impl = self._fi
         else:
-            torch_impl = TorchCascadeAttention(cp, dev)
+            prev = self._torch_impl
+            torch_impl = self._torch_impl = TorchCascadeAttention(cp, dev, previous=prev)
             scale = self.scale
             self._impl = lambda q, kc, vc: torch_impl.forward(q, kc, vc, scale)
 
