@@ -109,12 +109,24 @@ def _keep_valid(o: torch.Tensor, lse: torch.Tensor, c: _Chunk) -> tuple[torch.Te
     return o[keep], lse[keep]
 
 
+def merge_parts(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of ``P`` partial states over disjoint key sets: ``o [P, ..., D]``,
+    ``lse [P, ...]`` -> ``o [..., D]``, ``lse [...]``. Every row must have a finite ``lse`` in at
+    least one part."""
+    top = lse.amax(dim=0)
+    w = torch.exp(lse - top)
+    denom = w.sum(dim=0)
+    out = (o * w.unsqueeze(-1)).sum(dim=0).div_(denom.unsqueeze(-1))
+    return out, top.add_(torch.log(denom))
+
+
 def _attend_chunk_fused(
     op: Callable[..., tuple[torch.Tensor, ...]], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
-    scale: float,
+    scale: float, merge: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
-    of a strided view, scores never materialised)."""
+    of a strided view, scores never materialised). ``merge=False``: the parts of split keys are
+    returned unmerged, ``o [splits, R, Hq, D]`` and ``lse [splits, R, Hq]``."""
     S, G = c.rows.shape
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
@@ -137,17 +149,13 @@ def _attend_chunk_fused(
         :2
     ]
     o, lse = o.float(), lse.float()  # o [S*n, Hkv, G*grp, D], lse [S*n, Hkv, G*grp]
-    if n > 1:  # exact merge of the parts (each holds at least one key: lse is finite)
-        lse = lse.view(S, n, h_kv, G * grp)
-        top = lse.amax(dim=1, keepdim=True)
-        w = torch.exp(lse - top)  # [S, n, Hkv, G*grp]
-        denom = w.sum(dim=1)
-        o = (o.view(S, n, h_kv, G * grp, d) * w.unsqueeze(-1)).sum(dim=1)
-        o = o.div_(denom.unsqueeze(-1))
-        lse = top.squeeze(1) + torch.log(denom)
-    # -> rows
-    o = o.view(S, h_kv, G, grp, d).transpose(1, 2).reshape(S * G, h_q, d)
-    lse = lse.view(S, h_kv, G, grp).transpose(1, 2).reshape(S * G, h_q)
+    # -> parts x rows: [n, S*G, Hq, D], [n, S*G, Hq]
+    o = o.view(S, n, h_kv, G, grp, d).permute(1, 0, 3, 2, 4, 5).reshape(n, S * G, h_q, d)
+    lse = lse.view(S, n, h_kv, G, grp).permute(1, 0, 3, 2, 4).reshape(n, S * G, h_q)
+    if not merge:
+        return o, lse
+    # exact merge of the parts (each holds at least one key: lse is finite)
+    o, lse = merge_parts(o, lse) if n > 1 else (o[0], lse[0])
     return _keep_valid(o, lse, c)
 
 
@@ -252,6 +260,10 @@ class TorchCascadeAttention:
             old[lvl] if lvl in old else self._prepare_level(lvl) for lvl in plan.levels
         ]
         self._mark_first()
+        n = plan.num_queries
+        self._whole_rows = all(
+            c.row_range == (0, n) and c.row_valid is None for chunks in self._levels for c in chunks
+        )
 
     def _make_chunk(self, lvl: CascadeLevel, segs: list[int]) -> _Chunk:
         ps = self.plan.page_size
@@ -360,6 +372,16 @@ class TorchCascadeAttention:
         if k_cache.shape[3] != d or h_q % k_cache.shape[2] != 0:
             raise ValueError(f"q heads/dim {h_q}/{d} do not fit KV {tuple(k_cache.shape[2:])}")
         scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        op = _fused_op(q, self.fused_cpu) if self._whole_rows else None
+        if op is not None and _FUSED_STATE.get(q.dtype):
+            # every chunk is the whole batch in order: all parts merged at once, no scatter
+            parts = [_attend_chunk_fused(op, q, k_cache, v_cache, c, scale, False)
+                     for chunks in self._levels for c in chunks]  # fmt: skip
+            o_all = torch.cat([p[0] for p in parts])
+            lse_all = torch.cat([p[1] for p in parts])
+            o, lse = merge_parts(o_all, lse_all) if len(o_all) > 1 else (o_all[0], lse_all[0])
+            out = o.to(q.dtype)
+            return (out, lse) if return_lse else out
         o: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         for chunks in self._levels:
