@@ -4,7 +4,8 @@ C conversations x T turns share an S-token system prompt; each turn appends the 
 answer (A tokens, greedy) and a new U-token user message, so turn t's prompt is the whole
 conversation so far. Conversations are interleaved at random (each one's turns in order),
 requests run one at a time (TTFT is then the admission + load-back + prefill time, no
-queueing). The working set (every conversation's final context) is about 4x the bounded
+queueing), and the configurations replay the workload interleaved, request by request, so that
+other jobs on the machine slow them alike. The working set (every conversation's final context) is about 4x the bounded
 device pool; the host tier holds all of it. Configurations: device only (bounded pool),
 device + host for each write policy, and an unbounded device pool (the hit-rate ceiling).
 
@@ -57,45 +58,57 @@ def workload(
     return order
 
 
-def run(lm: LoadedModel, args: argparse.Namespace, **engine_kw: Any) -> dict[str, Any]:
+def run(lm: LoadedModel, args: argparse.Namespace, configs: dict[str, dict[str, Any]]) -> dict:
+    """Every configuration replays the same workload, interleaved request by request (config A
+    runs turn k, then config B runs it, ...), so a machine shared with other jobs slows them
+    alike; greedy answers are the same in every configuration, each keeps its own history."""
     rng = random.Random(args.seed)
     vocab = lm.config.vocab_size
     tok = lambda k: [rng.randrange(10, vocab) for _ in range(k)]  # noqa: E731
     system = tok(args.system)
     users = [[tok(args.user) for _ in range(args.turns)] for _ in range(args.convs)]
-    history: dict[int, list[int]] = {c: list(system) for c in range(args.convs)}
-    eng = Engine(lm, page_size=args.page_size, **engine_kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.answer, ignore_eos=True)
-    ttfts = []
-    t0 = time.perf_counter()
+    engines = {name: Engine(lm, page_size=args.page_size, **kw) for name, kw in configs.items()}
+    history = {name: {c: list(system) for c in range(args.convs)} for name in configs}
+    ttfts: dict[str, list[float]] = {name: [] for name in configs}
+    wall = dict.fromkeys(configs, 0.0)
     for c, t in workload(args.convs, args.turns, args.system, args.user, args.seed):
-        prompt = history[c] + users[c][t]
-        out = eng.generate([prompt], params, use_tqdm=False)[0]
-        ttfts.append(out.metrics.ttft)
-        history[c] = prompt + list(out.outputs[0].token_ids)
-    wall = time.perf_counter() - t0
-    eng.check_invariants()
-    st = eng.stats()
-    q = max(1, st.prefix_cache_query_tokens)
-    recompute = st.time_forward / max(1, st.prefill_tokens_computed)  # forward s per new token
-    load = st.load_back_seconds / st.prefix_cache_host_hit_tokens if st.load_back_pages else None
-    return {
-        "num_pages": eng.pool.num_pages,
-        "host_pages": st.host_pages_total,
-        "hit_rate": st.prefix_cache_hit_tokens / q,
-        "device_hit_rate": st.prefix_cache_device_hit_tokens / q,
-        "host_hit_rate": st.prefix_cache_host_hit_tokens / q,
-        "ttft_sum_s": float(np.sum(ttfts)),
-        "ttft_mean_ms": 1e3 * float(np.mean(ttfts)),
-        "ttft_p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
-        "tokens_per_s": (st.prefix_cache_query_tokens + st.generated_tokens) / wall,
-        "wall_s": wall,
-        "prefill_tokens_computed": st.prefill_tokens_computed,
-        "load_back_pages": st.load_back_pages,
-        "backup_pages": st.backup_pages,
-        "recompute_us_per_token": 1e6 * recompute,
-        "load_back_us_per_token": None if load is None else 1e6 * load,
-    }
+        for name, eng in engines.items():
+            prompt = history[name][c] + users[c][t]
+            t0 = time.perf_counter()
+            out = eng.generate([prompt], params, use_tqdm=False)[0]
+            wall[name] += time.perf_counter() - t0
+            ttfts[name].append(out.metrics.ttft)
+            history[name][c] = prompt + list(out.outputs[0].token_ids)
+    results = {}
+    for name, eng in engines.items():
+        eng.check_invariants()
+        st = eng.stats()
+        q = max(1, st.prefix_cache_query_tokens)
+        recompute = st.time_forward / max(1, st.prefill_tokens_computed)  # forward s / new token
+        load = (
+            st.load_back_seconds / st.prefix_cache_host_hit_tokens if st.load_back_pages else None
+        )
+        results[name] = {
+            "num_pages": eng.pool.num_pages,
+            "host_pages": st.host_pages_total,
+            "hit_rate": st.prefix_cache_hit_tokens / q,
+            "device_hit_rate": st.prefix_cache_device_hit_tokens / q,
+            "host_hit_rate": st.prefix_cache_host_hit_tokens / q,
+            "ttft_sum_s": float(np.sum(ttfts[name])),
+            "ttft_mean_ms": 1e3 * float(np.mean(ttfts[name])),
+            "ttft_p99_ms": 1e3 * float(np.percentile(ttfts[name], 99)),
+            "tokens_per_s": (st.prefix_cache_query_tokens + st.generated_tokens) / wall[name],
+            "wall_s": wall[name],
+            "prefill_tokens_computed": st.prefill_tokens_computed,
+            "load_back_pages": st.load_back_pages,
+            "backup_pages": st.backup_pages,
+            "recompute_us_per_token": 1e6 * recompute,
+            "load_back_us_per_token": None if load is None else 1e6 * load,
+        }
+    first = next(iter(history.values()))
+    assert all(h == first for h in history.values()), "configurations answered differently"
+    return results
 
 
 def main() -> None:
@@ -137,9 +150,8 @@ def main() -> None:
             "write_policy": p,
         }
     configs["unbounded"] = {"num_pages": 4 * working_set}
-    results = {}
-    for name, kw in configs.items():
-        results[name] = r = run(lm, args, **kw)
+    results = run(lm, args, configs)
+    for name, r in results.items():
         print(f"{name}: {json.dumps(r)}", flush=True)
     ceiling = results["unbounded"]["hit_rate"]
     base = results["device_only"]

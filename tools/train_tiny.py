@@ -19,7 +19,7 @@ beyond ~500 tokens gives garbage. (A run on 2,048-byte windows, 2 per step, lear
 slowly at the same compute: held-out 2.16 nats/byte after 640 steps against 1.60.) Compute is bf16 autocast with fp32 master weights (about 4x faster than
 fp32 on a CPU with AVX512-BF16); the weights are stored as fp16 and served in fp32.
 
-Usage (the shipped weights: 26 minutes on a 2-core machine shared with other jobs):
+Usage (the shipped weights: 36 minutes on a 2-core machine shared with other jobs):
     python tools/train_tiny.py                      # writes radixkv/model/weights/
     python tools/train_tiny.py --stop-after 20 --out /tmp/tiny   # same run, cut short: compare the log
     python tools/train_tiny.py --out /tmp/tiny      # elsewhere
@@ -162,7 +162,7 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=640)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--stop-after", type=int, default=None, help="end early, same schedule")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)

@@ -5,9 +5,9 @@ storage, served in fp32), the tokenizer is byte-level, and a small chat template
 weights were trained from scratch on the CPU by ``tools/train_tiny.py`` on the CPython 3.11
 standard library's source (PSF license; see that script for the corpus, its hash and the held-out
 split), so the model continues Python code and docstrings: give it a function signature or the
-start of a class and it writes Python-shaped text (not working code; held-out 2.3 bits/byte,
+start of a class and it writes Python-shaped text (not working code; held-out 1.86 bits/byte,
 see docs/tiny_model.md). It was trained on 512-byte windows: keep prompt + output under ~500
-tokens, past that it writes garbage. Greedy decoding mostly writes indentation; sample. It exists so that the engine, the
+tokens, past that it writes garbage. Greedy decoding falls into loops; sample. It exists so that the engine, the
 cache, the benchmarks and the notebooks have a real model whose outputs can be read. Sized so a
 4,000-token prefill takes a fraction of a second on 2 CPU cores.
 
