@@ -57,6 +57,9 @@ from radixkv.pages import pages_for
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~1M tokens of radixkv-tiny (1 KiB of K+V per token)
 _DEFAULT_GPU_KV_FRACTION = 0.5  # of the free GPU memory after the weights are loaded
+# A step's fixed cost in prefill tokens (scheduler.py: sizes the groups in which a burst of
+# short prefills is admitted), on a GPU / a CPU: see Scheduler.__init__
+_STEP_OVERHEAD_TOKENS = {False: 1024.0, True: 64.0}
 
 
 class Engine:
@@ -102,7 +105,12 @@ class Engine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         # the only engine code that calls the cache (kv_manager.py)
         self.seq_kv = SeqKV(self.cache, enable_prefix_cache=cfg.enable_prefix_cache)
-        self.scheduler = Scheduler(cfg, self.seq_kv, attention_ratio=attention_cost_ratio(mc))
+        self.scheduler = Scheduler(
+            cfg,
+            self.seq_kv,
+            attention_ratio=attention_cost_ratio(mc),
+            step_overhead_tokens=_STEP_OVERHEAD_TOKENS[self.kv_pool.device.type == "cpu"],
+        )
         self.cascade_planner = CascadePlanner(cfg.page_size, mode=cfg.cascade)
         self._intake = RequestIntake(
             cfg,
