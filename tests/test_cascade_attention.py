@@ -299,3 +299,31 @@ def test_previous_step_levels_reused_and_exact(fused_cpu: bool) -> None:
     assert (out.double() - reference_decode(q, k, v, tables, lens)).abs().max().item() <= TOL
     other_threads = TorchCascadeAttention(plan(1), previous=step2, threads=step2.threads + 1)
     assert other_threads._levels[0] is not step2._levels[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_consecutive_pages_read_in_place(
+    threads: int, fused_cpu: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment on one run of consecutive pages (a prefix prefilled in one go on a fresh pool)
+    is read as a view of the cache instead of gathered; same results."""
+    import radixkv.attention.cascade as cascade_mod
+
+    monkeypatch.setattr(cascade_mod, "MIN_SPLIT_TOKENS", 8)
+    ps, d, h_q, h_kv = 4, 16, 4, 2
+    k, v = random_kv(300, ps, h_kv, d, seed=13)
+    trunk = list(range(40, 52))  # 12 consecutive pages
+    own = [[100 + 3 * r, 101 + 3 * r] for r in range(3)]  # consecutive within each row
+    plan = CascadePlan(
+        ps, 3, (level(ps, [(3, trunk, 48)]), level(ps, [(1, own[r], 5 + r) for r in range(3)]))
+    )
+    alone = CascadePlan(ps, 1, (level(ps, [(1, own[0], 7)]),))
+    attn = TorchCascadeAttention(plan, fused_cpu=fused_cpu, threads=threads)
+    assert attn._levels[0][0].page_run == (40, 12)
+    assert TorchCascadeAttention(alone, threads=threads)._levels[0][0].page_run == (100, 2)
+    q = torch.randn(3, h_q, d)
+    ref = reference_decode(q, k, v, [trunk + o for o in own], [48 + 5 + r for r in range(3)])
+    for _ in range(2):
+        assert (attn.forward(q, k, v).double() - ref).abs().max().item() <= TOL
+    out = cascade_attention(q[:1], k, v, alone, fused_cpu=fused_cpu)
+    assert (out.double() - reference_decode(q[:1], k, v, [own[0]], [7])).abs().max() <= TOL

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
-from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, merge_attention_states
+from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
 from radixkv.pages import pages_for
 
 __all__ = [
@@ -65,6 +65,9 @@ class _Chunk:
     splits: int = 1
     split_len: int = 0
     split_mask: torch.Tensor | None = None
+    # pages p .. p+n-1 of one segment, no padding: K/V are read as a view of the cache, no
+    # gather (a prefix prefilled in one go lies in consecutive pages of a fresh pool)
+    page_run: tuple[int, int] | None = None
     bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive split_mask
 
 
@@ -102,6 +105,18 @@ def _chunk_queries(q: torch.Tensor, c: _Chunk) -> torch.Tensor:
     return q[c.rows]
 
 
+def _pages_of(cache: torch.Tensor, c: _Chunk, buf: GatherBuffer | None) -> torch.Tensor:
+    """The chunk's pages of ``cache`` ``[N, ps, H, D]`` in ``c.pages`` order: a view when they
+    are one run of consecutive pages, else gathered (one index_select of whole pages), into
+    ``buf`` when given (valid until its next gather)."""
+    if c.page_run is not None:
+        first, count = c.page_run
+        return cache[first : first + count]
+    if buf is None:
+        return cache.index_select(0, c.pages.view(-1))
+    return buf.gather(cache, c.pages.view(-1))
+
+
 def _keep_valid(o: torch.Tensor, lse: torch.Tensor, c: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
     if c.row_valid is None:
         return o, lse
@@ -122,7 +137,7 @@ def merge_parts(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _attend_chunk_fused(
     op: Callable[..., tuple[torch.Tensor, ...]], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
-    scale: float, merge: bool = True,
+    scale: float, merge: bool = True, bufs: tuple[GatherBuffer, GatherBuffer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
     of a strided view, scores never materialised). ``merge=False``: the parts of split keys are
@@ -132,8 +147,9 @@ def _attend_chunk_fused(
     h_q = q.shape[1]
     grp = h_q // h_kv
     n, length = c.splits, c.split_len
-    k = k_cache.index_select(0, c.pages.view(-1)).view(S * n, -1, h_kv, d)[:, :length]
-    v = v_cache.index_select(0, c.pages.view(-1)).view(S * n, -1, h_kv, d)[:, :length]
+    kb, vb = bufs or (None, None)
+    k = _pages_of(k_cache, c, kb).view(S * n, -1, h_kv, d)[:, :length]
+    v = _pages_of(v_cache, c, vb).view(S * n, -1, h_kv, d)[:, :length]
     # every query of the segment x every head of KV group h is one "position" of head h
     qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d).transpose(1, 2).reshape(S, h_kv, G * grp, d)
     if n > 1:  # each part of a segment's keys is attended by all of the segment's queries
@@ -166,13 +182,14 @@ def _attend_chunk(
     c: _Chunk,
     scale: float,
     fused_cpu: bool | None = None,
+    bufs: tuple[GatherBuffer, GatherBuffer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32.
-    ``fused_cpu``: see ``_FUSED_STATE``."""
+    ``fused_cpu``: see ``_FUSED_STATE``. ``bufs``: K and V gather buffers (else fresh tensors)."""
     op = _fused_op(q, fused_cpu)
     if op is not None:
         try:
-            out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale)
+            out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale, bufs=bufs)
         except (RuntimeError, TypeError):
             # required, or worked before: a real error, not a missing kernel
             if fused_cpu or _FUSED_STATE.get(q.dtype):
@@ -181,11 +198,16 @@ def _attend_chunk(
         else:
             _FUSED_STATE[q.dtype] = True
             return out
-    return _attend_chunk_matmul(q, k_cache, v_cache, c, scale)
+    return _attend_chunk_matmul(q, k_cache, v_cache, c, scale, bufs)
 
 
 def _attend_chunk_matmul(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    c: _Chunk,
+    scale: float,
+    bufs: tuple[GatherBuffer, GatherBuffer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Portable path (any device): per-KV-head bmm with an explicit softmax."""
     S, G = c.rows.shape
@@ -194,8 +216,9 @@ def _attend_chunk_matmul(
     grp = h_q // h_kv
     # Gather each segment's K/V once: [S, L, Hkv, D]; all G rows of a segment share it.
     # (index_select over whole pages is several times faster than advanced indexing on CPU)
-    k = k_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
-    v = v_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
+    kb, vb = bufs or (None, None)
+    k = _pages_of(k_cache, c, kb).view(S, -1, h_kv, d)[:, : c.kv_len]
+    v = _pages_of(v_cache, c, vb).view(S, -1, h_kv, d)[:, : c.kv_len]
     qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d)
     o = torch.empty(S, G, h_kv, grp, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(S, G, h_kv, grp, dtype=torch.float32, device=q.device)
@@ -249,6 +272,8 @@ class TorchCascadeAttention:
         self.fused_cpu = fused_cpu
         self.threads = torch.get_num_threads() if threads is None else max(1, int(threads))
         old: dict[CascadeLevel, list[_Chunk]] = {}
+        # K and V gather buffers, handed on from step to step
+        self._bufs = (GatherBuffer(), GatherBuffer()) if previous is None else previous._bufs
         if (
             previous is not None
             and previous.device == self.device
@@ -298,7 +323,12 @@ class TorchCascadeAttention:
         row_range = None
         if row_valid is None and flat_rows == list(range(flat_rows[0], flat_rows[-1] + 1)):
             row_range = (flat_rows[0], flat_rows[-1] + 1)
+        run = padded_pages[0]
+        page_run = None
+        if len(segs) == 1 and run == list(range(run[0], run[0] + len(run))):
+            page_run = (run[0], len(run))
         return _Chunk(
+            page_run=page_run,
             rows=torch.tensor(padded_rows, dtype=torch.long, device=dev),
             row_valid=row_valid,
             pages=torch.tensor(padded_pages, dtype=torch.long, device=dev),
@@ -375,7 +405,7 @@ class TorchCascadeAttention:
         op = _fused_op(q, self.fused_cpu) if self._whole_rows else None
         if op is not None and _FUSED_STATE.get(q.dtype):
             # every chunk is the whole batch in order: all parts merged at once, no scatter
-            parts = [_attend_chunk_fused(op, q, k_cache, v_cache, c, scale, False)
+            parts = [_attend_chunk_fused(op, q, k_cache, v_cache, c, scale, False, self._bufs)
                      for chunks in self._levels for c in chunks]  # fmt: skip
             o_all = torch.cat([p[0] for p in parts])
             lse_all = torch.cat([p[1] for p in parts])
@@ -386,7 +416,9 @@ class TorchCascadeAttention:
         lse: torch.Tensor | None = None
         for chunks in self._levels:
             for c in chunks:
-                o_c, lse_c = _attend_chunk(q, k_cache, v_cache, c, scale, self.fused_cpu)
+                o_c, lse_c = _attend_chunk(
+                    q, k_cache, v_cache, c, scale, self.fused_cpu, self._bufs
+                )
                 if o is None or lse is None:
                     if c.first and c.row_range == (0, n):  # the whole batch, in order: keep it
                         o, lse = o_c, lse_c
