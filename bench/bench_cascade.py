@@ -107,7 +107,9 @@ def bench_attention(
     node = _Node(prefix)
     entries = [DecodeEntry(node, t, n, n_shared) for t, n in zip(tables, lens)]
     decision = CascadePlanner(ps, mode="on").plan(entries)  # cascade whenever anything is shared
-    auto = CascadePlanner(ps, mode="auto").plan(entries)  # what the engine picks by default
+    # what the engine picks by default for this head shape (fp32 K+V per token and layer)
+    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d * 4)
+    auto = CascadePlanner(ps, mode="auto", min_step_saved_tokens=auto_min).plan(entries)
     cascade = TorchCascadeAttention(decision.plan, "cpu")
     plain = _plain_backend(pool, h_q, h_kv, d, tables, lens)
     slots = torch.tensor([t[(n - 1) // ps] * ps + (n - 1) % ps for t, n in zip(tables, lens)])

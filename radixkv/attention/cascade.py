@@ -49,12 +49,16 @@ merge_state = merge_attention_states  # the exact log-sum-exp merge, under its c
 class _Chunk:
     """Segments computed together: ``S`` segments padded to ``G`` rows and ``n_pages`` pages."""
 
-    rows: torch.Tensor  # [S, G] long, query rows (padding repeats a valid row)
+    num_segments: int  # S
+    group: int  # G
+    # [S, G] long, query rows (padding repeats a valid row); None when ``row_range`` is set
+    rows: torch.Tensor | None
     row_valid: torch.Tensor | None  # [S, G] bool, None when no padding
     pages: torch.Tensor  # [S, n_pages] long (padding: page of the same segment)
     kv_len: int  # padded KV length = n_pages * page_size, trimmed to the max real length
     kv_mask: torch.Tensor | None  # [S, 1, kv_len] bool, True = masked out; None if none
-    out_rows: torch.Tensor  # [R] long, rows written back (valid ones, in [S, G] order)
+    # [R] long, rows written back (valid ones, in [S, G] order); None when ``row_range`` is set
+    out_rows: torch.Tensor | None
     # rows a..b-1 in [S, G] order without padding: queries are read, and results written, as
     # one slice instead of a gather and a scatter
     row_range: tuple[int, int] | None = None
@@ -99,9 +103,10 @@ def _fused_op(
 
 def _chunk_queries(q: torch.Tensor, c: _Chunk) -> torch.Tensor:
     """The chunk's queries as ``[S, G, Hq, D]`` (a view when its rows are one range)."""
-    S, G = c.rows.shape
     if c.row_range is not None:
-        return q[c.row_range[0] : c.row_range[1]].view(S, G, q.shape[1], q.shape[2])
+        a, b = c.row_range
+        return q[a:b].view(c.num_segments, c.group, q.shape[1], q.shape[2])
+    assert c.rows is not None
     return q[c.rows]
 
 
@@ -142,7 +147,7 @@ def _attend_chunk_fused(
     """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
     of a strided view, scores never materialised). ``merge=False``: the parts of split keys are
     returned unmerged, ``o [splits, R, Hq, D]`` and ``lse [splits, R, Hq]``."""
-    S, G = c.rows.shape
+    S, G = c.num_segments, c.group
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
     grp = h_q // h_kv
@@ -210,7 +215,7 @@ def _attend_chunk_matmul(
     bufs: tuple[GatherBuffer, GatherBuffer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Portable path (any device): per-KV-head bmm with an explicit softmax."""
-    S, G = c.rows.shape
+    S, G = c.num_segments, c.group
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
     grp = h_q // h_kv
@@ -290,55 +295,74 @@ class TorchCascadeAttention:
             c.row_range == (0, n) and c.row_valid is None for chunks in self._levels for c in chunks
         )
 
-    def _make_chunk(self, lvl: CascadeLevel, segs: list[int]) -> _Chunk:
+    def _make_chunk(self, lvl: CascadeLevel, segs: list[tuple[int, int, int]]) -> _Chunk:
+        """A chunk of the level's segments ``(index, rows, kv_len)`` (one chunk per step for
+        a batch's private pages: kept to a few list passes and tensor builds)."""
         ps = self.plan.page_size
-        row_lists = [list(range(lvl.qo_indptr[i], lvl.qo_indptr[i + 1])) for i in segs]
-        page_lists = [list(lvl.kv_indices[lvl.kv_indptr[i] : lvl.kv_indptr[i + 1]]) for i in segs]
-        lens = [lvl.segment_kv_len(i, ps) for i in segs]
-        g = max(len(r) for r in row_lists)
-        n_pages = max(len(p) for p in page_lists)
+        qo, kv, idx = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_indices
+        num = len(segs)
+        g = max(r for _, r, _ in segs)
+        lens = [n for _, _, n in segs]
         kv_len = max(lens)
-        splits = self._num_splits(len(segs), n_pages, min(lens))
+        n_pages = max(kv[i + 1] - kv[i] for i, _, _ in segs)
+        splits = self._num_splits(num, n_pages, min(lens))
         n_pages = -(-n_pages // splits) * splits  # pad so that every part has as many pages
-        padded_rows = [r + [r[0]] * (g - len(r)) for r in row_lists]
-        padded_pages = [p + [p[0]] * (n_pages - len(p)) for p in page_lists]
+        flat_pages: list[int] = []
+        for i, _, _ in segs:
+            a, b = kv[i], kv[i + 1]
+            flat_pages.extend(idx[a:b])
+            if b - a < n_pages:
+                flat_pages.extend([idx[a]] * (n_pages - (b - a)))
         dev = self.device
-        row_valid = None
-        if any(len(r) < g for r in row_lists):
-            row_valid = torch.tensor(
-                [[j < len(r) for j in range(g)] for r in row_lists], dtype=torch.bool, device=dev
+        first_row, last_row = qo[segs[0][0]], qo[segs[-1][0] + 1]
+        padded = g != min(r for _, r, _ in segs)
+        contiguous = not padded and all(
+            qo[i] == first_row + k * g for k, (i, _, _) in enumerate(segs)
+        )
+        rows = out_rows = row_valid = None
+        row_range = (first_row, last_row) if contiguous else None
+        if not contiguous:
+            row_lists = [list(range(qo[i], qo[i] + r)) for i, r, _ in segs]
+            rows = torch.tensor(
+                [rl + [rl[0]] * (g - len(rl)) for rl in row_lists], dtype=torch.long, device=dev
             )
-        lens_t = torch.tensor(lens, device=dev)[:, None]
-        kv_mask = None
-        if any(n < kv_len for n in lens):
-            kv_mask = (torch.arange(kv_len, device=dev)[None, :] >= lens_t).view(len(segs), 1, -1)
+            out_rows = torch.tensor(
+                [x for rl in row_lists for x in rl], dtype=torch.long, device=dev
+            )
+            if padded:
+                row_valid = torch.tensor(
+                    [[j < len(rl) for j in range(g)] for rl in row_lists],
+                    dtype=torch.bool,
+                    device=dev,
+                )
+        kv_mask = split_mask = None
         split_len = kv_len if splits == 1 else n_pages // splits * ps
-        split_mask = kv_mask
-        if splits > 1:
-            split_mask = None
-            if any(n < n_pages * ps for n in lens):
+        if min(lens) < (kv_len if splits == 1 else n_pages * ps):
+            lens_t = torch.tensor(lens, device=dev)[:, None]
+            if kv_len > min(lens):
+                kv_mask = (torch.arange(kv_len, device=dev)[None, :] >= lens_t).view(num, 1, -1)
+            if splits == 1:
+                split_mask = kv_mask
+            else:
                 full = torch.arange(n_pages * ps, device=dev)[None, :] >= lens_t  # [S, L]
-                split_mask = full.view(len(segs) * splits, 1, split_len)
-        flat_rows = [x for r in row_lists for x in r]
-        row_range = None
-        if row_valid is None and flat_rows == list(range(flat_rows[0], flat_rows[-1] + 1)):
-            row_range = (flat_rows[0], flat_rows[-1] + 1)
-        run = padded_pages[0]
+                split_mask = full.view(num * splits, 1, split_len)
         page_run = None
-        if len(segs) == 1 and run == list(range(run[0], run[0] + len(run))):
-            page_run = (run[0], len(run))
+        if num == 1 and flat_pages == list(range(flat_pages[0], flat_pages[0] + n_pages)):
+            page_run = (flat_pages[0], n_pages)
         return _Chunk(
-            page_run=page_run,
-            rows=torch.tensor(padded_rows, dtype=torch.long, device=dev),
+            num_segments=num,
+            group=g,
+            rows=rows,
             row_valid=row_valid,
-            pages=torch.tensor(padded_pages, dtype=torch.long, device=dev),
+            pages=torch.tensor(flat_pages, dtype=torch.long, device=dev).view(num, n_pages),
             kv_len=kv_len,
             kv_mask=kv_mask,
-            out_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
+            out_rows=out_rows,
             row_range=row_range,
             splits=splits,
             split_len=split_len,
             split_mask=split_mask,
+            page_run=page_run,
         )
 
     def _num_splits(self, num_segments: int, n_pages: int, min_len: int) -> int:
@@ -356,28 +380,41 @@ class TorchCascadeAttention:
         seen = [False] * self.plan.num_queries
         for chunks in self._levels:
             for c in chunks:
-                rows = range(*c.row_range) if c.row_range else c.out_rows.tolist()
+                if c.row_range is not None:
+                    a, b = c.row_range
+                    c.first = not any(seen[a:b])
+                    seen[a:b] = [True] * (b - a)
+                    continue
+                assert c.out_rows is not None
+                rows = c.out_rows.tolist()
                 c.first = not any(seen[r] for r in rows)
                 for r in rows:
                     seen[r] = True
 
     def _prepare_level(self, lvl: CascadeLevel) -> list[_Chunk]:
-        nonempty = [i for i in range(lvl.num_segments) if lvl.kv_last_page_len[i] > 0]
-        single = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] == 1]
-        multi = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] > 1]
-        chunks = [self._make_chunk(lvl, [i]) for i in multi]
+        ps = self.plan.page_size
+        qo, kv, last = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_last_page_len
+        single: list[tuple[int, int, int]] = []  # (segment, rows, kv_len)
+        chunks = []
+        for i in range(lvl.num_segments):
+            if last[i] == 0:
+                continue
+            seg = (i, qo[i + 1] - qo[i], (kv[i + 1] - kv[i] - 1) * ps + last[i])
+            if seg[1] == 1:
+                single.append(seg)
+            else:
+                chunks.append(self._make_chunk(lvl, [seg]))
         # One-row segments go in padded batches of at most SINGLE_CHUNK_TOKENS gathered tokens:
         # longest first, so each batch pads little, and no gather buffer grows so large that
         # allocating it (fresh pages from the OS every call) costs more than the attention.
         # When they all fit in one batch they keep their row order (read and written as a slice).
-        ps = self.plan.page_size
         if single:
-            widest = max(pages_for(lvl.segment_kv_len(i, ps), ps) for i in single) * ps
+            widest = pages_for(max(n for _, _, n in single), ps) * ps
             if len(single) * widest > SINGLE_CHUNK_TOKENS:
-                single.sort(key=lambda i: -lvl.segment_kv_len(i, ps))
+                single.sort(key=lambda seg: -seg[2])
         start = 0
         while start < len(single):
-            width = pages_for(lvl.segment_kv_len(single[start], ps), ps) * ps  # padded tokens/row
+            width = pages_for(single[start][2], ps) * ps  # padded tokens per row
             n = max(1, SINGLE_CHUNK_TOKENS // width)
             chunks.append(self._make_chunk(lvl, single[start : start + n]))
             start += n
@@ -431,10 +468,12 @@ class TorchCascadeAttention:
                         o_c, lse_c = merge_state(o[a:b], lse[a:b], o_c, lse_c)
                     o[a:b], lse[a:b] = o_c, lse_c
                     continue
+                out_rows = c.out_rows
+                assert out_rows is not None  # set whenever row_range is not
                 if not c.first:
-                    o_c, lse_c = merge_state(o[c.out_rows], lse[c.out_rows], o_c, lse_c)
-                o.index_copy_(0, c.out_rows, o_c)
-                lse.index_copy_(0, c.out_rows, lse_c)
+                    o_c, lse_c = merge_state(o[out_rows], lse[out_rows], o_c, lse_c)
+                o.index_copy_(0, out_rows, o_c)
+                lse.index_copy_(0, out_rows, lse_c)
         assert o is not None and lse is not None  # a plan covers every row (CascadePlan checks)
         out = o.to(q.dtype)
         return (out, lse) if return_lse else out

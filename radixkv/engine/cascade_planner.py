@@ -15,8 +15,11 @@ share, so that a shared prefix's KV is read once per group rather than once per 
   private pages (partial last page included) and any shared pages too small to pay.
 * Mode ``"auto"`` falls back to the plain one-level plan when the whole step saves fewer than
   ``min_step_saved_tokens`` KV tokens (per layer) or ``min_step_saved_fraction`` of the plain
-  reads: each extra level costs a kernel call and a merge, which on 2 CPU cores (radixkv-tiny
-  heads) only pays from about 3,000 saved tokens a step (measured with bench/bench_cascade.py).
+  reads: each extra level costs kernel calls and a merge (about 0.1 ms a layer on 2 CPU cores),
+  which the saved reads must outweigh. Measured with bench/bench_cascade.py on radixkv-tiny's
+  head shape (512 bytes of K+V per token and layer), cascade loses at 3,840 saved tokens a step
+  and wins from 4,096: the threshold is ``MIN_STEP_SAVED_BYTES`` = 2 MiB of K+V per layer, which
+  the engine turns into tokens for its model (:meth:`CascadePlanner.min_step_tokens_for`).
   ``"on"`` keeps every segment shared by two or more sequences; ``"off"`` always plans plain
   decode.
 
@@ -43,6 +46,8 @@ from typing import NamedTuple, Protocol
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 
 CASCADE_MODES = ("auto", "on", "off")
+# K+V bytes (per layer) a step must save for "auto" to pick the cascade (module docstring)
+MIN_STEP_SAVED_BYTES = 2 << 20
 
 
 class TrieNode(Protocol):
@@ -136,7 +141,7 @@ class CascadePlanner:
         *,
         mode: str = "auto",
         min_saved_tokens: int = 512,
-        min_step_saved_tokens: int = 3072,
+        min_step_saved_tokens: int = 4096,
         min_step_saved_fraction: float = 0.1,
     ) -> None:
         if mode not in CASCADE_MODES:
@@ -153,6 +158,14 @@ class CascadePlanner:
         self.min_step_saved_tokens = min_step_saved_tokens
         self.min_step_saved_fraction = min_step_saved_fraction
         self._last: _Shared | None = None  # the last cascade plan's shared part (module doc)
+
+    @staticmethod
+    def min_step_tokens_for(kv_bytes_per_token: int) -> int:
+        """``min_step_saved_tokens`` for a KV cache of ``kv_bytes_per_token`` bytes of K+V per
+        token and layer: ``MIN_STEP_SAVED_BYTES`` of them (4,096 for radixkv-tiny's 512)."""
+        if kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        return -(-MIN_STEP_SAVED_BYTES // kv_bytes_per_token)
 
     # ---------------------------------------------------------------- public
     def plan(self, entries: Sequence[DecodeEntry]) -> CascadeDecision:

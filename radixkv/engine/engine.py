@@ -111,7 +111,13 @@ class Engine:
             attention_ratio=attention_cost_ratio(mc),
             step_overhead_tokens=_STEP_OVERHEAD_TOKENS[self.kv_pool.device.type == "cpu"],
         )
-        self.cascade_planner = CascadePlanner(cfg.page_size, mode=cfg.cascade)
+        # "auto" picks the cascade from MIN_STEP_SAVED_BYTES of K+V saved per layer a step
+        token_bytes = self.kv_pool.bytes_per_page // (cfg.page_size * mc.num_layers)
+        self.cascade_planner = CascadePlanner(
+            cfg.page_size,
+            mode=cfg.cascade,
+            min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_bytes),
+        )
         self._intake = RequestIntake(
             cfg,
             self.tokenizer,
