@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,16 +28,19 @@ from typing import Any
 import msgspec
 import torch
 
-from radixkv.engine.benchmark import (
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's radixkv, not whichever is installed
+
+from radixkv.engine.benchmark import (  # noqa: E402
     WorkloadResult,
     format_table,
     generated_shared_prefix,
     measure,
     shared_prefix_tokens,
 )
-from radixkv.engine.engine import Engine
-from radixkv.engine.params import SamplingParams
-from radixkv.model.loader import load_model
+from radixkv.engine.engine import Engine  # noqa: E402
+from radixkv.engine.params import SamplingParams  # noqa: E402
+from radixkv.model.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_engine.json"
 

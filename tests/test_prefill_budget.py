@@ -170,8 +170,9 @@ def test_a_burst_of_short_prefills_is_admitted_in_sqrt_sized_groups(
     small: tuple[Any, Any],
 ) -> None:
     """Twelve requests hit a cached prefix at once: with a step overhead of d budget units, a
-    step admits at most ceil(sqrt(waiting * d / cost)) of them (the first admission's cost), so
-    the first ones get their first token after a short step; outputs do not change."""
+    step admits at most ceil(sqrt(waiting * (d + decode rows) / cost)) of them (the first
+    admission's cost), so the first ones get their first token after a short step; outputs do
+    not change."""
     _, lm = small
     prefix = [3 + (i % 90) for i in range(160)]
     prompts = [prefix + [100 + 8 * i + j for j in range(8)] for i in range(12)]
@@ -189,8 +190,9 @@ def test_a_burst_of_short_prefills_is_admitted_in_sqrt_sized_groups(
         ]
         groups[d] = [g for g in groups[d] if g]
     assert groups[None] == [12]  # 96 new tokens fit the budget of 128: one step
-    # waiting 12, 8, 5, 2, a cost of 8 each: ceil(sqrt(12)), ceil(sqrt(8)), ceil(sqrt(5)), 2 left
-    assert groups[8.0] == [4, 3, 3, 2]
+    # d = 8 + a token per decode row: waiting 12, no decodes: ceil(sqrt(12 * 8 / 8)) = 4;
+    # waiting 8, 4 decoding: ceil(sqrt(8 * 12 / 8)) = 4; waiting 4, 8 decoding: 3; then 1
+    assert groups[8.0] == [4, 4, 3, 1]
     assert outs[8.0] == outs[None]
 
 

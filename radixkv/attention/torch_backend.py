@@ -163,6 +163,12 @@ class TorchAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self._write_new_kv(layer, q, k, v)
+        return self.attend(layer, q, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``forward`` without the write: attention over the planned layout, the new tokens'
+        K/V already in the pool (the cascade backend writes a mixed batch's K/V once, then
+        hands this backend the rows it does not attend itself)."""
         pool = self.kv_pool
         kc, vc = pool.k[layer], pool.v[layer]
         out = torch.empty_like(q)

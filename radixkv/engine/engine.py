@@ -281,19 +281,33 @@ class Engine:
         """One model forward over the batch; if it raises, the batch's requests end with
         "error" and the exception propagates."""
         try:
-            cascade = self._plan_cascade(batch)
-            return self.runner.forward(batch.model_inputs(), cascade=cascade)
+            cascade, rows = self._plan_cascade(batch)
+            return self.runner.forward(batch.model_inputs(), cascade=cascade, cascade_rows=rows)
         except Exception:
             self._fail_batch(batch)
             raise
 
-    def _plan_cascade(self, batch: ScheduledBatch) -> CascadeDecision | None:
-        """Count the step's decode KV reads; return a CascadeDecision when the batch is all
-        decode and the planner finds sharing that pays, else None (plain paged decode)."""
-        decodes = [s for s, n in zip(batch.seqs, batch.num_new) if n == 1 and s.num_computed]
+    def _plan_cascade(
+        self, batch: ScheduledBatch
+    ) -> tuple[CascadeDecision | None, list[int] | None]:
+        """Count the step's decode KV reads; return a CascadeDecision over the step's decode
+        sequences (and their batch rows; None when the batch is all decode) when the planner
+        finds sharing that pays, else (None, None): plain paged decode. A mixed step (someone
+        prefills) plans its decodes too where the runner's backend can split the batch."""
+        rows = [
+            i
+            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
+            if n == 1 and s.num_computed
+        ]
+        decodes = [batch.seqs[i] for i in rows]
         plain = sum(s.num_computed + 1 for s in decodes)
         read, decision = plain, None
-        if len(decodes) == len(batch.seqs) > 1 and self.cascade_planner.mode != "off":
+        whole = len(rows) == len(batch.seqs)
+        if (
+            len(rows) > 1
+            and self.cascade_planner.mode != "off"
+            and (whole or self.runner.supports_mixed_cascade)
+        ):
             d = self.cascade_planner.plan(
                 [
                     DecodeEntry(s.locked_node, s.page_table, s.num_computed + 1, s.num_shared_pages)
@@ -306,7 +320,7 @@ class Engine:
         self._stats.record_decode_reads(
             plain * per_token, read * per_token, cascade=decision is not None
         )
-        return decision
+        return decision, (None if whole or decision is None else rows)
 
     def _append_tokens(self, seqs: list[Seq], tokens: list[int]) -> None:
         """Append one sampled token to each sequence; finish those that hit a stop token, a

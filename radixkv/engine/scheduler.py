@@ -29,9 +29,10 @@ small groups rather than as many as the budget holds: all of a step's admissions
 first token when the step ends, so ``n`` requests of equal work ``w`` in groups of ``g``, with a
 per-step overhead ``d`` (scheduling, the weights read once per step, the running sequences'
 decode rows), wait ``(g*w + d) * (n/g + 1) / 2`` on average, least at ``g = sqrt(n * d / w)``. A
-step admits at most that many (``d`` is ``step_overhead_tokens``, in budget units: the engine
-sets it per device, see ``Scheduler.__init__``); when the cap stops admission, running prefills
-held back to half the budget are not topped up, so the step stays short.
+step admits at most that many (``d`` is ``step_overhead_tokens``, in budget units, which the
+engine sets per device, see ``Scheduler.__init__``, plus a token per decode row of the step);
+when the cap stops admission, running prefills held back to half the budget are not topped up,
+so the step stays short.
 """
 
 from __future__ import annotations
@@ -224,12 +225,14 @@ class Scheduler:
             batch.num_prefill_tokens += total - n
             batch.prefill_cost += chunk_cost(total, past, self._ratio) - have
 
-    def _admission_cap(self, waiting: int, cost: float) -> int | None:
+    def _admission_cap(self, waiting: int, cost: float, decode_rows: int) -> int | None:
         """Most admissions in a step whose first admission costs ``cost`` budget units, with
-        ``waiting`` requests queued (module docstring); None: no cap."""
+        ``waiting`` requests queued and ``decode_rows`` running sequences decoding in it (each a
+        token of the step's overhead; module docstring); None: no cap."""
         if self.step_overhead_tokens is None:
             return None
-        return math.ceil(math.sqrt(waiting * self.step_overhead_tokens / max(cost, 1.0)))
+        overhead = self.step_overhead_tokens + decode_rows
+        return math.ceil(math.sqrt(waiting * overhead / max(cost, 1.0)))
 
     def _admit(self, batch: ScheduledBatch, budget: float) -> bool:
         """Admit waiting sequences in policy order while the budget, ``max_running_requests``,
@@ -275,7 +278,7 @@ class Scheduler:
             batch.add(seq, n)
             cost = chunk_cost(n, seq.num_computed, self._ratio)
             if not admitted:
-                cap = self._admission_cap(len(self.waiting), cost)
+                cap = self._admission_cap(len(self.waiting), cost, batch.num_decode)
             admitted.append(seq)
             used += cost
             tokens += n
