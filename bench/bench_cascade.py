@@ -1,15 +1,24 @@
 """Cascade (shared-prefix) decode attention vs plain paged decode, on the torch backend (CPU).
 
 Part 1, attention only: B requests share a P-token prefix (one trie node) and each has S unique
-tokens; one decode step's attention for one layer. The plain baseline is the model's torch
-backend decode (``TorchAttention``: a batched gather of every request's pages plus SDPA), the
-same code the engine runs without cascade. Cascade is the plan the engine's planner builds,
-run by ``TorchCascadeAttention``. Both include writing the step's new K/V into the pool.
-Reported beside the ideal bytes ratio ``(B*P + sum S) / (P + sum S)``.
+tokens; one decode step's attention for one layer, on radixkv-tiny's head shape by default (one
+query head, one KV head of 64 dims). The plain baseline is the model's torch backend decode
+(``TorchAttention``: a batched gather of every request's pages plus SDPA), the same code the
+engine runs without cascade. Cascade is the plan the engine's planner builds, run by
+``TorchCascadeAttention``. Both include writing the step's new K/V into the pool. Reported beside
+the ideal bytes ratio ``(B*P + sum S) / (P + sum S)``, and whether ``cascade="auto"`` picks the
+faster of the two (``auto_right``).
 
 Part 2, end to end: a tree-of-thought workload on radixkv-tiny: one shared prompt, N branches
-decoding greedily; decode throughput with the engine's cascade on vs off (skipped with a note if
-the engine does not support ``cascade=``).
+(each the prompt + a few tokens of its own) decoding greedily; decode time with the engine's
+cascade off vs ``auto``. The two engines run the same workload in lockstep, one step each in
+turn (which goes first alternates), so load from other processes on a shared machine hits both
+alike; the whole workload is repeated ``--e2e-reps`` times and the speedup is the median of the
+repetitions' ratios of summed decode-step times.
+
+Timing: every repetition times both sides back to back (alternating which goes first); the
+statistic is the median over repetitions (``--timer cpu``: one thread and that thread's CPU time,
+which other processes cannot inflate by taking the CPU away).
 
     python bench/bench_cascade.py [--quick] [--out bench/results/bench_cascade.json]
 """
@@ -19,8 +28,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -49,15 +60,18 @@ class _Node:
 TIMER: Callable[[], float] = time.perf_counter
 
 
-def _time(fn: Callable[[], Any], reps: int) -> float:
-    """Best of ``reps`` runs: the machine is shared, so the minimum is the stable statistic."""
-    fn()  # warm up
-    times = []
-    for _ in range(reps):
-        t0 = TIMER()
-        fn()
-        times.append(TIMER() - t0)
-    return min(times)
+def _time_pair(a: Callable[[], Any], b: Callable[[], Any], reps: int) -> tuple[float, float]:
+    """Medians over ``reps`` repetitions, each timing ``a`` and ``b`` back to back (which goes
+    first alternates): interleaved, so load from other processes hits both alike."""
+    a()  # warm up
+    b()
+    ta, tb = [], []
+    for i in range(reps):
+        for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
+            t0 = TIMER()
+            fn()
+            out.append(TIMER() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def _plain_backend(pool: Any, h_q: int, h_kv: int, d: int, tables, lens) -> Callable[..., Any]:
@@ -93,7 +107,9 @@ def bench_attention(
     node = _Node(prefix)
     entries = [DecodeEntry(node, t, n, n_shared) for t, n in zip(tables, lens)]
     decision = CascadePlanner(ps, mode="on").plan(entries)  # cascade whenever anything is shared
-    auto = CascadePlanner(ps, mode="auto").plan(entries)  # what the engine picks by default
+    # what the engine picks by default for this head shape (fp32 K+V per token and layer)
+    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d * 4)
+    auto = CascadePlanner(ps, mode="auto", min_step_saved_tokens=auto_min).plan(entries)
     cascade = TorchCascadeAttention(decision.plan, "cpu")
     plain = _plain_backend(pool, h_q, h_kv, d, tables, lens)
     slots = torch.tensor([t[(n - 1) // ps] * ps + (n - 1) % ps for t, n in zip(tables, lens)])
@@ -109,13 +125,10 @@ def bench_attention(
     out_plain = plain(q, k_new, v_new)
     out_casc = run_cascade()
     err = (out_plain[list(decision.order)] - out_casc).abs().max().item()
-    # interleave the two so that load from other processes hits both alike
-    t_plain, t_casc = float("inf"), float("inf")
-    for _ in range(3):
-        t_plain = min(t_plain, _time(lambda: plain(q, k_new, v_new), reps))
-        if decision.use_cascade:
-            t_casc = min(t_casc, _time(run_cascade, reps))
-    if not decision.use_cascade:  # nothing shared (B=1): the engine runs plain decode
+    if decision.use_cascade:
+        t_plain, t_casc = _time_pair(lambda: plain(q, k_new, v_new), run_cascade, reps)
+    else:  # nothing shared (B=1): the engine runs plain decode
+        t_plain, _ = _time_pair(lambda: plain(q, k_new, v_new), lambda: None, reps)
         t_casc = t_plain
     bytes_ratio = (batch * prefix + batch * suffix) / (prefix + batch * suffix)
     return {
@@ -128,85 +141,125 @@ def bench_attention(
         "bytes_ratio": round(bytes_ratio, 2),
         "auto_uses_cascade": auto.use_cascade,
         "speedup_auto": round(t_plain / t_casc, 2) if auto.use_cascade else 1.0,
+        # auto chose the faster side (a tie within 5% is no wrong choice)
+        "auto_right": auto.use_cascade == (t_casc < t_plain) or abs(t_plain / t_casc - 1) < 0.05,
         "kv_tokens_plain": decision.kv_tokens_plain,
         "kv_tokens_cascade": decision.kv_tokens_cascade,
         "max_abs_diff": err,
     }
 
 
-def bench_end_to_end(
-    prompt_len: int, branches: int, gen: int, page_size: int
-) -> dict[str, Any] | None:
-    """Tree-of-thought: one shared prompt, ``branches`` greedy branches of ``gen`` tokens."""
-    try:
-        from radixkv.engine.engine import Engine
-        from radixkv.engine.params import SamplingParams
-    except ImportError as e:
-        print(f"end-to-end part skipped: {e}", file=sys.stderr)
-        return None
-    rng = random.Random(0)
-    prompt = [rng.randrange(1, 250) for _ in range(prompt_len)]
-    # each branch: the shared prompt + a short branch-specific instruction
-    prompts = [prompt + [rng.randrange(1, 250) for _ in range(8)] for _ in range(branches)]
-    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-    out: dict[str, Any] = {
-        "prompt_len": prompt_len,
-        "branches": branches,
-        "gen_tokens": gen,
-        "page_size": page_size,
-    }
-    texts = {}
+def _e2e_engines(
+    prompt: list[int], prompts: list[list[int]], params: Any, page_size: int
+) -> dict[str, Any]:
+    """Both engines with the trunk cached and every branch queued."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+    from radixkv.model.loader import load_model
+
+    lm = load_model("radixkv-tiny")
+    engines = {}
     for mode in ("off", "auto"):
-        try:
-            eng = Engine("radixkv-tiny", page_size=page_size, cascade=mode, seed=0)
-        except TypeError as e:
-            print(f"end-to-end part skipped (engine has no cascade=): {e}", file=sys.stderr)
-            return None
+        eng = Engine(lm, page_size=page_size, cascade=mode, seed=0)
         eng.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # cache the trunk
         for p in prompts:
             eng.add_request(p, params, stream=False)
-        decode_tokens = 0
-        t_decode = 0.0
-        finished: list[Any] = []
-        while eng.has_unfinished():
-            before = eng.stats()
-            t0 = TIMER()
-            outs = eng.step()
-            dt_ = TIMER() - t0
-            after = eng.stats()
-            if after.prefill_tokens_computed == before.prefill_tokens_computed:  # decode-only
-                t_decode += dt_
-                decode_tokens += after.generated_tokens - before.generated_tokens
-            finished.extend(o for o in outs if o.finished)
-        stats = eng.stats()
-        texts[mode] = sorted(tuple(o.token_ids) for o in finished)
-        out[f"decode_tok_per_s_{mode}"] = round(decode_tokens / max(t_decode, 1e-9), 1)
-        out[f"decode_s_{mode}"] = round(t_decode, 3)
-        out[f"kv_bytes_read_plain_{mode}"] = stats.kv_bytes_read_plain
-        out[f"kv_bytes_read_cascade_{mode}"] = stats.kv_bytes_read_cascade
-        out[f"cascade_steps_{mode}"] = stats.cascade_steps
-    out["speedup"] = round(out["decode_tok_per_s_auto"] / out["decode_tok_per_s_off"], 2)
-    out["kv_bytes_ratio"] = round(
-        out["kv_bytes_read_plain_auto"] / max(1, out["kv_bytes_read_cascade_auto"]), 2
-    )
-    out["outputs_identical"] = texts["auto"] == texts["off"]
-    return out
+        engines[mode] = eng
+    return engines
+
+
+def bench_end_to_end(
+    prompt_len: int, branches: int, unique: int, gen: int, page_size: int, reps: int
+) -> dict[str, Any]:
+    """Tree-of-thought: one shared prompt, ``branches`` greedy branches of ``gen`` tokens, each
+    on the prompt + ``unique`` tokens of its own; off and auto in lockstep (module docstring)."""
+    from radixkv.engine.params import SamplingParams
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, 250) for _ in range(prompt_len)]
+    prompts = [prompt + [rng.randrange(1, 250) for _ in range(unique)] for _ in range(branches)]
+    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    modes = ("off", "auto")
+    rep_rows = []
+    texts: dict[str, list[Any]] = {}
+    stats: dict[str, Any] = {}
+    for rep in range(reps):
+        engines = _e2e_engines(prompt, prompts, params, page_size)
+        t_decode = dict.fromkeys(modes, 0.0)
+        steps = dict.fromkeys(modes, 0)
+        tokens = dict.fromkeys(modes, 0)
+        finished: dict[str, list[Any]] = {m: [] for m in modes}
+        i = 0
+        while any(e.has_unfinished() for e in engines.values()):
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                eng = engines[mode]
+                if not eng.has_unfinished():
+                    continue
+                before = eng.stats()
+                t0 = TIMER()
+                outs = eng.step()
+                dt_ = TIMER() - t0
+                after = eng.stats()
+                if after.prefill_tokens_computed == before.prefill_tokens_computed:  # decode
+                    t_decode[mode] += dt_
+                    steps[mode] += 1
+                    tokens[mode] += after.generated_tokens - before.generated_tokens
+                finished[mode].extend(o for o in outs if o.finished)
+            i += 1
+        rep_rows.append(
+            {
+                "rep": rep,
+                "decode_s_off": round(t_decode["off"], 4),
+                "decode_s_auto": round(t_decode["auto"], 4),
+                "decode_steps": steps["auto"],
+                "speedup": round(t_decode["off"] / t_decode["auto"], 3),
+            }
+        )
+        for mode in modes:
+            texts[mode] = sorted(tuple(o.token_ids) for o in finished[mode])
+            stats[mode] = engines[mode].stats()
+            stats[f"tok_{mode}"] = tokens[mode]
+        print(
+            f"  e2e rep {rep}: decode {t_decode['off']:.3f} s off, {t_decode['auto']:.3f} s "
+            f"auto: {rep_rows[-1]['speedup']}x",
+            flush=True,
+        )
+    med = {m: statistics.median(r[f"decode_s_{m}"] for r in rep_rows) for m in modes}
+    st_auto = stats["auto"]
+    return {
+        "prompt_len": prompt_len,
+        "branches": branches,
+        "unique_tokens": unique,
+        "gen_tokens": gen,
+        "page_size": page_size,
+        "reps": reps,
+        "statistic": "median over repetitions of lockstep-interleaved runs",
+        "decode_s_off": round(med["off"], 4),
+        "decode_s_auto": round(med["auto"], 4),
+        "decode_tok_per_s_off": round(stats["tok_off"] / med["off"], 1),
+        "decode_tok_per_s_auto": round(stats["tok_auto"] / med["auto"], 1),
+        "speedup": statistics.median(r["speedup"] for r in rep_rows),
+        "speedup_min": min(r["speedup"] for r in rep_rows),
+        "speedup_max": max(r["speedup"] for r in rep_rows),
+        "cascade_steps_auto": st_auto.cascade_steps,
+        "kv_bytes_ratio": round(
+            st_auto.kv_bytes_read_plain / max(1, st_auto.kv_bytes_read_cascade), 2
+        ),
+        "outputs_identical": texts["auto"] == texts["off"],
+        "repetitions": rep_rows,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer configurations and repetitions")
     ap.add_argument("--out", default=str(ROOT / "bench/results/bench_cascade.json"))
-    ap.add_argument(
-        "--heads",
-        type=int,
-        default=4,
-        help="query heads (default: a small GQA layer; radixkv-tiny has 1)",
-    )
-    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (radixkv-tiny has 1)")
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=1, help="query heads (radixkv-tiny: 1)")
+    ap.add_argument("--kv-heads", type=int, default=1, help="KV heads (radixkv-tiny: 1)")
+    ap.add_argument("--head-dim", type=int, default=64, help="(radixkv-tiny: 64)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--suffix", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=None, help="default 5 quick, 15 full")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument(
         "--timer",
@@ -214,18 +267,20 @@ def main() -> None:
         default="wall",
         help="wall: wall clock, torch's default threads; cpu: 1 thread, its CPU time",
     )
-    ap.add_argument("--e2e-prompt", type=int, default=2048, help="shared prompt tokens")
-    ap.add_argument("--e2e-branches", type=int, default=None, help="default 16 quick, 32 full")
-    ap.add_argument("--e2e-gen", type=int, default=None, help="default 32 quick, 128 full")
+    ap.add_argument("--e2e-prompt", type=int, default=4096, help="shared prompt tokens")
+    ap.add_argument("--e2e-branches", type=int, default=32, help="branches decoding together")
+    ap.add_argument("--e2e-unique", type=int, default=8, help="tokens of each branch's own")
+    ap.add_argument("--e2e-gen", type=int, default=48, help="greedy tokens per branch")
+    ap.add_argument("--e2e-reps", type=int, default=None, help="default 1 quick, 5 full")
     args = ap.parse_args()
     global TIMER
     if args.timer == "cpu":
         torch.set_num_threads(1)
         TIMER = time.thread_time
     torch.manual_seed(0)
-    batches = [1, 4, 32] if args.quick else [1, 4, 16, 32, 64]
-    prefixes = [512, 4096]
-    reps = 3 if args.quick else 7
+    batches = [1, 4, 32] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    prefixes = [512, 4096] if args.quick else [256, 1024, 4096]
+    reps = args.reps or (5 if args.quick else 15)
     rows = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     hdr = f"{'B':>4} {'P':>5} {'plain ms':>9} {'cascade ms':>10} {'speedup':>8} {'bytes ratio':>11}"
@@ -237,9 +292,10 @@ def main() -> None:
             )
             rows.append(r)
             print(
-                f"{b:>4} {p:>5} {r['plain_ms']:>9.2f} {r['cascade_ms']:>10.2f} "
+                f"{b:>4} {p:>5} {r['plain_ms']:>9.3f} {r['cascade_ms']:>10.3f} "
                 f"{r['speedup']:>7.2f}x {r['bytes_ratio']:>10.2f}x"
-                + ("" if r["auto_uses_cascade"] else "  (auto mode: plain)")
+                + ("" if r["auto_uses_cascade"] else "  (auto: plain)")
+                + ("" if r["auto_right"] else "  AUTO PICKS THE SLOWER SIDE")
             )
     result: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''} "
@@ -254,26 +310,30 @@ def main() -> None:
             "device": "cpu",
             "timer": args.timer,
             "threads": torch.get_num_threads(),
-            "statistic": "min over repetitions",
+            "statistic": f"median over {reps} interleaved repetitions",
+            "load_average_at_start": os.getloadavg()[0],
         },
         "attention": rows,
+        "auto_right_everywhere": all(r["auto_right"] for r in rows),
     }
     if not args.skip_e2e:
         e2e = bench_end_to_end(
             prompt_len=args.e2e_prompt,
-            branches=args.e2e_branches or (16 if args.quick else 32),
-            gen=args.e2e_gen or (32 if args.quick else 128),
+            branches=args.e2e_branches,
+            unique=args.e2e_unique,
+            gen=args.e2e_gen,
             page_size=args.page_size,
-        )  # fmt: skip
-        if e2e is not None:
-            result["end_to_end"] = e2e
-            print(
-                f"tree-of-thought ({e2e['branches']} branches x {e2e['gen_tokens']} tokens on a "
-                f"{e2e['prompt_len']}-token prompt): decode {e2e['decode_tok_per_s_off']} tok/s "
-                f"off, {e2e['decode_tok_per_s_auto']} tok/s cascade=auto ({e2e['speedup']}x; KV "
-                f"bytes read {e2e['kv_bytes_ratio']}x fewer), outputs "
-                f"identical: {e2e['outputs_identical']}"
-            )
+            reps=args.e2e_reps or (1 if args.quick else 5),
+        )
+        result["end_to_end"] = e2e
+        print(
+            f"tree-of-thought ({e2e['branches']} branches x {e2e['gen_tokens']} tokens on a "
+            f"{e2e['prompt_len']}-token prompt): decode {e2e['decode_tok_per_s_off']} tok/s "
+            f"off, {e2e['decode_tok_per_s_auto']} tok/s cascade=auto ({e2e['speedup']}x, "
+            f"repetitions {e2e['speedup_min']}-{e2e['speedup_max']}x; KV bytes read "
+            f"{e2e['kv_bytes_ratio']}x fewer), outputs identical: {e2e['outputs_identical']}"
+        )
+    result["config"]["load_average_at_end"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -1,7 +1,9 @@
 """End-to-end engine benchmarks on radixkv-tiny, prefix cache off vs on.
 
-(a) shared prefix: 50 requests sharing a 4,096-token prefix, each + 128 unique tokens, 32 output
-    tokens. Targets: mean time to first token down >= 90%, throughput up >= 3x.
+(a) shared prefix ("the seeds' workload"): 50 requests sharing a 4,096-token prefix, each + 128
+    unique tokens, 32 output tokens. Targets: mean time to first token down >= 93% (the floor,
+    computing the prefix once, is about there), throughput up >= 3x. Off and on run ``--reps``
+    times each, interleaved; the run with the median TTFT mean of each side is reported.
 (b) SGLang's generated-shared-prefix workload scaled to a CPU (groups of prompts sharing a
     per-group system prompt, shuffled). Target: hit rate >= 95% of the ideal.
 (c) bookkeeping at batch 64: the share of step time spent in the scheduler and the cache
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,53 +28,73 @@ from typing import Any
 import msgspec
 import torch
 
-from radixkv.engine.benchmark import (
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's radixkv, not whichever is installed
+
+from radixkv.engine.benchmark import (  # noqa: E402
     WorkloadResult,
     format_table,
     generated_shared_prefix,
     measure,
     shared_prefix_tokens,
 )
-from radixkv.engine.engine import Engine
-from radixkv.engine.params import SamplingParams
-from radixkv.model.loader import load_model
+from radixkv.engine.engine import Engine  # noqa: E402
+from radixkv.engine.params import SamplingParams  # noqa: E402
+from radixkv.model.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_engine.json"
 
 
 def _pair(
-    lm: Any, prompts: list[list[int]], params: SamplingParams, name: str, **kw: Any
-) -> list[WorkloadResult]:
-    out = []
-    for on in (False, True):
-        eng = Engine(lm, enable_prefix_cache=on, **kw)
-        out.append(
-            measure(eng, prompts, params, name=name, desc=f"{name} cache {'on' if on else 'off'}")
-        )
-        eng.check_invariants()
-        del eng
-    return out
+    lm: Any, prompts: list[list[int]], params: SamplingParams, name: str, reps: int = 1, **kw: Any
+) -> tuple[list[WorkloadResult], dict[str, list[float]]]:
+    """Cache off and on, ``reps`` times each, interleaved (the order alternates, so load from
+    other processes on a shared machine hits both alike). Returns the run with the median
+    TTFT mean of each (off, on) and every run's TTFT mean and p99."""
+    runs: dict[bool, list[WorkloadResult]] = {False: [], True: []}
+    for rep in range(reps):
+        for on in (False, True) if rep % 2 == 0 else (True, False):
+            eng = Engine(lm, enable_prefix_cache=on, **kw)
+            desc = f"{name} cache {'on' if on else 'off'}"
+            runs[on].append(measure(eng, prompts, params, name=name, desc=desc))
+            eng.check_invariants()
+            del eng
+    picked = [
+        sorted(runs[on], key=lambda r: r.ttft_mean_s)[(reps - 1) // 2] for on in (False, True)
+    ]
+    spread = {
+        f"{stat}_{mode}": [round(getattr(r, stat), 4) for r in runs[on]]
+        for on, mode in ((False, "off"), (True, "on"))
+        for stat in ("ttft_mean_s", "ttft_p99_s")
+    }
+    return picked, spread
 
 
-def part_a(lm: Any, quick: bool, **kw: Any) -> dict[str, Any]:
+def part_a(lm: Any, quick: bool, reps: int = 1, **kw: Any) -> dict[str, Any]:
     n, prefix, unique, out_len = (10, 1024, 64, 8) if quick else (50, 4096, 128, 32)
     prompts = shared_prefix_tokens(
         num_requests=n, prefix_len=prefix, unique_len=unique, vocab=lm.config.vocab_size
     )
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    off, on = _pair(lm, prompts, params, "a: shared prefix", **kw)
+    (off, on), spread = _pair(lm, prompts, params, "a: shared prefix", reps, **kw)
     ttft_cut = 1 - on.ttft_mean_s / off.ttft_mean_s
     speedup = on.throughput_tok_s / off.throughput_tok_s
     ideal = 1 - (prefix + n * unique) / (n * (prefix + unique))
     return {
         "workload": {"requests": n, "prefix": prefix, "unique": unique, "output": out_len},
+        "reps": reps,
+        "statistic": "the run with the median TTFT mean of each side, runs interleaved",
         "off": msgspec.to_builtins(off),
         "on": msgspec.to_builtins(on),
         "ttft_reduction": ttft_cut,
         "ttft_p99_reduction": 1 - on.ttft_p99_s / off.ttft_p99_s,
         "throughput_speedup": speedup,
         "ideal_prefill_saving": ideal,
-        "targets_met": {"ttft_reduction>=0.90": ttft_cut >= 0.90, "throughput>=3x": speedup >= 3},
+        "runs": spread,
+        "targets_met": {
+            "ttft_reduction>=0.93": ttft_cut >= 0.93,
+            "throughput>=3x": speedup >= 3,
+        },
     }
 
 
@@ -85,7 +108,7 @@ def part_b(lm: Any, quick: bool, **kw: Any) -> dict[str, Any]:
         vocab=lm.config.vocab_size,
     )
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    off, on = _pair(lm, prompts, params, "b: gen-shared-prefix", **kw)
+    (off, on), _ = _pair(lm, prompts, params, "b: gen-shared-prefix", **kw)
     return {
         "workload": {
             "groups": groups,
@@ -178,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small workloads (smoke test)")
     ap.add_argument("--parts", default="a,b,c")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument(
+        "--reps", type=int, default=None, help="part a's off/on runs each (default 1 quick, 3)"
+    )
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument(
         "--prefill-budget",
@@ -207,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     report["engine_kw"] = kw
     t0 = time.perf_counter()
     if "a" in parts:
-        report["a_shared_prefix"] = part_a(lm, args.quick, **kw)
+        reps = args.reps or (1 if args.quick else 3)
+        report["a_shared_prefix"] = part_a(lm, args.quick, reps, **kw)
     if "b" in parts:
         report["b_generated_shared_prefix"] = part_b(lm, args.quick, **kw)
     if "c" in parts:
@@ -225,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if "a_shared_prefix" in report:
         a = report["a_shared_prefix"]
         print(
-            f"\n(a) TTFT mean -{a['ttft_reduction']:.1%} (target >= 90%, ideal prefill saving "
+            f"\n(a) TTFT mean -{a['ttft_reduction']:.1%} (target >= 93%, ideal prefill saving "
             f"{a['ideal_prefill_saving']:.1%}), p99 -{a['ttft_p99_reduction']:.1%}, "
             f"throughput x{a['throughput_speedup']:.2f} (target >= 3x)"
         )

@@ -178,3 +178,14 @@ def test_backend_used_inside_and_outside_inference_mode() -> None:
     backend.plan(layout)
     second = backend.forward(0, q, k, k)  # reuses the gather buffer made under inference mode
     torch.testing.assert_close(first, second)
+
+
+def test_batch_layout_page_tables_are_int_tuples() -> None:
+    """Tensors and other sequences of page ids are converted to plain ints; the engine's lists
+    of ints are copied as they are."""
+    layout = BatchLayout.build(
+        [torch.tensor([3, 4]), [5, 6], range(7, 9)], [1, 1, 1], torch.tensor([1, 1, 1])
+    )
+    assert layout.page_tables == ((3, 4), (5, 6), (7, 8))
+    assert all(type(p) is int for pt in layout.page_tables for p in pt)
+    assert all(type(n) is int for n in layout.num_new)

@@ -226,3 +226,104 @@ def test_matches_torch_backend_decode(page_size: int, fused_cpu: bool) -> None:
     plan = CascadePlan(ps, 5, (level(ps, [(5, shared, 64)]), level(ps, uniq)))
     out = cascade_attention(q, pool.k[0], pool.v[0], plan, fused_cpu=fused_cpu)
     assert (out - out_backend).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_keys_split_across_threads_exact(
+    threads: int, fused_cpu: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk with fewer segments than threads has its keys cut into parts (padded to equal
+    parts, partial last pages masked); output and lse equal one part's, on the path that merges
+    every part at once (each level covers the whole batch) and on the general one."""
+    import radixkv.attention.cascade as cascade_mod
+
+    monkeypatch.setattr(cascade_mod, "MIN_SPLIT_TOKENS", 8)  # small keys still split
+    ps, d, h_q, h_kv = 4, 16, 4, 2
+    k, v = random_kv(1000, ps, h_kv, d, seed=11)
+    own = [_pages(400 + 9 * r, 2) for r in range(5)]  # 5..8 tokens of each row's own
+    own_level = level(ps, [(1, own[r], 5 + r % 4) for r in range(5)])
+    own_lens = [5 + r % 4 for r in range(5)]
+    # every level covers the whole batch: a trunk of 13 pages (parts padded to equal size)
+    trunk = _pages(3, 13)
+    whole = CascadePlan(ps, 5, (level(ps, [(5, trunk, 52)]), own_level))
+    whole_case = ([trunk + o for o in own], [52 + n for n in own_lens])
+    # one level, a partial last page in the split segment
+    alone = CascadePlan(ps, 5, (level(ps, [(5, trunk, 51)]),))
+    alone_case = ([trunk] * 5, [51] * 5)
+    # general path: two shared segments (rows 0-1, 2-3), row 4 reads nothing shared
+    pair_a, pair_b = _pages(700, 9), _pages(800, 11)
+    shared = level(ps, [(2, pair_a, 36), (2, pair_b, 44), (1, [], 0)])
+    parts = CascadePlan(ps, 5, (shared, own_level))
+    pre = [pair_a, pair_a, pair_b, pair_b, []]
+    pre_len = [36, 36, 44, 44, 0]
+    parts_case = ([p + o for p, o in zip(pre, own)], [a + b for a, b in zip(pre_len, own_lens)])
+    # one level of two one-row segments (a batch of two, fewer than the threads when > 2)
+    two = CascadePlan(ps, 2, (level(ps, [(1, pair_a, 35), (1, pair_b, 44)]),))
+    two_case = ([pair_a, pair_b], [35, 44])
+    cases = ((whole, whole_case), (alone, alone_case), (parts, parts_case), (two, two_case))
+    for plan, (tables, lens) in cases:
+        q = torch.randn(plan.num_queries, h_q, d)
+        ref = reference_decode(q, k, v, tables, lens)
+        one = TorchCascadeAttention(plan, fused_cpu=fused_cpu, threads=1)
+        many = TorchCascadeAttention(plan, fused_cpu=fused_cpu, threads=threads)
+        assert all(c.splits == 1 for c in one._levels[0])
+        if plan is not two or threads >= 4:  # two segments split only with 4 threads
+            assert all(c.splits > 1 for c in many._levels[0])
+        for _ in range(2):  # the first call probes the fused kernel; the second takes the fast path
+            o1, s1 = one.forward(q, k, v, return_lse=True)
+            o2, s2 = many.forward(q, k, v, return_lse=True)
+            assert (o2.double() - ref).abs().max().item() <= TOL
+            assert torch.allclose(o1, o2, atol=1e-6) and torch.allclose(s1, s2, atol=1e-5)
+
+
+def test_previous_step_levels_reused_and_exact(fused_cpu: bool) -> None:
+    """Built with the previous step's instance, an unchanged level keeps its prepared chunks,
+    a changed one is prepared anew, and the output is exact."""
+    ps, d, h = 4, 8, 2
+    k, v = random_kv(300, ps, h, d, seed=12)
+    trunk = _pages(5, 6)
+    own = [_pages(100 + 5 * r, 2) for r in range(3)]
+    q = torch.randn(3, h, d)
+
+    def plan(extra: int) -> CascadePlan:
+        own_level = level(ps, [(1, own[r], 5 + r + extra) for r in range(3)])
+        return CascadePlan(ps, 3, (level(ps, [(3, trunk, 24)]), own_level))
+
+    step1 = TorchCascadeAttention(plan(0), fused_cpu=fused_cpu)
+    step2 = TorchCascadeAttention(plan(1), fused_cpu=fused_cpu, previous=step1)
+    assert step2._levels[0] is step1._levels[0]
+    assert step2._levels[1] is not step1._levels[1]
+    tables = [trunk + o for o in own]
+    lens = [24 + 5 + r + 1 for r in range(3)]
+    out = step2.forward(q, k, v)
+    assert (out.double() - reference_decode(q, k, v, tables, lens)).abs().max().item() <= TOL
+    other_threads = TorchCascadeAttention(plan(1), previous=step2, threads=step2.threads + 1)
+    assert other_threads._levels[0] is not step2._levels[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_consecutive_pages_read_in_place(
+    threads: int, fused_cpu: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment on one run of consecutive pages (a prefix prefilled in one go on a fresh pool)
+    is read as a view of the cache instead of gathered; same results."""
+    import radixkv.attention.cascade as cascade_mod
+
+    monkeypatch.setattr(cascade_mod, "MIN_SPLIT_TOKENS", 8)
+    ps, d, h_q, h_kv = 4, 16, 4, 2
+    k, v = random_kv(300, ps, h_kv, d, seed=13)
+    trunk = list(range(40, 52))  # 12 consecutive pages
+    own = [[100 + 3 * r, 101 + 3 * r] for r in range(3)]  # consecutive within each row
+    plan = CascadePlan(
+        ps, 3, (level(ps, [(3, trunk, 48)]), level(ps, [(1, own[r], 5 + r) for r in range(3)]))
+    )
+    alone = CascadePlan(ps, 1, (level(ps, [(1, own[0], 7)]),))
+    attn = TorchCascadeAttention(plan, fused_cpu=fused_cpu, threads=threads)
+    assert attn._levels[0][0].page_run == (40, 12)
+    assert TorchCascadeAttention(alone, threads=threads)._levels[0][0].page_run == (100, 2)
+    q = torch.randn(3, h_q, d)
+    ref = reference_decode(q, k, v, [trunk + o for o in own], [48 + 5 + r for r in range(3)])
+    for _ in range(2):
+        assert (attn.forward(q, k, v).double() - ref).abs().max().item() <= TOL
+    out = cascade_attention(q[:1], k, v, alone, fused_cpu=fused_cpu)
+    assert (out.double() - reference_decode(q[:1], k, v, [own[0]], [7])).abs().max() <= TOL

@@ -72,3 +72,33 @@ def test_fork_branches_share_through_cascade() -> None:
 def test_bad_cascade_mode_rejected() -> None:
     with pytest.raises(ValueError, match="cascade"):
         Engine("radixkv-tiny", cascade="always")
+
+
+def test_decodes_of_mixed_steps_use_the_cascade() -> None:
+    """Branches arrive one by one, so most steps prefill a newcomer while the others decode:
+    those decodes read the shared prompt once too, and greedy outputs equal cascade off."""
+    rng = random.Random(5)
+    trunk = [rng.randrange(1, 250) for _ in range(160)]
+    prompts = [[*trunk, *[rng.randrange(1, 250) for _ in range(20)]] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs, stats = {}, {}
+    for mode in ("off", "on"):
+        eng = Engine("radixkv-tiny", page_size=4, num_pages=512, cascade=mode)
+        eng.generate([trunk], SamplingParams(max_tokens=1), use_tqdm=False)
+        ids, mixed_cascade = [], 0
+        for p in prompts:
+            ids.append(eng.add_request(p, params, stream=False))
+            before = eng.stats()
+            eng.step()  # the newcomer's prefill alongside the running decodes
+            after = eng.stats()
+            prefilled = after.prefill_tokens_computed > before.prefill_tokens_computed
+            mixed_cascade += int(prefilled and after.cascade_steps > before.cascade_steps)
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                done[o.request_id] = o.token_ids
+        eng.check_invariants()
+        outs[mode] = [done[i] for i in ids]
+        stats[mode] = mixed_cascade
+    assert outs["on"] == outs["off"]
+    assert stats["off"] == 0 and stats["on"] >= 3  # steps 3-5 mix a prefill with 2-4 decodes

@@ -131,6 +131,27 @@ def test_auto_needs_enough_saved_tokens_per_step() -> None:
         CascadePlanner(ps, min_step_saved_tokens=-1)
 
 
+def test_auto_threshold_on_both_sides() -> None:
+    """With the engine's defaults for radixkv-tiny (512 bytes of K+V per token and layer: the
+    cascade pays from 4,096 saved tokens a step, bench/bench_cascade.py), "auto" plans plain
+    decode one token below the threshold and the cascade just above it."""
+    assert CascadePlanner.min_step_tokens_for(512) == 4096
+    assert CascadePlanner.min_step_tokens_for(4096) == 512  # 8 kv heads x 128 dims, 16 bit
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        CascadePlanner.min_step_tokens_for(0)
+    planner = CascadePlanner(1, mode="auto", min_step_saved_tokens=4096)
+    # four requests on a trunk of T tokens save 3T: 4,095 and 4,098
+    for trunk_len, want in ((1365, False), (1366, True)):
+        ids = PageIds(7)
+        trunk = FakeNode(None, ids.take(trunk_len), 1)
+        entries = [_entry(trunk, ids, 30, 1) for _ in range(4)]
+        dec = planner.plan(entries)
+        assert dec.kv_tokens_plain - (trunk_len + 120) == 3 * trunk_len
+        assert dec.use_cascade is want
+        assert dec.kv_tokens_cascade == (trunk_len + 120 if want else dec.kv_tokens_plain)
+        _check_exact(dec, entries, 1)
+
+
 def test_auto_keeps_big_segments_and_dissolves_small_ones() -> None:
     """A 1-page trunk under two 64-page branches: the trunk is read per request, branches once."""
     ps = 16

@@ -97,3 +97,34 @@ def test_nested_branches_after_splits_under_locked_nodes() -> None:
     for r in running:
         cache.unlock(r.node)
     cache.check_invariants()
+
+
+def test_decode_steps_reuse_the_shared_levels_and_stay_exact() -> None:
+    """One planner over consecutive decode steps: while the same nodes stay locked only the
+    private level is rebuilt (the shared level is the same object), also after another branch
+    splits the locked node under the running requests; a request locking a new node rebuilds."""
+    ps = 4
+    cache = RadixCache(PagePool(2000), page_size=ps)
+    rng = random.Random(2)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    _insert(cache, prompt)
+    running = [Running(cache, [*prompt, 100 + b], 2 + b) for b in range(4)]
+    planner = CascadePlanner(ps, mode="on")
+    first = _exact(cache, running, planner)
+    shared_level = first.plan.levels[0]
+    for step in range(6):  # each request decodes a token: private pages grow now and then
+        for r in running:
+            r.seq_len += 1
+            if -(-r.seq_len // ps) > len(r.shared) + len(r.private):
+                r.private += cache.alloc(1)
+        if step == 2:  # a branch diverging inside the locked prompt node splits it
+            _insert(cache, [*prompt[:20], *[rng.randrange(1000) for _ in range(8)]])
+        dec = _exact(cache, running, planner)
+        assert dec.plan.levels[0] is shared_level
+        assert dec.kv_tokens_cascade == 40 + sum(r.seq_len - 40 for r in running)
+    newcomer = Running(cache, [*prompt[:20], 7], 3)  # locks the upper node of the split
+    dec = _exact(cache, [*running, newcomer], planner)
+    assert dec.plan.levels[0] is not shared_level
+    for r in [*running, newcomer]:
+        cache.unlock(r.node)
+    cache.check_invariants()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from cascade_helpers import check_shared_pages
 
-from radixkv.attention.base import BatchLayout
+from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade_backend import CascadeDecodeBackend
 from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
 from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
@@ -112,3 +112,67 @@ def test_cascade_backend_rejects_mismatched_batches(tiny) -> None:
         be.set_plan(dec.plan, (0, 0))
     be.plan(BatchLayout.build([[0, 1, 2], [0, 1, 3]], [8, 9], [1, 1]))
     assert FlashInferCascadeAttention is not None  # importable on CPU
+
+
+def test_mixed_batch_decodes_through_the_cascade(tiny) -> None:
+    """A step that prefills one request while others decode: the cascade plan covers the decode
+    rows only (wherever they sit in the batch), the torch backend the prefill; logits and the
+    pool equal plain attention's."""
+    ps = 4
+    rng = random.Random(3)
+    plain, casc = _runner(tiny, ps), _runner(tiny, ps)
+    trunk_t = [rng.randrange(1, 250) for _ in range(32)]
+    trunk_p = list(range(8))
+    trunk = Node(None, 32)
+    for r in (plain, casc):
+        r.forward([SeqInput(trunk_t, trunk_p, 0)])
+    seqs, entries, rows = [], [], []
+    own_page = 20
+    for i in range(5):
+        if i == 2:  # a prefill in the middle of the batch: 9 new tokens on nothing cached
+            seqs.append(SeqInput([rng.randrange(1, 250) for _ in range(9)], [60, 61, 62], 0))
+            continue
+        own = [rng.randrange(1, 250) for _ in range(3)]
+        table = [*trunk_p, own_page]
+        own_page += 1
+        for r in (plain, casc):
+            r.forward([SeqInput(own[:2], table, 32)])  # two own tokens computed
+        seqs.append(SeqInput(own[2:], table, 34))  # the third decodes now
+        entries.append(DecodeEntry(trunk, table, 35, 8))
+        rows.append(i)
+    dec = CascadePlanner(ps, mode="on").plan(entries)
+    assert dec.use_cascade and casc.supports_mixed_cascade
+    want = plain.forward(seqs, all_logits=True)
+    got = casc.forward(seqs, all_logits=True, cascade=dec, cascade_rows=rows)
+    assert (want - got).abs().max().item() <= 1e-4
+    assert torch.allclose(plain.kv_pool.k, casc.kv_pool.k, atol=1e-6)
+    be = casc._cascade
+    assert be is not None
+    with pytest.raises(ValueError, match="decode-only"):  # a prefill row among the plan's rows
+        be.set_plan(dec.plan, dec.order, [0, 1, 2, 3])
+        be.plan(BatchLayout.build([s.page_table for s in seqs], [s.num_past for s in seqs],
+                                  [len(s.new_token_ids) for s in seqs]))  # fmt: skip
+    with pytest.raises(ValueError, match="cascade rows"):
+        be.set_plan(dec.plan, dec.order, [0, 1])
+
+
+def test_mixed_cascade_needs_the_torch_backend(tiny) -> None:
+    class Other(AttentionBackend):
+        name = "other"
+
+        def plan(self, layout: BatchLayout) -> None:
+            raise AssertionError("not reached")
+
+        def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            raise AssertionError("not reached")
+
+    runner = _runner(tiny, 4)
+    be = CascadeDecodeBackend(Other(runner.kv_pool, 1, 1, 64))
+    assert not be.supports_mixed
+    node = Node(None, 8)
+    entries = [DecodeEntry(node, [0, 1, 2 + i], 10, 2) for i in range(2)]
+    dec = CascadePlanner(4, mode="on").plan(entries)
+    be.set_plan(dec.plan, dec.order, [0, 2])
+    layout = BatchLayout.build([[0, 1, 2], [9], [0, 1, 3]], [9, 0, 9], [1, 2, 1])
+    with pytest.raises(ValueError, match="torch backend"):
+        be.plan(layout)

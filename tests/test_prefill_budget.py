@@ -66,6 +66,7 @@ def test_attention_budget_splits_the_step_over_a_cached_prefix(small: tuple[Any,
     prefill_steps = {}
     for budget in ("tokens", "attention"):
         eng = Engine(lm, page_size=4, num_pages=400, max_prefill_tokens=128, prefill_budget=budget)
+        eng.scheduler.step_overhead_tokens = None  # the budget alone sizes the steps here
         eng.generate([prompts[0]], params, use_tqdm=False)  # the prefix is cached now
         rec = _record(eng)
         outs[budget] = [o.token_ids for o in eng.generate(prompts[1:], params, use_tqdm=False)]
@@ -163,3 +164,55 @@ def test_short_requests_are_not_held_behind_a_long_chunked_prefill(
     assert (
         outs[short_id] == ref.generate([[5, 6, 7, 8, 9, 10]], params, use_tqdm=False)[0].token_ids
     )
+
+
+def test_a_burst_of_short_prefills_is_admitted_in_sqrt_sized_groups(
+    small: tuple[Any, Any],
+) -> None:
+    """Twelve requests hit a cached prefix at once: with a step overhead of d budget units, a
+    step admits at most ceil(sqrt(waiting * (d + decode rows) / cost)) of them (the first
+    admission's cost), so the first ones get their first token after a short step; outputs do
+    not change."""
+    _, lm = small
+    prefix = [3 + (i % 90) for i in range(160)]
+    prompts = [prefix + [100 + 8 * i + j for j in range(8)] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs, groups = {}, {}
+    for d in (None, 8.0):
+        eng = Engine(lm, page_size=4, num_pages=400, max_prefill_tokens=128)
+        eng.scheduler.step_overhead_tokens = d
+        eng.generate([prefix], params, use_tqdm=False)  # the prefix is cached now
+        rec = _record(eng)
+        outs[d] = [o.token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+        eng.check_invariants()
+        groups[d] = [
+            sum(1 for n, p in zip(new, past) if p == 160 and n == 8) for new, past, _ in rec
+        ]
+        groups[d] = [g for g in groups[d] if g]
+    assert groups[None] == [12]  # 96 new tokens fit the budget of 128: one step
+    # d = 8 + a token per decode row: waiting 12, no decodes: ceil(sqrt(12 * 8 / 8)) = 4;
+    # waiting 8, 4 decoding: ceil(sqrt(8 * 12 / 8)) = 4; waiting 4, 8 decoding: 3; then 1
+    assert groups[8.0] == [4, 4, 3, 1]
+    assert outs[8.0] == outs[None]
+
+
+def test_the_burst_cap_keeps_a_held_back_prefill_at_half_the_budget(
+    small: tuple[Any, Any],
+) -> None:
+    """When the cap stops admission (requests still wait), a running prefill held to half the
+    budget is not topped up with what the admissions left: the step stays short."""
+    _, lm = small
+    eng = Engine(lm, page_size=4, num_pages=600, chunked_prefill_size=32, max_prefill_tokens=64)
+    eng.scheduler.step_overhead_tokens = 1.0  # cap = ceil(sqrt(waiting / cost)): one per step
+    rec = _record(eng)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng.add_request([3 + (i * 7) % 90 for i in range(400)], params)
+    eng.step()  # the long prompt is running now, 32 tokens in
+    for i in range(3):
+        eng.add_request([5 + i, 6, 7, 8, 9, 10], params)
+    eng.step()
+    # the long prompt's chunk stays at 16 (half of 32), one short prompt is admitted (6 tokens)
+    assert rec[1][0] == [16, 6]
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_invariants()

@@ -53,9 +53,11 @@ class BatchLayout:
         num_past: Sequence[int],
         num_new: Sequence[int],
     ) -> BatchLayout:
-        # map(int, ...) runs at C speed and turns numpy/torch integers into plain ints
+        # map(int, ...) runs at C speed and turns numpy/torch integers into plain ints; a list
+        # is taken as holding ints already (the engine's page tables are lists of ints), and
+        # copied as it is: a decode step of 32 sequences x 4k tokens converts 8k page ids
         return cls(
-            tuple(tuple(map(int, pt)) for pt in page_tables),
+            tuple(tuple(pt) if type(pt) is list else tuple(map(int, pt)) for pt in page_tables),
             tuple(map(int, num_past)),
             tuple(map(int, num_new)),
         )

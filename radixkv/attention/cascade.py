@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
-from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, merge_attention_states
+from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
 from radixkv.pages import pages_for
 
 __all__ = [
@@ -49,18 +49,37 @@ merge_state = merge_attention_states  # the exact log-sum-exp merge, under its c
 class _Chunk:
     """Segments computed together: ``S`` segments padded to ``G`` rows and ``n_pages`` pages."""
 
-    rows: torch.Tensor  # [S, G] long, query rows (padding repeats a valid row)
+    num_segments: int  # S
+    group: int  # G
+    # [S, G] long, query rows (padding repeats a valid row); None when ``row_range`` is set
+    rows: torch.Tensor | None
     row_valid: torch.Tensor | None  # [S, G] bool, None when no padding
     pages: torch.Tensor  # [S, n_pages] long (padding: page of the same segment)
     kv_len: int  # padded KV length = n_pages * page_size, trimmed to the max real length
     kv_mask: torch.Tensor | None  # [S, 1, kv_len] bool, True = masked out; None if none
-    out_rows: torch.Tensor  # [R] long, rows written back (valid ones, in [S, G] order)
+    # [R] long, rows written back (valid ones, in [S, G] order); None when ``row_range`` is set
+    out_rows: torch.Tensor | None
+    # rows a..b-1 in [S, G] order without padding: queries are read, and results written, as
+    # one slice instead of a gather and a scatter
+    row_range: tuple[int, int] | None = None
     first: bool = False  # no earlier chunk wrote these rows: store instead of merging
-    bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive kv_mask
+    # fused CPU path: each segment's keys cut into ``splits`` parts of ``split_len`` tokens (the
+    # parts are batch entries, so a kernel that parallelises over the batch uses every thread
+    # even for one shared segment), and their mask [S * splits, 1, split_len] (True = masked)
+    splits: int = 1
+    split_len: int = 0
+    split_mask: torch.Tensor | None = None
+    # pages p .. p+n-1 of one segment, no padding: K/V are read as a view of the cache, no
+    # gather (a prefix prefilled in one go lies in consecutive pages of a fresh pool)
+    page_run: tuple[int, int] | None = None
+    bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive split_mask
 
 
 # Budget of gathered KV tokens per padded batch of one-row segments (see _prepare_level).
 SINGLE_CHUNK_TOKENS = 4096
+# A segment's keys are split for parallelism only into parts of at least this many tokens:
+# below it one kernel call's fixed cost outweighs what a second thread saves.
+MIN_SPLIT_TOKENS = 512
 
 # The fused CPU attention kernel that also returns the log-sum-exp (paged_ops.FLASH_CPU_WITH_LSE)
 # is a private PyTorch op, so with ``fused_cpu=None`` (the default) it is probed once per dtype and
@@ -82,37 +101,83 @@ def _fused_op(
     return None
 
 
+def _chunk_queries(q: torch.Tensor, c: _Chunk) -> torch.Tensor:
+    """The chunk's queries as ``[S, G, Hq, D]`` (a view when its rows are one range)."""
+    if c.row_range is not None:
+        a, b = c.row_range
+        return q[a:b].view(c.num_segments, c.group, q.shape[1], q.shape[2])
+    assert c.rows is not None
+    return q[c.rows]
+
+
+def _pages_of(cache: torch.Tensor, c: _Chunk, buf: GatherBuffer | None) -> torch.Tensor:
+    """The chunk's pages of ``cache`` ``[N, ps, H, D]`` in ``c.pages`` order: a view when they
+    are one run of consecutive pages, else gathered (one index_select of whole pages), into
+    ``buf`` when given (valid until its next gather)."""
+    if c.page_run is not None:
+        first, count = c.page_run
+        return cache[first : first + count]
+    if buf is None:
+        return cache.index_select(0, c.pages.view(-1))
+    return buf.gather(cache, c.pages.view(-1))
+
+
+def _keep_valid(o: torch.Tensor, lse: torch.Tensor, c: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    if c.row_valid is None:
+        return o, lse
+    keep = c.row_valid.reshape(-1)
+    return o[keep], lse[keep]
+
+
+def merge_parts(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of ``P`` partial states over disjoint key sets: ``o [P, ..., D]``,
+    ``lse [P, ...]`` -> ``o [..., D]``, ``lse [...]``. Every row must have a finite ``lse`` in at
+    least one part."""
+    top = lse.amax(dim=0)
+    w = torch.exp(lse - top)
+    denom = w.sum(dim=0)
+    out = (o * w.unsqueeze(-1)).sum(dim=0).div_(denom.unsqueeze(-1))
+    return out, top.add_(torch.log(denom))
+
+
 def _attend_chunk_fused(
     op: Callable[..., tuple[torch.Tensor, ...]], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
-    scale: float,
+    scale: float, merge: bool = True, bufs: tuple[GatherBuffer, GatherBuffer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
-    of a strided view, scores never materialised)."""
-    S, G = c.rows.shape
+    of a strided view, scores never materialised). ``merge=False``: the parts of split keys are
+    returned unmerged, ``o [splits, R, Hq, D]`` and ``lse [splits, R, Hq]``."""
+    S, G = c.num_segments, c.group
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
     grp = h_q // h_kv
-    k = k_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
-    v = v_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
+    n, length = c.splits, c.split_len
+    kb, vb = bufs or (None, None)
+    k = _pages_of(k_cache, c, kb).view(S * n, -1, h_kv, d)[:, :length]
+    v = _pages_of(v_cache, c, vb).view(S * n, -1, h_kv, d)[:, :length]
     # every query of the segment x every head of KV group h is one "position" of head h
-    qs = q[c.rows].view(S, G, h_kv, grp, d).transpose(1, 2).reshape(S, h_kv, G * grp, d)
+    qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d).transpose(1, 2).reshape(S, h_kv, G * grp, d)
+    if n > 1:  # each part of a segment's keys is attended by all of the segment's queries
+        qs = qs.unsqueeze(1).expand(S, n, h_kv, G * grp, d).reshape(S * n, h_kv, G * grp, d)
     mask = None
-    if c.kv_mask is not None:
+    if c.split_mask is not None:
         mask = c.bias.get(q.dtype)
         if mask is None:
-            mask = torch.zeros(c.kv_mask.shape, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(c.kv_mask, float("-inf"))
-            mask = c.bias[q.dtype] = mask.unsqueeze(1)  # [S, 1, 1, L]
+            mask = torch.zeros(c.split_mask.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(c.split_mask, float("-inf"))
+            mask = c.bias[q.dtype] = mask.unsqueeze(1)  # [S * n, 1, 1, L]
     o, lse = op(qs, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale)[
         :2
     ]
-    # o [S, Hkv, G*grp, D], lse [S, Hkv, G*grp] -> rows
-    o = o.float().view(S, h_kv, G, grp, d).transpose(1, 2).reshape(S * G, h_q, d)
-    lse = lse.float().view(S, h_kv, G, grp).transpose(1, 2).reshape(S * G, h_q)
-    if c.row_valid is not None:
-        keep = c.row_valid.reshape(-1)
-        o, lse = o[keep], lse[keep]
-    return o, lse
+    o, lse = o.float(), lse.float()  # o [S*n, Hkv, G*grp, D], lse [S*n, Hkv, G*grp]
+    # -> parts x rows: [n, S*G, Hq, D], [n, S*G, Hq]
+    o = o.view(S, n, h_kv, G, grp, d).permute(1, 0, 3, 2, 4, 5).reshape(n, S * G, h_q, d)
+    lse = lse.view(S, n, h_kv, G, grp).permute(1, 0, 3, 2, 4).reshape(n, S * G, h_q)
+    if not merge:
+        return o, lse
+    # exact merge of the parts (each holds at least one key: lse is finite)
+    o, lse = merge_parts(o, lse) if n > 1 else (o[0], lse[0])
+    return _keep_valid(o, lse, c)
 
 
 def _attend_chunk(
@@ -122,13 +187,14 @@ def _attend_chunk(
     c: _Chunk,
     scale: float,
     fused_cpu: bool | None = None,
+    bufs: tuple[GatherBuffer, GatherBuffer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the chunk's rows over their segment's KV -> (o [R, Hq, D], lse [R, Hq]) fp32.
-    ``fused_cpu``: see ``_FUSED_STATE``."""
+    ``fused_cpu``: see ``_FUSED_STATE``. ``bufs``: K and V gather buffers (else fresh tensors)."""
     op = _fused_op(q, fused_cpu)
     if op is not None:
         try:
-            out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale)
+            out = _attend_chunk_fused(op, q, k_cache, v_cache, c, scale, bufs=bufs)
         except (RuntimeError, TypeError):
             # required, or worked before: a real error, not a missing kernel
             if fused_cpu or _FUSED_STATE.get(q.dtype):
@@ -137,22 +203,28 @@ def _attend_chunk(
         else:
             _FUSED_STATE[q.dtype] = True
             return out
-    return _attend_chunk_matmul(q, k_cache, v_cache, c, scale)
+    return _attend_chunk_matmul(q, k_cache, v_cache, c, scale, bufs)
 
 
 def _attend_chunk_matmul(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    c: _Chunk,
+    scale: float,
+    bufs: tuple[GatherBuffer, GatherBuffer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Portable path (any device): per-KV-head bmm with an explicit softmax."""
-    S, G = c.rows.shape
+    S, G = c.num_segments, c.group
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
     grp = h_q // h_kv
     # Gather each segment's K/V once: [S, L, Hkv, D]; all G rows of a segment share it.
     # (index_select over whole pages is several times faster than advanced indexing on CPU)
-    k = k_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
-    v = v_cache.index_select(0, c.pages.view(-1)).view(S, -1, h_kv, d)[:, : c.kv_len]
-    qs = q[c.rows].view(S, G, h_kv, grp, d)
+    kb, vb = bufs or (None, None)
+    k = _pages_of(k_cache, c, kb).view(S, -1, h_kv, d)[:, : c.kv_len]
+    v = _pages_of(v_cache, c, vb).view(S, -1, h_kv, d)[:, : c.kv_len]
+    qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d)
     o = torch.empty(S, G, h_kv, grp, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(S, G, h_kv, grp, dtype=torch.float32, device=q.device)
     # One bmm per KV head: k[:, :, h] is a strided [S, L, D] view that BLAS reads in place,
@@ -168,12 +240,7 @@ def _attend_chunk_matmul(
         oh = torch.bmm(p.to(v.dtype), v[:, :, h]).float().div_(denom)  # [S, G*grp, D]
         o[:, :, h] = oh.view(S, G, grp, d)
         lse[:, :, h] = (m + torch.log(denom)).view(S, G, grp)
-    o = o.view(S * G, h_q, d)
-    lse = lse.view(S * G, h_q)
-    if c.row_valid is not None:
-        keep = c.row_valid.reshape(-1)
-        o, lse = o[keep], lse[keep]
-    return o, lse
+    return _keep_valid(o.view(S * G, h_q, d), lse.view(S * G, h_q), c)
 
 
 class TorchCascadeAttention:
@@ -186,6 +253,14 @@ class TorchCascadeAttention:
     once and attends all its rows' queries in one kernel call (PyTorch's fused CPU attention,
     or per-KV-head batched matmuls elsewhere). ``fused_cpu``: None uses PyTorch's fused CPU
     kernel when it works (else batched matmuls), True requires it, False never uses it.
+
+    On a CPU, a chunk with fewer segments than threads has each segment's keys cut into up to
+    ``threads`` parts (at least ``MIN_SPLIT_TOKENS`` each) that the fused kernel runs in
+    parallel and that are merged exactly by their log-sum-exp: a shared prefix read by a whole
+    batch is otherwise one kernel task, which leaves every thread but one idle. ``threads``
+    defaults to ``torch.get_num_threads()``. ``previous``: the instance of an earlier step with
+    the same device and thread count; its prepared levels are reused where this plan's level
+    is equal (shared levels do not change while the same sequences keep decoding).
     """
 
     def __init__(
@@ -194,65 +269,152 @@ class TorchCascadeAttention:
         device: torch.device | str = "cpu",
         *,
         fused_cpu: bool | None = None,
+        threads: int | None = None,
+        previous: TorchCascadeAttention | None = None,
     ) -> None:
         self.plan = plan
         self.device = torch.device(device)
         self.fused_cpu = fused_cpu
-        self._levels: list[list[_Chunk]] = [self._prepare_level(lvl) for lvl in plan.levels]
+        self.threads = torch.get_num_threads() if threads is None else max(1, int(threads))
+        old: dict[CascadeLevel, list[_Chunk]] = {}
+        # K and V gather buffers, handed on from step to step
+        self._bufs = (GatherBuffer(), GatherBuffer()) if previous is None else previous._bufs
+        if (
+            previous is not None
+            and previous.device == self.device
+            and previous.threads == self.threads
+            and previous.plan.page_size == plan.page_size
+        ):
+            old = {lvl: chunks for lvl, chunks in zip(previous.plan.levels, previous._levels)}
+        self._levels: list[list[_Chunk]] = [
+            old[lvl] if lvl in old else self._prepare_level(lvl) for lvl in plan.levels
+        ]
         self._mark_first()
-
-    def _make_chunk(self, lvl: CascadeLevel, segs: list[int]) -> _Chunk:
-        ps = self.plan.page_size
-        row_lists = [list(range(lvl.qo_indptr[i], lvl.qo_indptr[i + 1])) for i in segs]
-        page_lists = [list(lvl.kv_indices[lvl.kv_indptr[i] : lvl.kv_indptr[i + 1]]) for i in segs]
-        lens = [lvl.segment_kv_len(i, ps) for i in segs]
-        g = max(len(r) for r in row_lists)
-        n_pages = max(len(p) for p in page_lists)
-        kv_len = max(lens)
-        padded_rows = [r + [r[0]] * (g - len(r)) for r in row_lists]
-        padded_pages = [p + [p[0]] * (n_pages - len(p)) for p in page_lists]
-        dev = self.device
-        row_valid = None
-        if any(len(r) < g for r in row_lists):
-            row_valid = torch.tensor(
-                [[j < len(r) for j in range(g)] for r in row_lists], dtype=torch.bool, device=dev
-            )
-        kv_mask = None
-        if any(n < kv_len for n in lens):
-            ar = torch.arange(kv_len, device=dev)
-            kv_mask = (ar[None, :] >= torch.tensor(lens, device=dev)[:, None]).view(
-                len(segs), 1, kv_len
-            )
-        return _Chunk(
-            rows=torch.tensor(padded_rows, dtype=torch.long, device=dev),
-            row_valid=row_valid,
-            pages=torch.tensor(padded_pages, dtype=torch.long, device=dev),
-            kv_len=kv_len,
-            kv_mask=kv_mask,
-            out_rows=torch.tensor([x for r in row_lists for x in r], dtype=torch.long, device=dev),
+        n = plan.num_queries
+        self._whole_rows = all(
+            c.row_range == (0, n) and c.row_valid is None for chunks in self._levels for c in chunks
         )
 
+    def _make_chunk(self, lvl: CascadeLevel, segs: list[tuple[int, int, int]]) -> _Chunk:
+        """A chunk of the level's segments ``(index, rows, kv_len)`` (one chunk per step for
+        a batch's private pages: kept to a few list passes and tensor builds)."""
+        ps = self.plan.page_size
+        qo, kv, idx = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_indices
+        num = len(segs)
+        g = max(r for _, r, _ in segs)
+        lens = [n for _, _, n in segs]
+        kv_len = max(lens)
+        n_pages = max(kv[i + 1] - kv[i] for i, _, _ in segs)
+        splits = self._num_splits(num, n_pages, min(lens))
+        n_pages = -(-n_pages // splits) * splits  # pad so that every part has as many pages
+        flat_pages: list[int] = []
+        for i, _, _ in segs:
+            a, b = kv[i], kv[i + 1]
+            flat_pages.extend(idx[a:b])
+            if b - a < n_pages:
+                flat_pages.extend([idx[a]] * (n_pages - (b - a)))
+        dev = self.device
+        first_row, last_row = qo[segs[0][0]], qo[segs[-1][0] + 1]
+        padded = g != min(r for _, r, _ in segs)
+        contiguous = not padded and all(
+            qo[i] == first_row + k * g for k, (i, _, _) in enumerate(segs)
+        )
+        rows = out_rows = row_valid = None
+        row_range = (first_row, last_row) if contiguous else None
+        if not contiguous:
+            row_lists = [list(range(qo[i], qo[i] + r)) for i, r, _ in segs]
+            rows = torch.tensor(
+                [rl + [rl[0]] * (g - len(rl)) for rl in row_lists], dtype=torch.long, device=dev
+            )
+            out_rows = torch.tensor(
+                [x for rl in row_lists for x in rl], dtype=torch.long, device=dev
+            )
+            if padded:
+                row_valid = torch.tensor(
+                    [[j < len(rl) for j in range(g)] for rl in row_lists],
+                    dtype=torch.bool,
+                    device=dev,
+                )
+        kv_mask = split_mask = None
+        split_len = kv_len if splits == 1 else n_pages // splits * ps
+        if min(lens) < (kv_len if splits == 1 else n_pages * ps):
+            lens_t = torch.tensor(lens, device=dev)[:, None]
+            if kv_len > min(lens):
+                kv_mask = (torch.arange(kv_len, device=dev)[None, :] >= lens_t).view(num, 1, -1)
+            if splits == 1:
+                split_mask = kv_mask
+            else:
+                full = torch.arange(n_pages * ps, device=dev)[None, :] >= lens_t  # [S, L]
+                split_mask = full.view(num * splits, 1, split_len)
+        page_run = None
+        if num == 1 and flat_pages == list(range(flat_pages[0], flat_pages[0] + n_pages)):
+            page_run = (flat_pages[0], n_pages)
+        return _Chunk(
+            num_segments=num,
+            group=g,
+            rows=rows,
+            row_valid=row_valid,
+            pages=torch.tensor(flat_pages, dtype=torch.long, device=dev).view(num, n_pages),
+            kv_len=kv_len,
+            kv_mask=kv_mask,
+            out_rows=out_rows,
+            row_range=row_range,
+            splits=splits,
+            split_len=split_len,
+            split_mask=split_mask,
+            page_run=page_run,
+        )
+
+    def _num_splits(self, num_segments: int, n_pages: int, min_len: int) -> int:
+        """Parts to cut each segment's keys into (1: none); every part keeps at least one real
+        key of every segment, so no part is all padding."""
+        if self.device.type != "cpu" or num_segments >= self.threads:
+            return 1
+        ps = self.plan.page_size
+        n = min(self.threads // num_segments, n_pages * ps // MIN_SPLIT_TOKENS, n_pages)
+        while n > 1 and (n - 1) * -(-n_pages // n) * ps >= min_len:
+            n -= 1
+        return max(1, n)
+
     def _mark_first(self) -> None:
-        seen = torch.zeros(self.plan.num_queries, dtype=torch.bool)
+        seen = [False] * self.plan.num_queries
         for chunks in self._levels:
             for c in chunks:
-                rows = c.out_rows.cpu()
-                c.first = not bool(seen[rows].any())
-                seen[rows] = True
+                if c.row_range is not None:
+                    a, b = c.row_range
+                    c.first = not any(seen[a:b])
+                    seen[a:b] = [True] * (b - a)
+                    continue
+                assert c.out_rows is not None
+                rows = c.out_rows.tolist()
+                c.first = not any(seen[r] for r in rows)
+                for r in rows:
+                    seen[r] = True
 
     def _prepare_level(self, lvl: CascadeLevel) -> list[_Chunk]:
-        nonempty = [i for i in range(lvl.num_segments) if lvl.kv_last_page_len[i] > 0]
-        single = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] == 1]
-        multi = [i for i in nonempty if lvl.qo_indptr[i + 1] - lvl.qo_indptr[i] > 1]
-        chunks = [self._make_chunk(lvl, [i]) for i in multi]
+        ps = self.plan.page_size
+        qo, kv, last = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_last_page_len
+        single: list[tuple[int, int, int]] = []  # (segment, rows, kv_len)
+        chunks = []
+        for i in range(lvl.num_segments):
+            if last[i] == 0:
+                continue
+            seg = (i, qo[i + 1] - qo[i], (kv[i + 1] - kv[i] - 1) * ps + last[i])
+            if seg[1] == 1:
+                single.append(seg)
+            else:
+                chunks.append(self._make_chunk(lvl, [seg]))
         # One-row segments go in padded batches of at most SINGLE_CHUNK_TOKENS gathered tokens:
         # longest first, so each batch pads little, and no gather buffer grows so large that
         # allocating it (fresh pages from the OS every call) costs more than the attention.
-        ps = self.plan.page_size
-        single.sort(key=lambda i: -lvl.segment_kv_len(i, ps))
+        # When they all fit in one batch they keep their row order (read and written as a slice).
+        if single:
+            widest = pages_for(max(n for _, _, n in single), ps) * ps
+            if len(single) * widest > SINGLE_CHUNK_TOKENS:
+                single.sort(key=lambda seg: -seg[2])
         start = 0
         while start < len(single):
-            width = pages_for(lvl.segment_kv_len(single[start], ps), ps) * ps  # padded tokens/row
+            width = pages_for(single[start][2], ps) * ps  # padded tokens per row
             n = max(1, SINGLE_CHUNK_TOKENS // width)
             chunks.append(self._make_chunk(lvl, single[start : start + n]))
             start += n
@@ -277,15 +439,42 @@ class TorchCascadeAttention:
         if k_cache.shape[3] != d or h_q % k_cache.shape[2] != 0:
             raise ValueError(f"q heads/dim {h_q}/{d} do not fit KV {tuple(k_cache.shape[2:])}")
         scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-        o = torch.zeros(n, h_q, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((n, h_q), float("-inf"), dtype=torch.float32, device=q.device)
+        op = _fused_op(q, self.fused_cpu) if self._whole_rows else None
+        if op is not None and _FUSED_STATE.get(q.dtype):
+            # every chunk is the whole batch in order: all parts merged at once, no scatter
+            parts = [_attend_chunk_fused(op, q, k_cache, v_cache, c, scale, False, self._bufs)
+                     for chunks in self._levels for c in chunks]  # fmt: skip
+            o_all = torch.cat([p[0] for p in parts])
+            lse_all = torch.cat([p[1] for p in parts])
+            o, lse = merge_parts(o_all, lse_all) if len(o_all) > 1 else (o_all[0], lse_all[0])
+            out = o.to(q.dtype)
+            return (out, lse) if return_lse else out
+        o: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
         for chunks in self._levels:
             for c in chunks:
-                o_c, lse_c = _attend_chunk(q, k_cache, v_cache, c, scale, self.fused_cpu)
+                o_c, lse_c = _attend_chunk(
+                    q, k_cache, v_cache, c, scale, self.fused_cpu, self._bufs
+                )
+                if o is None or lse is None:
+                    if c.first and c.row_range == (0, n):  # the whole batch, in order: keep it
+                        o, lse = o_c, lse_c
+                        continue
+                    o = torch.zeros(n, h_q, d, dtype=torch.float32, device=q.device)
+                    lse = torch.full((n, h_q), float("-inf"), dtype=torch.float32, device=q.device)
+                if c.row_range is not None:
+                    a, b = c.row_range
+                    if not c.first:
+                        o_c, lse_c = merge_state(o[a:b], lse[a:b], o_c, lse_c)
+                    o[a:b], lse[a:b] = o_c, lse_c
+                    continue
+                out_rows = c.out_rows
+                assert out_rows is not None  # set whenever row_range is not
                 if not c.first:
-                    o_c, lse_c = merge_state(o[c.out_rows], lse[c.out_rows], o_c, lse_c)
-                o.index_copy_(0, c.out_rows, o_c)
-                lse.index_copy_(0, c.out_rows, lse_c)
+                    o_c, lse_c = merge_state(o[out_rows], lse[out_rows], o_c, lse_c)
+                o.index_copy_(0, out_rows, o_c)
+                lse.index_copy_(0, out_rows, lse_c)
+        assert o is not None and lse is not None  # a plan covers every row (CascadePlan checks)
         out = o.to(q.dtype)
         return (out, lse) if return_lse else out
 

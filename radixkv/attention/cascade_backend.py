@@ -1,11 +1,17 @@
-"""An attention backend that runs a decode-only step through a cascade plan.
+"""An attention backend that runs a step's decode rows through a cascade plan.
 
 The runner swaps it in for one step when the engine's planner decided the cascade pays. It has
 the :class:`AttentionBackend` contract: ``plan(layout)`` once per step, ``forward(layer, q, k, v)``
-per layer writes the step's new K/V into their slots and attends. The queries arrive in the
-batch's order; the cascade plan's rows are ``order`` (``order[r]`` = batch index of plan row
-``r``, so every sharing group is contiguous), so queries are permuted in and outputs back out.
-The maths runs on FlashInfer when the wrapped backend is the flashinfer one, else on torch.
+per layer writes the step's new K/V into their slots and attends. The cascade plan's rows are
+``order`` (``order[r]`` = the index, among the sequences the plan covers, of plan row ``r``, so
+every sharing group is contiguous), so queries are permuted in and outputs back out. The maths
+runs on FlashInfer when the wrapped backend is the flashinfer one, else on torch.
+
+A plan covers the whole batch (a decode-only step) or, with the torch backend, only its decode
+sequences (``rows``): the other sequences of a mixed step (prefills, chunks) are attended by the
+wrapped backend, after one write of every new token's K/V. In a busy server most steps mix a
+new request's prefill with everyone else's decodes, so without this the decodes of such steps
+would read every shared prefix once per sequence.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade import CascadePlan, TorchCascadeAttention
+from radixkv.attention.torch_backend import TorchAttention
 
 
 def plan_row_kv_lens(plan: CascadePlan) -> list[int]:
@@ -31,10 +38,12 @@ def plan_row_kv_lens(plan: CascadePlan) -> list[int]:
 
 
 class CascadeDecodeBackend(AttentionBackend):
-    """Decode-only attention through a :class:`CascadePlan`; see the module docstring.
+    """Decode rows attended through a :class:`CascadePlan`; see the module docstring.
 
     ``set_plan`` must precede ``plan``. ``plan`` raises ValueError (and changes nothing) when the
-    layout is not all-decode or does not match the cascade plan's rows and KV lengths.
+    planned sequences are not all decode (one new token on a non-empty past), do not match the
+    cascade plan's rows and KV lengths, or when a plan covering only part of the batch is given
+    to a backend wrapping anything but the torch backend.
     """
 
     name = "cascade"
@@ -43,22 +52,38 @@ class CascadeDecodeBackend(AttentionBackend):
         super().__init__(
             inner.kv_pool, inner.num_qo_heads, inner.num_kv_heads, inner.head_dim, inner.scale
         )
+        self.inner = inner
         self.inner_name = inner.name
         self._cascade: CascadePlan | None = None
         self._order: tuple[int, ...] = ()
+        self._rows: tuple[int, ...] | None = None
         self._impl: Any = None
         self._fi: Any = None  # FlashInferCascadeAttention, created on first use
         self._order_t: torch.Tensor | None = None
+        self._torch_impl: TorchCascadeAttention | None = None  # last step's: levels reused
+        self._mixed: tuple[torch.Tensor, torch.Tensor] | None = None  # (plan's, others') tokens
 
-    def set_plan(self, plan: CascadePlan, order: Sequence[int]) -> None:
+    @property
+    def supports_mixed(self) -> bool:
+        """Whether a plan may cover only the decode sequences of a mixed batch."""
+        return isinstance(self.inner, TorchAttention)
+
+    def set_plan(
+        self, plan: CascadePlan, order: Sequence[int], rows: Sequence[int] | None = None
+    ) -> None:
+        """``rows``: the batch indices of the sequences the plan covers, in the planner's input
+        order (``order`` indexes into them); None: the whole batch."""
         if sorted(order) != list(range(plan.num_queries)):
             raise ValueError("cascade order must be a permutation of the plan's rows")
         if plan.page_size != self.kv_pool.page_size:
             raise ValueError(
                 f"cascade plan page_size {plan.page_size} != KV pool's {self.kv_pool.page_size}"
             )
+        if rows is not None and len(rows) != plan.num_queries:
+            raise ValueError(f"{len(rows)} cascade rows for a plan of {plan.num_queries}")
         self._cascade = plan
         self._order = tuple(order)
+        self._rows = None if rows is None else tuple(rows)
 
     def plan(self, layout: BatchLayout) -> None:
         cp = self._cascade
@@ -68,21 +93,33 @@ class CascadeDecodeBackend(AttentionBackend):
         if self.check_layouts:
             layout.validate(pool.page_size, pool.num_pages)
         n = len(layout.num_new)
-        if any(x != 1 for x in layout.num_new) or any(p < 1 for p in layout.num_past):
-            raise ValueError("cascade attention runs decode-only batches (one new token each)")
-        if n != cp.num_queries:
-            raise ValueError(f"batch has {n} sequences, the cascade plan {cp.num_queries}")
+        rows = tuple(range(n)) if self._rows is None else self._rows
+        mixed = rows != tuple(range(n))
+        if mixed and not self.supports_mixed:
+            raise ValueError("a cascade plan over part of a batch needs the torch backend")
+        if len(set(rows)) != len(rows) or (rows and not 0 <= min(rows) <= max(rows) < n):
+            raise ValueError(f"cascade rows {rows[:8]} are not distinct sequences of the batch")
+        if any(layout.num_new[i] != 1 or layout.num_past[i] < 1 for i in rows):
+            raise ValueError("cascade attention runs decode-only sequences (one new token each)")
+        if len(rows) != cp.num_queries:
+            raise ValueError(f"batch has {len(rows)} sequences, the cascade plan {cp.num_queries}")
         want = plan_row_kv_lens(cp)
         for r, i in enumerate(self._order):
-            if want[r] != layout.num_past[i] + 1:
+            seq = rows[i]
+            if want[r] != layout.num_past[seq] + 1:
                 raise ValueError(
-                    f"cascade plan row {r} reads {want[r]} tokens but sequence {i} has "
-                    f"{layout.num_past[i] + 1}"
+                    f"cascade plan row {r} reads {want[r]} tokens but sequence {seq} has "
+                    f"{layout.num_past[seq] + 1}"
                 )
         dev = pool.device
         self._plan_slots(layout)
-        identity = self._order == tuple(range(n))
-        self._order_t = None if identity else torch.tensor(self._order, device=dev)
+        self._mixed = None
+        if mixed:
+            self._plan_mixed(layout, rows)
+            self._order_t = None  # the plan's tokens are gathered in plan-row order
+        else:
+            identity = self._order == tuple(range(n))
+            self._order_t = None if identity else torch.tensor(self._order, device=dev)
         if dev.type == "cuda" and self.inner_name == "flashinfer":
             from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
 
@@ -99,15 +136,46 @@ class CascadeDecodeBackend(AttentionBackend):
             )
             self._impl = self._fi
         else:
-            torch_impl = TorchCascadeAttention(cp, dev)
+            prev = self._torch_impl
+            torch_impl = self._torch_impl = TorchCascadeAttention(cp, dev, previous=prev)
             scale = self.scale
             self._impl = lambda q, kc, vc: torch_impl.forward(q, kc, vc, scale)
+
+    def _plan_mixed(self, layout: BatchLayout, rows: tuple[int, ...]) -> None:
+        """Token indices of the plan's rows (in plan-row order) and of every other sequence's
+        tokens; the wrapped backend is planned over those other sequences."""
+        starts = [0]
+        for new in layout.num_new:
+            starts.append(starts[-1] + new)
+        planned = set(rows)
+        rest = [i for i in range(len(layout.num_new)) if i not in planned]
+        sub = BatchLayout(
+            tuple(layout.page_tables[i] for i in rest),
+            tuple(layout.num_past[i] for i in rest),
+            tuple(layout.num_new[i] for i in rest),
+        )
+        self.inner.plan(sub)
+        casc_tok = [starts[rows[i]] for i in self._order]
+        rest_tok = [t for i in rest for t in range(starts[i], starts[i + 1])]
+        dev = self.kv_pool.device
+        self._mixed = (torch.tensor(casc_tok, device=dev), torch.tensor(rest_tok, device=dev))
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self._write_new_kv(layer, q, k, v)
         pool = self.kv_pool
+        if self._mixed is not None:
+            casc_tok, rest_tok = self._mixed
+            assert isinstance(self.inner, TorchAttention)  # plan() checked supports_mixed
+            out = torch.empty_like(q)
+            o_rest = self.inner.attend(
+                layer, q.index_select(0, rest_tok), k.index_select(0, rest_tok),
+                v.index_select(0, rest_tok),
+            )  # fmt: skip
+            out.index_copy_(0, rest_tok, o_rest)
+            o_casc = self._impl(q.index_select(0, casc_tok), pool.k[layer], pool.v[layer])
+            return out.index_copy_(0, casc_tok, o_casc)
         order = self._order_t
         q_rows = q if order is None else q.index_select(0, order)
         out = self._impl(q_rows, pool.k[layer], pool.v[layer])

@@ -44,7 +44,7 @@ class CascadeLevel:
 
     def __post_init__(self) -> None:
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
-            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+            object.__setattr__(self, name, tuple(map(int, getattr(self, name))))  # C speed
         _check_indptr("qo_indptr", self.qo_indptr)
         _check_indptr("kv_indptr", self.kv_indptr)
         n = len(self.qo_indptr) - 1
@@ -65,7 +65,7 @@ class CascadeLevel:
                 raise ValueError(
                     f"segment {i}: kv_last_page_len must be 0 exactly when it has no pages"
                 )
-        if any(p < 0 for p in self.kv_indices):
+        if self.kv_indices and min(self.kv_indices) < 0:
             raise ValueError("kv_indices must be non-negative page ids")
 
     @classmethod
@@ -122,12 +122,12 @@ class CascadePlan:
                     f"level {li} covers rows up to {lvl.qo_indptr[-1]} > num_queries "
                     f"{self.num_queries}"
                 )
-            if any(lp > self.page_size for lp in lvl.kv_last_page_len):
+            if max(lvl.kv_last_page_len, default=0) > self.page_size:
                 raise ValueError(f"level {li}: kv_last_page_len above page_size")
-            for i in range(lvl.num_segments):
-                if lvl.kv_last_page_len[i] > 0:
-                    for r in range(lvl.qo_indptr[i], lvl.qo_indptr[i + 1]):
-                        covered[r] = True
+            qo = lvl.qo_indptr
+            for i, last in enumerate(lvl.kv_last_page_len):
+                if last > 0:
+                    covered[qo[i] : qo[i + 1]] = [True] * (qo[i + 1] - qo[i])
         missing = [r for r, c in enumerate(covered) if not c]
         if missing:
             raise ValueError(f"query rows {missing[:8]} read no KV at any level")

@@ -33,6 +33,45 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return out.view(*pages.shape[:-1], pages.shape[-1] * ps, h, d)
 
 
+class GatherBuffer:
+    """Grow-only scratch for gathered pages, reused by every layer and step (never returned).
+
+    On a CPU a gather is a memory copy as large as the KV it reads; copying into the same buffer
+    each time keeps it in cache for the kernel that reads it next and never touches freshly
+    allocated memory (a fresh multi-megabyte tensor is fresh pages from the OS, whose faults cost
+    more than the copy). What :meth:`gather` returns is valid until its next call.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """``cache [N, ps, H, D]`` pages ``[n]`` (int64) -> ``[n, ps, H, D]`` view of the buffer."""
+        n = pages.shape[0]
+        row = cache[0].numel()
+        buf = self._buf
+        if (
+            buf is None
+            or buf.shape[0] < n
+            or buf.shape[1] != row
+            or buf.dtype != cache.dtype
+            or buf.device != cache.device
+        ):
+            grow = buf is not None and buf.shape[1] == row and buf.dtype == cache.dtype
+            # a normal tensor even when first used under inference_mode, so later calls outside
+            # inference mode may still write into it
+            with torch.inference_mode(False):
+                buf = self._buf = torch.empty(
+                    max(n, 2 * buf.shape[0]) if grow and buf is not None else n,
+                    row,
+                    dtype=cache.dtype,
+                    device=cache.device,
+                )
+        out = buf[:n]
+        torch.index_select(cache.view(cache.shape[0], row), 0, pages, out=out)
+        return out.view(n, *cache.shape[1:])
+
+
 def token_slots(page_table: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:
     """Flat pool slots ``page * page_size + offset`` of tokens ``start .. end-1`` (int64)."""
     first, last = start // page_size, pages_for(end, page_size)

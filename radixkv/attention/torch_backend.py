@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, merge_attention_states
+from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
 from radixkv.kv.kv_pool import KVPool
 from radixkv.pages import pages_for
 
@@ -58,31 +58,6 @@ class _DecodeGroup:
     mask: torch.Tensor | None  # [g, 1, 1, kv_len] bool (True = attend); None without padding
 
 
-class _GatherBuffer:
-    """Grow-only scratch for gathered pages, reused by every layer and step (never returned)."""
-
-    def __init__(self, pool: KVPool) -> None:
-        self._row = pool.page_size * pool.num_kv_heads * pool.head_dim
-        self._buf = torch.empty(0, self._row, dtype=pool.dtype, device=pool.device)
-
-    def gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """``cache [N, ps, H, D]`` pages ``[n]`` -> ``[n, ps*H*D]`` view of the buffer."""
-        n = pages.shape[0]
-        if n > self._buf.shape[0]:
-            # a normal tensor even when first used under inference_mode, so later calls outside
-            # inference mode may still write into it
-            with torch.inference_mode(False):
-                self._buf = torch.empty(
-                    max(n, 2 * self._buf.shape[0]),
-                    self._row,
-                    dtype=cache.dtype,
-                    device=cache.device,
-                )
-        out = self._buf[:n]
-        torch.index_select(cache.view(cache.shape[0], self._row), 0, pages, out=out)
-        return out
-
-
 class TorchAttention(AttentionBackend):
     """See module docstring. Works for any device the pool lives on."""
 
@@ -99,8 +74,8 @@ class TorchAttention(AttentionBackend):
         super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
         self._prefills: list[_Prefill] = []
         self._groups: list[_DecodeGroup] = []
-        self._kbuf = _GatherBuffer(kv_pool)
-        self._vbuf = _GatherBuffer(kv_pool)
+        self._kbuf = GatherBuffer()
+        self._vbuf = GatherBuffer()
         self._split_past = kv_pool.device.type == "cpu" and FLASH_CPU_WITH_LSE is not None
 
     # ---- plan --------------------------------------------------------------------------------
@@ -188,6 +163,12 @@ class TorchAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self._write_new_kv(layer, q, k, v)
+        return self.attend(layer, q, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``forward`` without the write: attention over the planned layout, the new tokens'
+        K/V already in the pool (the cascade backend writes a mixed batch's K/V once, then
+        hands this backend the rows it does not attend itself)."""
         pool = self.kv_pool
         kc, vc = pool.k[layer], pool.v[layer]
         out = torch.empty_like(q)

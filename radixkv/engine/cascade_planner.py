@@ -15,26 +15,39 @@ share, so that a shared prefix's KV is read once per group rather than once per 
   private pages (partial last page included) and any shared pages too small to pay.
 * Mode ``"auto"`` falls back to the plain one-level plan when the whole step saves fewer than
   ``min_step_saved_tokens`` KV tokens (per layer) or ``min_step_saved_fraction`` of the plain
-  reads: each extra level costs a kernel call and a merge, which on 2 CPU cores (radixkv-tiny
-  heads) only pays from about 3,000 saved tokens a step (measured with bench/bench_cascade.py).
+  reads: each extra level costs kernel calls and a merge (about 0.1 ms a layer on 2 CPU cores),
+  which the saved reads must outweigh. Measured with bench/bench_cascade.py on radixkv-tiny's
+  head shape (512 bytes of K+V per token and layer), cascade loses at 3,840 saved tokens a step
+  and wins from 4,096: the threshold is ``MIN_STEP_SAVED_BYTES`` = 2 MiB of K+V per layer, which
+  the engine turns into tokens for its model (:meth:`CascadePlanner.min_step_tokens_for`).
   ``"on"`` keeps every segment shared by two or more sequences; ``"off"`` always plans plain
   decode.
 
 The planner reads the trie (``node.parent``, ``node.num_tokens``) and never mutates it or the
 sequences; the caller must hold the locks for the duration of the step. Shared pages are always
 whole pages of already-computed tokens, so they never overlap the step's new tokens.
+
+Consecutive decode steps of the same sequences lock the same nodes, and a locked node's path
+pages never change (a split keeps them: the node keeps its lower part under a new upper node,
+which the same sequences traverse, so the compressed segments are the same). So the planner
+keeps the last plan's shared levels, row order and per-row covered ranges, keyed on the
+entries' nodes (by identity, held) and shared page counts, and on a hit rebuilds only the last
+level (each row's private pages, which grow as it decodes): a decode step costs one pass over
+the batch instead of a tree build.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple, Protocol
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
-from radixkv.pages import pages_for
 
 CASCADE_MODES = ("auto", "on", "off")
+# K+V bytes (per layer) a step must save for "auto" to pick the cascade (module docstring)
+MIN_STEP_SAVED_BYTES = 2 << 20
 
 
 class TrieNode(Protocol):
@@ -47,13 +60,13 @@ class TrieNode(Protocol):
     def num_tokens(self) -> int: ...
 
 
-@dataclass(frozen=True)
-class DecodeEntry:
+class DecodeEntry(NamedTuple):
     """One decoding sequence as the planner sees it.
 
     ``page_table[:num_shared_pages]`` are the pages of the trie path root -> ``node`` (``node``
     may be None or a root when nothing is shared, then ``num_shared_pages`` is 0); ``seq_len``
-    counts every token the step attends to, the one being decoded included.
+    counts every token the step attends to, the one being decoded included. (A NamedTuple: the
+    engine builds one per sequence per decode step.)
     """
 
     node: TrieNode | None
@@ -69,19 +82,38 @@ class CascadeDecision:
     ``order[r]`` is the index (into the planner's input) of the sequence whose query is row
     ``r`` of ``plan``; the caller runs the batch in this order (or permutes its queries).
     ``kv_tokens_plain`` / ``kv_tokens_cascade``: KV tokens one layer reads without / with the
-    cascade (equal when ``use_cascade`` is False).
+    cascade (equal when ``use_cascade`` is False). A plain decision's ``plan`` (one level
+    listing every page of the batch, which the engine never reads) is built on first access,
+    from the entries' page tables as they are then.
     """
 
     order: tuple[int, ...]
-    plan: CascadePlan
     use_cascade: bool
     kv_tokens_plain: int
     kv_tokens_cascade: int
     num_shared_segments: int
+    build_plan: Callable[[], CascadePlan] = field(repr=False, compare=False)
+
+    @cached_property
+    def plan(self) -> CascadePlan:
+        return self.build_plan()
 
     @property
     def num_levels(self) -> int:
         return len(self.plan.levels)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What a plan's shared levels are, for reuse while the same nodes stay locked."""
+
+    nodes: tuple[TrieNode | None, ...]  # held: identities cannot be reused while cached
+    num_shared: tuple[int, ...]
+    order: tuple[int, ...]
+    levels: tuple[CascadeLevel, ...]
+    covered: tuple[tuple[tuple[int, int], ...], ...]  # per row: page ranges read when shared
+    shared_tokens: int  # KV tokens the shared levels read
+    num_segments: int
 
 
 class _Seg:
@@ -100,7 +132,8 @@ class _Seg:
 
 
 class CascadePlanner:
-    """Builds a :class:`CascadeDecision` for each decode step (stateless between steps)."""
+    """Builds a :class:`CascadeDecision` for each decode step. It keeps only the last step's
+    shared structure, reused while the same nodes stay locked (see the module docstring)."""
 
     def __init__(
         self,
@@ -108,7 +141,7 @@ class CascadePlanner:
         *,
         mode: str = "auto",
         min_saved_tokens: int = 512,
-        min_step_saved_tokens: int = 3072,
+        min_step_saved_tokens: int = 4096,
         min_step_saved_fraction: float = 0.1,
     ) -> None:
         if mode not in CASCADE_MODES:
@@ -124,14 +157,24 @@ class CascadePlanner:
         self.min_saved_tokens = min_saved_tokens
         self.min_step_saved_tokens = min_step_saved_tokens
         self.min_step_saved_fraction = min_step_saved_fraction
+        self._last: _Shared | None = None  # the last cascade plan's shared part (module doc)
+
+    @staticmethod
+    def min_step_tokens_for(kv_bytes_per_token: int) -> int:
+        """``min_step_saved_tokens`` for a KV cache of ``kv_bytes_per_token`` bytes of K+V per
+        token and layer: ``MIN_STEP_SAVED_BYTES`` of them (4,096 for radixkv-tiny's 512)."""
+        if kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        return -(-MIN_STEP_SAVED_BYTES // kv_bytes_per_token)
 
     # ---------------------------------------------------------------- public
     def plan(self, entries: Sequence[DecodeEntry]) -> CascadeDecision:
         if not entries:
             raise ValueError("cascade planner: empty decode batch")
         ps = self.page_size
+        plain_tokens = 0
         for i, e in enumerate(entries):
-            n_pages = pages_for(e.seq_len, ps)
+            n_pages = -(-e.seq_len // ps)
             if e.seq_len < 1 or len(e.page_table) < n_pages:
                 raise ValueError(
                     f"entry {i}: seq_len {e.seq_len} needs {n_pages} pages, "
@@ -143,31 +186,53 @@ class CascadePlanner:
                     f"entry {i}: num_shared_pages {e.num_shared_pages} must be < {n_pages} "
                     "(the page of the token being decoded is never shared)"
                 )
-        plain_tokens = sum(e.seq_len for e in entries)
+            plain_tokens += e.seq_len
         if self.mode == "off" or len(entries) == 1:
             return self._plain(entries, plain_tokens)
-        root = self._build_tree(entries)
-        threshold = 1 if self.mode == "on" else max(1, self.min_saved_tokens)
-        kept = self._decide(root, threshold)
-        if not kept:
+        shared = self._shared_part(entries)
+        if not shared.levels:  # nothing shared enough to keep
             return self._plain(entries, plain_tokens)
-        order = self._assign_rows(root)
-        decision = self._build(entries, order, kept, plain_tokens)
-        saved = plain_tokens - decision.kv_tokens_cascade
+        last = self._last_level(entries, shared)
+        cascade_tokens = shared.shared_tokens + last.kv_tokens_read(ps)
+        saved = plain_tokens - cascade_tokens
         if self.mode == "auto" and (
             saved < self.min_step_saved_tokens
             or saved < self.min_step_saved_fraction * plain_tokens
         ):
             return self._plain(entries, plain_tokens)
-        return decision
+        plan = CascadePlan(ps, len(entries), (*shared.levels, last))
+        return CascadeDecision(
+            shared.order, True, plain_tokens, cascade_tokens, shared.num_segments, lambda: plan
+        )
 
     # ---------------------------------------------------------------- steps
     def _plain(self, entries: Sequence[DecodeEntry], plain_tokens: int) -> CascadeDecision:
-        plan = CascadePlan.plain(
-            [e.page_table for e in entries], [e.seq_len for e in entries], self.page_size
-        )
+        ps = self.page_size
+        tables = [e.page_table for e in entries]
+        lens = [e.seq_len for e in entries]
         order = tuple(range(len(entries)))
-        return CascadeDecision(order, plan, False, plain_tokens, plain_tokens, 0)
+        return CascadeDecision(
+            order, False, plain_tokens, plain_tokens, 0, lambda: CascadePlan.plain(tables, lens, ps)
+        )
+
+    def _shared_part(self, entries: Sequence[DecodeEntry]) -> _Shared:
+        """The shared levels for these entries: the last step's when they lock the same nodes
+        (see the module docstring), else built from the trie (no levels: nothing to share)."""
+        nodes = tuple(e.node for e in entries)
+        num_shared = tuple(e.num_shared_pages for e in entries)
+        last = self._last
+        # tuple equality tests identity first; nodes have no __eq__ of their own
+        if last is not None and last.num_shared == num_shared and last.nodes == nodes:
+            return last
+        root = self._build_tree(entries)
+        threshold = 1 if self.mode == "on" else max(1, self.min_saved_tokens)
+        kept = self._decide(root, threshold)
+        if kept:
+            order = self._assign_rows(root)
+            self._last = self._shared_levels(entries, nodes, num_shared, order, kept)
+        else:
+            self._last = _Shared(nodes, num_shared, (), (), (), 0, 0)
+        return self._last
 
     def _path(self, i: int, e: DecodeEntry) -> list[TrieNode]:
         """Trie nodes holding pages, root first; their pages total ``num_shared_pages``."""
@@ -263,13 +328,14 @@ class CascadePlanner:
             stack2.extend((c, depth) for c in seg.children)
         return kept
 
-    def _build(
+    def _shared_levels(
         self,
         entries: Sequence[DecodeEntry],
+        nodes: tuple[TrieNode | None, ...],
+        num_shared: tuple[int, ...],
         order: list[int],
         kept: list[_Seg],
-        plain_tokens: int,
-    ) -> CascadeDecision:
+    ) -> _Shared:
         ps = self.page_size
         n = len(order)
         num_levels = 1 + max(s.depth for s in kept)
@@ -280,6 +346,7 @@ class CascadePlanner:
         # per row: page ranges [a, b) of its table read at shared levels
         covered: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         levels: list[CascadeLevel] = []
+        tokens = 0
         for segs in by_level:
             segs.sort(key=lambda s: s.first_row)
             qo, kv, last = [0], [0], []
@@ -299,25 +366,36 @@ class CascadePlanner:
                 for r in range(s.first_row, s.first_row + s.rows):
                     covered[r].append((lo, hi))
                 row = s.first_row + s.rows
+                tokens += s.num_pages * ps
             if row < n:
                 qo.append(n)
                 kv.append(len(idx))
                 last.append(0)
             levels.append(CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last)))
-        # last level: each row's pages not read at a shared level (ranges are disjoint)
-        qo, kv, idx, last = list(range(n + 1)), [0], [], []
-        for r, i in enumerate(order):
+        return _Shared(
+            nodes,
+            num_shared,
+            tuple(order),
+            tuple(levels),
+            tuple(tuple(sorted(c)) for c in covered),
+            tokens,
+            len(kept),
+        )
+
+    def _last_level(self, entries: Sequence[DecodeEntry], shared: _Shared) -> CascadeLevel:
+        """Each row's pages not read at a shared level (its ranges there are disjoint)."""
+        ps = self.page_size
+        n = len(shared.order)
+        kv, idx, last = [0], [], []
+        for i, ranges in zip(shared.order, shared.covered):
             e = entries[i]
-            n_pages = pages_for(e.seq_len, ps)
+            n_pages = -(-e.seq_len // ps)
+            table = e.page_table
             start = 0
-            for lo, hi in sorted(covered[r]):
-                idx.extend(e.page_table[start:lo])
+            for lo, hi in ranges:
+                idx.extend(table[start:lo])
                 start = hi
-            idx.extend(e.page_table[start:n_pages])
+            idx.extend(table[start:n_pages])
             kv.append(len(idx))
             last.append(e.seq_len - (n_pages - 1) * ps)
-        levels.append(CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last)))
-        plan = CascadePlan(ps, n, tuple(levels))
-        return CascadeDecision(
-            tuple(order), plan, True, plain_tokens, plan.kv_tokens_read(), len(kept)
-        )
+        return CascadeLevel(tuple(range(n + 1)), tuple(kv), tuple(idx), tuple(last))

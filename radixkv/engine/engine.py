@@ -69,6 +69,9 @@ Conversation = list[dict[str, Any]]
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~1M tokens of radixkv-tiny (1 KiB of K+V per token)
 _DEFAULT_GPU_KV_FRACTION = 0.5  # of the free GPU memory after the weights are loaded
+# A step's fixed cost in prefill tokens (scheduler.py: sizes the groups in which a burst of
+# short prefills is admitted), on a GPU / a CPU: see Scheduler.__init__
+_STEP_OVERHEAD_TOKENS = {False: 1024.0, True: 64.0}
 
 
 class Engine:
@@ -128,8 +131,19 @@ class Engine:
         )
         if self.storage is not None:  # host pages reach storage as the cache reports them
             self.cache.set_host_observer(self.storage.observe)
-        self.scheduler = Scheduler(cfg, self.seq_kv, attention_ratio=attention_cost_ratio(mc))
-        self.cascade_planner = CascadePlanner(cfg.page_size, mode=cfg.cascade)
+        self.scheduler = Scheduler(
+            cfg,
+            self.seq_kv,
+            attention_ratio=attention_cost_ratio(mc),
+            step_overhead_tokens=_STEP_OVERHEAD_TOKENS[self.kv_pool.device.type == "cpu"],
+        )
+        # "auto" picks the cascade from MIN_STEP_SAVED_BYTES of K+V saved per layer a step
+        token_bytes = self.kv_pool.bytes_per_page // (cfg.page_size * mc.num_layers)
+        self.cascade_planner = CascadePlanner(
+            cfg.page_size,
+            mode=cfg.cascade,
+            min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_bytes),
+        )
         self._intake = RequestIntake(
             cfg,
             self.tokenizer,
@@ -338,19 +352,33 @@ class Engine:
         """One model forward over the batch; if it raises, the batch's requests end with
         "error" and the exception propagates."""
         try:
-            cascade = self._plan_cascade(batch)
-            return self.runner.forward(batch.model_inputs(), cascade=cascade)
+            cascade, rows = self._plan_cascade(batch)
+            return self.runner.forward(batch.model_inputs(), cascade=cascade, cascade_rows=rows)
         except Exception:
             self._fail_batch(batch)
             raise
 
-    def _plan_cascade(self, batch: ScheduledBatch) -> CascadeDecision | None:
-        """Count the step's decode KV reads; return a CascadeDecision when the batch is all
-        decode and the planner finds sharing that pays, else None (plain paged decode)."""
-        decodes = [s for s, n in zip(batch.seqs, batch.num_new) if n == 1 and s.num_computed]
+    def _plan_cascade(
+        self, batch: ScheduledBatch
+    ) -> tuple[CascadeDecision | None, list[int] | None]:
+        """Count the step's decode KV reads; return a CascadeDecision over the step's decode
+        sequences (and their batch rows; None when the batch is all decode) when the planner
+        finds sharing that pays, else (None, None): plain paged decode. A mixed step (someone
+        prefills) plans its decodes too where the runner's backend can split the batch."""
+        rows = [
+            i
+            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
+            if n == 1 and s.num_computed
+        ]
+        decodes = [batch.seqs[i] for i in rows]
         plain = sum(s.num_computed + 1 for s in decodes)
         read, decision = plain, None
-        if len(decodes) == len(batch.seqs) > 1 and self.cascade_planner.mode != "off":
+        whole = len(rows) == len(batch.seqs)
+        if (
+            len(rows) > 1
+            and self.cascade_planner.mode != "off"
+            and (whole or self.runner.supports_mixed_cascade)
+        ):
             d = self.cascade_planner.plan(
                 [
                     DecodeEntry(s.locked_node, s.page_table, s.num_computed + 1, s.num_shared_pages)
@@ -363,7 +391,7 @@ class Engine:
         self._stats.record_decode_reads(
             plain * per_token, read * per_token, cascade=decision is not None
         )
-        return decision
+        return decision, (None if whole or decision is None else rows)
 
     def _record_logprobs(
         self, logits: torch.Tensor, rows: list[int], seqs: list[Seq], tokens: list[int]

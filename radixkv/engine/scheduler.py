@@ -24,11 +24,23 @@ In-batch prefix sharing (engine/inflight.py): a candidate whose first uncached p
 running sequence is computing waits for it and then hits it instead of computing it again.
 Likewise, with a storage tier, a candidate whose prefix is being prefetched from storage waits
 for it (up to the storage timeout) while the others are admitted.
+
+A burst of waiting requests whose remaining prefills are short (they hit a cached prefix, say
+50 requests behind a 4,096-token system prompt that one of them just computed) is admitted in
+small groups rather than as many as the budget holds: all of a step's admissions get their
+first token when the step ends, so ``n`` requests of equal work ``w`` in groups of ``g``, with a
+per-step overhead ``d`` (scheduling, the weights read once per step, the running sequences'
+decode rows), wait ``(g*w + d) * (n/g + 1) / 2`` on average, least at ``g = sqrt(n * d / w)``. A
+step admits at most that many (``d`` is ``step_overhead_tokens``, in budget units, which the
+engine sets per device, see ``Scheduler.__init__``, plus a token per decode row of the step);
+when the cap stops admission, running prefills held back to half the budget are not topped up,
+so the step stays short.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -84,9 +96,21 @@ class Scheduler:
     Mutates sequences' status and, through ``SeqKV``, their pages. Not thread-safe.
     """
 
-    def __init__(self, config: EngineConfig, kv: SeqKV, *, attention_ratio: float) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: SeqKV,
+        *,
+        attention_ratio: float,
+        step_overhead_tokens: float | None = None,
+    ) -> None:
         """``attention_ratio``: R of the model (prefill_cost.py), used when
-        ``config.prefill_budget == "attention"``."""
+        ``config.prefill_budget == "attention"``. ``step_overhead_tokens``: a step's fixed cost
+        in budget units, which sizes the admission groups of a burst (module docstring); None
+        admits as many as the budget holds. The engine passes 64 on a CPU (a prefill token of
+        radixkv-tiny costs about a quarter of a millisecond per core; a step's overhead and a few
+        dozen decode rows about 15 ms) and 1024 on a GPU (where a step's launch and weight-read
+        costs are worth about that many prefill tokens)."""
         self.kv = kv
         self.page_size = config.page_size
         self.max_running = config.max_running_requests
@@ -94,6 +118,7 @@ class Scheduler:
         # prefill tokens (budget units) of one whole step: see the module docstring
         self.step_budget = config.step_prefill_budget
         self.policy = config.schedule_policy
+        self.step_overhead_tokens = step_overhead_tokens
         self._admission_order = SCHEDULE_POLICIES[config.schedule_policy]
         # None: the budget counts new tokens only
         self._ratio = attention_ratio if config.prefill_budget == "attention" else None
@@ -130,8 +155,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         held_back = self._schedule_running(batch)
-        self._admit(batch, self.step_budget - batch.prefill_cost)
-        self._top_up(batch, held_back)
+        if not self._admit(batch, self.step_budget - batch.prefill_cost):
+            self._top_up(batch, held_back)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch) -> list[int]:
@@ -203,15 +228,31 @@ class Scheduler:
             batch.num_prefill_tokens += total - n
             batch.prefill_cost += chunk_cost(total, past, self._ratio) - have
 
-    def _admit(self, batch: ScheduledBatch, budget: float) -> None:
+    def _admission_cap(self, waiting: int, cost: float, decode_rows: int) -> int | None:
+        """Most admissions in a step whose first admission costs ``cost`` budget units, with
+        ``waiting`` requests queued and ``decode_rows`` running sequences decoding in it (each a
+        token of the step's overhead; module docstring); None: no cap."""
+        if self.step_overhead_tokens is None:
+            return None
+        overhead = self.step_overhead_tokens + decode_rows
+        return math.ceil(math.sqrt(waiting * overhead / max(cost, 1.0)))
+
+    def _admit(self, batch: ScheduledBatch, budget: float) -> bool:
+        """Admit waiting sequences in policy order while the budget, ``max_running_requests``,
+        the pool and the burst cap allow. Returns True when the cap stopped it."""
         if not self.waiting:
-            return
+            return False
         order = self._admission_order(self.waiting, self.kv)  # schedule_policy.py
         used = 0.0  # budget units
         tokens = 0
         admitted: list[Sequence] = []
+        cap: int | None = None
+        capped = False
         for seq in order:
             if len(self.running) >= self.max_running or budget - used <= 0:
+                break
+            if cap is not None and len(admitted) >= cap:
+                capped = True
                 break
             if self.kv.prefetch_pending(seq):  # its prefix is on its way from storage
                 continue
@@ -239,16 +280,20 @@ class Scheduler:
                 metrics.first_scheduled_time = time.monotonic()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
             self._inflight.announce(seq)
             batch.add(seq, n)
-            used += chunk_cost(n, seq.num_computed, self._ratio)
+            cost = chunk_cost(n, seq.num_computed, self._ratio)
+            if not admitted:
+                cap = self._admission_cap(len(self.waiting), cost, batch.num_decode)
+            admitted.append(seq)
+            used += cost
             tokens += n
         if admitted:
             gone = set(map(id, admitted))
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
         batch.num_prefill_tokens += tokens
         batch.prefill_cost += used
+        return capped
 
     def unschedule_failed_loads(self, batch: ScheduledBatch, failed: list[Sequence]) -> None:
         """Take sequences whose host-tier load failed (``SeqKV.finish_loads``) out of the batch

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixkv.model.linear import Linear
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` over the last dim; the reduction runs in fp32."""
@@ -108,9 +110,9 @@ class SwiGLU(nn.Module):
     ) -> None:
         super().__init__()
         kw: dict[str, Any] = {"bias": bias, "device": device, "dtype": dtype}
-        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
-        self.up_proj = nn.Linear(hidden, intermediate, **kw)
-        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+        self.gate_proj = Linear(hidden, intermediate, **kw)
+        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -16,6 +16,7 @@ from torch import nn
 from radixkv.attention.base import AttentionBackend
 from radixkv.model.config import ModelConfig
 from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from radixkv.model.linear import Linear
 
 
 class Attention(nn.Module):
@@ -31,10 +32,10 @@ class Attention(nn.Module):
         )
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -108,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         dtype = dtype or config.dtype
         self.config = config
         self.model = LlamaModel(config, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(
+        self.lm_head = Linear(
             config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
         )
         if config.tie_word_embeddings:

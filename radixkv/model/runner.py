@@ -14,6 +14,7 @@ import torch
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade_backend import CascadeDecodeBackend
 from radixkv.attention.registry import get_backend
+from radixkv.attention.torch_backend import TorchAttention
 from radixkv.debug import debug_checks_enabled
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.llama import LlamaForCausalLM
@@ -120,13 +121,16 @@ class ModelRunner:
         *,
         all_logits: bool = False,
         cascade: CascadeSchedule | None = None,
+        cascade_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """fp32 logits ``[len(seqs), vocab]`` of each sequence's last new token, or with
         ``all_logits=True`` ``[sum of new tokens, vocab]`` for every new token in batch order.
 
-        ``cascade``: for a decode-only batch, a ``CascadeDecision`` from
-        :class:`radixkv.engine.cascade_planner.CascadePlanner` over these sequences (in this
-        order): shared prefixes are then read once per group (same logits, fewer KV reads)."""
+        ``cascade``: a ``CascadeDecision`` from
+        :class:`radixkv.engine.cascade_planner.CascadePlanner` over the decode sequences
+        ``cascade_rows`` (batch indices, in the planner's input order; None: the whole batch,
+        which must then be decode-only): their shared prefixes are read once per group (same
+        logits, fewer KV reads). A plan over part of a batch needs ``supports_mixed_cascade``."""
         if not seqs:
             raise ValueError("ModelRunner.forward: empty batch")
         if self.check_inputs:
@@ -147,13 +151,21 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         idx_t = None if all_logits else torch.tensor(last, dtype=torch.int64).to(dev)
-        attn = self.attn if cascade is None else self._cascade_attn(cascade)
+        attn = self.attn if cascade is None else self._cascade_attn(cascade, cascade_rows)
         attn.plan(layout)
         return self.model(ids_t, pos_t, attn, idx_t, max_position=max(positions))
 
-    def _cascade_attn(self, decision: CascadeSchedule) -> AttentionBackend:
+    @property
+    def supports_mixed_cascade(self) -> bool:
+        """Whether a cascade plan may cover just the decode sequences of a mixed batch (the
+        torch backend; FlashInfer's cascade runs decode-only steps)."""
+        return isinstance(self.attn, TorchAttention)
+
+    def _cascade_attn(
+        self, decision: CascadeSchedule, rows: Sequence[int] | None
+    ) -> AttentionBackend:
         if self._cascade is None:
             self._cascade = CascadeDecodeBackend(self.attn)
             self._cascade.check_layouts = self.check_inputs
-        self._cascade.set_plan(decision.plan, decision.order)
+        self._cascade.set_plan(decision.plan, decision.order, rows)
         return self._cascade
