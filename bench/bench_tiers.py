@@ -86,7 +86,9 @@ def run(lm: LoadedModel, args: argparse.Namespace, configs: dict[str, dict[str, 
         st = eng.stats()
         q = max(1, st.prefix_cache_query_tokens)
         recompute = st.time_forward / max(1, st.prefill_tokens_computed)  # forward s / new token
-        load = st.load_back_seconds / st.prefix_cache_host_hit_tokens if st.load_back_pages else None
+        load = (
+            st.load_back_seconds / st.prefix_cache_host_hit_tokens if st.load_back_pages else None
+        )
         results[name] = {
             "num_pages": eng.pool.num_pages,
             "host_pages": st.host_pages_total,
