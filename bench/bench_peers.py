@@ -557,8 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bf16 = cpu_bf16()
     data: dict[str, Any] = {
-        "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, load average at start {os.getloadavg()[0]:.1f}",
+        "machine": f"{_cpu_name()}, {os.cpu_count()} CPUs, "
+        f"load average at start {os.getloadavg()[0]:.1f}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "checkpoint": {**MODEL, "saved_dtype": "float32", "seed": SEED},
         "cpu_native_bf16": {"native": bf16.native, "evidence": bf16.evidence},
@@ -576,6 +576,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_table(data, workloads)
     print(f"wrote {args.out}")
     return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _describe(w: Workload) -> dict[str, int]:

@@ -331,6 +331,7 @@ def plot_peers(data: Any, fig: Any) -> None:
     if not names:
         raise KeyError("no workload results")
     colours = {"radixkv": "tab:green", "transformers": "tab:blue", "llama.cpp": "tab:orange"}
+    fig.set_size_inches(10, 4.8)  # long system names on the y axes
     axes = fig.subplots(1, len(names), squeeze=False)[0]
     for ax, wname in zip(axes, names):
         rows = sorted(data[wname], key=lambda r: (r["precision"], -r["median_s"]))
@@ -342,7 +343,9 @@ def plot_peers(data: Any, fig: Any) -> None:
         ax.set_xlabel("seconds (median)")
         ax.set_title(wname.replace("_", " "), fontsize=9)
         ax.grid(alpha=0.3, axis="x")
-    fig.suptitle("Same checkpoint, same greedy outputs in float32: time to run the workload")
+    fig.suptitle(
+        "One checkpoint, 32 requests x 32 greedy tokens: time per workload (lower is better)"
+    )
 
 
 # file stem -> [(image name suffix, plotter)]
