@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from radixkv.cluster._ray import import_serve  # noqa: E402
+from radixkv.cluster.readiness import app_state, wait_until_running  # noqa: E402
 from radixkv.cluster.workload import SharedPrefixWorkload, fleet_hit_rate, run_workload  # noqa: E402
 
 PAGE = 16
@@ -37,18 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_running(serve: Any, apps: list[str], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = serve.status().applications
-        states = [str(status[a].status) if a in status else "MISSING" for a in apps]
-        if all(s.endswith("RUNNING") for s in states):
-            return
-        if time.monotonic() > deadline or any(s.endswith("DEPLOY_FAILED") for s in states):
-            raise RuntimeError(f"fleets not running: {status}")
-        time.sleep(0.5)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -111,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                 apps[router] = app = f"{router}{n}"
                 targets.append(serve.RunTarget(build_cluster_app(cfg), app, f"/{app}"))
             serve.run_many(targets, wait_for_applications_running=False)
-            _wait_running(serve, list(apps.values()))
+            for app in apps.values():
+                wait_until_running(
+                    lambda app=app: app_state(serve.status(), app), app_name=app, timeout_s=600
+                )
             for router, app in apps.items():
                 run_workload(  # warm-up: one request per replica-ish, unrelated prefixes
                     f"http://127.0.0.1:{port}/{app}",

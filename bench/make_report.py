@@ -73,6 +73,13 @@ SECTIONS: list[tuple[str, str, str]] = [
         "`bench/bench_tiers.py --convs 64 --turns 4 --system 2048 --user 256 --answer 32`.",
     ),
     (
+        "bench_tiers_chat",
+        "Host KV tier on chat-shaped turns (64 conversations, short questions, long answers)",
+        "`bench/bench_tiers.py --convs 64 --turns 4 --system 1024 --user 32 --answer 128`: each "
+        "turn is mostly history (the previous answer), as in real chat; configurations replay the "
+        "workload interleaved, request by request.",
+    ),
+    (
         "bench_model",
         "Model forward",
         "`bench/bench_model.py`: the paged model forward on its own.",

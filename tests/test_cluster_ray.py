@@ -22,6 +22,7 @@ import httpx
 import pytest
 import ray
 
+from radixkv.cluster.readiness import app_state, wait_until_running
 from radixkv.cluster.workload import Item, SharedPrefixWorkload, fleet_hit_rate, run_workload
 
 REPLICAS = 4
@@ -83,24 +84,15 @@ def fleets() -> Iterator[dict[str, str]]:
             ],
             wait_for_applications_running=False,
         )
-        _wait_running(serve, [AFFINITY, DEFAULT], timeout_s=240)
+        for app in (AFFINITY, DEFAULT):
+            wait_until_running(
+                lambda app=app: app_state(serve.status(), app), app_name=app, timeout_s=240
+            )
         base = f"http://127.0.0.1:{port}"
         yield {AFFINITY: f"{base}/aff", DEFAULT: f"{base}/dflt"}
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _wait_running(serve: Any, apps: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = serve.status().applications
-        states = {a: str(status[a].status) if a in status else "MISSING" for a in apps}
-        if all(v.endswith("RUNNING") for v in states.values()):
-            return
-        if any(v.endswith("DEPLOY_FAILED") for v in states.values()) or time.monotonic() > deadline:
-            raise AssertionError(f"fleets not running: {status}")
-        time.sleep(0.5)
 
 
 def _serve() -> Any:
