@@ -1,5 +1,5 @@
-"""nox sessions: tests, lint, fuzz, bench, bench_vs_sglang, bench_cluster, notebooks, docs,
-gpu_contract, gpu_kit, gpu_check."""
+"""nox sessions: tests, lint, fuzz, bench, bench_vs_sglang, bench_peers, bench_cluster,
+notebooks, docs, gpu_contract, gpu_kit, gpu_check."""
 
 from __future__ import annotations
 
@@ -75,6 +75,36 @@ def bench(session: nox.Session) -> None:
     )
     for script in scripts:
         session.run("python", f"bench/{script}", *session.posargs)
+    session.run("python", "bench/make_report.py")
+
+
+# bench/bench_peers.py's peers. llama-cpp-python is built from source here (10-20 minutes on
+# 2 cores, for this CPU's instruction set); its sdist also carries llama.cpp's GGUF converter,
+# which needs gguf (the version vendored with it) and sentencepiece.
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+GGUF = "gguf==0.19.0"
+LLAMA_CPP_CMAKE_ARGS = (
+    "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+    "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+)
+
+
+@nox.session(python="3.11")
+def bench_peers(session: nox.Session) -> None:
+    """radixkv vs transformers and llama.cpp on one checkpoint (bench/bench_peers.py, ~30 min
+    plus the llama.cpp build), then docs/benchmarks.md. Not in CI."""
+    _install(session, "test")
+    session.install(GGUF, "sentencepiece")
+    session.install(
+        "--no-binary",
+        "llama-cpp-python",
+        LLAMA_CPP_PYTHON,
+        env={
+            "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS,
+            "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+        },
+    )
+    session.run("python", "bench/bench_peers.py", "--fetch-converter", *session.posargs)
     session.run("python", "bench/make_report.py")
 
 

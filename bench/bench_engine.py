@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
         },
         "quick": args.quick,
+        "dtype": str(lm.model.dtype).removeprefix("torch."),  # which precision these numbers are
     }
     kw = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
     report["engine_kw"] = kw

@@ -241,6 +241,7 @@ def main() -> None:
     result = {
         "model": lm.name,
         "device": str(device),
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "repeats": args.repeats,

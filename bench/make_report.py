@@ -124,6 +124,20 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Model forward",
         "`bench/bench_model.py`: the paged model forward on its own.",
     ),
+    (
+        "bench_peers",
+        "Against the peers: transformers and llama.cpp",
+        "`bench/bench_peers.py` (`nox -s bench_peers`): the engine against transformers (batched "
+        "`generate`; the prefix prefilled once into a `DynamicCache` and copied per request, or "
+        "to the whole batch) and llama.cpp through llama-cpp-python (GGUF f32, bf16 and q8_0 made "
+        "by llama.cpp's own converter from the same checkpoint), a random Llama (hidden 512, 4 "
+        "layers, vocabulary 32,000) saved in float32, at float32 and bfloat16. Medians of "
+        "interleaved rounds (each round runs every system once, in a shuffled order); "
+        "`vs_radixkv_same_precision` is the peer's time over radixkv's. Greedy outputs are "
+        "compared token by token with transformers' batched `generate` (`identical`: requests "
+        "whose 32 tokens all agree). `cpu_limit`: this CPU's matmul peak and radixkv-tiny's "
+        "4,096-token prefill as a share of it, measured in the same run.",
+    ),
 ]
 
 HEADER = """# Benchmarks
@@ -375,12 +389,36 @@ def plot_vs_sglang(data: Any, fig: Any) -> None:
     ax.grid(alpha=0.3, axis="y")
 
 
+def plot_peers(data: Any, fig: Any) -> None:
+    """Median time per system, one panel per workload, float32 and bfloat16 side by side."""
+    names = [w for w in ("shared_prefix", "no_sharing") if isinstance(data.get(w), list)]
+    if not names:
+        raise KeyError("no workload results")
+    colours = {"radixkv": "tab:green", "transformers": "tab:blue", "llama.cpp": "tab:orange"}
+    fig.set_size_inches(10, 4.8)  # long system names on the y axes
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    for ax, wname in zip(axes, names):
+        rows = sorted(data[wname], key=lambda r: (r["precision"], -r["median_s"]))
+        labels = [r["system"] for r in rows]
+        engine = [next((e for e in colours if r["system"].startswith(e)), "") for r in rows]
+        ax.barh(range(len(rows)), [r["median_s"] for r in rows],
+                color=[colours.get(e, "0.5") for e in engine])  # fmt: skip
+        ax.set_yticks(range(len(rows)), labels, fontsize=6)
+        ax.set_xlabel("seconds (median)")
+        ax.set_title(wname.replace("_", " "), fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(
+        "One checkpoint, 32 requests x 32 greedy tokens: time per workload (lower is better)"
+    )
+
+
 # file stem -> [(image name suffix, plotter)]
 PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_tuning": [("", plot_tuning), ("_chunk", plot_chunk)],
     "bench_engine": [("", plot_engine)],
     "bench_cascade": [("", plot_cascade)],
     "bench_vs_sglang": [("", plot_vs_sglang)],
+    "bench_peers": [("", plot_peers)],
 }
 
 

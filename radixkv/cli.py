@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     from radixkv.model.loader import load_model
 
     t0 = time.perf_counter()
-    lm = load_model(args.model, device=args.device or "cpu")
+    lm = load_model(args.model, device=args.device or "cpu", dtype=args.dtype)
     prompts = shared_module_prompts(
         lm.tokenizer, num_requests=args.requests, system_words=args.system_words, seed=args.seed
     )
@@ -31,7 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"radixkv demo: {len(prompts)} requests on {lm.name}, each asking for the body of one "
         f"method of a Python class; all share the module above it ({_shared(prompts)} tokens; "
         f"{n_tok:,} prompt tokens, {args.max_tokens} output tokens each, "
-        f"torch threads={torch.get_num_threads()})"
+        f"{str(lm.model.dtype).removeprefix('torch.')}, torch threads={torch.get_num_threads()})"
     )
     results = []
     engines = []
@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--show", type=int, default=3, help="print this many continuations")
     d.add_argument("--num-pages", type=int, default=None)
     d.add_argument("--device", default=None)
+    d.add_argument(
+        "--dtype",
+        default=None,
+        help="weights and KV dtype (default: the checkpoint's; bfloat16 is 2-3x faster on CPUs "
+        "with bf16 matrix units, greedy outputs then vary with batch shapes: docs/tuning.md)",
+    )
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-tree", dest="tree", action="store_false", help="skip the cache tree")
     d.add_argument("--tree-lines", type=int, default=24)

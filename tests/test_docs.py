@@ -84,6 +84,29 @@ def test_make_report_renders_results(tmp_path: Path) -> None:
     assert "## Cascade attention" in text and "bench_cascade.png" not in text
 
 
+def test_make_report_renders_bench_peers(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+
+    def row(system: str, precision: str, s: float) -> dict:
+        agree = {"identical": "32/32", "identical_frac": 1.0, "mean_agreeing_prefix": 32.0}
+        return {"system": system, "precision": precision, "median_s": s, "runs_s": [s, s, s],
+                "agreement_vs_transformers_float32": agree}  # fmt: skip
+
+    rows = [row("radixkv float32", "float32", 2.0), row("llama.cpp f32", "float32", 5.0),
+            row("transformers float32 batched", "float32", 9.0)]  # fmt: skip
+    limit = {"all_cores": {"threads": 2, "bfloat16": {"peak_gflops": 950.0,
+                                                       "prefill_share_of_peak": 0.66}}}  # fmt: skip
+    data = {"machine": "box", "date": "2030-01-02", "shared_prefix": rows, "no_sharing": rows,
+            "cpu_limit": limit}  # fmt: skip
+    (results / "bench_peers.json").write_text(json.dumps(data))
+    text = make_report.build_report(results, tmp_path / "benchmarks.md", tmp_path / "img")
+    assert "## Against the peers: transformers and llama.cpp" in text
+    assert "| llama.cpp f32 | float32 | 5 |" in text
+    assert "| all_cores | 2 | 950 | 0.66 |" in text  # cpu_limit: one row per thread count
+    assert (tmp_path / "img" / "bench_peers.png").stat().st_size > 1000
+
+
 def test_notebook_list() -> None:
     found = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
     assert found == sorted(NOTEBOOKS)

@@ -32,6 +32,7 @@ def test_demo_small_prints_table_and_tree(
     assert rc == 0
     out = capsys.readouterr().out
     assert "hit rate" in out and "TTFT" in out and "cache tree" in out and "root" in out
+    assert "float32, torch threads=" in out  # the demo says which dtype it ran
     off, on = json.loads(out_json.read_text())
     assert off["cache"] is False and on["cache"] is True
     assert off["prefill_saved"] == 0 and on["prefill_saved"] > 0

@@ -13,6 +13,10 @@ fresh prefill), and the two partial results are merged exactly through their log
 needs the log-sum-exp from PyTorch's CPU flash-attention kernel; elsewhere the queries go in
 chunks with bottom-right causal masks instead.
 
+A bf16 prefill on a CPU goes through :mod:`radixkv.attention.matmul_attention` instead (blocks
+of bf16 matmuls over the fresh keys, or over the gathered past and fresh keys): there it is 2x
+faster than the flash kernel at the same accuracy.
+
 Why groups and a reused buffer: on a CPU the gather is a memory copy as large as the KV it
 reads. Gathering a few sequences at a time into the same buffer keeps the copy in cache while
 SDPA reads it, and never touches freshly allocated memory (page faults cost more than the copy).
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.attention.matmul_attention import causal_matmul_attention
 from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
 from radixkv.kv.kv_pool import KVPool
 from radixkv.pages import pages_for
@@ -76,7 +81,10 @@ class TorchAttention(AttentionBackend):
         self._groups: list[_DecodeGroup] = []
         self._kbuf = GatherBuffer()
         self._vbuf = GatherBuffer()
-        self._split_past = kv_pool.device.type == "cpu" and FLASH_CPU_WITH_LSE is not None
+        on_cpu = kv_pool.device.type == "cpu"
+        self._split_past = on_cpu and FLASH_CPU_WITH_LSE is not None
+        # bf16 on a CPU: prefill attention as bf16 matmuls (matmul_attention.py)
+        self._matmul_prefill = on_cpu and kv_pool.dtype == torch.bfloat16
 
     # ---- plan --------------------------------------------------------------------------------
     def plan(self, layout: BatchLayout) -> None:
@@ -104,7 +112,7 @@ class TorchAttention(AttentionBackend):
         dev = self.kv_pool.device
         if past == 0:
             return _Prefill(start, start + new, 0, None, [(0, new, None)])
-        if self._split_past:  # no chunks or masks: see _attend_split
+        if self._split_past or self._matmul_prefill:  # no chunks or masks: see _attend_prefill
             return _Prefill(start, start + new, past, pt_cpu.to(dev), [])
         chunks: list[tuple[int, int, torch.Tensor | None]] = []
         for a in range(0, new, PREFILL_QUERY_CHUNK):
@@ -207,6 +215,13 @@ class TorchAttention(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         s, e = item.start, item.end
+        if self._matmul_prefill:
+            if item.pages is None:
+                out[s:e] = causal_matmul_attention(q[s:e], k[s:e], v[s:e], self.scale)
+            else:  # the new K/V are in the pool already: gather past and new keys together
+                keys, vals = self._paged_tokens(kc, vc, item.pages, item.num_past + (e - s))
+                out[s:e] = causal_matmul_attention(q[s:e], keys, vals, self.scale)
+            return
         if item.pages is None:  # nothing in the pool before: attend the fresh K/V directly
             o = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1).unsqueeze(0),
@@ -239,9 +254,17 @@ class TorchAttention(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` tokens of ``pages`` as ``[1, Hkv, length, D]`` views of the
         gather buffers (valid until the next gather)."""
+        keys, vals = self._paged_tokens(kc, vc, pages, length)
+        return keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
+
+    def _paged_tokens(
+        self, kc: torch.Tensor, vc: torch.Tensor, pages: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of ``pages`` as ``[length, Hkv, D]`` views of the gather
+        buffers (valid until the next gather)."""
         shape = (-1, self.num_kv_heads, self.head_dim)
-        keys = self._kbuf.gather(kc, pages).view(shape)[:length].transpose(0, 1).unsqueeze(0)
-        vals = self._vbuf.gather(vc, pages).view(shape)[:length].transpose(0, 1).unsqueeze(0)
+        keys = self._kbuf.gather(kc, pages).view(shape)[:length]
+        vals = self._vbuf.gather(vc, pages).view(shape)[:length]
         return keys, vals
 
     def _attend_split(

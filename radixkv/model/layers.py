@@ -2,6 +2,12 @@
 
 Numerics follow the Hugging Face reference so fp32 logits agree to ~1e-5: the norm is computed in
 fp32 and cast back before the weight multiply; RoPE angles are ``position * inv_freq`` in fp32.
+
+Without autograd (inference) the blocks skip work that only costs memory traffic, which on a
+CPU in bf16 is a large share of a forward (the matmuls are ~4x faster than in fp32, the
+elementwise passes are not): SwiGLU's activation and product run in place (bit-identical), and
+RMSNorm of a half-precision input reduces in fp32 straight from the input and writes the
+normalized rows once (:func:`rms_norm_half`; within one bf16 rounding of the reference).
 """
 
 from __future__ import annotations
@@ -28,9 +34,27 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
+        if in_dtype in _HALF and not torch.is_grad_enabled():
+            return rms_norm_half(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(in_dtype)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def rms_norm_half(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a bf16/fp16 ``x`` in three passes instead of seven: the sum of squares is
+    reduced in fp32 directly from ``x`` (``vector_norm`` with an fp32 accumulator: no fp32 copy
+    of ``x``), ``x * rsqrt`` is computed in fp32 and rounded once into the output, which is then
+    scaled by ``weight`` in place. Same roundings as the reference (normalized value rounded to
+    the input dtype, then times the weight); only the fp32 reduction order differs."""
+    norm = torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True, dtype=torch.float32)
+    inv = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
+    out = torch.empty_like(x)
+    torch.mul(x, inv, out=out)  # fp32 product (type promotion), one rounding on the write
+    return out.mul_(weight)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -115,4 +139,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        if torch.is_grad_enabled():  # autograd needs the intermediate values kept
+            return self.down_proj(F.silu(gate) * self.up_proj(x))
+        # in place: the same values, without two more [T, intermediate] buffers
+        return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))

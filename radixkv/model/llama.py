@@ -75,8 +75,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The residual stream ``x`` is updated in place when autograd is off (the caller owns
+        it: the embedding's output or the previous layer's)."""
+        if torch.is_grad_enabled():
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attn))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -141,6 +146,8 @@ class LlamaForCausalLM(nn.Module):
             max_position = int(positions.max())
         cos, sin = self.rotary.cos_sin(positions, max_position)
         h = self.model.embed_tokens(input_ids)
+        # cast once for all layers (apply_rope casts to the activations' dtype, as HF does)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin, attn)
         if logits_indices is not None:

@@ -17,6 +17,7 @@ from radixkv.attention.registry import get_backend
 from radixkv.attention.torch_backend import TorchAttention
 from radixkv.debug import debug_checks_enabled
 from radixkv.kv.kv_pool import KVPool
+from radixkv.model.cpu_malloc import keep_freed_memory
 from radixkv.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class ModelRunner:
             problems.append(f"device {kv_pool.device} != model's {model.device}")
         if problems:
             raise ValueError("KV pool does not fit the model: " + "; ".join(problems))
+        if kv_pool.device.type == "cpu":
+            keep_freed_memory()  # activations reuse heap pages instead of faulting new ones
         self.model = model
         self.config = cfg
         self.kv_pool = kv_pool

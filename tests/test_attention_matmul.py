@@ -1,0 +1,117 @@
+"""bf16 prefill attention as blocked matmuls (the torch backend's CPU bf16 path): causal,
+GQA, prefills on past keys, block edges, peaked rows; as accurate as PyTorch's flash kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixkv.attention import matmul_attention
+from radixkv.attention.base import BatchLayout
+from radixkv.attention.matmul_attention import causal_matmul_attention
+from radixkv.attention.registry import get_backend
+from radixkv.kv.kv_pool import KVPool
+
+BF16 = torch.bfloat16
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp64 causal attention of the last n positions over all L (q [n,Hq,D], k/v [L,Hkv,D])."""
+    n, hq, d = q.shape
+    g = hq // k.shape[1]
+    kk = k.double().repeat_interleave(g, dim=1)
+    vv = v.double().repeat_interleave(g, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), kk) * d**-0.5
+    past = k.shape[0] - n
+    visible = torch.arange(k.shape[0])[None, :] <= torch.arange(past, past + n)[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), vv)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """PyTorch's kernel on the same bf16 inputs (past keys: an explicit bottom-right mask)."""
+    n, past = q.shape[0], k.shape[0] - q.shape[0]
+    mask = torch.arange(k.shape[0])[None, :] <= torch.arange(past, past + n)[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
+
+
+def _qkv(n: int, length: int, hq: int, hkv: int, d: int, amp: float, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    q = (amp * torch.randn(n, hq, d, generator=gen)).to(BF16)
+    k = (amp * torch.randn(length, hkv, d, generator=gen)).to(BF16)
+    v = torch.randn(length, hkv, d, generator=gen).to(BF16)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    ("n", "past", "hq", "hkv"),
+    [(70, 0, 4, 2), (70, 37, 4, 2), (33, 200, 8, 8), (2, 64, 16, 4), (96, 0, 1, 1)],
+)
+@pytest.mark.parametrize("amp", [1.0, 2.5])
+def test_matches_fp64_as_closely_as_the_flash_kernel(
+    monkeypatch: pytest.MonkeyPatch, n: int, past: int, hq: int, hkv: int, amp: float
+) -> None:
+    monkeypatch.setattr(matmul_attention, "BLOCK_BYTES", 1)  # minimum rows: several blocks
+    q, k, v = _qkv(n, past + n, hq, hkv, 32, amp, seed=n + past)
+    out = causal_matmul_attention(q, k, v, 32**-0.5)
+    assert out.dtype == BF16 and out.shape == q.shape
+    ref = _reference(q, k, v)
+    err = (out.double() - ref).abs().mean().item()
+    flash_err = (_flash(q, k, v).double() - ref).abs().mean().item()
+    # one bf16 rounding of the output alone costs ~2^-9 of its size
+    print("RATIO", n, past, hq, hkv, amp, err / flash_err)
+    assert err <= 1.25 * flash_err + 1e-4, (err, flash_err)
+    torch.testing.assert_close(out.double(), ref, atol=0.05, rtol=0.02)
+
+
+def test_never_sees_a_later_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matmul_attention, "BLOCK_BYTES", 1)
+    q, k, v = _qkv(80, 100, 4, 2, 16, 1.0, seed=1)
+    out = causal_matmul_attention(q, k, v, 0.25)
+    for i in (0, 31, 32, 33, 79):  # across block edges
+        k2, v2 = k.clone(), v.clone()
+        k2[20 + i + 1 :] = 50.0  # what the query at position 20 + i may not see
+        v2[20 + i + 1 :] = -50.0
+        again = causal_matmul_attention(q, k2, v2, 0.25)
+        assert torch.equal(again[i], out[i]), i
+
+
+def test_peaked_rows_stay_exact_where_it_matters() -> None:
+    """Scores spanning thousands (a trained model's sharp heads) go through the score floor:
+    the result still matches the reference, with no NaN."""
+    q, k, v = _qkv(64, 64, 2, 2, 32, 12.0, seed=2)
+    out = causal_matmul_attention(q, k, v, 32**-0.5)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.double(), _reference(q, k, v), atol=0.03, rtol=0.02)
+
+
+def test_torch_backend_uses_it_for_cpu_bf16_prefills_with_and_without_past() -> None:
+    ps, hq, hkv, d = 4, 4, 2, 16
+    kv = KVPool(1, 80, ps, hkv, d, BF16)
+    backend = get_backend("torch", kv, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    assert backend._matmul_prefill
+    assert not get_backend(
+        "torch", KVPool(1, 8, ps, hkv, d), num_qo_heads=hq, num_kv_heads=hkv, head_dim=d
+    )._matmul_prefill  # fp32 keeps the flash kernel
+    q, k, v = _qkv(90, 90, hq, hkv, d, 1.0, seed=3)
+    # all 90 tokens at once, into pages 0..22
+    backend.plan(BatchLayout.build([list(range(23))], [0], [90]))
+    fresh = backend.forward(0, q, k, v)
+    # the same tokens as 50 cached (scattered pages) + 40 new
+    table = list(range(60, 73)) + list(range(30, 40))
+    backend.plan(BatchLayout.build([table], [0], [50]))
+    backend.forward(0, q[:50], k[:50], v[:50])
+    backend.plan(BatchLayout.build([table], [50], [40]))
+    cached = backend.forward(0, q[50:], k[50:], v[50:])
+    ref = _reference(q, k, v)
+    torch.testing.assert_close(fresh.double(), ref, atol=0.03, rtol=0.02)
+    torch.testing.assert_close(cached.double(), ref[50:], atol=0.03, rtol=0.02)
+    torch.testing.assert_close(cached.float(), fresh[50:].float(), atol=0.02, rtol=0.02)
