@@ -19,7 +19,9 @@ from _model_hf_builders import CHATML, EOS_ID, build_hf_model, save_hf_folder, w
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
-from radixkv.model.dtype import auto_dtype
+from radixkv.model import dtype as dtype_mod
+from radixkv.model.cpu_bf16 import CpuBf16, cpu_bf16
+from radixkv.model.dtype import DtypeChoice, auto_dtype
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.hub import MODEL_FILES, folder_display_name, looks_like_repo_id
 from radixkv.model.loader import load_model, load_tokenizer
@@ -232,17 +234,29 @@ def test_chat_template_override_from_a_file_or_inline(offline: Hub, tmp_path: Pa
 
 def test_auto_dtype_rule() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    plain, native = CpuBf16(False, "no bf16 flags"), CpuBf16(True, "avx512_bf16")
     for half in (torch.bfloat16, torch.float16):
-        choice = auto_dtype(half, cpu)
+        choice = auto_dtype(half, cpu, bf16=plain)
         assert choice.dtype == torch.float32 and choice.note and "float32" in choice.note
+        assert "no bf16 flags" in choice.note  # the evidence is in the log line
         assert auto_dtype(half, cuda).dtype == half and auto_dtype(half, cuda).note is None
-    assert auto_dtype(torch.float32, cpu).dtype == torch.float32
-    assert auto_dtype(torch.float32, cpu).note is None
+    # a CPU with native bf16 units keeps bf16, and runs an fp16 checkpoint in bf16 (noted)
+    kept = auto_dtype(torch.bfloat16, cpu, bf16=native)
+    assert kept.dtype == torch.bfloat16 and kept.note is None
+    moved = auto_dtype(torch.float16, cpu, bf16=native)
+    assert moved.dtype == torch.bfloat16 and moved.note and "bfloat16" in moved.note
+    for bf16 in (plain, native):
+        assert auto_dtype(torch.float32, cpu, bf16=bf16) == DtypeChoice(torch.float32)
+    # this machine's answer is used when none is passed
+    assert auto_dtype(torch.bfloat16, cpu).dtype == (
+        torch.bfloat16 if cpu_bf16().native else torch.float32
+    )
 
 
-def test_dtype_auto_serves_a_bf16_checkpoint_in_fp32_on_cpu_and_says_so(
-    offline: Hub, caplog: pytest.LogCaptureFixture
+def test_dtype_auto_serves_a_bf16_checkpoint_in_fp32_on_a_cpu_without_bf16_units(
+    offline: Hub, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(dtype_mod, "cpu_bf16", lambda: CpuBf16(False, "no bf16 flags"))
     with caplog.at_level(logging.INFO, logger="radixkv.model"):
         lm = load_model(REPO, revision="v2", dtype="auto")
     assert next(lm.model.parameters()).dtype == torch.float32
@@ -252,6 +266,9 @@ def test_dtype_auto_serves_a_bf16_checkpoint_in_fp32_on_cpu_and_says_so(
     assert EngineConfig().dtype is None
     engine = Engine(REPO, revision="v2", dtype="auto", num_pages=8)
     assert engine.kv_pool.dtype == torch.float32
+    # with native bf16 units the checkpoint's bf16 is kept
+    monkeypatch.setattr(dtype_mod, "cpu_bf16", lambda: CpuBf16(True, "avx512_bf16"))
+    assert Engine(REPO, revision="v2", dtype="auto", num_pages=8).kv_pool.dtype == torch.bfloat16
 
 
 def test_dtype_values() -> None:

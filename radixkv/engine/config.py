@@ -246,12 +246,13 @@ class EngineConfig:
         default=None, metadata=_cli("torch device (default: cuda if available, else cpu)", type=str)
     )
     # None keeps the checkpoint's dtype everywhere; "auto" also keeps it except where it is slow
-    # (half precision on a CPU -> float32; radixkv/model/dtype.py decides and logs it)
+    # (half precision on a CPU without bf16 units -> float32, with them -> bfloat16;
+    # radixkv/model/dtype.py decides and logs it)
     dtype: str | torch.dtype | None = field(
         default=None,
         metadata=_cli(
-            "weight and KV dtype (default: the checkpoint's; auto: the checkpoint's, float32 on "
-            "a CPU for half-precision checkpoints)",
+            "weight and KV dtype (default: the checkpoint's; auto: the checkpoint's, but on a "
+            "CPU half precision runs in bfloat16 with native bf16 units, else float32)",
             choices=DTYPES,
             type=str,
         ),
