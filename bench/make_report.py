@@ -105,6 +105,12 @@ SECTIONS: list[tuple[str, str, str]] = [
         "`bench/bench_tiers.py --convs 64 --turns 4 --system 2048 --user 256 --answer 32`.",
     ),
     (
+        "bench_tiers_long_turns",
+        "Host KV tier with long questions (32 conversations, 256-token system prompt and turns)",
+        "`bench/bench_tiers.py --convs 32 --turns 4 --system 256 --user 256 --answer 32`: the "
+        "history is mostly the users' own turns (docs/tuning.md discusses it).",
+    ),
+    (
         "bench_tiers_chat",
         "Host KV tier on chat-shaped turns (64 conversations, short questions, long answers)",
         "`bench/bench_tiers.py --convs 64 --turns 4 --system 1024 --user 32 --answer 128`: each "
