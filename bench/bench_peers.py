@@ -399,6 +399,7 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
 def cpu_limit(repeats: int) -> dict[str, Any]:
     """Matmul peak (fp32, bf16) and radixkv-tiny's 4,096-token prefill against it."""
     from radixkv.kv.kv_pool import KVPool
+    from radixkv.model.linear import linear
     from radixkv.model.loader import load_model
     from radixkv.model.runner import ModelRunner, SeqInput
 
@@ -422,6 +423,8 @@ def cpu_limit(repeats: int) -> dict[str, Any]:
             x = torch.randn(m, k, generator=gen).to(dtype)
             w = torch.randn(n, k, generator=gen).to(dtype)
             tasks[f"matmul {sname} {dn}"] = lambda x=x, w=w: torch.nn.functional.linear(x, w)
+            if dtype == torch.float32:  # the oneDNN matmul the model runs (model/linear.py)
+                tasks[f"matmul {sname} {dn} onednn"] = lambda x=x, w=w: linear(x, w, None)
         lm = load_model("radixkv-tiny", dtype=dtype)
         kv = KVPool(cfg.num_layers, len(pages) + 1, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
         runner = ModelRunner(lm.model, kv)
@@ -441,8 +444,10 @@ def cpu_limit(repeats: int) -> dict[str, Any]:
             torch.set_num_threads(threads)
         part: dict[str, Any] = {"threads": n_threads}
         for dtype in ("float32", "bfloat16"):
-            rates = {s: 2 * m * k * n / best[f"matmul {s} {dtype}"] / 1e9
-                     for s, (m, k, n) in shapes.items()}  # fmt: skip
+            # the peak is the fastest matmul PyTorch has for the dtype (fp32: MKL or oneDNN)
+            rates = {f"{s}{lib}": 2 * m * k * n / best[f"matmul {s} {dtype}{lib}"] / 1e9
+                     for s, (m, k, n) in shapes.items()
+                     for lib in ("", " onednn") if f"matmul {s} {dtype}{lib}" in best}  # fmt: skip
             peak = max(rates.values())
             rate = flops / best[f"prefill {dtype}"] / 1e9
             part[dtype] = {"matmul_gflops": rates, "peak_gflops": peak,
