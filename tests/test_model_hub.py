@@ -233,24 +233,38 @@ def test_chat_template_override_from_a_file_or_inline(offline: Hub, tmp_path: Pa
 
 
 def test_auto_dtype_rule() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cpu, meta = torch.device("cpu"), torch.device("meta")  # meta: a non-CPU device, no CUDA
     plain, native = CpuBf16(False, "no bf16 flags"), CpuBf16(True, "avx512_bf16")
     for half in (torch.bfloat16, torch.float16):
         choice = auto_dtype(half, cpu, bf16=plain)
         assert choice.dtype == torch.float32 and choice.note and "float32" in choice.note
         assert "no bf16 flags" in choice.note  # the evidence is in the log line
-        assert auto_dtype(half, cuda).dtype == half and auto_dtype(half, cuda).note is None
-    # a CPU with native bf16 units keeps bf16, and runs an fp16 checkpoint in bf16 (noted)
-    kept = auto_dtype(torch.bfloat16, cpu, bf16=native)
-    assert kept.dtype == torch.bfloat16 and kept.note is None
-    moved = auto_dtype(torch.float16, cpu, bf16=native)
-    assert moved.dtype == torch.bfloat16 and moved.note and "bfloat16" in moved.note
-    for bf16 in (plain, native):
-        assert auto_dtype(torch.float32, cpu, bf16=bf16) == DtypeChoice(torch.float32)
+        assert auto_dtype(half, meta) == DtypeChoice(half)  # a GPU keeps half precision
+    # a CPU with native bf16 units runs everything in bf16, saying so when it changes the dtype
+    assert auto_dtype(torch.bfloat16, cpu, bf16=native) == DtypeChoice(torch.bfloat16)
+    for other in (torch.float16, torch.float32):
+        moved = auto_dtype(other, cpu, bf16=native)
+        assert moved.dtype == torch.bfloat16 and moved.note and "avx512_bf16" in moved.note
+    # float32: kept on a CPU without bf16 units, half precision on a GPU (as vLLM's auto)
+    assert auto_dtype(torch.float32, cpu, bf16=plain) == DtypeChoice(torch.float32)
+    gpu = auto_dtype(torch.float32, meta)
+    assert gpu.dtype == torch.bfloat16 and gpu.note and "float32" in gpu.note
     # this machine's answer is used when none is passed
     assert auto_dtype(torch.bfloat16, cpu).dtype == (
         torch.bfloat16 if cpu_bf16().native else torch.float32
     )
+
+
+def test_dtype_auto_on_the_tiny_model_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dtype_mod, "cpu_bf16", lambda: CpuBf16(True, "avx512_bf16"))
+    assert next(load_model("radixkv-tiny", dtype="auto").model.parameters()).dtype == (
+        torch.bfloat16
+    )
+    monkeypatch.setattr(dtype_mod, "cpu_bf16", lambda: CpuBf16(False, "no bf16 flags"))
+    assert next(load_model("radixkv-tiny", dtype="auto").model.parameters()).dtype == (
+        torch.float32
+    )
+    assert next(load_model("radixkv-tiny").model.parameters()).dtype == torch.float32
 
 
 def test_dtype_auto_serves_a_bf16_checkpoint_in_fp32_on_a_cpu_without_bf16_units(

@@ -245,14 +245,14 @@ class EngineConfig:
     device: str | torch.device | None = field(
         default=None, metadata=_cli("torch device (default: cuda if available, else cpu)", type=str)
     )
-    # None keeps the checkpoint's dtype everywhere; "auto" also keeps it except where it is slow
-    # (half precision on a CPU without bf16 units -> float32, with them -> bfloat16;
-    # radixkv/model/dtype.py decides and logs it)
+    # None keeps the checkpoint's dtype everywhere (bit-exact, the default); "auto" picks the fast
+    # one: bfloat16 on a CPU with bf16 units, float32 on other CPUs, half precision on a GPU
+    # (radixkv/model/dtype.py decides and logs it)
     dtype: str | torch.dtype | None = field(
         default=None,
         metadata=_cli(
-            "weight and KV dtype (default: the checkpoint's; auto: the checkpoint's, but on a "
-            "CPU half precision runs in bfloat16 with native bf16 units, else float32)",
+            "weight and KV dtype (default: the checkpoint's; auto: bfloat16 on a CPU with bf16 "
+            "units, float32 on other CPUs, half precision on a GPU)",
             choices=DTYPES,
             type=str,
         ),

@@ -76,6 +76,11 @@ def load_model(
     if name in TINY_NAMES:
         _no_revision(name, revision)
         build = build_tiny_model if name == TINY_NAME else build_tiny_random_model
+        if auto:  # the tiny models are stored in float32
+            choice = auto_dtype(torch.float32, device)
+            want = choice.dtype
+            if choice.note:
+                log.info("%s: %s", name, choice.note)
         model = build(device, want or torch.float32)
         tok = _override_tokenizer(tiny_tokenizer(), model.config, None, tokenizer, chat_template)
         return LoadedModel(model, model.config, tok, name)
