@@ -4,8 +4,10 @@ and the fleet-wide cache reset's fan-out and router bookkeeping (with a stand-in
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from radixkv.cluster.fanout import call_every_replica, reset_report, reset_versi
 from radixkv.cluster.hinting import PromptHasher, load_tokenizer
 from radixkv.cluster.live import forget_prefixes, track
 from radixkv.cluster.summary import CacheSummary
+from radixkv.server.auth import load_api_keys
 
 PS = 4
 
@@ -269,6 +272,25 @@ def test_prompt_hasher_matches_the_server_tokenization() -> None:
         ids, 16, ("alice", "s")
     )
     assert keyed.hint("/v1/completions", "Bearer wrong-key-1", body).hashes == []
+
+
+def test_prompt_hasher_follows_the_key_file(tmp_path: Path) -> None:
+    """serve-ray's ingress re-reads --api-keys as the replicas do: a removed key gets no hint
+    (the replica answers 401), a new key's prompts hash in its tenant's namespace."""
+    tok = load_tokenizer("radixkv-tiny")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"key-alice-1": "alice"}))
+    hasher = PromptHasher(tok, 16, api_keys=load_api_keys(keys), keys_file=str(keys))
+    ids = list(range(1, 40))
+    body = b'{"model": "m", "prompt": %s}' % str(ids).encode()
+    assert hasher.hint("/v1/completions", "Bearer key-alice-1", body).hashes == page_hashes(
+        ids, 16, ("alice",)
+    )
+    keys.write_text(json.dumps({"key-bob-12345": "bob"}))  # another size: a new version
+    assert hasher.hint("/v1/completions", "Bearer key-alice-1", body).hashes == []
+    assert hasher.hint("/v1/completions", "Bearer key-bob-12345", body).hashes == page_hashes(
+        ids, 16, ("bob",)
+    )
 
 
 def test_reset_forgets_a_replicas_prefixes_and_ignores_stale_stats() -> None:

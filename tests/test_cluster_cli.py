@@ -24,12 +24,19 @@ def test_flags_map_onto_the_cluster_config(tmp_path: Path) -> None:
         _parse(
             "--replicas", "3", "--num-pages", "64", "--page-size", "8", "--router", "default",
             "--imbalance-abs", "7", "--api-keys", str(keys), "--replica-cpus", "0.5",
+            "--strict-api", "--metrics-require-key",
         )
     )  # fmt: skip
     assert cfg.replicas == 3 and cfg.router == "default" and cfg.page_size == 8
     assert cfg.engine_kwargs["num_pages"] == 64 and "kv_cache_memory" not in cfg.engine_kwargs
     assert cfg.router_kwargs["imbalance_abs"] == 7 and cfg.replica_num_cpus == 0.5
     assert cfg.server_kwargs["api_keys"] == {"key-alice-123": "alice"}
+    # the replicas' servers get what `radixkv serve` gets: the file to re-read, the API switches
+    assert cfg.server_kwargs["api_keys_file"] == str(keys)
+    assert cfg.server_kwargs["strict_api"] is True
+    assert cfg.server_kwargs["metrics_require_key"] is True
+    plain = config_from_args(_parse("--replicas", "2")).server_kwargs
+    assert not {"api_keys", "api_keys_file", "strict_api", "metrics_require_key"} & plain.keys()
 
 
 @pytest.mark.parametrize(

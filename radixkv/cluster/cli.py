@@ -92,9 +92,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
     server_kwargs = {
         "model_name": server.model_name,
         "api_keys": server.api_keys,
+        # replicas and the ingress re-read the file when it changes (where it exists on their
+        # node; elsewhere the keys read here stay in force)
+        "api_keys_file": server.api_keys_file,
         "admin_key": server.admin_key,
         "max_queue": server.max_queue,
         "max_body_bytes": server.max_body_bytes,
+        "strict_api": server.strict_api or None,
+        "metrics_require_key": server.metrics_require_key or None,
     }
     return ClusterConfig(
         model=args.model,

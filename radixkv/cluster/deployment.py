@@ -160,6 +160,7 @@ class RadixKVIngress:
             page_size,
             api_keys=server_kwargs.get("api_keys"),
             admin_key=server_kwargs.get("admin_key"),
+            keys_file=server_kwargs.get("api_keys_file"),
         )
         self.max_body_bytes = int(server_kwargs.get("max_body_bytes", 4 * 1024 * 1024))
         self.max_attempts = max_attempts

@@ -52,12 +52,15 @@ class PromptHasher:
         *,
         api_keys: dict[str, str] | None = None,
         admin_key: str | None = None,
+        keys_file: str | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.tokenizer = tokenizer
         self.page_size = page_size
-        self.auth = Authenticator(api_keys, admin_key)
+        # with ``keys_file`` the tenants follow the file as the replicas' servers do, so a new
+        # key's requests are hashed in its tenant's namespace without a restart
+        self.auth = Authenticator(api_keys, admin_key, keys_file=keys_file)
 
     def token_ids(self, path: str, body: bytes) -> tuple[list[int], Any] | None:
         """(prompt token ids, decoded request), or None when it is not a generation request

@@ -35,8 +35,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="JSON object mapping API key -> tenant name (radixkv serve re-reads it when it "
-        "changes or on SIGHUP)",
+        help="JSON object mapping API key -> tenant name (re-read when it changes; radixkv "
+        "serve also on SIGHUP)",
     )
     p.add_argument(
         "--api-key",
@@ -52,6 +52,17 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-queue", type=int, default=1024, help="max sequences in flight before 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--strict-api",
+        action="store_true",
+        help="reject unknown request fields with 400 (default: ignore them, warning once per "
+        "field name)",
+    )
+    p.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="GET /metrics needs an API key or the admin key",
+    )
     return p
 
 
@@ -81,8 +92,8 @@ def server_config_from_args(
         max_body_bytes=args.max_body_bytes,
         kv_events=kv_events,
         kv_events_replay=kv_events_replay,
-        strict_api=getattr(args, "strict_api", False),
-        metrics_require_key=getattr(args, "metrics_require_key", False),
+        strict_api=args.strict_api,
+        metrics_require_key=args.metrics_require_key,
     )
 
 
@@ -117,17 +128,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="ENDPOINT",
         help="ZMQ ROUTER endpoint for replay",
-    )
-    p.add_argument(
-        "--strict-api",
-        action="store_true",
-        help="reject unknown request fields with 400 (default: ignore them, warning once per "
-        "field name)",
-    )
-    p.add_argument(
-        "--metrics-require-key",
-        action="store_true",
-        help="GET /metrics needs an API key or the admin key",
     )
     p.add_argument(
         "--log-level",
