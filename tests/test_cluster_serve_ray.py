@@ -3,7 +3,9 @@
 The README's command line (its model placeholder filled with radixkv-tiny, a free loopback port
 added) runs in a subprocess with its own Ray temp folder. The test waits for the ready line,
 sends a completion, stops the server with SIGTERM, and checks that it exits 0 and that every
-process it started (Ray's GCS, raylet, workers, replicas) is gone. On a 2-core machine the
+process it started (Ray's GCS, raylet, workers, replicas) is gone. The command also gets an API
+key file and ``--strict-api``, to check on the real fleet what the flags promise: keys checked
+by the replicas, the file re-read on change without a restart, unknown fields refused. On a 2-core machine the
 command used to wait forever: 4 replicas x 1 CPU + 0.1 for the ingress could never be
 scheduled. One Ray start (the slow part), so one test.
 """
@@ -11,6 +13,7 @@ scheduled. One Ray start (the slow part), so one test.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -96,10 +99,13 @@ def test_readme_serve_ray_example_serves_and_stops_cleanly() -> None:
     argv = _readme_command()
     assert argv[:2] == ["radixkv", "serve-ray"] and "--replicas" in argv
     port = _free_port()
-    script = Path(sys.executable).with_name("radixkv")
-    cmd = [str(script) if script.exists() else "radixkv", *argv[1:], "--port", str(port)]
     # short: Ray's socket paths under it must stay within the 107-character limit
     ray_tmp = tempfile.mkdtemp(prefix="rkv", dir="/tmp")
+    keys = Path(ray_tmp) / "keys.json"
+    keys.write_text(json.dumps({"key-alice-1": "alice"}))
+    script = Path(sys.executable).with_name("radixkv")
+    cmd = [str(script) if script.exists() else "radixkv", *argv[1:], "--port", str(port)]
+    cmd += ["--api-keys", str(keys), "--strict-api"]
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env.update(
@@ -132,16 +138,24 @@ def test_readme_serve_ray_example_serves_and_stops_cleanly() -> None:
         assert f"radixkv serve-ray: {plan.describe()}" in out, out
         url = re.search(r"OpenAI API at (\S+)", out).group(1)  # type: ignore[union-attr]
         assert url == f"http://127.0.0.1:{port}/v1"
-        r = httpx.post(
-            f"{url}/completions",
-            json={"model": "radixkv-tiny", "prompt": "Hello", "max_tokens": 8},
-            timeout=60,
-        )
+        req = {"model": "radixkv-tiny", "prompt": "Hello", "max_tokens": 8}
+
+        def post(key: str | None, body: dict[str, object]) -> httpx.Response:
+            auth = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(f"{url}/completions", json=body, headers=auth, timeout=60)
+
+        assert post(None, req).status_code == 401
+        assert post("key-alice-1", {**req, "not_a_field": 1}).status_code == 400  # --strict-api
+        r = post("key-alice-1", req)
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
         assert 1 <= body["usage"]["completion_tokens"] <= 8
         assert "radixkv#RadixKVReplica#" in r.headers["x-radixkv-replica"]  # a fleet answered
+        # the key file changes: every replica follows it, no restart (requests spread over them)
+        keys.write_text(json.dumps({"key-bob-12345": "bob"}))
+        assert {post("key-alice-1", req).status_code for _ in range(6)} == {401}
+        assert {post("key-bob-12345", req).status_code for _ in range(6)} == {200}
         started |= _descendants(proc.pid)
         assert len(started) >= 4, started  # Ray's processes were seen (else the check is void)
 
