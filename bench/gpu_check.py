@@ -18,7 +18,13 @@ recorded and the others still run):
   tokens (the engine's two paths: :class:`CascadeDecodeBackend` and the plain flashinfer
   backend, each including the step's K/V write);
 * ``tiny_model``: radixkv-tiny (bf16) end to end, prefill, a chunk and decode steps, logits vs
-  the torch backend.
+  the torch backend;
+* ``engine_tiers``: radixkv-tiny through ``Engine`` (flashinfer, bf16, cascade off so only the
+  kit's kernels run): multi-turn chats whose working set is 4x a small device pool, with the
+  host tier (CUDA side-stream copies, pinned host memory) against an unbounded device pool:
+  the same hit rate and token-identical greedy outputs, host loads seen, invariants and locks
+  clean; a file storage tier across an engine restart (outputs equal, prefix from storage);
+  ``dtype="auto"`` gives bf16 on the GPU for the float32 tiny checkpoint.
 
 Results: ``$OUT/gpu_check.json`` and a short table ``$OUT/gpu_check.md`` (``bench/results/``
 when OUT is unset). The attention shapes it runs are :func:`kernel_variants`; bench/gpu_kit.py
@@ -338,6 +344,72 @@ def check_tiny_model() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[str, Any]:
+    """See the module doc; ``device``/``backend`` let the same check run on a CPU (torch)."""
+    import tempfile
+
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base: dict[str, Any] = dict(device=device, dtype=TINY_DTYPE, attention_backend=backend,
+                                cascade="off", page_size=16)  # fmt: skip
+    rng = random.Random(0)
+    system = [rng.randrange(3, 250) for _ in range(512)]
+    convs = [list(system) for _ in range(16)]  # 16 chats x 3 turns, interleaved
+
+    def run(engine: Engine) -> tuple[list[list[int]], dict[str, Any]]:
+        hist = [list(c) for c in convs]
+        outs = []
+        turn_rng = random.Random(1)
+        for _ in range(3):
+            for i in turn_rng.sample(range(len(hist)), len(hist)):
+                hist[i] += [turn_rng.randrange(3, 250) for _ in range(64)]
+                (o,) = engine.generate([hist[i]], greedy, use_tqdm=False)
+                toks = list(o.outputs[0].token_ids)
+                outs.append(toks)
+                hist[i] += toks
+        if engine.host_kv_pool is not None:
+            engine.cache.wait_all()
+        engine.check_invariants()
+        st = engine.stats()
+        return outs, {
+            "hit_rate": st.prefix_cache_hit_tokens / max(1, st.prefix_cache_query_tokens),
+            "host_hit_tokens": st.prefix_cache_host_hit_tokens,
+            "load_back_pages": st.load_back_pages,
+            "locked_pages": st.locked_pages,
+        }
+
+    working_set = (512 + 16 * 3 * (64 + 16)) // 16  # pages
+    unbounded, ref = run(Engine("radixkv-tiny", num_pages=4 * working_set, **base))
+    tiered, stats = run(
+        Engine("radixkv-tiny", num_pages=working_set // 4, host_cache_memory=64 << 20, **base)
+    )
+    same = sum(a == b for a, b in zip(unbounded, tiered))
+    n = len(unbounded)
+    folder = tempfile.mkdtemp(prefix="radixkv-gpu-storage-")
+    prompt = system + [rng.randrange(3, 250) for _ in range(32)]
+    with Engine("radixkv-tiny", kv_storage=f"file://{folder}", **base) as first:
+        (cold,) = first.generate([prompt], greedy, use_tqdm=False)
+    with Engine("radixkv-tiny", kv_storage=f"file://{folder}", **base) as second:
+        (warm,) = second.generate([prompt], greedy, use_tqdm=False)
+        storage_hits = second.stats().prefix_cache_storage_hit_tokens
+    auto = Engine("radixkv-tiny", device=device, dtype="auto", num_pages=64)
+    return {
+        "requests": n, "identical_outputs": f"{same}/{n}",
+        "hit_rate_unbounded": ref["hit_rate"], "hit_rate_tiered": stats["hit_rate"],
+        "host_hit_tokens": stats["host_hit_tokens"], "load_back_pages": stats["load_back_pages"],
+        "storage_hit_tokens": storage_hits,
+        "storage_outputs_equal": list(cold.outputs[0].token_ids) == list(warm.outputs[0].token_ids),
+        "auto_dtype": str(auto.kv_pool.dtype), "auto_backend": auto.backend_choice.name,
+        "ok": same == n and abs(ref["hit_rate"] - stats["hit_rate"]) < 1e-9
+        and stats["host_hit_tokens"] > 0 and stats["locked_pages"] == 0
+        and storage_hits >= 512 - 16
+        and list(cold.outputs[0].token_ids) == list(warm.outputs[0].token_ids)
+        and auto.kv_pool.dtype == torch.bfloat16,
+    }  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------
 def _section(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
     t0 = time.perf_counter()
@@ -371,6 +443,13 @@ def _table(result: dict[str, Any]) -> str:
             lines.append(f"| {key} | {len(rows)} | {len(bad)} | {worst:.2e} |")
         else:
             lines.append(f"| {key} | error | - | - |")
+    tiers = result.get("engine_tiers", {})
+    if "identical_outputs" in tiers:
+        lines.append(
+            f"| engine_tiers | 1 | {int(not tiers['ok'])} | outputs {tiers['identical_outputs']}, "
+            f"hit rate {tiers['hit_rate_tiered']:.3f} vs {tiers['hit_rate_unbounded']:.3f}, "
+            f"storage hit {tiers['storage_hit_tokens']} tok, auto {tiers['auto_dtype']} |"
+        )
     tiny = result.get("tiny_model", {})
     if "max_abs_diff" in tiny:
         lines.append(f"| tiny_model | 1 | {int(not tiny['ok'])} | {tiny['max_abs_diff']:.2e} |")
@@ -442,9 +521,10 @@ def main() -> int:
             for case in ("two_level", "three_level", "three_partial")
         ])  # fmt: skip
         _section(result, "tiny_model", check_tiny_model)
+        _section(result, "engine_tiers", check_engine_tiers)
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
-    sections = ("paged", "cascade", "tiny_model", "timings", "cascade_timing")
+    sections = ("paged", "cascade", "tiny_model", "engine_tiers", "timings", "cascade_timing")
     result["ok"] = "error" not in result and all(
         _rows_ok(result.get(s, {"ok": False})) for s in sections
     )
