@@ -217,6 +217,8 @@ def test_chat_template_override_from_a_file_or_inline(offline: Hub, tmp_path: Pa
     assert tok.apply_chat_template(CHAT) == "<The quick brown fox>"
     inline = "{{ messages[-1]['content'] }}!"
     assert load_model("radixkv-tiny-random", chat_template=inline).tokenizer.chat_template == inline
+    long = "{{ messages[-1]['content'] }}" + " " * 300  # longer than a file name may be
+    assert load_model("radixkv-tiny-random", chat_template=long).tokenizer.chat_template == long
     with pytest.raises(ModelLoadError, match="no such file"):
         load_model("radixkv-tiny-random", chat_template="templates/missing.jinja")
     lm = load_model("radixkv-tiny-random")

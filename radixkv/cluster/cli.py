@@ -100,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "max_body_bytes": server.max_body_bytes,
         "strict_api": server.strict_api or None,
         "metrics_require_key": server.metrics_require_key or None,
+        "tool_call_parser": server.tool_call_parser,
     }
     return ClusterConfig(
         model=args.model,

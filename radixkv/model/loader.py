@@ -168,7 +168,11 @@ def read_chat_template(value: str | Path) -> str:
     """A chat template override: the text of the file ``value`` names, or ``value`` itself when
     it is a template (contains ``{{`` or ``{%``). ModelLoadError otherwise."""
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # a template longer than a file name can be (ENAMETOOLONG)
+        is_file = False
+    if is_file:
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from radixkv.engine.config import EngineConfig
 from radixkv.server.config import ServerConfig
+from radixkv.server.tool_calls import TOOL_CALL_PARSERS
 
 # tenant of the one key --api-key sets (its requests share one cache namespace)
 SINGLE_KEY_TENANT = "default"
@@ -63,6 +64,18 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="GET /metrics needs an API key or the admin key",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="read tool calls out of chat replies to requests with tools (hermes: Qwen2.5/3 "
+        "and Hermes models; llama3_json: Llama 3.1/3.2); default: replies stay text",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: --tool-call-parser alone turns parsing on",
+    )
     return p
 
 
@@ -94,6 +107,7 @@ def server_config_from_args(
         kv_events_replay=kv_events_replay,
         strict_api=args.strict_api,
         metrics_require_key=args.metrics_require_key,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -30,6 +30,9 @@ class ServerConfig:
             may not know.
         metrics_require_key: GET /metrics needs a configured key (a tenant's or the admin
             key); needs keys or an admin key to be configured.
+        tool_call_parser: how tool calls are read out of chat replies (``hermes`` or
+            ``llama3_json``, server/tool_calls.py) for requests with ``tools``; None: replies
+            stay text.
     """
 
     model_name: str | None = None
@@ -44,8 +47,15 @@ class ServerConfig:
     kv_events_topic: str = "kv-events"
     strict_api: bool = False
     metrics_require_key: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        from radixkv.server.tool_calls import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_body_bytes < 1024:

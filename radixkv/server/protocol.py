@@ -24,6 +24,7 @@ sharing within the caller's tenant), ``top_k``, ``min_p``, ``ignore_eos``, ``sto
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -168,9 +169,12 @@ class TextContentPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # an agent loop's turns: the assistant's calls, and a tool's result answering one of them
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -186,9 +190,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     # Rendered by the chat template (tool schemas the model is shown; the template's switches,
-    # e.g. {"enable_thinking": false} for Qwen3, as vLLM and SGLang take them). The reply is
-    # plain text: tool calls are not parsed out of it.
+    # e.g. {"enable_thinking": false} for Qwen3, as vLLM and SGLang take them). Tool calls are
+    # parsed out of the reply when the server has a --tool-call-parser (server/tool_calls.py)
+    # and tool_choice is "auto" (the default with tools); "none" leaves the reply as text.
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -201,18 +208,50 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             raise ValueError("messages must not be empty")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice is not None and self.tool_choice not in ("auto", "none"):
+            raise ValueError(
+                f"tool_choice {self.tool_choice!r} is not supported: only 'auto' and 'none' "
+                "(forcing a call needs guided decoding, which radixkv does not have)"
+            )
 
     def engine_logprobs(self) -> int | None:
         """``SamplingParams.logprobs`` for this request."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as plain dicts for ``tokenizer.apply_chat_template``."""
-        out = []
+    def wants_tool_calls(self) -> bool:
+        """Whether tool calls are to be parsed out of the reply (given a parser)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for ``tokenizer.apply_chat_template``. An assistant's
+        ``tool_calls`` keep OpenAI's shape but with ``arguments`` decoded to an object where
+        they are a JSON object string (templates render them with ``tojson``, as transformers
+        documents); a tool result keeps its ``tool_call_id`` and ``name``."""
+        out: list[dict[str, Any]] = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None and role == "tool":
+                msg["name"] = m.name
+            out.append(msg)
         return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -364,9 +403,28 @@ class ChatLogprobs(msgspec.Struct):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON, as OpenAI's API sends it
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct):
+    index: int
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatResponseMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -388,6 +446,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

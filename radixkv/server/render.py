@@ -15,12 +15,13 @@ UTF-8 bytes of its decoded text.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from radixkv.engine.outputs import Logprob
 from radixkv.server import protocol as P
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.submission import ChoiceState, Submission
+from radixkv.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 _MIN_LOGPROB = -9999.0
 
@@ -54,6 +55,25 @@ class Delta:
     text: str
     finish_reason: str | None  # set once, on the choice's last delta
     logprobs: list[TokenLogprob] | None = field(default=None)  # None: not requested
+    tool_calls: list[ToolCall] | None = None  # parsed out of the text (--tool-call-parser)
+
+
+def with_tool_calls(deltas: list[Delta], streams: dict[int, ToolCallStream]) -> list[Delta]:
+    """Stream deltas with each choice's text through its ToolCallStream (``streams`` by choice
+    index): content held back while a call may be starting; with the finish, the rest and the
+    calls, whose choice then finishes with "tool_calls"."""
+    out = []
+    for d in deltas:
+        s = streams[d.index]
+        text, calls, finish = s.feed(d.text), None, d.finish_reason
+        if finish is not None:
+            rest, found = s.finish()
+            text += rest
+            if found:
+                calls, finish = found, "tool_calls"
+        if text or finish is not None or d.logprobs or calls:
+            out.append(replace(d, text=text, finish_reason=finish, tool_calls=calls))
+    return out
 
 
 def _value(x: float) -> float:
@@ -210,15 +230,29 @@ def completion_response(
     return P.CompletionResponse(rid, created, model, choices, usage(sub))
 
 
+def _tool_calls_out(calls: list[ToolCall]) -> list[P.ToolCallOut]:
+    return [P.ToolCallOut(c.id, P.FunctionCall(c.name, c.arguments)) for c in calls]
+
+
 def chat_response(
-    sub: Submission, rid: str, model: str, created: int, fmt: LogprobFormat | None = None
+    sub: Submission,
+    rid: str,
+    model: str,
+    created: int,
+    fmt: LogprobFormat | None = None,
+    tool_parser: str | None = None,
 ) -> P.ChatCompletionResponse:
-    choices = [
-        P.ChatChoice(
-            d.index, P.ChatResponseMessage(d.text), d.finish_reason, chat_logprobs(d.logprobs)
-        )
-        for d in _all_deltas(sub, fmt)
-    ]
+    """The whole chat response; with ``tool_parser`` each reply's tool calls are read out of
+    its text (server/tool_calls.py) and its choice finishes with "tool_calls"."""
+    choices = []
+    for d in _all_deltas(sub, fmt):
+        message, finish = P.ChatResponseMessage(d.text), d.finish_reason
+        if tool_parser is not None:
+            content, calls = parse_tool_calls(d.text, tool_parser)
+            if calls:
+                message = P.ChatResponseMessage(content, tool_calls=_tool_calls_out(calls))
+                finish = "tool_calls"
+        choices.append(P.ChatChoice(d.index, message, finish, chat_logprobs(d.logprobs)))
     return P.ChatCompletionResponse(rid, created, model, choices, usage(sub))
 
 
@@ -238,12 +272,18 @@ def completion_chunk(rid: str, model: str, created: int, deltas: list[Delta]) ->
 
 
 def chat_chunk(rid: str, model: str, created: int, deltas: list[Delta]) -> bytes:
-    choices = [
-        P.ChatChunkChoice(
-            d.index, P.ChatDelta(content=d.text), d.finish_reason, chat_logprobs(d.logprobs)
+    choices = []
+    for d in deltas:
+        delta = P.ChatDelta(content=d.text)
+        if d.tool_calls:
+            calls = [
+                P.ToolCallDelta(k, c.id, P.FunctionCall(c.name, c.arguments))
+                for k, c in enumerate(d.tool_calls)
+            ]
+            delta = P.ChatDelta(content=d.text or None, tool_calls=calls)
+        choices.append(
+            P.ChatChunkChoice(d.index, delta, d.finish_reason, chat_logprobs(d.logprobs))
         )
-        for d in deltas
-    ]
     return sse(P.ChatCompletionChunk(rid, created, model, choices))
 
 

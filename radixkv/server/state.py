@@ -24,6 +24,7 @@ from radixkv.server.config import ServerConfig
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.submission import Submission
+from radixkv.server.tool_calls import ToolCallStream
 from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
 log = logging.getLogger("radixkv.server")
@@ -220,6 +221,9 @@ class ServerState:
             if params.logprobs is None
             else R.LogprobFormat(params.logprobs, req.return_tokens_as_token_ids)
         )
+        tool_parser = None
+        if isinstance(req, P.ChatCompletionRequest) and req.wants_tool_calls():
+            tool_parser = self.config.tool_call_parser
         try:
             created = int(time.time())
             if req.stream:
@@ -228,7 +232,14 @@ class ServerState:
                     raise _engine_error(err)
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 body = self._stream(
-                    sub, rid, req.model, created, chat=chat, include_usage=include_usage, fmt=fmt
+                    sub,
+                    rid,
+                    req.model,
+                    created,
+                    chat=chat,
+                    include_usage=include_usage,
+                    fmt=fmt,
+                    tool_parser=tool_parser,
                 )
                 response: Response = SSEResponse(
                     body,
@@ -243,9 +254,10 @@ class ServerState:
                 raise _engine_error(err)
             for i in range(len(sub.prompts)):
                 R.take_deltas(sub, i, self.metrics)
-            payload = (R.chat_response if chat else R.completion_response)(
-                sub, rid, req.model, created, fmt
-            )
+            if chat:
+                payload: Any = R.chat_response(sub, rid, req.model, created, fmt, tool_parser)
+            else:
+                payload = R.completion_response(sub, rid, req.model, created, fmt)
             return Response(
                 P.encode(payload), media_type="application/json", headers=R.cache_headers(sub, rid)
             )
@@ -266,12 +278,22 @@ class ServerState:
         chat: bool,
         include_usage: bool,
         fmt: R.LogprobFormat | None,
+        tool_parser: str | None = None,
     ) -> AsyncIterator[bytes]:
         chunk = R.chat_chunk if chat else R.completion_chunk
         if chat:
             yield R.chat_role_chunk(rid, model, created, sub.params.n)
-        for i in range(len(sub.prompts)):
+        streams = None  # per choice, when tool calls are read out of the replies
+        if tool_parser is not None:
+            n = len(sub.prompts) * sub.params.n
+            streams = {k: ToolCallStream(tool_parser) for k in range(n)}
+
+        def take(i: int) -> list[R.Delta]:
             deltas = R.take_deltas(sub, i, self.metrics, fmt)
+            return deltas if streams is None else R.with_tool_calls(deltas, streams)
+
+        for i in range(len(sub.prompts)):
+            deltas = take(i)
             if deltas:
                 yield chunk(rid, model, created, deltas)
         while not sub.finished:
@@ -279,7 +301,7 @@ class ServerState:
             if isinstance(item, BaseException):
                 yield R.sse(_engine_error(item).body_struct())
                 break
-            deltas = R.take_deltas(sub, i, self.metrics, fmt)
+            deltas = take(i)
             if deltas:
                 yield chunk(rid, model, created, deltas)
         if include_usage:
