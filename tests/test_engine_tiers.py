@@ -188,6 +188,15 @@ def test_cli_flags() -> None:
     assert parse_bytes("512MiB") == 512 << 20
     with pytest.raises(ValueError, match="byte count"):
         parse_bytes("4XB")
+    # in Python too: byte counts as strings are read once, into ints
+    cfg = EngineConfig(host_cache_memory="16GiB", kv_cache_memory="512MB")
+    assert (cfg.host_cache_memory, cfg.kv_cache_memory) == (16 << 30, 512 * 10**6)
+    with pytest.raises(ValueError, match="host_cache_memory: not a byte count"):
+        EngineConfig(host_cache_memory="lots")
+    with pytest.raises(ValueError, match="kv_cache_memory must be an int >= 1"):
+        EngineConfig(kv_cache_memory="0")
+    args = parser.parse_args(["--kv-cache-memory", "2GiB"])
+    assert EngineConfig.from_cli_args(args).kv_cache_memory == 2 << 30
 
 
 def test_serve_flags_and_metrics(tiny: LoadedModel) -> None:

@@ -116,15 +116,18 @@ class EngineConfig:
     num_pages: int | None = field(
         default=None, metadata=_cli("KV pool size in pages (wins over --kv-cache-memory)", type=int)
     )
-    kv_cache_memory: int | None = field(
+    # byte counts: an int, or a string such as "4GB" / "16GiB" (read by units.parse_bytes and
+    # stored as the int)
+    kv_cache_memory: int | str | None = field(
         default=None,
         metadata=_cli(
-            "KV pool size in bytes (default: 1 GiB on a CPU, half the free GPU memory)", type=int
+            "KV pool size in bytes, e.g. 2GiB (default: 1 GiB on a CPU, half the free GPU memory)",
+            type=parse_bytes,
         ),
     )
     # off by default: a host tier pays only when the working set outgrows the device pool
     # (bench/bench_tiers.py, docs/cache_design.md "Tiers")
-    host_cache_memory: int | None = field(
+    host_cache_memory: int | str | None = field(
         default=None,
         metadata=_cli(
             "host-memory KV tier size in bytes (e.g. 4GB, 16GiB); evicted prefixes stay in host "
@@ -278,10 +281,16 @@ class EngineConfig:
         _pos_int("page_size", self.page_size)
         if self.num_pages is not None:
             _pos_int("num_pages", self.num_pages)
-        if self.kv_cache_memory is not None:
-            _pos_int("kv_cache_memory", self.kv_cache_memory)
-        if self.host_cache_memory is not None:
-            _pos_int("host_cache_memory", self.host_cache_memory)
+        for name in ("kv_cache_memory", "host_cache_memory"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = parse_bytes(value)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+                object.__setattr__(self, name, value)  # frozen: normalised once, here
+            if value is not None:
+                _pos_int(name, value)
         _one_of("write_policy", self.write_policy, WRITE_POLICIES)
         _pos_int("write_through_threshold", self.write_through_threshold)
         if self.kv_storage is not None and (
