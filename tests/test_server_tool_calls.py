@@ -15,6 +15,8 @@ import torch
 from server_helpers import MODEL, assert_clean, live_server
 
 import radixkv.engine.engine as engine_mod
+from radixkv.model.chat_template import render_chat_template
+from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
@@ -121,9 +123,13 @@ def test_agent_turns_render_for_the_template() -> None:
     }
     req = P.decode_request(json.dumps(body).encode(), P.ChatCompletionRequest, strict=True)
     msgs = req.template_messages()
-    # templates render arguments with tojson: an object, not a string inside a string
-    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == ARGS
-    assert msgs[1]["content"] == ""
+    assert msgs[1]["content"] == "" and msgs[1]["tool_calls"] == body["messages"][1]["tool_calls"]
+    # the renderer hands templates the arguments as an object (tojson writes them once), for
+    # the server's messages and a Python caller's alike: one chat path
+    template = "{% for m in messages %}{{ m.tool_calls | tojson if m.tool_calls }}{% endfor %}"
+    seen = render_chat_template(template, msgs, add_generation_prompt=False)
+    assert json.loads(seen)[0]["function"]["arguments"] == ARGS
+    assert render_chat_template(template, body["messages"], add_generation_prompt=False) == seen
     assert msgs[2] == {
         "role": "tool",
         "content": "18 C",
@@ -249,12 +255,14 @@ def test_openai_client_gets_tool_calls(
         json.dumps({"model": MODEL, "messages": follow, "tools": TOOLS}).encode(),
         P.ChatCompletionRequest,
     )
-    seen = st.engine.engine.tokenizer.apply_chat_template(req.template_messages(), tools=TOOLS)
+    tok = st.engine.engine.tokenizer
+    ids = encode_chat(tok, req.template_messages(), tools=TOOLS)
+    seen = tok.decode(ids)
     assert '"arguments": {"city": "Paris", "unit": "C"}}</tool_call>' in seen
     assert f"<|tool|>{call.id}: 18 C" in seen
-    assert r2.usage is not None and r2.usage.prompt_tokens == len(
-        st.engine.engine.tokenizer.encode(seen, add_special_tokens=False)
-    )
+    assert r2.usage is not None and r2.usage.prompt_tokens == len(ids)
+    # Engine.chat makes the same ids from the client's own messages (arguments as a string)
+    assert encode_chat(tok, follow, tools=TOOLS) == ids
 
     # tool_choice "none" and requests without tools: the reply stays text
     scripted[0] = 0

@@ -61,6 +61,31 @@ def _compile(template: str) -> Any:
 RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as templates expect it: keys set to None dropped, and an assistant's
+    ``tool_calls`` (OpenAI's shape) with ``function.arguments`` decoded from its JSON string
+    to an object, as transformers documents, so a template's ``tojson`` writes it once (not as
+    a string inside a string). Arguments that are not a JSON object string stay as given."""
+    out = {k: v for k, v in m.items() if v is not None}
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_object_arguments(c) for c in calls]
+    return out
+
+
+def _object_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 def render_chat_template(
     template: str,
     messages: list[dict[str, Any]],
@@ -87,7 +112,7 @@ def render_chat_template(
     ):
         raise ChatTemplateError("tools must be a list of JSON objects (dicts)")
     # keys set to None are dropped, as transformers does, so `message.x is defined` agrees
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    messages = [_template_message(m) for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     if not all(isinstance(k, str) for k in kwargs):
         raise ChatTemplateError("chat_template_kwargs keys must be strings")

@@ -24,7 +24,6 @@ sharing within the caller's tenant), ``top_k``, ``min_p``, ``ignore_eos``, ``sto
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -223,35 +222,21 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return bool(self.tools) and self.tool_choice != "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for ``tokenizer.apply_chat_template``. An assistant's
-        ``tool_calls`` keep OpenAI's shape but with ``arguments`` decoded to an object where
-        they are a JSON object string (templates render them with ``tojson``, as transformers
-        documents); a tool result keeps its ``tool_call_id`` and ``name``."""
+        """Messages as plain dicts for ``tokenizer.apply_chat_template``: an assistant's
+        ``tool_calls`` as sent (the renderer decodes their JSON ``arguments``, for Python
+        callers alike); a tool result keeps its ``tool_call_id`` and ``name``."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
             msg: dict[str, Any] = {"role": role, "content": m.text()}
             if m.tool_calls:
-                msg["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+                msg["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             if m.name is not None and role == "tool":
                 msg["name"] = m.name
             out.append(msg)
         return out
-
-
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    fn = call.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        args = json.loads(fn["arguments"])
-    except ValueError:
-        return call
-    if not isinstance(args, dict):
-        return call
-    return {**call, "function": {**fn, "arguments": args}}
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
