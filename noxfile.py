@@ -57,6 +57,8 @@ def fuzz(session: nox.Session) -> None:
         "tests/",
         "-k",
         "fuzz or state_machine",
+        "--timeout",  # the suite's 600 s per test is for CI; 2,000 examples take longer
+        "0",
         env={"RADIXKV_HYPOTHESIS_PROFILE": "fuzz"},
     )
 
