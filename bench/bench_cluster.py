@@ -35,7 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from radixkv.cluster._ray import import_serve  # noqa: E402
 from radixkv.cluster.readiness import app_state, wait_until_running  # noqa: E402
-from radixkv.cluster.workload import SharedPrefixWorkload, fleet_hit_rate, run_workload  # noqa: E402
+from radixkv.cluster.workload import (  # noqa: E402
+    SharedPrefixWorkload,
+    fleet_delta,
+    fleet_hit_rate,
+    run_workload,
+)
 
 PAGE = 16
 
@@ -49,12 +54,6 @@ def _free_port() -> int:
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
-
-
-def _delta(before: list[dict[str, Any]], after: list[dict[str, Any]], field: str) -> int:
-    """How much ``field`` grew over a run, summed over the replicas (new ones from zero)."""
-    prev = {s["replica"]: s for s in before}
-    return sum(int(s[field]) - int(prev.get(s["replica"], {}).get(field, 0)) for s in after)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     after = fleet_engine_stats(app)
                     lat = [o.latency_s for o in res.outcomes if o.status == 200]
                     spread = [len(res.replicas_of(g)) for g in range(wl.groups)]
-                    prefill = _delta(before, after, "prefix_cache_query_tokens") - _delta(
+                    prefill = fleet_delta(before, after, "prefix_cache_query_tokens") - fleet_delta(
                         before, after, "prefix_cache_hit_tokens"
                     )
                     rows.append(
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                             "ok": sum(o.status == 200 for o in res.outcomes),
                             "hit_rate": round(fleet_hit_rate(before, after), 4),
                             "best_hit_rate": round(best, 4),
-                            "storage_hit_tokens": _delta(
+                            "storage_hit_tokens": fleet_delta(
                                 before, after, "prefix_cache_storage_hit_tokens"
                             ),
                             "prefill_tokens": prefill,

@@ -258,6 +258,18 @@ def fleet_run(
     }
 
 
+def chat_workload(args: argparse.Namespace) -> dict[str, int]:
+    """The multi-turn chat workload's shape, as both result files record it."""
+    return {
+        "conversations": args.convs,
+        "turns": args.turns,
+        "system_tokens": args.system,
+        "user_tokens": args.user,
+        "answer_tokens": args.answer,
+        "page_size": args.page_size,
+    }
+
+
 def storage_main(args: argparse.Namespace) -> None:
     import tempfile
 
@@ -312,12 +324,7 @@ def storage_main(args: argparse.Namespace) -> None:
     out = {
         "workload": {
             "restart_prefix_tokens": args.restart_prefix,
-            "conversations": args.convs,
-            "turns": args.turns,
-            "system_tokens": args.system,
-            "user_tokens": args.user,
-            "answer_tokens": args.answer,
-            "page_size": args.page_size,
+            **chat_workload(args),
             "routing": "round robin",
         },
         "machine": platform.platform(),
@@ -417,12 +424,7 @@ def main() -> None:
     if not args.quick:
         out = {
             "workload": {
-                "conversations": args.convs,
-                "turns": args.turns,
-                "system_tokens": args.system,
-                "user_tokens": args.user,
-                "answer_tokens": args.answer,
-                "page_size": args.page_size,
+                **chat_workload(args),
                 "working_set_pages": working_set,
                 "device_pages": device,
                 "host_bytes": host_bytes,

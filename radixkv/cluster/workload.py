@@ -161,13 +161,17 @@ def run_workload(
     return result
 
 
-def fleet_hit_rate(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> float:
-    """Prefix-cache hit rate over a run, from the engines' own counters (summed over replicas;
-    replicas missing from ``before`` count from zero)."""
+def fleet_delta(before: list[dict[str, Any]], after: list[dict[str, Any]], field: str) -> int:
+    """How much the engines' counter ``field`` grew over a run, summed over the replicas
+    (``fleet_engine_stats`` before and after; replicas missing from ``before`` count from
+    zero)."""
     prev = {s["replica"]: s for s in before}
-    hit = query = 0
-    for s in after:
-        p = prev.get(s["replica"], {})
-        hit += s["prefix_cache_hit_tokens"] - p.get("prefix_cache_hit_tokens", 0)
-        query += s["prefix_cache_query_tokens"] - p.get("prefix_cache_query_tokens", 0)
+    return sum(s[field] - prev.get(s["replica"], {}).get(field, 0) for s in after)
+
+
+def fleet_hit_rate(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> float:
+    """Prefix-cache hit rate over a run, from the engines' own counters (summed over
+    replicas)."""
+    query = fleet_delta(before, after, "prefix_cache_query_tokens")
+    hit = fleet_delta(before, after, "prefix_cache_hit_tokens")
     return hit / query if query else 0.0

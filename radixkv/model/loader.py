@@ -77,10 +77,7 @@ def load_model(
         _no_revision(name, revision)
         build = build_tiny_model if name == TINY_NAME else build_tiny_random_model
         if auto:  # the tiny models are stored in float32
-            choice = auto_dtype(torch.float32, device)
-            want = choice.dtype
-            if choice.note:
-                log.info("%s: %s", name, choice.note)
+            want = _auto_dtype(torch.float32, device, name)
         model = build(device, want or torch.float32)
         tok = _override_tokenizer(tiny_tokenizer(), model.config, None, tokenizer, chat_template)
         return LoadedModel(model, model.config, tok, name)
@@ -88,10 +85,7 @@ def load_model(
     folder = source.folder
     cfg = _read_config(folder)
     if auto:
-        choice = auto_dtype(cfg.dtype, device)
-        want = choice.dtype
-        if choice.note:
-            log.info("%s: %s", source.name, choice.note)
+        want = _auto_dtype(cfg.dtype, device, source.name)
     if want is not None and want != cfg.dtype:
         cfg = _with_dtype(cfg, want)
     with torch.device("meta"):
@@ -162,6 +156,15 @@ def _override_tokenizer(
     if chat_template is not None:
         tok.chat_template = read_chat_template(chat_template)
     return tok
+
+
+def _auto_dtype(checkpoint: torch.dtype, device: torch.device, name: str) -> torch.dtype:
+    """``dtype="auto"``'s answer for a checkpoint stored in ``checkpoint``, logged when it
+    differs from the checkpoint's."""
+    choice = auto_dtype(checkpoint, device)
+    if choice.note:
+        log.info("%s: %s", name, choice.note)
+    return choice.dtype
 
 
 def read_chat_template(value: str | Path) -> str:

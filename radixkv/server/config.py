@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from radixkv.server.tool_calls import TOOL_CALL_PARSERS
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -50,8 +52,6 @@ class ServerConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
-        from radixkv.server.tool_calls import TOOL_CALL_PARSERS
-
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"

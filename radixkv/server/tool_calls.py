@@ -46,6 +46,11 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
+def _check_parser(parser: str) -> None:
+    if parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"unknown tool call parser {parser!r}; choose from {TOOL_CALL_PARSERS}")
+
+
 def _call(obj: Any, args_key: str) -> ToolCall | None:
     """A ToolCall from a decoded JSON object, or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -62,38 +67,37 @@ def _call(obj: Any, args_key: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _calls(chunks: list[str], args_key: str) -> list[ToolCall] | None:
+    """One call per JSON chunk, or None when any chunk is not one."""
+    calls = []
+    for chunk in chunks:
+        try:
+            call = _call(json.loads(chunk), args_key)
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole reply. With no calls found the content is ``text`` itself;
     with calls it is the text around them, stripped, or None when nothing is left."""
+    _check_parser(parser)
     if parser == "hermes":
         if _HERMES_START not in text:
             return text, []
-        calls = []
-        for m in _HERMES_BLOCK.finditer(text):
-            try:
-                call = _call(json.loads(m.group(1)), "arguments")
-            except ValueError:
-                return text, []
-            if call is None:
-                return text, []
-            calls.append(call)
+        calls = _calls([m.group(1) for m in _HERMES_BLOCK.finditer(text)], "arguments")
+        if calls is None:
+            return text, []
         rest = _HERMES_BLOCK.sub("", text).strip()
         return (rest or None), calls
-    if parser == "llama3_json":
-        body = text.strip().removeprefix(_PYTHON_TAG).strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        for part in body.split(";"):
-            try:
-                call = _call(json.loads(part), "parameters")
-            except ValueError:
-                return text, []
-            if call is None:
-                return text, []
-            calls.append(call)
-        return None, calls
-    raise ValueError(f"unknown tool call parser {parser!r}; choose from {TOOL_CALL_PARSERS}")
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()  # llama3_json
+    calls = _calls(body.split(";"), "parameters") if body.startswith("{") else None
+    if calls is None:
+        return text, []
+    return None, calls
 
 
 class ToolCallStream:
@@ -101,10 +105,7 @@ class ToolCallStream:
     the content that can be sent now; ``finish()`` returns (content still held back, calls)."""
 
     def __init__(self, parser: str) -> None:
-        if parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"unknown tool call parser {parser!r}; choose from {TOOL_CALL_PARSERS}"
-            )
+        _check_parser(parser)
         self.parser = parser
         self._text = ""  # everything so far
         self._sent = 0  # chars of it sent as content
