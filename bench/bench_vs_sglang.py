@@ -17,10 +17,11 @@ Same work: every cache gets the same ``array('q')`` token keys and slot lists, b
 any timing; KV events are off in all three (radixkv has no listener), so none computes page
 hashes; each insert detects the pages already cached (radixkv frees them into its pool,
 SGLang returns them for its allocator to free). The walk results are checked equal: every
-request matches the same number of tokens in all three. radixkv's match also returns the
-prefix's pages; SGLang's two need a second call for the prefix's KV slots, so a third op,
-``match+slots``, times match plus that call in all three. What each call does beyond that is
-listed in docs/benchmarks.md (the section's notes).
+request matches the same number of tokens in all three. All three matches return the matched
+node and length; the prefix's pages (KV slots) take one more step in each: reading
+``MatchResult.pages`` in radixkv (built on first read), a second call in SGLang's two. The
+third op, ``match+slots``, times match plus that step in all three. What each call does
+beyond that is listed in docs/benchmarks.md (the section's notes).
 
 Timing: ``perf_counter_ns`` around each call; the replay is repeated ``--repeat`` times with
 fresh caches, the GC is off while timing (collected between replays), and each request's op
@@ -95,7 +96,7 @@ class RadixKV:
         return m.num_tokens
 
     def slots(self, m: Any) -> Any:
-        return m.pages  # match_prefix built it already
+        return m.pages  # built here, on first read
 
     def prepare_insert(self, i: int, m: Any, slots: Any) -> Any:
         assert len(slots) * PAGE == m.num_tokens

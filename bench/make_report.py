@@ -54,10 +54,10 @@ SECTIONS: list[tuple[str, str, str]] = [
         "insert is owned by the caller, and frees duplicates into its pool itself (SGLang "
         "returns them for its allocator). The peers' call parameters count for the Rust "
         "binding (it takes the key there) but not for SGLang Python (built before timing). "
-        "radixkv's `match` also returns the matched prefix's pages (`MatchResult.pages`); "
-        "SGLang's two return the node and the length, and the prefix's KV slots take a "
-        "second call (`path_device_indices`, `collect_full_device_indices`): `match+slots` "
-        "times match plus that call in all three, the same work.",
+        "All three matches return the node and the length; the prefix's KV slots take one "
+        "more step: reading `MatchResult.pages` in radixkv (built on first read), a second "
+        "call in SGLang's two (`path_device_indices`, `collect_full_device_indices`): "
+        "`match+slots` times match plus that step in all three, the same work.",
     ),
     (
         "bench_tuning",

@@ -132,6 +132,32 @@ def test_adopt_run_only_takes_a_run_of_held_pages() -> None:
     pool.check_invariants()
 
 
+def test_adopt_run_after_a_prefix_extends_it_only_on_success() -> None:
+    """With ``prefix``, the pages must be exactly the prefix then a HELD run; the run is
+    appended to the prefix in place, and a refusal leaves prefix and pool as they were."""
+    pool = PagePool(32)
+    owned = pool.alloc(3)  # stands for a matched prefix's pages
+    pages = pool.alloc(6)
+    before = (bytes(pool._state), list(pool._free))
+    for bad in (
+        [owned[0], 9, *pages[:3]],  # not the prefix
+        [*owned, pages[0]],  # a run of one
+        [*owned, pages[0], pages[2]],  # not a run
+        [*owned, *pages, 20],  # 20 is free
+        [*owned[:2], *pages],  # prefix cut short
+        [*owned, True, 2],  # a bool is not a page id
+    ):
+        prefix = list(owned)
+        assert pool.adopt_run(bad, prefix) is None and prefix == owned
+        assert (bytes(pool._state), list(pool._free)) == before
+    prefix = list(owned)
+    run = pool.adopt_run([*owned, *pages[1:4]], prefix)
+    assert run == pages[1:4] and prefix == owned + pages[1:4]
+    assert [pool.state(p) for p in pages] == ["held", "cached", "cached", "cached", "held", "held"]
+    assert pool.adopt_run([*owned, *pages[1:3]], list(owned)) is None  # cached now
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_insert_takes_runs_and_scattered_pages_alike(shuffled: bool) -> None:
     cache = make_cache(num_pages=64, page_size=2)

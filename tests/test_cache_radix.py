@@ -108,6 +108,25 @@ def test_split_during_insert(hash_fn: Any) -> None:
     cache.check_invariants()
 
 
+def test_match_pages_are_built_on_read_and_survive_splits_below(hash_fn: Any) -> None:
+    """MatchResult.pages is built from the node's path when first read: a split of that path
+    or an insert below it in between changes nothing; the list is kept, one per result."""
+    cache = make_cache(page_size=2, hash_fn=hash_fn)
+    a = fill(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    cache.lock(m.node)
+    b = cache.insert([1, 2, 9, 9], [a.pages[0], *cache.alloc(1)])  # splits m's path at page 1
+    c = cache.insert([1, 2, 3, 4, 5, 6, 7, 8, 5, 5], [*a.pages, *cache.alloc(1)])  # below m
+    assert cache.stats.splits == 1 and c.node.parent is m.node
+    assert b.node.parent is m.node.parent and m.node.parent.num_tokens == 2
+    assert m.pages == a.pages and m.pages is m.pages and m.num_tokens == 8
+    assert tuple(m) == (m.node, a.pages, 8, m.node, (), 0)
+    cache.unlock(m.node)
+    miss = cache.match_prefix([7, 7])
+    assert miss.pages == [] and miss.node is cache.root
+    cache.check_invariants()
+
+
 def test_insert_keeps_matched_pages_and_frees_duplicates(hash_fn: Any) -> None:
     cache = make_cache(num_pages=16, page_size=2, hash_fn=hash_fn)
     first = fill(cache, [1, 2, 3, 4])

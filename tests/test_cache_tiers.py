@@ -90,7 +90,7 @@ def test_without_a_tier_nothing_changes() -> None:
     cache = RadixCache(PagePool(8), page_size=2)
     r = cache.insert(A, cache.alloc(3))
     m = cache.match_prefix(A)
-    assert m == (r.node, r.pages, 6, r.node, [], 0)
+    assert m == (r.node, r.pages, 6, r.node, (), 0)
     lb = cache.load_back(m)
     assert (lb.node, lb.pages, lb.num_tokens, lb.handle) == (m.node, m.pages, 6, None)
     assert cache.wait_load(lb) and cache.poll() == 0 and cache.copies_in_flight == 0

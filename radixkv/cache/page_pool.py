@@ -165,18 +165,23 @@ class PagePool:
         except (TypeError, IndexError, ValueError):
             return None
 
-    def adopt_run(self, pages: list[int]) -> list[int] | None:
+    def adopt_run(self, pages: list[int], prefix: list[int] | None = None) -> list[int] | None:
         """HELD -> CACHED, in one slice, when ``pages`` is an ascending run of two or more HELD
         pages (a, a+1, ..., what alloc hands out); returns the run's canonical int objects.
         Otherwise None, and nothing changed (None says nothing about validity: use
         ``check_held`` and ``adopt`` then). The cache's fast path: check and move at once.
+
+        With ``prefix`` (pages the caller already owns, e.g. a matched prefix's), ``pages``
+        must be ``prefix`` followed by such a run: one list compare checks both, and on
+        success the run is appended to ``prefix`` in place (left as it was otherwise).
         """
-        n = len(pages)
+        m = 0 if prefix is None else len(prefix)
+        n = len(pages) - m
         if n < 2:
             return None
-        a = pages[0]
-        # (a bool equals 0 or 1, which in a run can only sit at positions 0 and 1)
-        if type(a) is not int or type(pages[1]) is not int or a < 0:
+        a = pages[m]
+        # (a bool equals 0 or 1, which in a run can only sit at its first two positions)
+        if type(a) is not int or type(pages[m + 1]) is not int or a < 0:
             return None
         try:
             if pages[-1] - a != n - 1:
@@ -185,7 +190,17 @@ class PagePool:
             return None
         run = self._ids[a : a + n]
         state = self._state
-        if pages != run or state.count(HELD, a, a + n) != n:
+        if prefix is None:
+            if pages != run:
+                return None
+        else:
+            prefix += run
+            if pages != prefix:
+                del prefix[m:]
+                return None
+        if state.count(HELD, a, a + n) != n:
+            if prefix is not None:
+                del prefix[m:]
             return None
         state[a : a + n] = _STATE_BYTES[CACHED] * n
         self._num_cached += n

@@ -53,9 +53,10 @@ from radixkv.cache.tokens import TOKEN_BYTES, TOKEN_SHIFT, check_range, encode_t
 __all__ = ["InsertResult", "MatchResult", "RadixCache"]
 
 
-# The hot paths build results with tuple.__new__, skipping the NamedTuple's Python-level
-# __new__; the type and the fields are the same.
+# The hot paths build results with tuple.__new__ / object.__new__, skipping the Python-level
+# __new__ / __init__; the type and the fields are the same.
 _new_tuple = tuple.__new__
+_new_object = object.__new__
 
 
 def _common_pages(key: bytes, mv: memoryview, off: int, limit: int, pb: int) -> int:
@@ -386,19 +387,25 @@ class RadixCache:
                 off += cut[1] * pb
             if not path:
                 root = self.root
-                return MatchResult(root, [], 0, root, [], 0)
+                return MatchResult(root, [], 0, root)
             self._clock = clock = self._clock + 1
-            pages: list[int] = []
             for n in path:
                 n.last_access = clock
                 n.hit_count += 1
-                pages += n._pages
             last = path[-1]
             if last._ekey is not None:  # only the last node of a path can be a leaf
                 self._index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
-            return _new_tuple(MatchResult, (last, pages, ntok, last, [], 0))
+            # MatchResult(last, None, ntok, last) without the Python-level __init__ call;
+            # pages stay unbuilt until read (MatchResult.pages)
+            r = _new_object(MatchResult)
+            r.node = r.host_node = last
+            r._pages = None
+            r.num_tokens = ntok
+            r.host_pages = ()
+            r.num_host_tokens = 0
+            return r
         except BaseException:
             if type(qb) is memoryview:
                 _release(qb)
@@ -419,13 +426,13 @@ class RadixCache:
         self._match_queries += 1
         self._query_tokens += nq >> TOKEN_SHIFT
         if self._host is not None:
-            return _new_tuple(MatchResult, self._match_tiered(path, off, partial))
+            return MatchResult(*self._match_tiered(path, off, partial))
         if partial is not None:
             child, m = partial
             path.append(self._split(child, m))
             off += m * pb
         if not path:
-            return MatchResult(self.root, [], 0, self.root, [], 0)
+            return MatchResult(self.root, [], 0, self.root)
         self._clock += 1
         clock = self._clock
         pages: list[int] = []
@@ -438,7 +445,7 @@ class RadixCache:
             self._index.refresh(last)
         ntok = off >> TOKEN_SHIFT
         self._hit_tokens += ntok
-        return _new_tuple(MatchResult, (last, pages, ntok, last, [], 0))
+        return MatchResult(last, pages, ntok, last)
 
     def peek_prefix(self, tokens: Any, namespace: Any = None, *, host: bool = False) -> int:
         """Tokens ``match_prefix`` would match now, changing nothing: no split, no access-time
@@ -549,22 +556,21 @@ class RadixCache:
             newkey = qb[nold * pb :].tobytes()
             check_range(newkey)
             pool = self.pool
-            adopted = False  # the new pages are CACHED already (one run, pool.adopt_run)
-            if ncached and pages[:ncached] != canon:
+            # The last check of the call: pages that are the cached ones followed by a run of
+            # HELD pages (what match + alloc hand out) are checked and adopted at once, and the
+            # run is appended to canon (nothing below can fail); anything else is checked here
+            # and adopted below.
+            new = pool.adopt_run(pages, canon) if host is None else None
+            adopted = new is not None
+            if adopted:
+                dups = []
+            elif ncached and pages[:ncached] != canon:
                 dups = [p for p, q in zip(pages, canon) if p != q]
                 checked = pool.check_held(dups + pages[ncached:])  # raises: nothing changed yet
                 dups, new = checked[: len(dups)], checked[len(dups) :]
             else:
                 dups = []
-                new = pages[ncached:] if ncached else pages
-                # The last check of the call: a run is checked and adopted at once (nothing
-                # below can fail); anything else is checked here and adopted below.
-                run = pool.adopt_run(new) if host is None else None
-                if run is None:
-                    new = pool.check_held(new)  # raises: nothing changed yet
-                else:
-                    new = run
-                    adopted = True
+                new = pool.check_held(pages[ncached:] if ncached else pages)  # raises
             if nold > ncached:
                 promote, new = new[: nold - ncached], new[nold - ncached :]
 
@@ -596,6 +602,7 @@ class RadixCache:
                     self._attach(parent, leaf)
                 if not adopted:
                     pool.adopt(new)
+                    canon += new
                 if host is not None:
                     parent._ndev += 1
                 self._num_nodes += 1
@@ -604,7 +611,6 @@ class RadixCache:
                 self._inserted_pages += k
                 self._index.add(leaf)
                 node = leaf
-                canon += new
             else:
                 node = path[-1] if path else self.root
                 if node._ekey is not None:
