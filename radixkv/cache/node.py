@@ -164,6 +164,13 @@ class TreeNode:
 
 def path_pages(node: TreeNode) -> list[int]:
     """A fresh list of all device pages from the root down to and including ``node``."""
+    own = node._pages
+    parent = node.parent
+    if own and (parent is None or not parent._pages):
+        # Device-resident nodes form a top-closed subtree (every node of a cache without a
+        # host tier is device-resident): a parent without device pages is a root, and so
+        # are all nodes above it. The common case of a match one node deep.
+        return own[:]
     parts: list[list[int]] = []
     while node is not None:
         if node._pages:
