@@ -21,9 +21,12 @@ pool or both: ``pages`` are its device pages (empty while the node is in host me
 ``copies_in_flight`` counts the copies between the tiers still running on its pages.
 
 The underscored slots are the trie's own storage, read and written only inside
-radixkv/cache: RadixCache (radix_cache.py) keeps all of them except ``_ekey``, which belongs
-to the EvictionIndex (eviction.py). They are slots on the node, not fields of side tables,
-because the hot paths read them once per visited node.
+radixkv/cache: RadixCache (radix_cache.py) keeps all of them except ``_ekey`` and ``_hekey``,
+which belong to the eviction indexes (eviction.py). They are slots on the node, not fields of
+side tables, because the hot paths read them once per visited node. The host tier's per-node
+state has slots only in TieredTreeNode, the node type of a cache with a host tier; a plain
+cache's TreeNode reads the class-level values (no host copy, nothing in flight) and never
+writes them.
 """
 
 from __future__ import annotations
@@ -40,13 +43,7 @@ class TreeNode:
         "_children",
         "_ekey",
         "_hashes",
-        "_hekey",
         "_hkey",
-        "_host_pages",
-        "_inflight",
-        "_loading",
-        "_ndev",
-        "_nhost",
         "_pages",
         "depth_tokens",
         "hit_count",
@@ -57,6 +54,16 @@ class TreeNode:
         "node_id",
         "parent",
     )
+
+    # The host tier's per-node state, as a node of a cache without one reads it (slots in
+    # TieredTreeNode): host page ids (None: no host copy), key in the host eviction index,
+    # device-/host-resident children, copies in flight (loads among them) on its pages.
+    _host_pages: list[int] | None = None
+    _hekey: int | None = None
+    _ndev = 0
+    _nhost = 0
+    _inflight = 0
+    _loading = 0
 
     def __init__(
         self,
@@ -84,15 +91,6 @@ class TreeNode:
         self._hkey: Any = None  # key of this node in parent._children
         self._ekey: int | None = None  # key in the eviction index while an evictable leaf
         self._hashes: list[int] | None = None  # event hashes of own pages, computed lazily
-        # host tier (all unused without one): host page ids (None: no host copy), key in the
-        # host eviction index, device-/host-resident children, copies in flight (loads among
-        # them) on this node's pages
-        self._host_pages: list[int] | None = None
-        self._hekey: int | None = None
-        self._ndev = 0
-        self._nhost = 0
-        self._inflight = 0
-        self._loading = 0
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +158,31 @@ class TreeNode:
             f"lock_ref={self.lock_ref}, last_access={self.last_access}, "
             f"namespace={self.namespace!r})"
         )
+
+
+class TieredTreeNode(TreeNode):
+    """A node of a cache with a host tier: a TreeNode with slots for the tier's state."""
+
+    __slots__ = ("_hekey", "_host_pages", "_inflight", "_loading", "_ndev", "_nhost")
+
+    def __init__(
+        self,
+        cache: Any,
+        node_id: int,
+        parent: TreeNode | None,
+        key: bytes,
+        pages: list[int],
+        namespace: Any,
+        depth_tokens: int,
+        clock: int,
+    ) -> None:
+        super().__init__(cache, node_id, parent, key, pages, namespace, depth_tokens, clock)
+        self._host_pages = None
+        self._hekey = None
+        self._ndev = 0
+        self._nhost = 0
+        self._inflight = 0
+        self._loading = 0
 
 
 def path_pages(node: TreeNode) -> list[int]:

@@ -25,7 +25,7 @@ from radixkv.cache.hashing import (
     chain_start,
     local_hashes_of_key,
 )
-from radixkv.cache.node import TreeNode, path_pages
+from radixkv.cache.node import TieredTreeNode, TreeNode, path_pages
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.pretty import render_dot, render_text
 from radixkv.cache.results import InsertResult, MatchResult
@@ -202,6 +202,7 @@ class RadixCache:
         # None: children are keyed by their first page's bytes themselves (the default)
         self._hash_fn = hash_fn
         self._plain = hash_fn is None and host_pool is None  # match_prefix's inlined walk
+        self._node_type = TreeNode if host_pool is None else TieredTreeNode
         # the trie
         self._next_id = 0
         self._clock = 0  # logical time: bumped once per match or insert
@@ -589,7 +590,7 @@ class RadixCache:
                 parent = path[-1] if path else (start or self._make_ns_root(namespace))
                 k = len(new)
                 self._next_id = nid = self._next_id + 1
-                leaf = TreeNode(
+                leaf = self._node_type(
                     self, nid, parent, newkey, new, namespace,
                     parent.depth_tokens + k * self.page_size, clock,
                 )  # fmt: skip
@@ -1779,7 +1780,7 @@ class RadixCache:
         depth_tokens: int,
     ) -> TreeNode:
         self._next_id += 1
-        return TreeNode(
+        return self._node_type(
             self, self._next_id, parent, key, pages, namespace, depth_tokens, self._clock
         )
 
