@@ -165,18 +165,8 @@ class TieredTreeNode(TreeNode):
 
     __slots__ = ("_hekey", "_host_pages", "_inflight", "_loading", "_ndev", "_nhost")
 
-    def __init__(
-        self,
-        cache: Any,
-        node_id: int,
-        parent: TreeNode | None,
-        key: bytes,
-        pages: list[int],
-        namespace: Any,
-        depth_tokens: int,
-        clock: int,
-    ) -> None:
-        super().__init__(cache, node_id, parent, key, pages, namespace, depth_tokens, clock)
+    def __init__(self, *args: Any) -> None:  # TreeNode's arguments
+        super().__init__(*args)
         self._host_pages = None
         self._hekey = None
         self._ndev = 0
