@@ -120,7 +120,10 @@ def test_match_pages_are_built_on_read_and_survive_splits_below(hash_fn: Any) ->
     assert cache.stats.splits == 1 and c.node.parent is m.node
     assert b.node.parent is m.node.parent and m.node.parent.num_tokens == 2
     assert m.pages == a.pages and m.pages is m.pages and m.num_tokens == 8
-    assert tuple(m) == (m.node, a.pages, 8, m.node, (), 0)
+    assert tuple(m) == (m.node, a.pages, 8, m.node, (), 0) == m
+    assert len(m) == 6 and m[2] == 8 and m[-1] == 0 and m._replace(num_tokens=4)[:3] == (
+        m.node, a.pages, 4,
+    )  # fmt: skip
     cache.unlock(m.node)
     miss = cache.match_prefix([7, 7])
     assert miss.pages == [] and miss.node is cache.root

@@ -25,8 +25,8 @@ class MatchResult:
     cores hand out the matched slots only on a second call. The list is the same either way,
     as long as the result is read while it is valid: before the next call that may evict, or
     while ``node`` is locked (the rule for every result; splits and inserts below ``node``
-    never change the pages of its path). Immutable otherwise; iterates and unpacks in field
-    order, like the named tuple it replaces.
+    never change the pages of its path). Immutable otherwise; iterates, unpacks and indexes
+    in field order, like the named tuple it replaces.
     """
 
     __slots__ = ("_pages", "host_node", "host_pages", "node", "num_host_tokens", "num_tokens")
@@ -66,6 +66,12 @@ class MatchResult:
     def __iter__(self) -> Iterator[Any]:
         return iter((self.node, self.pages, self.num_tokens, self.host_node, self.host_pages,
                      self.num_host_tokens))  # fmt: skip
+
+    def __getitem__(self, i: int | slice) -> Any:
+        return tuple(self)[i]
+
+    def __len__(self) -> int:
+        return 6
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, MatchResult | tuple):  # a tuple of the fields, as before
