@@ -86,17 +86,19 @@ class EvictionIndex:
     unique per node (the node id is packed in), so a key in the dict always names its node.
     """
 
-    __slots__ = ("_heap", "_key", "_nodes")
+    __slots__ = ("_heap", "_key", "_lru", "_nodes")
 
     _slot = "_ekey"  # the node slot holding this index's key
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._key = policy.key
+        # LRU's key computed in place on the hot paths (a Python call less per insert)
+        self._lru = type(policy) is LRUPolicy
         self._heap: list[int] = []
         self._nodes: dict[int, TreeNode] = {}  # live key -> node
 
     def add(self, node: TreeNode) -> None:
-        k = self._key(node)
+        k = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
         node._ekey = k
         self._nodes[k] = node
         heappush(self._heap, k)
@@ -111,7 +113,7 @@ class EvictionIndex:
 
     def refresh(self, node: TreeNode) -> None:
         """Re-key a node already in the index after its access fields changed."""
-        k = self._key(node)
+        k = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
         old = node._ekey
         if k != old:
             nodes = self._nodes
