@@ -48,7 +48,16 @@ from radixkv.cache.tiers import (
     TierState,
     check_tier_args,
 )
-from radixkv.cache.tokens import TOKEN_BYTES, TOKEN_SHIFT, check_range, encode_tokens, key_to_list
+from radixkv.cache.tokens import (
+    HIGH_HALF,
+    SHORT_CHECK,
+    TOKEN_BYTES,
+    TOKEN_SHIFT,
+    ZERO_HALVES,
+    check_range,
+    encode_tokens,
+    key_to_list,
+)
 
 __all__ = ["InsertResult", "MatchResult", "RadixCache"]
 
@@ -380,7 +389,10 @@ class RadixCache:
                         cut = (c, m)
                     break
             # The matched part equals stored (validated) keys: only the rest needs checking.
-            check_range(qb, off + cut[1] * pb if cut else off)
+            start = off + cut[1] * pb if cut else off
+            n = nq - start  # check_range's short case inlined: a Python call less
+            if n > SHORT_CHECK or qb[start:].cast("I")[HIGH_HALF::2] != ZERO_HALVES[: n >> 3]:
+                check_range(qb, start)
             self._match_queries += 1
             self._query_tokens += nq >> TOKEN_SHIFT
             if cut is not None:
@@ -555,7 +567,12 @@ class RadixCache:
             # the new leaf's key (a copy of the caller's tokens); the cached part equals stored
             # keys, so only this part needs its ids checked
             newkey = qb[nold * pb :].tobytes()
-            check_range(newkey)
+            n = len(newkey)  # check_range's short case inlined, as in match_prefix
+            if (
+                n > SHORT_CHECK
+                or memoryview(newkey).cast("I")[HIGH_HALF::2] != ZERO_HALVES[: n >> 3]
+            ):
+                check_range(newkey)
             pool = self.pool
             # The last check of the call: pages that are the cached ones followed by a run of
             # HELD pages (what match + alloc hand out) are checked and adopted at once, and the

@@ -25,11 +25,13 @@ TOKEN_SHIFT = 3  # log2(TOKEN_BYTES): byte offsets >> TOKEN_SHIFT are token coun
 MAX_TOKEN_ID = 2**32 - 1
 _LIMIT = np.uint64(2**32)
 # A token id is in [0, 2**32) exactly when the high 32-bit half of its int64 is zero (negative
-# ids have it all ones). Up to _SHORT bytes, one strided memoryview of those halves compared
-# with zeros (no copy, no allocation of the data) beats a numpy call's fixed cost.
-_SHORT = 8192  # bytes (1,024 tokens)
-_HI = 1 if sys.byteorder == "little" else 0  # index of the high half in a token's two uint32s
-_ZERO_HALVES = memoryview(bytes(_SHORT // 2)).cast("I")
+# ids have it all ones). Up to SHORT_CHECK bytes, one strided memoryview of those halves
+# compared with zeros (no copy, no allocation of the data) beats a numpy call's fixed cost:
+#     key.cast("I")[HIGH_HALF::2] == ZERO_HALVES[: len(key) >> 3]
+# (RadixCache's hot paths inline that line; check_range is the reference and raises).
+SHORT_CHECK = 8192  # bytes (1,024 tokens)
+HIGH_HALF = 1 if sys.byteorder == "little" else 0  # index of the high uint32 of a token's two
+ZERO_HALVES = memoryview(bytes(SHORT_CHECK // 2)).cast("I")
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -69,8 +71,8 @@ def check_range(key: bytes | memoryview, start: int = 0, what: str = "tokens") -
     n = len(key) - start
     if n <= 0:
         return
-    if n <= _SHORT:
-        ok = memoryview(key)[start:].cast("I")[_HI::2] == _ZERO_HALVES[: n >> 3]
+    if n <= SHORT_CHECK:
+        ok = memoryview(key)[start:].cast("I")[HIGH_HALF::2] == ZERO_HALVES[: n >> 3]
     else:  # one vectorised pass: negative ids wrap to huge uint64 values
         ok = np.frombuffer(key, np.uint64, offset=start).max() < _LIMIT
     if not ok:
