@@ -916,29 +916,34 @@ class RadixCache:
         the lower one's residency, so neither the parent's counts nor either eviction index
         changes (a node with copies in flight is never split: callers settle it first).
         """
-        cut = m * self._pb
+        pb = self._pb
+        cut = m * pb
         parent = child.parent
-        upper = self._new_node(
-            parent,
-            child.key[:cut],
-            child._pages[:m],
-            child.namespace,
-            child.depth_tokens - ((len(child.key) - cut) >> TOKEN_SHIFT),
-        )
+        key = child.key
+        self._next_id = nid = self._next_id + 1
+        upper = self._node_type(
+            self, nid, parent, key[:cut], child._pages[:m], child.namespace,
+            child.depth_tokens - ((len(key) - cut) >> TOKEN_SHIFT), self._clock,
+        )  # fmt: skip
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
         h = child._hkey
         upper._hkey = h
-        slot = parent._children[h]
+        siblings = parent._children
+        slot = siblings[h]
         if slot is child:
-            parent._children[h] = upper
+            siblings[h] = upper
         else:
             slot[slot.index(child)] = upper
-        child.key = child.key[cut:]
+        # the lower part becomes the new node's only child: no slot to share (unlike _attach)
+        lower = key[cut : cut + pb]
+        hl = lower if self._hash_fn is None else self._hash_fn(lower)
+        child.key = key[cut:]
         child._pages = child._pages[m:]
         child.parent = upper
-        self._attach(upper, child)
+        child._hkey = hl
+        upper._children[hl] = child
         if child._hashes is not None:
             upper._hashes = child._hashes[:m]
             child._hashes = child._hashes[m:]
