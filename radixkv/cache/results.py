@@ -25,8 +25,8 @@ class MatchResult:
     cores hand out the matched slots only on a second call. The list is the same either way,
     as long as the result is read while it is valid: before the next call that may evict, or
     while ``node`` is locked (the rule for every result; splits and inserts below ``node``
-    never change the pages of its path). Immutable otherwise; iterates, unpacks and indexes
-    in field order, like the named tuple it replaces.
+    never change the pages of its path). Read-only by convention (slots, not a tuple);
+    iterates, unpacks, indexes and compares in field order, like the named tuple it replaces.
     """
 
     __slots__ = ("_pages", "host_node", "host_pages", "node", "num_host_tokens", "num_tokens")
