@@ -1,5 +1,6 @@
-"""bf16 prefill attention as blocked matmuls (the torch backend's CPU bf16 path): causal,
-GQA, prefills on past keys, block edges, peaked rows; as accurate as PyTorch's flash kernel."""
+"""Prefill attention as blocked matmuls (the torch backend's CPU bf16 path, and its fp32 path
+through oneDNN): causal, GQA, prefills on past keys, block edges, peaked rows; as accurate as
+PyTorch's flash kernel."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixkv import onednn
 from radixkv.attention import matmul_attention
 from radixkv.attention.base import BatchLayout
 from radixkv.attention.matmul_attention import causal_matmul_attention
@@ -43,11 +45,13 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return o[0].transpose(0, 1)
 
 
-def _qkv(n: int, length: int, hq: int, hkv: int, d: int, amp: float, seed: int) -> tuple:
+def _qkv(
+    n: int, length: int, hq: int, hkv: int, d: int, amp: float, seed: int, dtype=BF16
+) -> tuple:
     gen = torch.Generator().manual_seed(seed)
-    q = (amp * torch.randn(n, hq, d, generator=gen)).to(BF16)
-    k = (amp * torch.randn(length, hkv, d, generator=gen)).to(BF16)
-    v = torch.randn(length, hkv, d, generator=gen).to(BF16)
+    q = (amp * torch.randn(n, hq, d, generator=gen)).to(dtype)
+    k = (amp * torch.randn(length, hkv, d, generator=gen)).to(dtype)
+    v = torch.randn(length, hkv, d, generator=gen).to(dtype)
     return q, k, v
 
 
@@ -72,16 +76,52 @@ def test_matches_fp64_as_closely_as_the_flash_kernel(
     torch.testing.assert_close(out.double(), ref, atol=0.05, rtol=0.02)
 
 
-def test_never_sees_a_later_key(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("n", "past", "hq", "hkv"),
+    [(70, 0, 4, 2), (70, 37, 4, 2), (33, 200, 8, 8), (2, 64, 16, 4), (96, 0, 1, 1)],
+)
+def test_fp32_matches_fp64_as_closely_as_the_flash_kernel_through_onednn(
+    monkeypatch: pytest.MonkeyPatch, n: int, past: int, hq: int, hkv: int
+) -> None:
     monkeypatch.setattr(matmul_attention, "BLOCK_BYTES", 1)
-    q, k, v = _qkv(80, 100, 4, 2, 16, 1.0, seed=1)
-    out = causal_matmul_attention(q, k, v, 0.25)
-    for i in (0, 31, 32, 33, 79):  # across block edges
-        k2, v2 = k.clone(), v.clone()
-        k2[20 + i + 1 :] = 50.0  # what the query at position 20 + i may not see
-        v2[20 + i + 1 :] = -50.0
-        again = causal_matmul_attention(q, k2, v2, 0.25)
-        assert torch.equal(again[i], out[i]), i
+    calls = []
+    op = onednn._ONEDNN_LINEAR
+    if op is not None:  # count the products that really go through oneDNN
+
+        def counted(*args: object) -> torch.Tensor:
+            calls.append(1)
+            return op(*args)
+
+        monkeypatch.setattr(onednn, "_ONEDNN_LINEAR", counted)
+    q, k, v = _qkv(n, past + n, hq, hkv, 32, 1.0, seed=n + past, dtype=torch.float32)
+    with torch.inference_mode():
+        out = causal_matmul_attention(q, k, v, 32**-0.5)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    ref = _reference(q, k, v)
+    err = (out.double() - ref).abs().mean().item()
+    flash_err = (_flash(q, k, v).double() - ref).abs().mean().item()
+    assert err <= 2.0 * flash_err, (err, flash_err)
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-5)
+    if op is not None:  # two products per kv head and row block (32 rows: BLOCK_BYTES 1)
+        assert len(calls) == 2 * hkv * -(-n // matmul_attention.MIN_ROWS)
+    # the fallback (no oneDNN, or autograd on) computes the same through F.linear
+    monkeypatch.setattr(onednn, "USE_ONEDNN", False)
+    with torch.inference_mode():
+        torch.testing.assert_close(causal_matmul_attention(q, k, v, 32**-0.5), out)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_never_sees_a_later_key(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(matmul_attention, "BLOCK_BYTES", 1)
+    q, k, v = _qkv(80, 100, 4, 2, 16, 1.0, seed=1, dtype=dtype)
+    with torch.inference_mode():
+        out = causal_matmul_attention(q, k, v, 0.25)
+        for i in (0, 31, 32, 33, 79):  # across block edges
+            k2, v2 = k.clone(), v.clone()
+            k2[20 + i + 1 :] = 50.0  # what the query at position 20 + i may not see
+            v2[20 + i + 1 :] = -50.0
+            again = causal_matmul_attention(q, k2, v2, 0.25)
+            assert torch.equal(again[i], out[i]), i
 
 
 def test_peaked_rows_stay_exact_where_it_matters() -> None:
@@ -98,9 +138,6 @@ def test_torch_backend_uses_it_for_cpu_bf16_prefills_with_and_without_past() -> 
     kv = KVPool(1, 80, ps, hkv, d, BF16)
     backend = get_backend("torch", kv, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
     assert backend._matmul_prefill
-    assert not get_backend(
-        "torch", KVPool(1, 8, ps, hkv, d), num_qo_heads=hq, num_kv_heads=hkv, head_dim=d
-    )._matmul_prefill  # fp32 keeps the flash kernel
     q, k, v = _qkv(90, 90, hq, hkv, d, 1.0, seed=3)
     # all 90 tokens at once, into pages 0..22
     backend.plan(BatchLayout.build([list(range(23))], [0], [90]))
@@ -115,3 +152,18 @@ def test_torch_backend_uses_it_for_cpu_bf16_prefills_with_and_without_past() -> 
     torch.testing.assert_close(fresh.double(), ref, atol=0.03, rtol=0.02)
     torch.testing.assert_close(cached.double(), ref[50:], atol=0.03, rtol=0.02)
     torch.testing.assert_close(cached.float(), fresh[50:].float(), atol=0.02, rtol=0.02)
+
+
+def test_torch_backend_takes_it_in_fp32_only_with_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    def make() -> object:
+        return get_backend(
+            "torch", KVPool(1, 8, 4, 2, 16), num_qo_heads=4, num_kv_heads=2, head_dim=16
+        )
+
+    assert make()._matmul_prefill == (onednn._ONEDNN_LINEAR is not None)
+    monkeypatch.setattr(onednn, "USE_ONEDNN", False)
+    assert not make()._matmul_prefill  # without oneDNN the flash kernel is faster
+    half = KVPool(1, 8, 4, 2, 16, torch.float16)
+    assert not get_backend(
+        "torch", half, num_qo_heads=4, num_kv_heads=2, head_dim=16
+    )._matmul_prefill

@@ -11,6 +11,7 @@ from radixkv.attention.base import BatchLayout
 from radixkv.attention.paged_ops import attend_pages_with_lse, merge_attention_states, token_slots
 from radixkv.attention.registry import get_backend
 from radixkv.kv.kv_pool import KVPool
+from radixkv.onednn import onednn_available
 
 HQ, HKV, D = 6, 2, 8
 
@@ -38,11 +39,12 @@ def _random_pool(page_size: int, num_pages: int, seed: int) -> KVPool:
     return kv
 
 
-@pytest.mark.parametrize("split_past", [True, False], ids=["lse-split", "masked-chunks"])
+@pytest.mark.parametrize("way", ["matmul", "lse-split", "masked-chunks"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_backend_matches_dense_on_mixed_batch(page_size: int, split_past: bool) -> None:
-    """Both ways of a prefill on past tokens: past/own keys merged by log-sum-exp (the CPU
-    default) and query chunks with causal masks (elsewhere, or without the CPU kernel)."""
+def test_backend_matches_dense_on_mixed_batch(page_size: int, way: str) -> None:
+    """Every way of a prefill on past tokens: blocked matmuls over past and own keys (the CPU
+    default with oneDNN), past/own keys merged by log-sum-exp (the CPU flash kernel), and query
+    chunks with causal masks (elsewhere, or without the CPU kernel)."""
     gen = torch.Generator().manual_seed(page_size)
     num_past = [0, 37, 5, 64, 130, 0, 300]
     num_new = [20, 1, 1, 1, 300, 1, 17]
@@ -55,14 +57,17 @@ def test_backend_matches_dense_on_mixed_batch(page_size: int, split_past: bool) 
         used += n
     backend = get_backend("torch", kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
     assert backend._split_past  # the CPU default, when PyTorch has the kernel (it does here)
-    backend._split_past = split_past
+    assert backend._matmul_prefill == onednn_available()
+    backend._matmul_prefill = way == "matmul"
+    backend._split_past = way == "lse-split"
     layout = BatchLayout.build(tables, num_past, num_new)
     backend.plan(layout)
     t = sum(num_new)
     q = torch.randn(t, HQ, D, generator=gen)
     k = torch.randn(t, HKV, D, generator=gen)
     v = torch.randn(t, HKV, D, generator=gen)
-    out = backend.forward(1, q, k, v)
+    with torch.inference_mode():  # (oneDNN's products run only without autograd)
+        out = backend.forward(1, q, k, v)
     assert out.shape == q.shape
     row = 0
     for pt, past, new in zip(tables, num_past, num_new):

@@ -10,7 +10,7 @@ import torch
 from radixkv.attention.base import BatchLayout
 from radixkv.attention.registry import get_backend
 from radixkv.kv.kv_pool import KVPool
-from radixkv.model import linear as linear_mod
+from radixkv import onednn as onednn_mod
 from radixkv.model.layers import RMSNorm, SwiGLU
 from radixkv.model.tiny import build_tiny_random_model
 
@@ -48,7 +48,7 @@ def test_whole_forward_without_autograd_equals_with_it(monkeypatch: pytest.Monke
     """In-place residual stream, SwiGLU and the cast-once RoPE tables change no bit (fp32).
     The oneDNN linear (inference only, a different summation order) is off here: it has its own
     tests; this one is about the in-place shortcuts."""
-    monkeypatch.setattr(linear_mod, "USE_ONEDNN", False)
+    monkeypatch.setattr(onednn_mod, "USE_ONEDNN", False)
     model = build_tiny_random_model()
     cfg = model.config
     outs = []

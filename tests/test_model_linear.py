@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import radixkv.model.linear as linear_mod
-from radixkv.model.linear import Linear, onednn_linear_available
+import radixkv.onednn as onednn_mod
+from radixkv.model.linear import Linear
+from radixkv.onednn import onednn_available
 
 
 def _pair(bias: bool) -> tuple[Linear, torch.Tensor]:
@@ -28,8 +29,8 @@ def test_inference_matches_f_linear(bias: bool) -> None:
     assert got.dtype == torch.float32 and got.shape == (37, 200)
     assert (got.double() - want).abs().max().item() < 1e-4
     assert torch.equal(got, got_no_grad)
-    if linear_mod._ONEDNN_LINEAR is not None:
-        assert onednn_linear_available()  # the probe succeeded: this PyTorch has it
+    if onednn_mod._ONEDNN_LINEAR is not None:
+        assert onednn_available()  # the probe succeeded: this PyTorch has it
 
 
 def test_training_and_other_dtypes_use_f_linear_exactly() -> None:
@@ -47,8 +48,8 @@ def test_training_and_other_dtypes_use_f_linear_exactly() -> None:
 
 def test_switch_off_and_state_dict_like_nn_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     layer, x = _pair(True)
-    monkeypatch.setattr(linear_mod, "USE_ONEDNN", False)
-    assert not onednn_linear_available()
+    monkeypatch.setattr(onednn_mod, "USE_ONEDNN", False)
+    assert not onednn_available()
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     plain = nn.Linear(96, 200)
@@ -64,8 +65,8 @@ def test_a_failing_kernel_falls_back_once(monkeypatch: pytest.MonkeyPatch) -> No
     def broken(*_: object) -> torch.Tensor:
         raise RuntimeError("no such kernel")
 
-    monkeypatch.setattr(linear_mod, "_ONEDNN_LINEAR", broken)
-    monkeypatch.setattr(linear_mod, "_STATE", {})
+    monkeypatch.setattr(onednn_mod, "_ONEDNN_LINEAR", broken)
+    monkeypatch.setattr(onednn_mod, "_STATE", {})
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight))
-    assert linear_mod._STATE == {"ok": False} and not onednn_linear_available()
+    assert onednn_mod._STATE == {"ok": False} and not onednn_available()

@@ -1,19 +1,27 @@
-"""Causal prefill attention as blocks of bf16 matrix products, for CPUs with bf16 matrix units.
+"""Causal prefill attention as blocks of matrix products, for CPUs (bf16 and fp32).
 
-PyTorch's CPU flash-attention kernel runs bf16 at about float32 speed on a CPU with AVX512-BF16
-but no AMX (its small per-tile GEMMs do not reach the bf16 units): on a 2-core AVX512-BF16
-machine, 19 ms for one 4,096-token causal head of 64 dims, where the same work as batched bf16
-matmuls (``torch.bmm``, oneDNN) takes 7-10 ms. For a bf16 prefill that attention is the largest
-cost after the linear layers, so on a CPU the torch backend computes bf16 prefill attention here.
+PyTorch's CPU flash-attention kernel leaves most of a CPU's matrix speed unused: its small
+per-tile GEMMs do not reach the bf16 units of a CPU with AVX512-BF16 but no AMX (bf16 runs at
+about float32 speed), and in fp32 it runs at about the BLAS's speed, which on AMD CPUs is half
+of what oneDNN reaches (radixkv/onednn.py). On a 2-core AVX512-BF16 AMD EPYC, one 4,096-token
+causal head of 64 dims takes the kernel 19 ms in bf16 or fp32, the same work as batched bf16
+matmuls (``torch.bmm``, oneDNN) 7-10 ms, and as fp32 oneDNN matmuls 9.6 ms; a 128-token chunk
+on 3,968 cached tokens 0.96 ms (flash kernel, past and own keys merged by log-sum-exp) against
+0.60 ms. So on a CPU the torch backend computes bf16 prefill attention here, and fp32 prefill
+attention too when oneDNN is there.
 
-Queries go in row blocks; each block's scores over the keys it may see are one ``bmm`` per kv
-head (GQA: a kv head's query heads share it), the causal triangle of the block's own keys is
-masked, softmax runs over the bf16 scores with an fp32 accumulator (PyTorch's CPU softmax),
-and the probabilities (bf16, as in every bf16 kernel) multiply V in a second ``bmm``.
+Queries go in row blocks; each block's scores over the keys it may see are one matrix product
+per kv head (GQA: a kv head's query heads share it), the causal triangle of the block's own
+keys is masked, softmax runs over the scores with an fp32 accumulator (PyTorch's CPU softmax),
+and the probabilities multiply V in a second product.
 
-Accuracy: a bf16 ``bmm`` rounds each score to bf16 on output, which by itself doubles the error
-of the result against an fp32 reference compared with the flash kernel (that keeps scores in
-fp32). So the scores are computed twice: once to find each row's largest score ``m``, then as
+fp32: one pass, ``(scale * q) @ k^T`` and ``p @ v`` through :func:`radixkv.onednn.linear`
+(``F.linear`` where oneDNN is missing). The mean error against an fp64 reference is 1.1-1.4x
+the flash kernel's (about 1e-8 on unit-scale data: the order of the sums differs).
+
+bf16: a ``bmm`` rounds each score to bf16 on output, which by itself doubles the error of the
+result against an fp32 reference compared with the flash kernel (that keeps scores in fp32). So
+the scores are computed twice: once to find each row's largest score ``m``, then as
 ``scale * q.k - scale * m`` by ``baddbmm``, whose subtraction happens in the fp32 accumulator
 before the one rounding. The scores that matter (near the row's maximum) are then small numbers
 rounded to bf16, accurate to about 2^-9 of their distance from the maximum. Measured against an
@@ -32,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from radixkv.onednn import linear
+
 # A block's score matrix ([kv heads, rows * group, keys] bf16) is kept near this size: large
 # enough that each bmm is efficient, small enough to stay in the caches between the passes.
 BLOCK_BYTES = 4 << 20
@@ -41,9 +51,9 @@ MIN_ROWS, MAX_ROWS = 32, 256
 SCORE_FLOOR = -60.0
 
 
-def block_rows(num_qo_heads: int, num_keys: int) -> int:
+def block_rows(num_qo_heads: int, num_keys: int, itemsize: int = 2) -> int:
     """Query rows per block for ``num_keys`` keys (a multiple of 16 in [32, 256])."""
-    rows = BLOCK_BYTES // (2 * num_qo_heads * max(num_keys, 1))
+    rows = BLOCK_BYTES // (itemsize * num_qo_heads * max(num_keys, 1))
     return max(MIN_ROWS, min(MAX_ROWS, rows // 16 * 16))
 
 
@@ -55,7 +65,11 @@ def causal_matmul_attention(
     ``q [n, Hq, D]`` are the queries of positions ``L - n .. L - 1``; ``k, v [L, Hkv, D]`` the
     keys and values of positions ``0 .. L - 1`` (any strides). Query ``i`` attends keys
     ``0 .. L - n + i``. Returns ``[n, Hq, D]`` in ``q``'s dtype. ``Hq`` is a multiple of ``Hkv``.
+    bf16 and fp32 (module docstring); for fp32, run under ``torch.inference_mode`` or
+    ``no_grad`` to get oneDNN's products.
     """
+    if q.dtype is torch.float32:
+        return _fp32_attention(q, k, v, scale)
     n, hq, d = q.shape
     length, hkv, _ = k.shape
     g = hq // hkv
@@ -86,4 +100,34 @@ def causal_matmul_attention(
         probs = torch.softmax(scores, dim=-1)
         o = torch.bmm(probs, vh[:, :end])  # [Hkv, r * g, D]
         out_heads[a:b] = o.view(hkv, r, g, d).transpose(0, 1)
+    return out
+
+
+def _fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """causal_matmul_attention in fp32: one pass of oneDNN products per kv head and row block."""
+    n, hq, d = q.shape
+    length, hkv, _ = k.shape
+    g = hq // hkv
+    past = length - n
+    # [Hkv, n * g, D], the scale folded in (n * Hq * D multiplies instead of one per score);
+    # per kv head, K as the product's [L, D] "weight" and V^T as a [D, L] view of it
+    qh = (q * scale).view(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)
+    kh = k.transpose(0, 1)
+    vh = v.transpose(0, 1)
+    if hkv > 1 or k.stride(0) != d:  # a head's keys must be one contiguous [L, D] matrix
+        kh, vh = kh.contiguous(), vh.contiguous()
+    out = torch.empty_like(q)
+    out_heads = out.view(n, hkv, g, d)
+    rows = block_rows(hq, length, itemsize=4)
+    neg_inf = float("-inf")
+    upper = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+    for h in range(hkv):
+        keys, vals_t = kh[h], vh[h].t()
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            r, end = b - a, past + b
+            scores = linear(qh[h, a * g : b * g], keys[:end], None)  # [r * g, end]
+            scores.view(r, g, end)[..., past + a :].masked_fill_(upper[:r, None, :r], neg_inf)
+            probs = torch.softmax(scores, dim=-1)
+            out_heads[a:b, h] = linear(probs, vals_t[:, :end], None).view(r, g, d)
     return out
