@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixkv import onednn as onednn_mod
 from radixkv.attention.base import BatchLayout
 from radixkv.attention.registry import get_backend
 from radixkv.kv.kv_pool import KVPool
-from radixkv import onednn as onednn_mod
 from radixkv.model.layers import RMSNorm, SwiGLU
 from radixkv.model.tiny import build_tiny_random_model
 

@@ -103,7 +103,9 @@ def causal_matmul_attention(
     return out
 
 
-def _fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _fp32_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """causal_matmul_attention in fp32: one pass of oneDNN products per kv head and row block."""
     n, hq, d = q.shape
     length, hkv, _ = k.shape
