@@ -167,3 +167,20 @@ def test_torch_backend_takes_it_in_fp32_only_with_onednn(monkeypatch: pytest.Mon
     assert not get_backend(
         "torch", half, num_qo_heads=4, num_kv_heads=2, head_dim=16
     )._matmul_prefill
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (1, 1)])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_strided_inputs_as_a_fused_qkv_projection_gives_them(
+    dtype: torch.dtype, heads: tuple[int, int]
+) -> None:
+    hq, hkv = heads
+    q, k, v = _qkv(40, 40, hq, hkv, 16, 1.0, seed=4, dtype=dtype)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [n, (Hq+2Hkv) * 16]
+    qs, ks, vs = fused.split([hq * 16, hkv * 16, hkv * 16], dim=1)
+    qs, ks, vs = qs.view(40, hq, 16), ks.view(40, hkv, 16), vs.view(40, hkv, 16)
+    assert not ks.is_contiguous() and not vs.is_contiguous()
+    with torch.inference_mode():
+        want = causal_matmul_attention(q, k, v, 0.25)
+        got = causal_matmul_attention(qs, ks, vs, 0.25)
+    torch.testing.assert_close(got, want)

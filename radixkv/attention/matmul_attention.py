@@ -116,7 +116,8 @@ def _fp32_attention(
     qh = (q * scale).view(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)
     kh = k.transpose(0, 1)
     vh = v.transpose(0, 1)
-    if hkv > 1 or k.stride(0) != d:  # a head's keys must be one contiguous [L, D] matrix
+    if hkv > 1 or not (k.is_contiguous() and v.is_contiguous()):
+        # each head's K and V as one contiguous [L, D] matrix (a fused QKV output is strided)
         kh, vh = kh.contiguous(), vh.contiguous()
     out = torch.empty_like(q)
     out_heads = out.view(n, hkv, g, d)
