@@ -81,8 +81,9 @@ def bench(session: nox.Session) -> None:
 
 
 # bench/bench_peers.py's peers. llama-cpp-python is built from source here (10-20 minutes on
-# 2 cores, for this CPU's instruction set); its sdist also carries llama.cpp's GGUF converter,
-# which needs gguf (the version vendored with it) and sentencepiece.
+# 2 cores, for this CPU's instruction set); its sdist also carries llama.cpp's GGUF converter
+# and the gguf-py it is written for (bench_peers extracts both); the PyPI gguf brings gguf-py's
+# dependencies, sentencepiece is the converter's own.
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 GGUF = "gguf==0.19.0"
 LLAMA_CPP_CMAKE_ARGS = (

@@ -167,13 +167,15 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
 # ---- GGUF ----------------------------------------------------------------------------------------
 def fetch_converter(dest: Path) -> Path:
     """convert_hf_to_gguf.py (and its ``conversion`` package) from the sdist of the installed
-    llama-cpp-python, downloaded with pip into ``dest``."""
+    llama-cpp-python, downloaded with pip into ``dest``; with the ``gguf-py`` vendored beside it,
+    which the converter puts ahead of an installed gguf (PyPI's release of the same version
+    number can lack what the converter uses, e.g. ``gguf.LazyChunkedTensor``)."""
     import llama_cpp
 
     version = llama_cpp.__version__
     out = dest / f"llama.cpp-{version}"
     script = out / "convert_hf_to_gguf.py"
-    if script.is_file():
+    if script.is_file() and (out / "gguf-py" / "gguf").is_dir():
         return script
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
@@ -183,7 +185,7 @@ def fetch_converter(dest: Path) -> Path:
         )  # fmt: skip
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-        wanted = ("convert_hf_to_gguf.py", "conversion/")
+        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
         with tarfile.open(sdist) as tar:
             members = [
                 m
