@@ -401,9 +401,9 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
 def cpu_limit(repeats: int) -> dict[str, Any]:
     """Matmul peak (fp32, bf16) and radixkv-tiny's 4,096-token prefill against it."""
     from radixkv.kv.kv_pool import KVPool
-    from radixkv.model.linear import linear
     from radixkv.model.loader import load_model
     from radixkv.model.runner import ModelRunner, SeqInput
+    from radixkv.onednn import linear
 
     total = 4096
     cfg = load_model("radixkv-tiny").config
@@ -425,7 +425,7 @@ def cpu_limit(repeats: int) -> dict[str, Any]:
             x = torch.randn(m, k, generator=gen).to(dtype)
             w = torch.randn(n, k, generator=gen).to(dtype)
             tasks[f"matmul {sname} {dn}"] = lambda x=x, w=w: torch.nn.functional.linear(x, w)
-            if dtype == torch.float32:  # the oneDNN matmul the model runs (model/linear.py)
+            if dtype == torch.float32:  # the oneDNN matmul the model runs (radixkv/onednn.py)
                 tasks[f"matmul {sname} {dn} onednn"] = lambda x=x, w=w: linear(x, w, None)
         lm = load_model("radixkv-tiny", dtype=dtype)
         kv = KVPool(cfg.num_layers, len(pages) + 1, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
