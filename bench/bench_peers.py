@@ -167,9 +167,7 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
 # ---- GGUF ----------------------------------------------------------------------------------------
 def fetch_converter(dest: Path) -> Path:
     """convert_hf_to_gguf.py (and its ``conversion`` package) from the sdist of the installed
-    llama-cpp-python, downloaded with pip into ``dest``; with the ``gguf-py`` vendored beside it,
-    which the converter puts ahead of an installed gguf (PyPI's release of the same version
-    number can lack what the converter uses, e.g. ``gguf.LazyChunkedTensor``)."""
+    llama-cpp-python, downloaded with pip into ``dest`` (see :func:`extract_converter`)."""
     import llama_cpp
 
     version = llama_cpp.__version__
@@ -183,18 +181,28 @@ def fetch_converter(dest: Path) -> Path:
              f"llama-cpp-python=={version}", "-d", tmp],
             check=True,
         )  # fmt: skip
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-        with tarfile.open(sdist) as tar:
-            members = [
-                m
-                for m in tar.getmembers()
-                if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(wanted)
-            ]
-            for m in members:
-                m.name = m.name[len(prefix) :]
-            tar.extractall(out, members=members, filter="data")
+        return extract_converter(next(Path(tmp).glob("llama_cpp_python-*.tar.gz")), out)
+
+
+def extract_converter(sdist: Path, out: Path) -> Path:
+    """The converter of a llama-cpp-python sdist's vendored llama.cpp, extracted into ``out``:
+    convert_hf_to_gguf.py, its ``conversion`` package and the ``gguf-py`` beside them, which the
+    converter puts ahead of an installed gguf (PyPI's release of the same version number can
+    lack what the converter uses, e.g. ``gguf.LazyChunkedTensor``). Returns the script."""
+    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+    with tarfile.open(sdist) as tar:
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(wanted)
+        ]
+        for m in members:
+            m.name = m.name[len(prefix) :]
+        tar.extractall(out, members=members, filter="data")
+    script = out / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{sdist.name} has no vendor/llama.cpp/convert_hf_to_gguf.py")
     return script
 
 
