@@ -23,7 +23,9 @@ pool or both: ``pages`` are its device pages (empty while the node is in host me
 The underscored slots are the trie's own storage, read and written only inside
 radixkv/cache: RadixCache (radix_cache.py) keeps all of them except ``_ekey`` and ``_hekey``,
 which belong to the eviction indexes (eviction.py). They are slots on the node, not fields of
-side tables, because the hot paths read them once per visited node. The host tier's per-node
+side tables, because the hot paths read them once per visited node. ``_pages`` is the node's own
+list, never shared or handed out (``pages``, ``path_pages`` and the results copy it), so splits
+and truncation cut it in place. The host tier's per-node
 state has slots only in TieredTreeNode, the node type of a cache with a host tier; a plain
 cache's TreeNode reads the class-level values (no host copy, nothing in flight) and never
 writes them.

@@ -817,7 +817,7 @@ class RadixCache:
         its key depends on access fields and id, which do not change."""
         hashes = self._node_hashes(node) if self._listeners else node._hashes
         drop = node._pages[-n:]
-        node._pages = node._pages[:-n]
+        del node._pages[-n:]  # in place, as in _split
         node.key = node.key[: -n * self._pb]
         node.depth_tokens -= n * self.page_size
         if hashes is not None:
@@ -920,9 +920,18 @@ class RadixCache:
         cut = m * pb
         parent = child.parent
         key = child.key
+        # The page list is cut in place, copying the shorter part (a copy costs a reference
+        # count per page): a node's list is its own, never handed out (readers copy it).
+        pages = child._pages
+        if 2 * m >= len(pages):
+            upper_pages, child._pages = pages, pages[m:]
+            del pages[m:]
+        else:
+            upper_pages = pages[:m]
+            del pages[:m]
         self._next_id = nid = self._next_id + 1
         upper = self._node_type(
-            self, nid, parent, key[:cut], child._pages[:m], child.namespace,
+            self, nid, parent, key[:cut], upper_pages, child.namespace,
             child.depth_tokens - ((len(key) - cut) >> TOKEN_SHIFT), self._clock,
         )  # fmt: skip
         upper.lock_ref = child.lock_ref
@@ -940,7 +949,6 @@ class RadixCache:
         lower = key[cut : cut + pb]
         hl = lower if self._hash_fn is None else self._hash_fn(lower)
         child.key = key[cut:]
-        child._pages = child._pages[m:]
         child.parent = upper
         child._hkey = hl
         upper._children[hl] = child
