@@ -14,9 +14,9 @@ needs the log-sum-exp from PyTorch's CPU flash-attention kernel; elsewhere the q
 chunks with bottom-right causal masks instead.
 
 A bf16 prefill on a CPU goes through :mod:`radixkv.attention.matmul_attention` instead (blocks
-of bf16 matmuls over the fresh keys, or over the gathered past and fresh keys): there it is 2x
-faster than the flash kernel at the same accuracy. So does an fp32 prefill where oneDNN runs the
-products (radixkv/onednn.py): 1.6-2x faster than the kernel, which runs at the BLAS's speed.
+of matmuls over the fresh keys, or over the gathered past and fresh keys, scores in fp32
+through oneDNN): there it is 2-2.4x faster than the flash kernel at about the same accuracy. So
+does an fp32 prefill where oneDNN runs the products (radixkv/onednn.py).
 
 Why groups and a reused buffer: on a CPU the gather is a memory copy as large as the KV it
 reads. Gathering a few sequences at a time into the same buffer keeps the copy in cache while
