@@ -39,9 +39,10 @@ BLOCK_BYTES = 4 << 20
 MIN_ROWS, MAX_ROWS = 32, 256
 
 
-def block_rows(num_qo_heads: int, num_keys: int, itemsize: int = 4) -> int:
-    """Query rows per block for ``num_keys`` keys (a multiple of 16 in [32, 256])."""
-    rows = BLOCK_BYTES // (itemsize * num_qo_heads * max(num_keys, 1))
+def block_rows(group: int, num_keys: int, itemsize: int = 4) -> int:
+    """Query rows per block for ``num_keys`` keys and ``group`` query heads per kv head (a
+    multiple of 16 in [32, 256])."""
+    rows = BLOCK_BYTES // (itemsize * group * max(num_keys, 1))
     return max(MIN_ROWS, min(MAX_ROWS, rows // 16 * 16))
 
 
@@ -70,7 +71,7 @@ def causal_matmul_attention(
         kh, vh = kh.contiguous(), vh.contiguous()
     out = torch.empty_like(q)
     out_heads = out.view(n, hkv, g, d)
-    rows = block_rows(hq, length)
+    rows = block_rows(g, length)
     neg_inf = float("-inf")
     # causal mask of a block's own keys: row i may not see its block's column j > i
     upper = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
