@@ -12,8 +12,9 @@ for a decode step of 32 rows) and for attention's ``q @ k^T`` and ``p @ v`` alik
 or ``torch.no_grad``: the op has no autograd formula). The op is probed on its first call: a
 PyTorch without it, or a first call that fails, runs ``F.linear`` from then on. Results equal
 ``F.linear``'s to fp32 rounding (a different summation order). ``USE_ONEDNN = False`` (read per
-call) turns it off. Its users: every model Linear (radixkv/model/linear.py) and the fp32
-prefill attention (radixkv/attention/matmul_attention.py).
+call) turns it off. Its users: every model Linear (radixkv/model/linear.py) and the CPU
+prefill attention (radixkv/attention/matmul_attention.py: its fp32 scores whatever the model's
+dtype, and ``p @ v`` in fp32).
 """
 
 from __future__ import annotations

@@ -86,7 +86,8 @@ class TorchAttention(AttentionBackend):
         on_cpu = kv_pool.device.type == "cpu"
         self._split_past = on_cpu and FLASH_CPU_WITH_LSE is not None
         # prefill attention as blocked matmuls on a CPU (matmul_attention.py): bf16, and fp32
-        # where oneDNN runs the products (the flash kernel is faster than the BLAS's)
+        # where oneDNN runs the products (without it, fp32 keeps the flash kernel, which is
+        # faster than blocked matmuls on the BLAS)
         dtype = kv_pool.dtype
         self._matmul_prefill = on_cpu and (
             dtype == torch.bfloat16 or (dtype == torch.float32 and onednn_available())
