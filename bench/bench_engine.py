@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {report['machine']['load_average_at_start']} -> "
         f"{report['machine']['load_average_at_end']} on {os.cpu_count()} CPUs"
     )
+    report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

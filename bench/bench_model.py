@@ -250,6 +250,7 @@ def main() -> None:
         "quick": args.quick,
         "prefill_cached_prefix": prefill_rows,
         "decode": decode,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

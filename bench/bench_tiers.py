@@ -430,6 +430,7 @@ def main() -> None:
                 "host_bytes": host_bytes,
             },
             "machine": platform.platform(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "targets": TARGETS,
             "results": results,
             "checks": checks,

@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -190,9 +191,33 @@ def _meta(data: Any, path: Path) -> tuple[str, str]:
     if isinstance(machine, dict):
         machine = ", ".join(f"{k}: {v}" for k, v in machine.items())
     if date is None:
+        date = _commit_time(path)
+    if date is None:
         mtime = dt.datetime.fromtimestamp(path.stat().st_mtime, tz=dt.UTC)
         date = mtime.strftime("%Y-%m-%d %H:%M UTC") + " (file time)"
     return str(machine or "not recorded"), str(date)
+
+
+def _commit_time(path: Path) -> str | None:
+    """When the file's current content was committed, or None when it is not committed as it
+    is (untracked, modified, or no git). A fresh checkout stamps every file with the checkout
+    time, so the file time of a result nobody reran would be wrong there."""
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", *args], cwd=path.parent, capture_output=True, text=True, check=False
+        )
+
+    try:
+        if git("status", "--porcelain", "--", path.name).stdout.strip():
+            return None  # modified or untracked: its own file time is the run's
+        stamp = git("log", "-1", "--format=%ct", "--", path.name).stdout.strip()
+    except OSError:  # no git on this machine
+        return None
+    if not stamp:
+        return None  # not in a repository, or never committed
+    when = dt.datetime.fromtimestamp(int(stamp), tz=dt.UTC)
+    return when.strftime("%Y-%m-%d %H:%M UTC") + " (committed)"
 
 
 def _cell(v: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,6 +79,7 @@ def test_make_report_renders_results(tmp_path: Path) -> None:
     # an unknown file is still rendered, after the known sections, with a fallback date
     assert text.index("## zz_custom") > text.index("## Tuning")
     assert "(file time)" in text
+    assert "(committed)" not in text  # tmp_path is no git repository
     # a known file whose data does not fit its plot is rendered without a plot
     (results / "bench_cascade.json").write_text(json.dumps({"rows": [{"unexpected": 1}]}))
     text = make_report.build_report(results, out, tmp_path / "docs" / "img")
@@ -152,3 +154,32 @@ def test_index_cache_snippet_runs() -> None:
     assert cache_blocks, "the front page lost its cache example"
     for block in cache_blocks:
         exec(compile(block, "docs/index.md", "exec"), {})
+
+
+def test_make_report_dates_a_committed_result_by_its_commit(tmp_path: Path) -> None:
+    """A fresh checkout stamps every file with the checkout time: a result without a date of
+    its own is dated by the commit of its content, and by its file time once changed."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    results = tmp_path / "results"
+    results.mkdir()
+    f = results / "zz_custom.json"
+    f.write_text(json.dumps({"x": 1}))
+    env = {**os.environ, "GIT_COMMITTER_DATE": "2031-02-03T04:05:00+00:00",
+           "GIT_AUTHOR_DATE": "2031-02-03T04:05:00+00:00"}  # fmt: skip
+
+    def git(*args: str) -> None:
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path, env=env, check=True, capture_output=True,
+        )  # fmt: skip
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "results")
+    out = tmp_path / "docs" / "benchmarks.md"
+    text = make_report.build_report(results, out, tmp_path / "docs" / "img")
+    assert "*Date:* 2031-02-03 04:05 UTC (committed)" in text
+    f.write_text(json.dumps({"x": 2}))  # rerun, not committed yet
+    text = make_report.build_report(results, out, tmp_path / "docs" / "img")
+    assert "(committed)" not in text and "(file time)" in text
