@@ -133,7 +133,10 @@ def test_peaked_rows_stay_exact_where_it_matters() -> None:
     torch.testing.assert_close(out.double(), _reference(q, k, v), atol=0.03, rtol=0.02)
 
 
-def test_torch_backend_uses_it_for_cpu_bf16_prefills_with_and_without_past() -> None:
+def test_torch_backend_uses_it_for_cpu_bf16_prefills_with_and_without_past(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(matmul_attention, "MODE", "always")  # (where it pays)
     ps, hq, hkv, d = 4, 4, 2, 16
     kv = KVPool(1, 80, ps, hkv, d, BF16)
     backend = get_backend("torch", kv, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
@@ -160,7 +163,11 @@ def test_torch_backend_takes_it_in_fp32_only_with_onednn(monkeypatch: pytest.Mon
             "torch", KVPool(1, 8, 4, 2, 16), num_qo_heads=4, num_kv_heads=2, head_dim=16
         )
 
+    monkeypatch.setattr(matmul_attention, "MODE", "always")  # (where it pays)
     assert make()._matmul_prefill == (onednn._ONEDNN_LINEAR is not None)
+    monkeypatch.setattr(matmul_attention, "MODE", "never")  # where the flash kernel is faster
+    assert not make()._matmul_prefill
+    monkeypatch.setattr(matmul_attention, "MODE", "always")
     monkeypatch.setattr(onednn, "USE_ONEDNN", False)
     assert not make()._matmul_prefill  # without oneDNN the flash kernel is faster
     half = KVPool(1, 8, 4, 2, 16, torch.float16)
@@ -184,3 +191,37 @@ def test_strided_inputs_as_a_fused_qkv_projection_gives_them(
         want = causal_matmul_attention(q, k, v, 0.25)
         got = causal_matmul_attention(qs, ks, vs, 0.25)
     torch.testing.assert_close(got, want)
+
+
+def test_it_runs_where_it_pays_measured_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pays`` times the blocks against the flash kernel once per (dtype, group, head_dim,
+    threads) and keeps the answer; the torch backend follows it."""
+    monkeypatch.setattr(matmul_attention, "_PAYS", {})
+    timings = {BF16: (1.0, 2.0), torch.float32: (2.0, 1.0)}  # (blocks, flash) seconds
+    calls: list[tuple[torch.dtype, int, int, int]] = []
+
+    def fake(dtype: torch.dtype, hq: int, hkv: int, d: int) -> tuple[float, float]:
+        calls.append((dtype, hq, hkv, d))
+        return timings[dtype]
+
+    monkeypatch.setattr(matmul_attention, "_time_both", fake)
+    assert matmul_attention.pays(BF16, 32, 8, 128)
+    assert matmul_attention.pays(BF16, 32, 8, 128)  # kept, not timed again
+    assert calls == [(BF16, 8, 2, 128)]  # 4 query heads per kv head, on two kv heads
+    assert not matmul_attention.pays(torch.float32, 32, 8, 128)
+    assert len(calls) == 2
+
+    def make(dtype: torch.dtype) -> object:
+        pool = KVPool(1, 8, 4, 8, 128, dtype)
+        return get_backend("torch", pool, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+
+    assert make(BF16)._matmul_prefill
+    assert not make(torch.float32)._matmul_prefill  # slower here: the flash kernel runs
+    assert len(calls) == 2
+
+
+def test_the_measurement_times_both_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matmul_attention, "CALIBRATION_TOKENS", 64)
+    for dtype in (BF16, torch.float32):
+        blocks, flash = matmul_attention._time_both(dtype, 4, 2, 16)
+        assert 0 < blocks < 1 and 0 < flash < 1

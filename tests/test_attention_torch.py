@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from radixkv.attention import matmul_attention
 from radixkv.attention.base import BatchLayout
 from radixkv.attention.paged_ops import attend_pages_with_lse, merge_attention_states, token_slots
 from radixkv.attention.registry import get_backend
@@ -57,7 +58,9 @@ def test_backend_matches_dense_on_mixed_batch(page_size: int, way: str) -> None:
         used += n
     backend = get_backend("torch", kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
     assert backend._split_past  # the CPU default, when PyTorch has the kernel (it does here)
-    assert backend._matmul_prefill == onednn_available()
+    assert backend._matmul_prefill == (
+        onednn_available() and matmul_attention.pays(torch.float32, HQ, HKV, D)
+    )
     backend._matmul_prefill = way == "matmul"
     backend._split_past = way == "lse-split"
     layout = BatchLayout.build(tables, num_past, num_new)

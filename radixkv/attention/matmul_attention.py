@@ -1,13 +1,18 @@
 """Causal prefill attention as blocks of matrix products, for CPUs (bf16 and fp32).
 
-PyTorch's CPU flash-attention kernel leaves most of a CPU's matrix speed unused: its small
+PyTorch's CPU flash-attention kernel can leave much of a CPU's matrix speed unused: its small
 per-tile GEMMs do not reach the bf16 units of a CPU with AVX512-BF16 but no AMX (bf16 runs at
 about float32 speed), and in fp32 it runs at about the BLAS's speed, which on AMD CPUs is half
-of what oneDNN reaches (radixkv/onednn.py). On a 2-core AVX512-BF16 AMD EPYC, one 4,096-token
-causal head of 64 dims takes the kernel 19 ms in bf16 or fp32, and the blocks here 7.8 ms in
-bf16 and 7.9 ms in fp32; a 128-token chunk on 3,968 cached tokens 0.96 ms (flash kernel, past
-and own keys merged by log-sum-exp) against 0.47 ms. So on a CPU the torch backend computes
-bf16 prefill attention here, and fp32 prefill attention too when oneDNN is there.
+of what oneDNN reaches (radixkv/onednn.py). On a 2-core AMD EPYC with full-width AVX-512 (Zen
+5), one 4,096-token causal head of 64 dims takes the kernel 19 ms in bf16 or fp32, and the
+blocks here 7.8 ms in bf16 and 7.9 ms in fp32; a 128-token chunk on 3,968 cached tokens 0.96
+ms (flash kernel, past and own keys merged by log-sum-exp) against 0.47 ms. But on a 2-core
+EPYC whose AVX-512 runs at half width (Zen 4: fp32 and bf16 matmuls at half of Zen 5's speed)
+the kernel is as fast or faster: 22.5 against 28 ms for that head in bf16, 21 against 22 in
+fp32, and 38 against 47-61 ms for a 2,112-token prefill of 8 query and 4 kv heads. So whether
+the blocks pay is measured, once per process and head shape (:func:`pays`), and the torch
+backend computes CPU prefill attention here (bf16, and fp32 when oneDNN is there) only where
+they do.
 
 Queries go in row blocks; each block's scores over the keys it may see are one matrix product
 per kv head (GQA: a kv head's query heads share it), ``(scale * q) @ k^T`` in fp32 through
@@ -29,9 +34,21 @@ radixkv-tiny with real text a score floor bought nothing measurable, so there is
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.nn.functional as F
 
 from radixkv.onednn import linear
+
+# "auto": the blocks run where they beat the flash kernel on this CPU (measured by ``pays``);
+# "always" / "never" decide without measuring (read per call: tests and studies set it).
+MODE = "auto"
+# The measurement: a causal prefill of this many tokens, on at most two kv heads (the cost is
+# per head, so more heads would only take longer), best of this many runs of each, interleaved.
+CALIBRATION_TOKENS = 1024
+CALIBRATION_RUNS = 3
+_PAYS: dict[tuple[torch.dtype, int, int, int, int], bool] = {}
 
 # A block's score matrix ([rows * group, keys] fp32, per kv head) is kept near this size: large
 # enough that each product is efficient, small enough to stay in the caches until softmax.
@@ -85,3 +102,55 @@ def causal_matmul_attention(
             probs = torch.softmax(scores, dim=-1).to(v.dtype)
             out_heads[a:b, h] = linear(probs, vals_t[:, :end], None).view(r, g, d)
     return out
+
+
+def pays(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`causal_matmul_attention` beats PyTorch's CPU flash kernel for a causal
+    prefill of this head shape and dtype on this CPU, with torch's current thread count.
+
+    Under ``MODE = "auto"`` the first call per (dtype, query heads per kv head, head_dim,
+    threads) times both (``CALIBRATION_TOKENS`` tokens, up to two kv heads, best of
+    ``CALIBRATION_RUNS``; tens of milliseconds for a small model) and the answer is kept for
+    the process, so one process takes one path throughout. Both are exact attention: the
+    choice changes speed and rounding, never which keys a query sees.
+    """
+    if MODE != "auto":
+        return MODE == "always"
+    group = num_qo_heads // num_kv_heads
+    hkv = min(num_kv_heads, 2)
+    key = (dtype, group, hkv, head_dim, torch.get_num_threads())
+    answer = _PAYS.get(key)
+    if answer is None:
+        matmul_s, flash_s = _time_both(dtype, group * hkv, hkv, head_dim)
+        answer = _PAYS[key] = matmul_s < flash_s
+    return answer
+
+
+def _time_both(dtype: torch.dtype, hq: int, hkv: int, d: int) -> tuple[float, float]:
+    """Best-of seconds of a ``CALIBRATION_TOKENS``-token causal prefill: (blocks, flash)."""
+    n = CALIBRATION_TOKENS
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    scale = d**-0.5
+    # the flash kernel's [1, H, n, D] views, as the torch backend passes them
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+
+    def blocks() -> object:
+        return causal_matmul_attention(q, k, v, scale)
+
+    def flash() -> object:
+        return F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+        )
+
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode():
+        blocks(), flash()  # first calls: allocations, oneDNN primitive creation
+        for _ in range(CALIBRATION_RUNS):
+            for i, fn in enumerate((blocks, flash)):
+                t0 = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]

@@ -15,7 +15,8 @@ chunks with bottom-right causal masks instead.
 
 A bf16 prefill on a CPU goes through :mod:`radixkv.attention.matmul_attention` instead (blocks
 of matmuls over the fresh keys, or over the gathered past and fresh keys, scores in fp32
-through oneDNN): there it is 2-2.4x faster than the flash kernel at about the same accuracy. So
+through oneDNN) where that beats the flash kernel on the CPU at hand (measured once per
+process: 2-2.4x faster on a Zen 5 EPYC, slower on a Zen 4), at about the same accuracy. So
 does an fp32 prefill where oneDNN runs the products (radixkv/onednn.py).
 
 Why groups and a reused buffer: on a CPU the gather is a memory copy as large as the KV it
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixkv.attention import matmul_attention
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.matmul_attention import causal_matmul_attention
 from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
@@ -85,12 +87,14 @@ class TorchAttention(AttentionBackend):
         self._vbuf = GatherBuffer()
         on_cpu = kv_pool.device.type == "cpu"
         self._split_past = on_cpu and FLASH_CPU_WITH_LSE is not None
-        # prefill attention as blocked matmuls on a CPU (matmul_attention.py): bf16, and fp32
-        # where oneDNN runs the products (without it, fp32 keeps the flash kernel, which is
-        # faster than blocked matmuls on the BLAS)
+        # prefill attention as blocked matmuls on a CPU (matmul_attention.py) where they beat
+        # the flash kernel on it (measured once per process and head shape): bf16, and fp32
+        # where oneDNN runs the products (on the BLAS, blocked matmuls never win in fp32)
         dtype = kv_pool.dtype
-        self._matmul_prefill = on_cpu and (
-            dtype == torch.bfloat16 or (dtype == torch.float32 and onednn_available())
+        self._matmul_prefill = (
+            on_cpu
+            and (dtype == torch.bfloat16 or (dtype == torch.float32 and onednn_available()))
+            and matmul_attention.pays(dtype, num_qo_heads, num_kv_heads, head_dim)
         )
 
     # ---- plan --------------------------------------------------------------------------------
@@ -136,6 +140,13 @@ class TorchAttention(AttentionBackend):
         pool = self.kv_pool
         page_bytes = 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
         page_bytes *= pool.k.element_size()
+        # On a CPU a group holds a multiple of the intra-op threads where there are that many
+        # sequences, even past DECODE_GROUP_BYTES: the gather splits its pages evenly over the
+        # threads and SDPA its (sequence, head) pairs, so each thread then reads the sequences
+        # it gathered itself, from its own core's cache. With a lone long sequence per group the
+        # other thread reads half of it from across the chip: on 2 cores, a 2,144-token bf16
+        # sequence with 4 kv heads took 918 us to gather and attend alone, 342 us in pairs.
+        threads = torch.get_num_threads() if pool.device.type == "cpu" else 1
         groups: list[_DecodeGroup] = []
         i = 0
         while i < len(decodes):
@@ -145,8 +156,13 @@ class TorchAttention(AttentionBackend):
                 if (j + 1 - i) * widest * page_bytes > DECODE_GROUP_BYTES:
                     break
                 biggest, j = widest, j + 1
-            groups.append(self._make_group(decodes[i:j]))
-            i = j
+            n = j - i
+            if n < threads:
+                n = min(threads, len(decodes) - i)
+            else:
+                n -= n % threads
+            groups.append(self._make_group(decodes[i : i + n]))
+            i += n
         return groups
 
     def _make_group(self, seqs: list[tuple[int, list[int], int]]) -> _DecodeGroup:
