@@ -135,8 +135,8 @@ def test_auto_threshold_on_both_sides() -> None:
     """With the engine's defaults for radixkv-tiny (512 bytes of K+V per token and layer: the
     cascade pays from 4,096 saved tokens a step, bench/bench_cascade.py), "auto" plans plain
     decode one token below the threshold and the cascade just above it."""
-    assert CascadePlanner.min_step_tokens_for(512) == 4096
-    assert CascadePlanner.min_step_tokens_for(4096) == 512  # 8 kv heads x 128 dims, 16 bit
+    assert CascadePlanner.min_step_tokens_for(512) == 8192
+    assert CascadePlanner.min_step_tokens_for(4096) == 1024  # 8 kv heads x 128 dims, 16 bit
     with pytest.raises(ValueError, match="kv_bytes_per_token"):
         CascadePlanner.min_step_tokens_for(0)
     planner = CascadePlanner(1, mode="auto", min_step_saved_tokens=4096)
