@@ -9,7 +9,7 @@ blocks here 7.8 ms in bf16 and 7.9 ms in fp32; a 128-token chunk on 3,968 cached
 ms (flash kernel, past and own keys merged by log-sum-exp) against 0.47 ms. But on a 2-core
 EPYC whose AVX-512 runs at half width (Zen 4: fp32 and bf16 matmuls at half of Zen 5's speed)
 the kernel is as fast or faster: 22.5 against 28 ms for that head in bf16, 21 against 22 in
-fp32, and 38 against 47-61 ms for a 2,112-token prefill of 8 query and 4 kv heads. So whether
+fp32, and 38-40 against 46-61 ms for a 2,112-token prefill of 8 query and 4 kv heads. So whether
 the blocks pay is measured, once per process and head shape (:func:`pays`), and the torch
 backend computes CPU prefill attention here (bf16, and fp32 when oneDNN is there) only where
 they do.
