@@ -216,7 +216,9 @@ def test_it_runs_where_it_pays_measured_once_per_shape(monkeypatch: pytest.Monke
         return get_backend("torch", pool, num_qo_heads=32, num_kv_heads=8, head_dim=128)
 
     assert make(BF16)._matmul_prefill
+    assert make(BF16).prefill_path == "blocked matmuls"
     assert not make(torch.float32)._matmul_prefill  # slower here: the flash kernel runs
+    assert make(torch.float32).prefill_path == "flash kernel"
     assert len(calls) == 2
 
 

@@ -43,6 +43,7 @@ def test_startup_summary_names_what_was_built(caplog: pytest.LogCaptureFixture) 
         "prefix cache on (lfu eviction)",
     ):
         assert part in line, (part, line)
+    assert f"), prefill by {eng.runner.attn.prefill_path}; KV pool" in line
     assert not _messages(caplog, logging.WARNING)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=ENGINE_LOGGER):

@@ -97,6 +97,12 @@ class TorchAttention(AttentionBackend):
             and matmul_attention.pays(dtype, num_qo_heads, num_kv_heads, head_dim)
         )
 
+    @property
+    def prefill_path(self) -> str:
+        """What computes prefill attention, for logs: "blocked matmuls" (matmul_attention.py)
+        or "flash kernel" (PyTorch's)."""
+        return "blocked matmuls" if self._matmul_prefill else "flash kernel"
+
     # ---- plan --------------------------------------------------------------------------------
     def plan(self, layout: BatchLayout) -> None:
         pool = self.kv_pool

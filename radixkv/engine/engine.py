@@ -164,9 +164,11 @@ class Engine:
         """One INFO line saying what was built, and a WARNING when "auto" left a CUDA pool on
         the torch attention kernels (it works, at a fraction of FlashInfer's speed)."""
         kv, cfg, choice = self.kv_pool, self.config, self.backend_choice
+        # the torch backend's prefill kernel depends on the CPU (measured: matmul_attention.pays)
+        path = getattr(self.runner.attn, "prefill_path", None)
         log.info(
             "radixkv engine: model %s (%s, %d layers, max context %d tokens) on %s in %s; "
-            "attention %s (%s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB); "
+            "attention %s (%s)%s; KV pool %d pages x %d tokens = %d tokens (%.1f MiB); "
             "prefix cache %s",
             self.model.name,
             self.model.config.architecture,
@@ -176,6 +178,7 @@ class Engine:
             str(kv.dtype).removeprefix("torch."),
             choice.name,
             choice.reason,
+            f", prefill by {path}" if path else "",
             kv.num_pages,
             cfg.page_size,
             kv.num_pages * cfg.page_size,
