@@ -133,7 +133,7 @@ def test_auto_needs_enough_saved_tokens_per_step() -> None:
 
 def test_auto_threshold_on_both_sides() -> None:
     """With the engine's defaults for radixkv-tiny (512 bytes of K+V per token and layer: the
-    cascade pays from 4,096 saved tokens a step, bench/bench_cascade.py), "auto" plans plain
+    cascade pays from 8,192 saved tokens a step, bench/bench_cascade.py), "auto" plans plain
     decode one token below the threshold and the cascade just above it."""
     assert CascadePlanner.min_step_tokens_for(512) == 8192
     assert CascadePlanner.min_step_tokens_for(4096) == 1024  # 8 kv heads x 128 dims, 16 bit

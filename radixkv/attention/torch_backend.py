@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention import matmul_attention
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.attention.matmul_attention import causal_matmul_attention
+from radixkv.attention.matmul_attention import causal_matmul_attention, pays
 from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
 from radixkv.kv.kv_pool import KVPool
 from radixkv.onednn import onednn_available
@@ -94,7 +93,7 @@ class TorchAttention(AttentionBackend):
         self._matmul_prefill = (
             on_cpu
             and (dtype == torch.bfloat16 or (dtype == torch.float32 and onednn_available()))
-            and matmul_attention.pays(dtype, num_qo_heads, num_kv_heads, head_dim)
+            and pays(dtype, num_qo_heads, num_kv_heads, head_dim)
         )
 
     @property
