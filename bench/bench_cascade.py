@@ -20,7 +20,7 @@ Timing: every repetition times both sides back to back (alternating which goes f
 statistic is the median over repetitions (``--timer cpu``: one thread and that thread's CPU time,
 which other processes cannot inflate by taking the CPU away).
 
-    python bench/bench_cascade.py [--quick] [--out bench/results/bench_cascade.json]
+    python bench/bench_cascade.py [--quick] [--dtype float32|bfloat16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -88,14 +88,22 @@ def _plain_backend(pool: Any, h_q: int, h_kv: int, d: int, tables, lens) -> Call
 
 
 def bench_attention(
-    batch: int, prefix: int, suffix: int, h_q: int, h_kv: int, d: int, ps: int, reps: int
+    batch: int,
+    prefix: int,
+    suffix: int,
+    h_q: int,
+    h_kv: int,
+    d: int,
+    ps: int,
+    reps: int,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     from radixkv.kv.kv_pool import KVPool
 
     n_shared = prefix // ps
     n_own = -(-suffix // ps)
     num_pages = n_shared + batch * n_own + 1
-    pool = KVPool(1, num_pages, ps, h_kv, d, torch.float32, "cpu")
+    pool = KVPool(1, num_pages, ps, h_kv, d, dtype, "cpu")
     g = torch.Generator().manual_seed(0)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
@@ -107,16 +115,16 @@ def bench_attention(
     node = _Node(prefix)
     entries = [DecodeEntry(node, t, n, n_shared) for t, n in zip(tables, lens)]
     decision = CascadePlanner(ps, mode="on").plan(entries)  # cascade whenever anything is shared
-    # what the engine picks by default for this head shape (fp32 K+V per token and layer)
-    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d * 4)
+    # what the engine picks by default for this head shape (K+V bytes per token and layer)
+    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d * pool.k.element_size())
     auto = CascadePlanner(ps, mode="auto", min_step_saved_tokens=auto_min).plan(entries)
     cascade = TorchCascadeAttention(decision.plan, "cpu")
     plain = _plain_backend(pool, h_q, h_kv, d, tables, lens)
     slots = torch.tensor([t[(n - 1) // ps] * ps + (n - 1) % ps for t, n in zip(tables, lens)])
 
-    q = torch.randn(batch, h_q, d, generator=g)
-    k_new = torch.randn(batch, h_kv, d, generator=g)
-    v_new = torch.randn(batch, h_kv, d, generator=g)
+    q = torch.randn(batch, h_q, d, generator=g).to(dtype)
+    k_new = torch.randn(batch, h_kv, d, generator=g).to(dtype)
+    v_new = torch.randn(batch, h_kv, d, generator=g).to(dtype)
 
     def run_cascade() -> torch.Tensor:
         pool.write(0, slots, k_new, v_new)
@@ -150,14 +158,14 @@ def bench_attention(
 
 
 def _e2e_engines(
-    prompt: list[int], prompts: list[list[int]], params: Any, page_size: int
+    prompt: list[int], prompts: list[list[int]], params: Any, page_size: int, dtype: str
 ) -> dict[str, Any]:
     """Both engines with the trunk cached and every branch queued."""
     from radixkv.engine.engine import Engine
     from radixkv.engine.params import SamplingParams
     from radixkv.model.loader import load_model
 
-    lm = load_model("radixkv-tiny")
+    lm = load_model("radixkv-tiny", dtype=dtype)
     engines = {}
     for mode in ("off", "auto"):
         eng = Engine(lm, page_size=page_size, cascade=mode, seed=0)
@@ -169,7 +177,7 @@ def _e2e_engines(
 
 
 def bench_end_to_end(
-    prompt_len: int, branches: int, unique: int, gen: int, page_size: int, reps: int
+    prompt_len: int, branches: int, unique: int, gen: int, page_size: int, reps: int, dtype: str
 ) -> dict[str, Any]:
     """Tree-of-thought: one shared prompt, ``branches`` greedy branches of ``gen`` tokens, each
     on the prompt + ``unique`` tokens of its own; off and auto in lockstep (module docstring)."""
@@ -184,7 +192,7 @@ def bench_end_to_end(
     texts: dict[str, list[Any]] = {}
     stats: dict[str, Any] = {}
     for rep in range(reps):
-        engines = _e2e_engines(prompt, prompts, params, page_size)
+        engines = _e2e_engines(prompt, prompts, params, page_size, dtype)
         t_decode = dict.fromkeys(modes, 0.0)
         steps = dict.fromkeys(modes, 0)
         tokens = dict.fromkeys(modes, 0)
@@ -253,7 +261,13 @@ def bench_end_to_end(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer configurations and repetitions")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/bench_cascade.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/bench_cascade[_bf16].json")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="KV (and, end to end, model) dtype; radixkv-tiny's checkpoint is float32",
+    )
     ap.add_argument("--heads", type=int, default=1, help="query heads (radixkv-tiny: 1)")
     ap.add_argument("--kv-heads", type=int, default=1, help="KV heads (radixkv-tiny: 1)")
     ap.add_argument("--head-dim", type=int, default=64, help="(radixkv-tiny: 64)")
@@ -278,18 +292,23 @@ def main() -> None:
         torch.set_num_threads(1)
         TIMER = time.thread_time
     torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    if args.out is None:
+        suffix = "" if dtype == torch.float32 else "_bf16"
+        args.out = str(ROOT / f"bench/results/bench_cascade{suffix}.json")
     batches = [1, 4, 32] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     prefixes = [512, 4096] if args.quick else [256, 1024, 4096]
     reps = args.reps or (5 if args.quick else 15)
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
     hdr = f"{'B':>4} {'P':>5} {'plain ms':>9} {'cascade ms':>10} {'speedup':>8} {'bytes ratio':>11}"
     print(hdr)
     for p in prefixes:
         for b in batches:
             r = bench_attention(
-                b, p, args.suffix, args.heads, args.kv_heads, args.head_dim, args.page_size, reps
-            )
+                    b, p, args.suffix, args.heads, args.kv_heads, args.head_dim, args.page_size, reps,
+                dtype,
+            )  # fmt: skip
             rows.append(r)
             print(
                 f"{b:>4} {p:>5} {r['plain_ms']:>9.3f} {r['cascade_ms']:>10.3f} "
@@ -306,7 +325,7 @@ def main() -> None:
             "kv_heads": args.kv_heads,
             "head_dim": args.head_dim,
             "page_size": args.page_size,
-            "dtype": "float32",
+            "dtype": args.dtype,
             "device": "cpu",
             "timer": args.timer,
             "threads": torch.get_num_threads(),
@@ -324,6 +343,7 @@ def main() -> None:
             gen=args.e2e_gen,
             page_size=args.page_size,
             reps=args.e2e_reps or (1 if args.quick else 5),
+            dtype=args.dtype,
         )
         result["end_to_end"] = e2e
         print(

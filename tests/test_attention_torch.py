@@ -9,7 +9,12 @@ import torch
 
 from radixkv.attention import matmul_attention
 from radixkv.attention.base import BatchLayout
-from radixkv.attention.paged_ops import attend_pages_with_lse, merge_attention_states, token_slots
+from radixkv.attention.paged_ops import (
+    attend_pages_with_lse,
+    flash_query_rows,
+    merge_attention_states,
+    token_slots,
+)
 from radixkv.attention.registry import get_backend
 from radixkv.kv.kv_pool import KVPool
 from radixkv.onednn import onednn_available
@@ -102,6 +107,45 @@ def test_pure_decode_batch_with_equal_and_unequal_lengths() -> None:
                 q[i : i + 1], kv.k_flat(0)[slots], kv.v_flat(0)[slots], torch.tensor([n - 1])
             )
             torch.testing.assert_close(out[i : i + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_query_rows_pads_only_lone_bf16_rows() -> None:
+    """A lone bf16 query row per head goes to the CPU flash kernel twice (its one-row product
+    is 3x slower); fp32, fp16 and multi-row queries pass through as they are."""
+    q = torch.randn(3, 2, 1, 8).bfloat16()
+    padded = flash_query_rows(q)
+    assert padded.shape == (3, 2, 2, 8) and padded.is_contiguous()
+    assert torch.equal(padded[:, :, :1], q) and torch.equal(padded[:, :, 1:], q)
+    for same in (q.float(), q.half(), torch.randn(3, 2, 2, 8).bfloat16()):
+        assert flash_query_rows(same) is same
+
+
+def test_bf16_decode_with_one_query_row_per_kv_head() -> None:
+    """Multi-head attention (as many query as kv heads) decoding in bf16: the padded kernel
+    call keeps each sequence's own row, for equal and unequal lengths."""
+    ps, h, d = 4, 3, 16
+    kv = KVPool(1, 64, ps, h, d, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    for lens in ([9, 9, 9, 9], [1, 14, 6, 30]):
+        tables = [list(range(i * 16, i * 16 + (n + ps - 1) // ps)) for i, n in enumerate(lens)]
+        backend = get_backend("torch", kv, num_qo_heads=h, num_kv_heads=h, head_dim=d)
+        backend.plan(BatchLayout.build(tables, [n - 1 for n in lens], [1] * len(lens)))
+        q = torch.randn(len(lens), h, d, generator=gen).bfloat16()
+        kn = torch.randn(len(lens), h, d, generator=gen).bfloat16()
+        out = backend.forward(0, q, kn, kn)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        for i, n in enumerate(lens):
+            slots = token_slots(torch.tensor(tables[i]), 0, n, ps)
+            keys, vals = kv.k_flat(0)[slots], kv.v_flat(0)[slots]
+            ref, _ = _dense_attention(q[i : i + 1], keys, vals, torch.tensor([n - 1]))
+            torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2)
+            # and the same as the kernel with the lone row (no padding), to bf16 rounding
+            lone = torch.nn.functional.scaled_dot_product_attention(
+                q[i].unsqueeze(1), keys.transpose(0, 1), vals.transpose(0, 1)
+            )
+            torch.testing.assert_close(out[i], lone[:, 0], atol=1e-2, rtol=1e-2)
 
 
 def test_attend_pages_with_lse_and_merge() -> None:

@@ -131,13 +131,25 @@ def test_auto_needs_enough_saved_tokens_per_step() -> None:
         CascadePlanner(ps, min_step_saved_tokens=-1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_threshold_counts_values_not_bytes(dtype: str) -> None:
+    """The engine's "auto" threshold for radixkv-tiny is 8,192 saved tokens in either dtype:
+    bf16 halves the bytes but not the CPU kernels' cost per token (cascade_planner docstring)."""
+    from radixkv.engine.engine import Engine
+    from radixkv.model.loader import load_model
+
+    engine = Engine(load_model("radixkv-tiny", dtype=dtype), cascade="auto")
+    assert engine.kv_pool.dtype == getattr(torch, dtype)
+    assert engine.cascade_planner.min_step_saved_tokens == 8192
+
+
 def test_auto_threshold_on_both_sides() -> None:
-    """With the engine's defaults for radixkv-tiny (512 bytes of K+V per token and layer: the
-    cascade pays from 8,192 saved tokens a step, bench/bench_cascade.py), "auto" plans plain
-    decode one token below the threshold and the cascade just above it."""
-    assert CascadePlanner.min_step_tokens_for(512) == 8192
-    assert CascadePlanner.min_step_tokens_for(4096) == 1024  # 8 kv heads x 128 dims, 16 bit
-    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+    """With the engine's defaults for radixkv-tiny (128 K+V values per token and layer: the
+    cascade pays from 8,192 saved tokens a step in fp32 and bf16, bench/bench_cascade.py),
+    "auto" plans plain decode one token below the threshold and the cascade just above it."""
+    assert CascadePlanner.min_step_tokens_for(128) == 8192
+    assert CascadePlanner.min_step_tokens_for(2048) == 512  # 8 kv heads x 128 dims
+    with pytest.raises(ValueError, match="kv_values_per_token"):
         CascadePlanner.min_step_tokens_for(0)
     planner = CascadePlanner(1, mode="auto", min_step_saved_tokens=4096)
     # four requests on a trunk of T tokens save 3T: 4,095 and 4,098

@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
-from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
+from radixkv.attention.paged_ops import (
+    FLASH_CPU_WITH_LSE,
+    GatherBuffer,
+    flash_query_rows,
+    merge_attention_states,
+)
 from radixkv.pages import pages_for
 
 __all__ = [
@@ -166,10 +171,13 @@ def _attend_chunk_fused(
             mask = torch.zeros(c.split_mask.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(c.split_mask, float("-inf"))
             mask = c.bias[q.dtype] = mask.unsqueeze(1)  # [S * n, 1, 1, L]
-    o, lse = op(qs, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale)[
-        :2
-    ]
-    o, lse = o.float(), lse.float()  # o [S*n, Hkv, G*grp, D], lse [S*n, Hkv, G*grp]
+    rows = G * grp
+    o, lse = op(
+        flash_query_rows(qs), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+        attn_mask=mask, scale=scale,
+    )[:2]  # fmt: skip
+    # o [S*n, Hkv, G*grp, D], lse [S*n, Hkv, G*grp]
+    o, lse = o[:, :, :rows].float(), lse[:, :, :rows].float()
     # -> parts x rows: [n, S*G, Hq, D], [n, S*G, Hq]
     o = o.view(S, n, h_kv, G, grp, d).permute(1, 0, 3, 2, 4, 5).reshape(n, S * G, h_q, d)
     lse = lse.view(S, n, h_kv, G, grp).permute(1, 0, 3, 2, 4).reshape(n, S * G, h_q)

@@ -33,7 +33,12 @@ import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.matmul_attention import causal_matmul_attention, pays
-from radixkv.attention.paged_ops import FLASH_CPU_WITH_LSE, GatherBuffer, merge_attention_states
+from radixkv.attention.paged_ops import (
+    FLASH_CPU_WITH_LSE,
+    GatherBuffer,
+    flash_query_rows,
+    merge_attention_states,
+)
 from radixkv.kv.kv_pool import KVPool
 from radixkv.onednn import onednn_available
 from radixkv.pages import pages_for
@@ -229,8 +234,10 @@ class TorchAttention(AttentionBackend):
         keys = self._kbuf.gather(kc, group.pages).view(shape)[:, : group.kv_len].transpose(1, 2)
         vals = self._vbuf.gather(vc, group.pages).view(shape)[:, : group.kv_len].transpose(1, 2)
         qg = q.view(g, hkv, hq // hkv, d)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=group.mask, scale=self.scale)
-        return o.reshape(g, hq, d)
+        o = F.scaled_dot_product_attention(
+            flash_query_rows(qg), keys, vals, attn_mask=group.mask, scale=self.scale
+        )
+        return o[:, :, : hq // hkv].reshape(g, hq, d)
 
     def _attend_prefill(
         self,

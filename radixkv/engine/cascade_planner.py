@@ -17,11 +17,14 @@ share, so that a shared prefix's KV is read once per group rather than once per 
   ``min_step_saved_tokens`` KV tokens (per layer) or ``min_step_saved_fraction`` of the plain
   reads: each extra level costs kernel calls and a merge (about 0.1 ms a layer on 2 CPU cores),
   which the saved reads must outweigh. Measured with bench/bench_cascade.py on radixkv-tiny's
-  head shape (512 bytes of K+V per token and layer) on 2 CPU cores, once plain decode's groups
-  were fitted to the threads: cascade loses at 4,096 saved tokens a step (0.65x), breaks even
-  at 7,000-8,000 and wins from 12,288 (1.14x; 1.5x at 15,360): the threshold is
-  ``MIN_STEP_SAVED_BYTES`` = 4 MiB of K+V per layer (8,192 tokens here), which the engine turns
-  into tokens for its model (:meth:`CascadePlanner.min_step_tokens_for`).
+  head shape (128 K+V values per token and layer) on 2 CPU cores, once plain decode's groups
+  were fitted to the threads: in fp32, cascade loses at 4,096 saved tokens a step (0.65x),
+  breaks even at 7,000-8,000 and wins from 12,288 (1.14x; 1.5x at 15,360); in bf16 it loses at
+  7,168 (0.92x) and wins from 12,288 (1.35x; 1.47x at 15,360). The crossover is a count of
+  values, not of bytes: PyTorch's CPU kernels compute bf16 in fp32, and bf16 decode is no
+  faster per token than fp32 there. So the threshold is ``MIN_STEP_SAVED_VALUES`` = 2**20 K+V
+  values per layer (8,192 tokens here, either dtype), which the engine turns into tokens for
+  its model (:meth:`CascadePlanner.min_step_tokens_for`).
   ``"on"`` keeps every segment shared by two or more sequences; ``"off"`` always plans plain
   decode.
 
@@ -48,8 +51,8 @@ from typing import NamedTuple, Protocol
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 
 CASCADE_MODES = ("auto", "on", "off")
-# K+V bytes (per layer) a step must save for "auto" to pick the cascade (module docstring)
-MIN_STEP_SAVED_BYTES = 4 << 20
+# K+V values (per layer) a step must save for "auto" to pick the cascade (module docstring)
+MIN_STEP_SAVED_VALUES = 1 << 20
 
 
 class TrieNode(Protocol):
@@ -162,12 +165,13 @@ class CascadePlanner:
         self._last: _Shared | None = None  # the last cascade plan's shared part (module doc)
 
     @staticmethod
-    def min_step_tokens_for(kv_bytes_per_token: int) -> int:
-        """``min_step_saved_tokens`` for a KV cache of ``kv_bytes_per_token`` bytes of K+V per
-        token and layer: ``MIN_STEP_SAVED_BYTES`` of them (8,192 for radixkv-tiny's 512)."""
-        if kv_bytes_per_token < 1:
-            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
-        return -(-MIN_STEP_SAVED_BYTES // kv_bytes_per_token)
+    def min_step_tokens_for(kv_values_per_token: int) -> int:
+        """``min_step_saved_tokens`` for a model with ``kv_values_per_token`` K+V values per
+        token and layer (``2 * num_kv_heads * head_dim``): ``MIN_STEP_SAVED_VALUES`` of them
+        (8,192 for radixkv-tiny's 128)."""
+        if kv_values_per_token < 1:
+            raise ValueError(f"kv_values_per_token must be >= 1, got {kv_values_per_token}")
+        return -(-MIN_STEP_SAVED_VALUES // kv_values_per_token)
 
     # ---------------------------------------------------------------- public
     def plan(self, entries: Sequence[DecodeEntry]) -> CascadeDecision:

@@ -137,12 +137,12 @@ class Engine:
             attention_ratio=attention_cost_ratio(mc),
             step_overhead_tokens=_STEP_OVERHEAD_TOKENS[self.kv_pool.device.type == "cpu"],
         )
-        # "auto" picks the cascade from MIN_STEP_SAVED_BYTES of K+V saved per layer a step
-        token_bytes = self.kv_pool.bytes_per_page // (cfg.page_size * mc.num_layers)
+        # "auto" picks the cascade from MIN_STEP_SAVED_VALUES of K+V saved per layer a step
+        token_values = 2 * self.kv_pool.num_kv_heads * self.kv_pool.head_dim
         self.cascade_planner = CascadePlanner(
             cfg.page_size,
             mode=cfg.cascade,
-            min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_bytes),
+            min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_values),
         )
         self._intake = RequestIntake(
             cfg,
