@@ -16,6 +16,11 @@ turn (which goes first alternates), so load from other processes on a shared mac
 alike; the whole workload is repeated ``--e2e-reps`` times and the speedup is the median of the
 repetitions' ratios of summed decode-step times.
 
+``--dtype bfloat16`` runs both parts in bf16 (the KV pool, and end to end the model too: what
+``dtype="auto"`` picks on a CPU with bf16 matrix units) and writes bench_cascade_bf16.json. In
+fp32 the two sides' greedy outputs are identical; in bf16 they agree until a near tie between two
+logits that the two summation orders round apart (``outputs_equal`` counts whole outputs equal).
+
 Timing: every repetition times both sides back to back (alternating which goes first); the
 statistic is the median over repetitions (``--timer cpu``: one thread and that thread's CPU time,
 which other processes cannot inflate by taking the CPU away).
@@ -115,8 +120,8 @@ def bench_attention(
     node = _Node(prefix)
     entries = [DecodeEntry(node, t, n, n_shared) for t, n in zip(tables, lens)]
     decision = CascadePlanner(ps, mode="on").plan(entries)  # cascade whenever anything is shared
-    # what the engine picks by default for this head shape (K+V bytes per token and layer)
-    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d * pool.k.element_size())
+    # what the engine picks by default for this head shape (K+V values per token and layer)
+    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d)
     auto = CascadePlanner(ps, mode="auto", min_step_saved_tokens=auto_min).plan(entries)
     cascade = TorchCascadeAttention(decision.plan, "cpu")
     plain = _plain_backend(pool, h_q, h_kv, d, tables, lens)
@@ -223,8 +228,10 @@ def bench_end_to_end(
                 "speedup": round(t_decode["off"] / t_decode["auto"], 3),
             }
         )
-        for mode in modes:
-            texts[mode] = sorted(tuple(o.token_ids) for o in finished[mode])
+        for mode in modes:  # by prompt: both engines got the same prompts in the same order
+            texts[mode] = [
+                tuple(o.token_ids) for o in sorted(finished[mode], key=lambda o: o.prompt_token_ids)
+            ]
             stats[mode] = engines[mode].stats()
             stats[f"tok_{mode}"] = tokens[mode]
         print(
@@ -254,6 +261,8 @@ def bench_end_to_end(
             st_auto.kv_bytes_read_plain / max(1, st_auto.kv_bytes_read_cascade), 2
         ),
         "outputs_identical": texts["auto"] == texts["off"],
+        # greedy outputs equal token for token, of ``branches`` (bf16 rounds differently)
+        "outputs_equal": sum(a == b for a, b in zip(texts["auto"], texts["off"], strict=True)),
         "repetitions": rep_rows,
     }
 
@@ -351,7 +360,8 @@ def main() -> None:
             f"{e2e['prompt_len']}-token prompt): decode {e2e['decode_tok_per_s_off']} tok/s "
             f"off, {e2e['decode_tok_per_s_auto']} tok/s cascade=auto ({e2e['speedup']}x, "
             f"repetitions {e2e['speedup_min']}-{e2e['speedup_max']}x; KV bytes read "
-            f"{e2e['kv_bytes_ratio']}x fewer), outputs identical: {e2e['outputs_identical']}"
+            f"{e2e['kv_bytes_ratio']}x fewer), outputs identical: {e2e['outputs_identical']} "
+            f"({e2e['outputs_equal']}/{e2e['branches']} equal)"
         )
     result["config"]["load_average_at_end"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,14 @@ SECTIONS: list[tuple[str, str, str]] = [
         "repetitions of the decode time ratio.",
     ),
     (
+        "bench_cascade_bf16",
+        "Cascade attention in bf16",
+        "`bench/bench_cascade.py --dtype bfloat16`: the same grid and tree-of-thought workload "
+        'with the KV pool (and, end to end, the model) in bf16, what `dtype="auto"` picks '
+        "on a CPU with bf16 matrix units. Greedy outputs of the two sides agree until a near "
+        "tie that bf16 rounds apart (`outputs_equal`).",
+    ),
+    (
         "bench_server",
         "HTTP server",
         "`bench/bench_server.py`: the OpenAI-compatible server under concurrent streaming load.",
@@ -379,7 +387,8 @@ def plot_cascade(data: Any, fig: Any) -> None:
     ax.set_xticks(bs, [str(b) for b in bs])
     ax.set_xlabel("batch size (requests sharing the prefix)")
     ax.set_ylabel("speedup over plain paged decode")
-    ax.set_title("Cascade decode attention")
+    dtype = data.get("config", {}).get("dtype", "float32")
+    ax.set_title(f"Cascade decode attention ({dtype})")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
 
@@ -448,6 +457,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_tuning": [("", plot_tuning), ("_chunk", plot_chunk)],
     "bench_engine": [("", plot_engine)],
     "bench_cascade": [("", plot_cascade)],
+    "bench_cascade_bf16": [("", plot_cascade)],
     "bench_vs_sglang": [("", plot_vs_sglang)],
     "bench_peers": [("", plot_peers)],
 }

@@ -5,7 +5,8 @@ non-empty past) are cut into small groups, each with a padded page index ``[g, m
 key mask; prefill sequences keep their page list and a few query chunks with bottom-right causal
 masks. Per layer (``forward``): one ``index_copy_`` writes the new K/V, one ``index_select`` of whole
 pages per group gathers its keys into a reused buffer, and ``scaled_dot_product_attention`` does
-the maths. No per-token Python loops.
+the maths (a lone bf16 query row per head twice: ``paged_ops.flash_query_rows``). No per-token
+Python loops.
 
 A prefill on past tokens, on a CPU, splits its keys instead of masking them: all new queries
 attend the past keys (a plain rectangle, no mask) and their own new keys (causal, exactly like a
