@@ -67,16 +67,17 @@ def fuzz(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run every benchmark in bench/ and regenerate docs/benchmarks.md."""
     _install(session, "test")
-    scripts = (
-        "bench_cache.py",
-        "bench_model.py",
-        "bench_engine.py",
-        "bench_cascade.py",
-        "bench_tuning.py",
-        "bench_server.py",
+    runs = (
+        ("bench_cache.py",),
+        ("bench_model.py",),
+        ("bench_engine.py",),
+        ("bench_cascade.py",),
+        ("bench_cascade.py", "--dtype", "bfloat16"),
+        ("bench_tuning.py",),
+        ("bench_server.py",),
     )
-    for script in scripts:
-        session.run("python", f"bench/{script}", *session.posargs)
+    for script, *args in runs:
+        session.run("python", f"bench/{script}", *args, *session.posargs)
     session.run("python", "bench/make_report.py")
 
 
