@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from _model_hf_builders import hf_greedy
+from _model_hf_builders import build_hf_model, hf_greedy, save_hf_folder
 from engine_helpers import make_small_llama, run_checked, shared_prefix_prompts
 
 from radixkv.engine.engine import Engine
@@ -80,3 +80,31 @@ def test_cache_and_scheduling_change_bf16_greedy_outputs_rarely(
         runs.append(outs)
     same, lead = _agreement(runs[1], runs[0])
     assert same >= 0.7 and lead >= 0.85, (cfg, same, lead)
+
+
+def test_bf16_one_query_head_per_kv_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As many kv as query heads: every bf16 decode step goes to the CPU flash kernel with its
+    lone query row doubled (paged_ops.flash_query_rows), in plain and in cascade decode. The
+    outputs agree with transformers in bf16 as the GQA model's do, and are the ones the kernel
+    gives the undoubled row (measured: identical on all 11 prompts, for 4 random models)."""
+    import radixkv.attention.cascade as cascade_mod
+    import radixkv.attention.torch_backend as torch_backend
+
+    hf = build_hf_model("llama", seed=3, num_key_value_heads=4)
+    lm = load_model(save_hf_folder(hf, tmp_path / "mha"), dtype="bfloat16")
+    assert lm.config.num_kv_heads == lm.config.num_heads == 4
+    ref = [hf_greedy(hf.to(torch.bfloat16), p, GREEDY.max_tokens) for p in PROMPTS]
+    runs: dict[tuple[str, bool], list[list[int]]] = {}
+    for doubled in (True, False):
+        if not doubled:  # the kernel as PyTorch runs it, one row per head
+            monkeypatch.setattr(torch_backend, "flash_query_rows", lambda q: q)
+            monkeypatch.setattr(cascade_mod, "flash_query_rows", lambda q: q)
+        for cascade in ("off", "on"):
+            eng = Engine(lm, page_size=4, num_pages=400, cascade=cascade)
+            outs = run_checked(eng, PROMPTS, GREEDY, check_every_step=False)
+            runs[cascade, doubled] = [o.token_ids for o in outs]
+    for cascade in ("off", "on"):
+        same, lead = _agreement(runs[cascade, True], ref)
+        assert same >= 0.8 and lead >= 0.9, (cascade, same, lead)
+        same, lead = _agreement(runs[cascade, True], runs[cascade, False])
+        assert same >= 0.9 and lead >= 0.95, (cascade, same, lead)
