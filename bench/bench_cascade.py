@@ -315,8 +315,8 @@ def main() -> None:
     for p in prefixes:
         for b in batches:
             r = bench_attention(
-                    b, p, args.suffix, args.heads, args.kv_heads, args.head_dim, args.page_size, reps,
-                dtype,
+                b, p, args.suffix, args.heads, args.kv_heads, args.head_dim, args.page_size, reps,
+                dtype=dtype,
             )  # fmt: skip
             rows.append(r)
             print(
