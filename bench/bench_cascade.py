@@ -121,7 +121,7 @@ def bench_attention(
     entries = [DecodeEntry(node, t, n, n_shared) for t, n in zip(tables, lens)]
     decision = CascadePlanner(ps, mode="on").plan(entries)  # cascade whenever anything is shared
     # what the engine picks by default for this head shape (K+V values per token and layer)
-    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d)
+    auto_min = CascadePlanner.min_step_tokens_for(2 * h_kv * d, dtype.itemsize)
     auto = CascadePlanner(ps, mode="auto", min_step_saved_tokens=auto_min).plan(entries)
     cascade = TorchCascadeAttention(decision.plan, "cpu")
     plain = _plain_backend(pool, h_q, h_kv, d, tables, lens)

@@ -327,3 +327,48 @@ def test_consecutive_pages_read_in_place(
         assert (attn.forward(q, k, v).double() - ref).abs().max().item() <= TOL
     out = cascade_attention(q[:1], k, v, alone, fused_cpu=fused_cpu)
     assert (out.double() - reference_decode(q[:1], k, v, [own[0]], [7])).abs().max() <= TOL
+
+
+def test_gather_views_kept_across_layers_and_rebuilt_for_new_buffers() -> None:
+    """The fused path keeps each gathered chunk's views of the gather buffers: every layer
+    (another cache of the same shape) reuses them and reads its own pages; a later step whose
+    chunk needs a larger buffer, or caches of another dtype, get fresh views. Exact throughout."""
+    ps, d, h_q, h_kv = 4, 8, 4, 2
+    layers = [random_kv(400, ps, h_kv, d, seed=20 + i) for i in range(2)]
+    trunk = _pages(3, 10)
+    own = [_pages(200 + 5 * r, 2) for r in range(3)]
+    q = torch.randn(3, h_q, d)
+
+    def plan(extra_pages: int) -> tuple[CascadePlan, list[list[int]], list[int]]:
+        mine = [o + _pages(300 + 11 * r, extra_pages) for r, o in enumerate(own)]
+        lens = [(len(m) - 1) * ps + 2 + r for r, m in enumerate(mine)]
+        p = CascadePlan(
+            ps, 3, (level(ps, [(3, trunk, 40)]), level(ps, [(1, m, n) for m, n in zip(mine, lens)]))
+        )
+        return p, [trunk + m for m in mine], [40 + n for n in lens]
+
+    def check(attn: TorchCascadeAttention, tables, lens, dtype=torch.float32, tol=TOL) -> None:
+        for k, v in layers:
+            k, v = k.to(dtype), v.to(dtype)
+            ref = reference_decode(q.to(dtype).double(), k.double(), v.double(), tables, lens)
+            out = attn.forward(q.to(dtype), k, v)
+            assert (out.double() - ref).abs().max().item() <= tol
+
+    p1, tables1, lens1 = plan(0)
+    step1 = TorchCascadeAttention(p1, fused_cpu=True)
+    shared = step1._levels[0][0]
+    assert shared.page_run is None  # gathered
+    check(step1, tables1, lens1)
+    views = shared.kv_views
+    assert views is not None
+    check(step1, tables1, lens1)
+    assert shared.kv_views is views  # kept across layers and calls
+    # the next step's private level is four times wider: the buffers grow, views follow them
+    p2, tables2, lens2 = plan(6)
+    step2 = TorchCascadeAttention(p2, fused_cpu=True, previous=step1)
+    assert step2._levels[0][0] is shared
+    check(step2, tables2, lens2)
+    assert shared.kv_views is not views and shared.kv_views[0] is not views[0]
+    check(step2, tables2, lens2, torch.bfloat16, tol=5e-2)  # bf16 caches: new buffers again
+    assert shared.kv_views[3].dtype == torch.bfloat16
+    check(step2, tables2, lens2)

@@ -131,24 +131,28 @@ def test_auto_needs_enough_saved_tokens_per_step() -> None:
         CascadePlanner(ps, min_step_saved_tokens=-1)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_threshold_counts_values_not_bytes(dtype: str) -> None:
-    """The engine's "auto" threshold for radixkv-tiny is 8,192 saved tokens in either dtype:
-    bf16 halves the bytes but not the CPU kernels' cost per token (cascade_planner docstring)."""
+@pytest.mark.parametrize(("dtype", "tokens"), [("float32", 5120), ("bfloat16", 4096)])
+def test_engine_threshold_by_kv_dtype(dtype: str, tokens: int) -> None:
+    """The engine's "auto" threshold for radixkv-tiny is 5,120 saved tokens in fp32 and 4,096
+    in bf16: the CPU kernels' plain decode costs more per token in bf16, so the cascade pays
+    sooner (cascade_planner docstring)."""
     from radixkv.engine.engine import Engine
     from radixkv.model.loader import load_model
 
     engine = Engine(load_model("radixkv-tiny", dtype=dtype), cascade="auto")
     assert engine.kv_pool.dtype == getattr(torch, dtype)
-    assert engine.cascade_planner.min_step_saved_tokens == 8192
+    assert engine.cascade_planner.min_step_saved_tokens == tokens
 
 
 def test_auto_threshold_on_both_sides() -> None:
     """With the engine's defaults for radixkv-tiny (128 K+V values per token and layer: the
-    cascade pays from 8,192 saved tokens a step in fp32 and bf16, bench/bench_cascade.py),
-    "auto" plans plain decode one token below the threshold and the cascade just above it."""
-    assert CascadePlanner.min_step_tokens_for(128) == 8192
-    assert CascadePlanner.min_step_tokens_for(2048) == 512  # 8 kv heads x 128 dims
+    cascade pays from 5,120 saved tokens a step in fp32, bench/bench_cascade.py), "auto" plans
+    plain decode one token below the threshold and the cascade just above it."""
+    assert CascadePlanner.min_step_tokens_for(128) == 5120
+    assert CascadePlanner.min_step_tokens_for(128, 2) == 4096
+    assert CascadePlanner.min_step_tokens_for(128, 1) == 5120  # other sizes: fp32's values
+    assert CascadePlanner.min_step_tokens_for(2048) == 320  # 8 kv heads x 128 dims
+    assert CascadePlanner.min_step_tokens_for(2048, 2) == 256
     with pytest.raises(ValueError, match="kv_values_per_token"):
         CascadePlanner.min_step_tokens_for(0)
     planner = CascadePlanner(1, mode="auto", min_step_saved_tokens=4096)

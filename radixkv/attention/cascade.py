@@ -60,6 +60,7 @@ class _Chunk:
     rows: torch.Tensor | None
     row_valid: torch.Tensor | None  # [S, G] bool, None when no padding
     pages: torch.Tensor  # [S, n_pages] long (padding: page of the same segment)
+    pages_flat: torch.Tensor  # [S * n_pages], the same pages as one index (a view of ``pages``)
     kv_len: int  # padded KV length = n_pages * page_size, trimmed to the max real length
     kv_mask: torch.Tensor | None  # [S, 1, kv_len] bool, True = masked out; None if none
     # [R] long, rows written back (valid ones, in [S, G] order); None when ``row_range`` is set
@@ -78,6 +79,11 @@ class _Chunk:
     # gather (a prefix prefilled in one go lies in consecutive pages of a fresh pool)
     page_run: tuple[int, int] | None = None
     bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive split_mask
+    # fused CPU path, gathered chunks: (K buffer, V buffer, page shape, index_select targets
+    # K and V [S * n_pages, ps, H, D], kernel views K and V [S * splits, H, split_len, D]), views
+    # of the gather buffers kept for every later layer and step while the buffers stay the same
+    kv_views: tuple[torch.Tensor, torch.Tensor, torch.Size, torch.Tensor, torch.Tensor,
+                    torch.Tensor, torch.Tensor] | None = None  # fmt: skip
 
 
 # Budget of gathered KV tokens per padded batch of one-row segments (see _prepare_level).
@@ -123,8 +129,8 @@ def _pages_of(cache: torch.Tensor, c: _Chunk, buf: GatherBuffer | None) -> torch
         first, count = c.page_run
         return cache[first : first + count]
     if buf is None:
-        return cache.index_select(0, c.pages.view(-1))
-    return buf.gather(cache, c.pages.view(-1))
+        return cache.index_select(0, c.pages_flat)
+    return buf.gather(cache, c.pages_flat)
 
 
 def _keep_valid(o: torch.Tensor, lse: torch.Tensor, c: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,11 +144,53 @@ def merge_parts(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch
     """Exact merge of ``P`` partial states over disjoint key sets: ``o [P, ..., D]``,
     ``lse [P, ...]`` -> ``o [..., D]``, ``lse [...]``. Every row must have a finite ``lse`` in at
     least one part."""
-    top = lse.amax(dim=0)
-    w = torch.exp(lse - top)
-    denom = w.sum(dim=0)
-    out = (o * w.unsqueeze(-1)).sum(dim=0).div_(denom.unsqueeze(-1))
-    return out, top.add_(torch.log(denom))
+    return merge_outputs(o, lse), torch.logsumexp(lse, dim=0)
+
+
+def merge_outputs(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """:func:`merge_parts` without the merged LSE: each part weighted by its share of the
+    softmax denominator, ``softmax(lse)`` over the parts (three tensor ops in all)."""
+    return (o * torch.softmax(lse, dim=0).unsqueeze(-1)).sum(dim=0)
+
+
+def _kernel_kv(base: torch.Tensor, c: _Chunk) -> torch.Tensor:
+    """``base`` (contiguous ``[S * n_pages, ps, H, D]``, the chunk's pages in ``c.pages`` order)
+    as the fused kernel reads it, ``[S * splits, H, split_len, D]``: a view."""
+    if not base.is_contiguous():
+        base = base.contiguous()
+    ps, h, d = base.shape[1:]
+    part = c.pages.shape[1] * ps // c.splits * h * d  # one part's padded tokens x H x D
+    size = (c.num_segments * c.splits, h, c.split_len, d)
+    return base.as_strided(size, (part, d, h * d, 1), base.storage_offset())
+
+
+def _fused_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
+    bufs: tuple[GatherBuffer, GatherBuffer] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The chunk's K and V for the fused kernel (see :func:`_kernel_kv`): views of the cache
+    for a page run, else gathered, into ``bufs`` when given (views of them kept on the chunk,
+    so a layer costs two ``index_select`` calls and nothing else)."""
+    if c.page_run is not None:
+        first, count = c.page_run
+        end = first + count
+        return _kernel_kv(k_cache[first:end], c), _kernel_kv(v_cache[first:end], c)
+    flat = c.pages_flat
+    if bufs is None:
+        return (
+            _kernel_kv(k_cache.index_select(0, flat), c),
+            _kernel_kv(v_cache.index_select(0, flat), c),
+        )
+    n = flat.shape[0]
+    kb, vb = bufs[0].reserve(n, k_cache), bufs[1].reserve(n, v_cache)
+    views = c.kv_views
+    page = k_cache.shape[1:]
+    if views is None or views[0] is not kb or views[1] is not vb or views[2] != page:
+        ko, vo = kb[:n].view(n, *page), vb[:n].view(n, *page)
+        views = c.kv_views = (kb, vb, page, ko, vo, _kernel_kv(ko, c), _kernel_kv(vo, c))
+    torch.index_select(k_cache, 0, flat, out=views[3])
+    torch.index_select(v_cache, 0, flat, out=views[4])
+    return views[5], views[6]
 
 
 def _attend_chunk_fused(
@@ -151,19 +199,30 @@ def _attend_chunk_fused(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Same contract as :func:`_attend_chunk`, through the fused CPU kernel (K/V read in place
     of a strided view, scores never materialised). ``merge=False``: the parts of split keys are
-    returned unmerged, ``o [splits, R, Hq, D]`` and ``lse [splits, R, Hq]``."""
-    S, G = c.num_segments, c.group
+    returned unmerged, ``o [splits, R, Hq, D]`` and ``lse [splits, R, Hq]``.
+
+    Every reshaping is one ``as_strided`` from the tensors' strides (decode runs this per chunk,
+    layer and step, where a chain of views costs as much as a small kernel)."""
+    S, G, n = c.num_segments, c.group, c.splits
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
     grp = h_q // h_kv
-    n, length = c.splits, c.split_len
-    kb, vb = bufs or (None, None)
-    k = _pages_of(k_cache, c, kb).view(S * n, -1, h_kv, d)[:, :length]
-    v = _pages_of(v_cache, c, vb).view(S * n, -1, h_kv, d)[:, :length]
-    # every query of the segment x every head of KV group h is one "position" of head h
-    qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d).transpose(1, 2).reshape(S, h_kv, G * grp, d)
-    if n > 1:  # each part of a segment's keys is attended by all of the segment's queries
-        qs = qs.unsqueeze(1).expand(S, n, h_kv, G * grp, d).reshape(S * n, h_kv, G * grp, d)
+    k, v = _fused_kv(k_cache, v_cache, c, bufs)
+    # every query of the segment x every head of KV group h is one "position" of head h, and
+    # each of the n parts of a segment's keys is attended by all of the segment's queries
+    # (stride 0): [S, n, Hkv, G, grp, D] -> [S * n, Hkv, G * grp, D]
+    if c.row_range is not None:
+        x, first = q, c.row_range[0]
+        s_s, s_g = G * q.stride(0), q.stride(0)
+    else:
+        assert c.rows is not None
+        x, first = q[c.rows], 0  # [S, G, Hq, D]
+        s_s, s_g = x.stride(0), x.stride(1)
+    s_h, s_d = x.stride(-2), x.stride(-1)
+    qs = x.as_strided(
+        (S, n, h_kv, G, grp, d), (s_s, 0, grp * s_h, s_g, s_h, s_d),
+        x.storage_offset() + first * s_g,
+    ).reshape(S * n, h_kv, G * grp, d)  # fmt: skip
     mask = None
     if c.split_mask is not None:
         mask = c.bias.get(q.dtype)
@@ -171,16 +230,18 @@ def _attend_chunk_fused(
             mask = torch.zeros(c.split_mask.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(c.split_mask, float("-inf"))
             mask = c.bias[q.dtype] = mask.unsqueeze(1)  # [S * n, 1, 1, L]
-    rows = G * grp
-    o, lse = op(
-        flash_query_rows(qs), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
-        attn_mask=mask, scale=scale,
-    )[:2]  # fmt: skip
-    # o [S*n, Hkv, G*grp, D], lse [S*n, Hkv, G*grp]
-    o, lse = o[:, :, :rows].float(), lse[:, :, :rows].float()
-    # -> parts x rows: [n, S*G, Hq, D], [n, S*G, Hq]
-    o = o.view(S, n, h_kv, G, grp, d).permute(1, 0, 3, 2, 4, 5).reshape(n, S * G, h_q, d)
-    lse = lse.view(S, n, h_kv, G, grp).permute(1, 0, 3, 2, 4).reshape(n, S * G, h_q)
+    o, lse = op(flash_query_rows(qs), k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    # o [S*n, Hkv, R, D], lse [S*n, Hkv, R] (R = G * grp, or more when flash_query_rows padded)
+    # -> parts x rows: [n, S, G, Hkv, grp, D] -> [n, S*G, Hq, D], and the same for lse
+    b, h, r, e = o.stride()
+    o = o.as_strided(
+        (n, S, G, h_kv, grp, d), (b, n * b, grp * r, h, r, e), o.storage_offset()
+    ).reshape(n, S * G, h_q, d)  # fmt: skip
+    b, h, r = lse.stride()
+    lse = lse.as_strided(
+        (n, S, G, h_kv, grp), (b, n * b, grp * r, h, r), lse.storage_offset()
+    ).reshape(n, S * G, h_q)  # fmt: skip
+    o, lse = o.float(), lse.float()
     if not merge:
         return o, lse
     # exact merge of the parts (each holds at least one key: lse is finite)
@@ -357,12 +418,14 @@ class TorchCascadeAttention:
         page_run = None
         if num == 1 and flat_pages == list(range(flat_pages[0], flat_pages[0] + n_pages)):
             page_run = (flat_pages[0], n_pages)
+        flat = torch.tensor(flat_pages, dtype=torch.long, device=dev)
         return _Chunk(
             num_segments=num,
             group=g,
             rows=rows,
             row_valid=row_valid,
-            pages=torch.tensor(flat_pages, dtype=torch.long, device=dev).view(num, n_pages),
+            pages=flat.view(num, n_pages),
+            pages_flat=flat,
             kv_len=kv_len,
             kv_mask=kv_mask,
             out_rows=out_rows,
@@ -454,7 +517,12 @@ class TorchCascadeAttention:
                      for chunks in self._levels for c in chunks]  # fmt: skip
             o_all = torch.cat([p[0] for p in parts])
             lse_all = torch.cat([p[1] for p in parts])
-            o, lse = merge_parts(o_all, lse_all) if len(o_all) > 1 else (o_all[0], lse_all[0])
+            if len(o_all) == 1:
+                o, lse = o_all[0], lse_all[0]
+            elif return_lse:
+                o, lse = merge_parts(o_all, lse_all)
+            else:
+                o = merge_outputs(o_all, lse_all)
             out = o.to(q.dtype)
             return (out, lse) if return_lse else out
         o: torch.Tensor | None = None

@@ -64,10 +64,12 @@ class GatherBuffer:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
 
-    def gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """``cache [N, ps, H, D]`` pages ``[n]`` (int64) -> ``[n, ps, H, D]`` view of the buffer."""
-        n = pages.shape[0]
-        row = cache[0].numel()
+    def reserve(self, n: int, cache: torch.Tensor) -> torch.Tensor:
+        """The buffer as ``[capacity, page numel]`` with room for ``n`` pages of ``cache``
+        (``[N, ps, H, D]``). The same tensor until a larger ``n``, another page shape, dtype
+        or device needs a new one, so views of it may be kept while it is returned."""
+        shape = cache.shape
+        row = shape[1] * shape[2] * shape[3]
         buf = self._buf
         if (
             buf is None
@@ -86,9 +88,13 @@ class GatherBuffer:
                     dtype=cache.dtype,
                     device=cache.device,
                 )
-        out = buf[:n]
-        torch.index_select(cache.view(cache.shape[0], row), 0, pages, out=out)
-        return out.view(n, *cache.shape[1:])
+        return buf
+
+    def gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """``cache [N, ps, H, D]`` pages ``[n]`` (int64) -> ``[n, ps, H, D]`` view of the buffer."""
+        n = pages.shape[0]
+        out = self.reserve(n, cache)[:n].view(n, *cache.shape[1:])
+        return torch.index_select(cache, 0, pages, out=out)
 
 
 def token_slots(page_table: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:

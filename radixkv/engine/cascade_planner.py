@@ -15,16 +15,17 @@ share, so that a shared prefix's KV is read once per group rather than once per 
   private pages (partial last page included) and any shared pages too small to pay.
 * Mode ``"auto"`` falls back to the plain one-level plan when the whole step saves fewer than
   ``min_step_saved_tokens`` KV tokens (per layer) or ``min_step_saved_fraction`` of the plain
-  reads: each extra level costs kernel calls and a merge (about 0.1 ms a layer on 2 CPU cores),
-  which the saved reads must outweigh. Measured with bench/bench_cascade.py on radixkv-tiny's
-  head shape (128 K+V values per token and layer) on 2 CPU cores, once plain decode's groups
-  were fitted to the threads: in fp32, cascade loses at 4,096 saved tokens a step (0.65x),
-  breaks even at 7,000-8,000 and wins from 12,288 (1.14x; 1.5x at 15,360); in bf16 it loses at
-  7,168 (0.92x) and wins from 12,288 (1.35x; 1.47x at 15,360). The crossover is a count of
-  values, not of bytes: PyTorch's CPU kernels compute bf16 in fp32, and bf16 decode is no
-  faster per token than fp32 there. So the threshold is ``MIN_STEP_SAVED_VALUES`` = 2**20 K+V
-  values per layer (8,192 tokens here, either dtype), which the engine turns into tokens for
-  its model (:meth:`CascadePlanner.min_step_tokens_for`).
+  reads: each extra level costs kernel calls, gathers and a merge (about 0.1 ms a layer on 2
+  CPU cores), which the saved reads must outweigh. Measured with bench/bench_cascade.py on
+  radixkv-tiny's head shape (128 K+V values per token and layer) on 2 CPU cores, three runs of
+  each grid point around the crossover: in fp32, cascade loses at 3,840 and 4,096 saved tokens
+  a step (0.80-0.84x, 0.88-0.90x) and wins from 7,168 (1.41-1.44x); in bf16 it loses at 3,840
+  (0.92-0.94x) and wins from 4,096 (1.03-1.09x; 1.24-1.28x at 7,168). bf16 crosses over sooner
+  because PyTorch's CPU kernels are slower per token in bf16 than in fp32 (plain decode of 32
+  x 4,224 tokens: 4.3 against 2.8 ms), while the cascade's fixed cost is about the same. So the
+  threshold is ``MIN_STEP_SAVED_VALUES`` K+V values per layer, by the KV's bytes per value
+  (5,120 tokens here in fp32, 4,096 in bf16), which the engine turns into tokens for its model
+  (:meth:`CascadePlanner.min_step_tokens_for`).
   ``"on"`` keeps every segment shared by two or more sequences; ``"off"`` always plans plain
   decode.
 
@@ -51,8 +52,9 @@ from typing import NamedTuple, Protocol
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 
 CASCADE_MODES = ("auto", "on", "off")
-# K+V values (per layer) a step must save for "auto" to pick the cascade (module docstring)
-MIN_STEP_SAVED_VALUES = 1 << 20
+# K+V values (per layer) a step must save for "auto" to pick the cascade, by the KV's bytes per
+# value (module docstring); other sizes use the fp32 value
+MIN_STEP_SAVED_VALUES: dict[int, int] = {4: 5 << 17, 2: 1 << 19}
 
 
 class TrieNode(Protocol):
@@ -165,13 +167,15 @@ class CascadePlanner:
         self._last: _Shared | None = None  # the last cascade plan's shared part (module doc)
 
     @staticmethod
-    def min_step_tokens_for(kv_values_per_token: int) -> int:
+    def min_step_tokens_for(kv_values_per_token: int, bytes_per_value: int = 4) -> int:
         """``min_step_saved_tokens`` for a model with ``kv_values_per_token`` K+V values per
-        token and layer (``2 * num_kv_heads * head_dim``): ``MIN_STEP_SAVED_VALUES`` of them
-        (8,192 for radixkv-tiny's 128)."""
+        token and layer (``2 * num_kv_heads * head_dim``) held in ``bytes_per_value`` bytes
+        each: ``MIN_STEP_SAVED_VALUES`` of them (radixkv-tiny's 128: 5,120 in fp32, 4,096 in
+        bf16)."""
         if kv_values_per_token < 1:
             raise ValueError(f"kv_values_per_token must be >= 1, got {kv_values_per_token}")
-        return -(-MIN_STEP_SAVED_VALUES // kv_values_per_token)
+        values = MIN_STEP_SAVED_VALUES.get(bytes_per_value, MIN_STEP_SAVED_VALUES[4])
+        return -(-values // kv_values_per_token)
 
     # ---------------------------------------------------------------- public
     def plan(self, entries: Sequence[DecodeEntry]) -> CascadeDecision:

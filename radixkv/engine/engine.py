@@ -139,10 +139,11 @@ class Engine:
         )
         # "auto" picks the cascade from MIN_STEP_SAVED_VALUES of K+V saved per layer a step
         token_values = 2 * self.kv_pool.num_kv_heads * self.kv_pool.head_dim
+        value_bytes = self.kv_pool.dtype.itemsize
         self.cascade_planner = CascadePlanner(
             cfg.page_size,
             mode=cfg.cascade,
-            min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_values),
+            min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_values, value_bytes),
         )
         self._intake = RequestIntake(
             cfg,
