@@ -426,3 +426,46 @@ def test_a_call_completed_before_ray_confirms_it_is_not_left_in_flight() -> None
     s.picked("retried", "a", h)
     s.routed("retried", "a", h)
     assert s.load("a") == 1
+
+
+def test_fleet_stats_ask_again_when_a_pin_missed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh handle's router may not list every replica yet and routes a call pinned to an
+    unlisted one like any other: fleet_engine_stats asks that replica again, and skips one
+    that raised (gone) without asking again."""
+    import radixkv.cluster.app as app_mod
+
+    names = [f"SERVE_REPLICA::app#RadixKVReplica#u{i}" for i in range(4)]
+    calls: list[str] = []
+    missed_once: set[str] = set()
+
+    class _Call:
+        def __init__(self, answer: object) -> None:
+            self.answer = answer
+
+        def result(self, timeout_s: float) -> object:
+            if isinstance(self.answer, BaseException):
+                raise self.answer
+            return self.answer
+
+    class _Stats:
+        def remote(self, *, pin_replica: str) -> _Call:
+            calls.append(pin_replica)
+            name = next(n for n in names if n.endswith("#" + pin_replica))
+            if pin_replica == "u3":
+                return _Call(RuntimeError("ActorDiedError"))
+            if pin_replica in ("u1", "u2") and pin_replica not in missed_once:
+                missed_once.add(pin_replica)  # the router did not list it yet
+                return _Call({"replica": names[0], "cached_pages": 9})
+            return _Call({"replica": name, "cached_pages": int(pin_replica[1:])})
+
+    handle = type("H", (), {"engine_stats": _Stats()})()
+    monkeypatch.setattr(app_mod.serve, "get_deployment_handle", lambda dep, app: handle)
+    monkeypatch.setattr(app_mod, "replica_actor_names", lambda app: names)
+    got = app_mod.fleet_engine_stats("app", retry_s=0.0)
+    assert [g["replica"] for g in got] == names[:3]  # u3 is gone
+    assert [g["cached_pages"] for g in got] == [0, 1, 2]
+    assert sorted(calls) == ["u0", "u1", "u1", "u2", "u2", "u3"]  # the dead one asked once
+    calls.clear()
+    missed_once.clear()
+    assert len(app_mod.fleet_engine_stats("app", attempts=1, retry_s=0.0)) == 1  # no retry
+    assert sorted(calls) == ["u0", "u1", "u2", "u3"]

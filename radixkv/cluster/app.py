@@ -14,6 +14,7 @@ resets every replica (see ``fanout.py``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,21 +139,36 @@ def replica_actor_names(app_name: str) -> list[str]:
     return _actor_names(app_name, REPLICA_DEPLOYMENT)
 
 
-def fleet_engine_stats(app_name: str, *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-    """Every engine replica's own EngineStats (as dicts with a "replica" key), one per replica.
+def fleet_engine_stats(
+    app_name: str, *, timeout_s: float = 60.0, attempts: int = 5, retry_s: float = 0.2
+) -> list[dict[str, Any]]:
+    """Every engine replica's own EngineStats (as dicts with a "replica" key), one per replica,
+    in the order of the replicas' actor names.
 
-    Calls are pinned to each replica through the router (``pin_replica``); a replica that is
-    gone or does not answer in time is skipped. Call from synchronous code (the driver).
+    Calls are pinned to each replica through the router (``pin_replica``). A call answered by
+    another replica is made again, up to ``attempts`` calls in all, ``retry_s`` apart: the
+    handle is a fresh one, whose router may not list every replica yet, and routes a call
+    pinned to an unlisted one like any other. A replica that is gone or does not answer in
+    ``timeout_s`` is skipped. Call from synchronous code (the driver).
     """
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name)
     names = replica_actor_names(app_name)
-    calls = [(n, handle.engine_stats.remote(pin_replica=pin_id(n))) for n in names]
-    out = []
-    for name, call in calls:
-        try:
-            got = call.result(timeout_s=timeout_s)
-        except Exception:
-            continue
-        if isinstance(got, dict) and got.get("replica") == name:
-            out.append(got)
-    return out
+    got: dict[str, dict[str, Any]] = {}
+    missed = names  # replicas whose call was answered by another one (all, before the first)
+    for attempt in range(max(1, attempts)):
+        if attempt:
+            time.sleep(retry_s)
+        calls = [(n, handle.engine_stats.remote(pin_replica=pin_id(n))) for n in missed]
+        missed = []
+        for name, call in calls:
+            try:
+                answer = call.result(timeout_s=timeout_s)
+            except Exception:  # gone, or no answer in time: asking again would not help
+                continue
+            if isinstance(answer, dict) and answer.get("replica") == name:
+                got[name] = answer
+            else:
+                missed.append(name)
+        if not missed:
+            break
+    return [got[n] for n in names if n in got]
