@@ -82,7 +82,9 @@ SECTIONS: list[tuple[str, str, str]] = [
         'whether `cascade="auto"` picks the faster (`auto_right`); medians of 15 '
         "interleaved repetitions. End to end: 32 branches on a 4,096-token prompt (8 own "
         "tokens each, 48 greedy tokens), cascade off and auto stepped in lockstep, median of 5 "
-        "repetitions of the decode time ratio.",
+        "repetitions of the decode time ratio. On a shared 2-core VM the attention-only times "
+        "of one configuration vary by up to 20% between processes (when the OpenMP worker "
+        "thread is woken between kernels): compare ratios within one run.",
     ),
     (
         "bench_cascade_bf16",
