@@ -53,7 +53,7 @@ from radixkv.cache.tokens import (
     SHORT_CHECK,
     TOKEN_BYTES,
     TOKEN_SHIFT,
-    ZERO_HALVES,
+    ZEROS_BY_LEN,
     check_range,
     encode_tokens,
     key_to_list,
@@ -391,7 +391,10 @@ class RadixCache:
             # The matched part equals stored (validated) keys: only the rest needs checking.
             start = off + cut[1] * pb if cut else off
             n = nq - start  # check_range's short case inlined: a Python call less
-            if n > SHORT_CHECK or qb[start:].cast("I")[HIGH_HALF::2] != ZERO_HALVES[: n >> 3]:
+            if (
+                n > SHORT_CHECK
+                or qb.cast("I")[(start >> 2) + HIGH_HALF :: 2] != ZEROS_BY_LEN[n >> 3]
+            ):
                 check_range(qb, start)
             self._match_queries += 1
             self._query_tokens += nq >> TOKEN_SHIFT
@@ -566,11 +569,12 @@ class RadixCache:
                 nold = off // pb + (partial[1] if partial is not None else 0)
             # the new leaf's key (a copy of the caller's tokens); the cached part equals stored
             # keys, so only this part needs its ids checked
-            newkey = qb[nold * pb :].tobytes()
-            n = len(newkey)  # check_range's short case inlined, as in match_prefix
+            cached_b = nold * pb  # bytes of the query already cached
+            newkey = qb[cached_b:].tobytes()
+            n = nq - cached_b  # check_range's short case inlined (on the caller's view: one less)
             if (
                 n > SHORT_CHECK
-                or memoryview(newkey).cast("I")[HIGH_HALF::2] != ZERO_HALVES[: n >> 3]
+                or qb.cast("I")[(cached_b >> 2) + HIGH_HALF :: 2] != ZEROS_BY_LEN[n >> 3]
             ):
                 check_range(newkey)
             pool = self.pool

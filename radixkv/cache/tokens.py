@@ -26,11 +26,15 @@ MAX_TOKEN_ID = 2**32 - 1
 # A token id is in [0, 2**32) exactly when the high 32-bit half of its int64 is zero (negative
 # ids have it all ones). Up to SHORT_CHECK bytes, one strided memoryview of those halves
 # compared with zeros (no copy, no allocation of the data) beats a numpy call's fixed cost:
-#     key.cast("I")[HIGH_HALF::2] == ZERO_HALVES[: len(key) >> 3]
-# (RadixCache's hot paths inline that line; check_range is the reference and raises).
+#     key.cast("I")[(start >> 2) + HIGH_HALF :: 2] == ZEROS_BY_LEN[(len(key) - start) >> 3]
+# for a key (byte view) checked from byte offset ``start`` (a token boundary). RadixCache's hot
+# paths inline that line; check_range is the reference and raises.
 SHORT_CHECK = 8192  # bytes (1,024 tokens)
 HIGH_HALF = 1 if sys.byteorder == "little" else 0  # index of the high uint32 of a token's two
 ZERO_HALVES = memoryview(bytes(SHORT_CHECK // 2)).cast("I")
+# ZEROS_BY_LEN[n]: n zero halves, the other side of that compare for an n-token key (a list
+# lookup instead of slicing a view on every check)
+ZEROS_BY_LEN: list[memoryview] = [ZERO_HALVES[:n] for n in range(SHORT_CHECK // 8 + 1)]
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -71,7 +75,7 @@ def check_range(key: bytes | memoryview, start: int = 0, what: str = "tokens") -
     if n <= 0:
         return
     if n <= SHORT_CHECK:
-        ok = memoryview(key)[start:].cast("I")[HIGH_HALF::2] == ZERO_HALVES[: n >> 3]
+        ok = memoryview(key).cast("I")[(start >> 2) + HIGH_HALF :: 2] == ZEROS_BY_LEN[n >> 3]
     else:  # one vectorised pass: negative ids wrap to huge uint64 values. argmax, not max: a
         # plain C loop without the ufunc reduction's setup (about 2 us less on a cold cache)
         ids = np.frombuffer(key, np.uint64, offset=start)
