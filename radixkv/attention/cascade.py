@@ -517,12 +517,9 @@ class TorchCascadeAttention:
                      for chunks in self._levels for c in chunks]  # fmt: skip
             o_all = torch.cat([p[0] for p in parts])
             lse_all = torch.cat([p[1] for p in parts])
-            if len(o_all) == 1:
-                o, lse = o_all[0], lse_all[0]
-            elif return_lse:
-                o, lse = merge_parts(o_all, lse_all)
-            else:
-                o = merge_outputs(o_all, lse_all)
+            if len(o_all) > 1 and not return_lse:
+                return merge_outputs(o_all, lse_all).to(q.dtype)
+            o, lse = merge_parts(o_all, lse_all) if len(o_all) > 1 else (o_all[0], lse_all[0])
             out = o.to(q.dtype)
             return (out, lse) if return_lse else out
         o: torch.Tensor | None = None
