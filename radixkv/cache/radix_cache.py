@@ -16,6 +16,8 @@ from array import array
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+import numpy as np
+
 from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEmitter, Listener
 from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, HostEvictionIndex, get_policy
@@ -50,6 +52,7 @@ from radixkv.cache.tiers import (
 )
 from radixkv.cache.tokens import (
     HIGH_HALF,
+    MAX_TOKEN_ID,
     SHORT_CHECK,
     TOKEN_BYTES,
     TOKEN_SHIFT,
@@ -66,6 +69,8 @@ __all__ = ["InsertResult", "MatchResult", "RadixCache"]
 # __new__ / __init__; the type and the fields are the same.
 _new_tuple = tuple.__new__
 _new_object = object.__new__
+_frombuffer = np.frombuffer
+_UINT64 = np.uint64
 
 
 def _common_pages(key: bytes, mv: memoryview, off: int, limit: int, pb: int) -> int:
@@ -571,12 +576,13 @@ class RadixCache:
             # keys, so only this part needs its ids checked
             cached_b = nold * pb  # bytes of the query already cached
             newkey = qb[cached_b:].tobytes()
-            n = nq - cached_b  # check_range's short case inlined (on the caller's view: one less)
-            if (
-                n > SHORT_CHECK
-                or qb.cast("I")[(cached_b >> 2) + HIGH_HALF :: 2] != ZEROS_BY_LEN[n >> 3]
-            ):
-                check_range(newkey)
+            n = nq - cached_b  # check_range inlined, both cases (the short one on the view)
+            if n > SHORT_CHECK:
+                ids = _frombuffer(newkey, _UINT64)  # negative ids wrap to huge values
+                if ids.item(ids.argmax()) > MAX_TOKEN_ID:
+                    check_range(newkey)  # raises
+            elif qb.cast("I")[(cached_b >> 2) + HIGH_HALF :: 2] != ZEROS_BY_LEN[n >> 3]:
+                check_range(newkey)  # raises
             pool = self.pool
             # The last check of the call: pages that are the cached ones followed by a run of
             # HELD pages (what match + alloc hand out) are checked and adopted at once, and the
