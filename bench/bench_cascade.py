@@ -23,9 +23,14 @@ logits that the two summation orders round apart (``outputs_equal`` counts whole
 
 Timing: every repetition times both sides back to back (alternating which goes first); the
 statistic is the median over repetitions (``--timer cpu``: one thread and that thread's CPU time,
-which other processes cannot inflate by taking the CPU away).
+which other processes cannot inflate by taking the CPU away). On a small shared VM one
+configuration's times also vary between processes (up to 20% on 2 cores: how the OpenMP worker
+is woken between kernels), so the issue's point, B=32 on a 4,096-token prefix, is also run
+alone in ``--headline-procs`` fresh processes (``headline``: every process's speedup and their
+median).
 
     python bench/bench_cascade.py [--quick] [--dtype float32|bfloat16] [--out FILE]
+        [--headline-procs N] [--only B,P]
 """
 
 from __future__ import annotations
@@ -267,6 +272,35 @@ def bench_end_to_end(
     }
 
 
+# the issue's attention-only point: 32 requests on a 4,096-token prefix
+HEADLINE = (32, 4096)
+
+
+def headline_in_processes(procs: int, dtype: str, timer: str) -> dict[str, Any]:
+    """``HEADLINE`` run alone (``--only``) in ``procs`` fresh processes, one after another."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(procs):
+            out = Path(tmp) / f"p{i}.json"
+            cmd = [sys.executable, __file__, "--only", f"{HEADLINE[0]},{HEADLINE[1]}"]
+            cmd += ["--skip-e2e", "--dtype", dtype, "--timer", timer, "--out", str(out)]
+            subprocess.run(cmd, check=True, capture_output=True)
+            rows.append(json.loads(out.read_text())["attention"][0])
+    speedups = [r["speedup"] for r in rows]
+    return {
+        "batch": HEADLINE[0],
+        "prefix_len": HEADLINE[1],
+        "processes": procs,
+        "speedups": speedups,
+        "median_speedup": statistics.median(speedups),
+        "plain_ms": [r["plain_ms"] for r in rows],
+        "cascade_ms": [r["cascade_ms"] for r in rows],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer configurations and repetitions")
@@ -284,6 +318,13 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=128)
     ap.add_argument("--reps", type=int, default=None, help="default 5 quick, 15 full")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument(
+        "--headline-procs",
+        type=int,
+        default=None,
+        help=f"fresh processes running B,P = {HEADLINE} alone (default 0 quick, 5 full)",
+    )
+    ap.add_argument("--only", default=None, help="B,P: run this grid point alone")
     ap.add_argument(
         "--timer",
         choices=["wall", "cpu"],
@@ -307,6 +348,9 @@ def main() -> None:
         args.out = str(ROOT / f"bench/results/bench_cascade{suffix}.json")
     batches = [1, 4, 32] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     prefixes = [512, 4096] if args.quick else [256, 1024, 4096]
+    if args.only:
+        b_only, p_only = (int(x) for x in args.only.split(","))
+        batches, prefixes = [b_only], [p_only]
     reps = args.reps or (5 if args.quick else 15)
     rows = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
@@ -344,6 +388,14 @@ def main() -> None:
         "attention": rows,
         "auto_right_everywhere": all(r["auto_right"] for r in rows),
     }
+    procs = args.headline_procs if args.headline_procs is not None else (0 if args.quick else 5)
+    if procs > 0 and not args.only:
+        result["headline"] = headline_in_processes(procs, args.dtype, args.timer)
+        h = result["headline"]
+        print(
+            f"B={HEADLINE[0]} P={HEADLINE[1]} alone in {procs} fresh processes: speedups "
+            f"{h['speedups']}, median {h['median_speedup']}x"
+        )
     if not args.skip_e2e:
         e2e = bench_end_to_end(
             prompt_len=args.e2e_prompt,

@@ -84,7 +84,8 @@ SECTIONS: list[tuple[str, str, str]] = [
         "tokens each, 48 greedy tokens), cascade off and auto stepped in lockstep, median of 5 "
         "repetitions of the decode time ratio. On a shared 2-core VM the attention-only times "
         "of one configuration vary by up to 20% between processes (when the OpenMP worker "
-        "thread is woken between kernels): compare ratios within one run.",
+        "thread is woken between kernels): compare ratios within one run, and see `headline` "
+        "for the issue's point (B=32, P=4096) run alone in five fresh processes.",
     ),
     (
         "bench_cascade_bf16",
