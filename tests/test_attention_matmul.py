@@ -222,6 +222,19 @@ def test_it_runs_where_it_pays_measured_once_per_shape(monkeypatch: pytest.Monke
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize(("blocks_s", "chosen"), [(0.97, False), (0.86, False), (0.84, True)])
+def test_a_near_tie_keeps_the_flash_kernel(
+    monkeypatch: pytest.MonkeyPatch, blocks_s: float, chosen: bool
+) -> None:
+    """The blocks must take under MIN_SHARE of the kernel's time: a near tie, which timing
+    noise would decide either way from one process to the next (and with it the rounding of
+    every prefill), keeps the kernel."""
+    assert matmul_attention.MIN_SHARE == 0.85
+    monkeypatch.setattr(matmul_attention, "_PAYS", {})
+    monkeypatch.setattr(matmul_attention, "_time_both", lambda *a: (blocks_s, 1.0))
+    assert matmul_attention.pays(BF16, 8, 4, 64) is chosen
+
+
 def test_the_measurement_times_both_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(matmul_attention, "CALIBRATION_TOKENS", 64)
     for dtype in (BF16, torch.float32):

@@ -48,6 +48,13 @@ MODE = "auto"
 # per head, so more heads would only take longer), best of this many runs of each, interleaved.
 CALIBRATION_TOKENS = 1024
 CALIBRATION_RUNS = 3
+# The blocks must take at most this share of the kernel's time to be chosen. Where the two are
+# closer, the measurement's noise would pick either from one process to the next, and with it
+# the rounding of every prefill: on a 2-core Zen 4, radixkv-tiny's bf16 head timed 1.64-2.39 ms
+# (blocks) against 1.69-1.75 ms (kernel) in four processes, two picks each way, and the greedy
+# outputs of a bf16 tree-of-thought run differed between processes at near ties. The kernel is
+# kept there (at most 15% slower in prefill attention); a real win (2.4x on Zen 5) still counts.
+MIN_SHARE = 0.85
 _PAYS: dict[tuple[torch.dtype, int, int, int, int], bool] = {}
 
 # A block's score matrix ([rows * group, keys] fp32, per kv head) is kept near this size: large
@@ -111,8 +118,10 @@ def pays(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int
     Under ``MODE = "auto"`` the first call per (dtype, query heads per kv head, head_dim,
     threads) times both (``CALIBRATION_TOKENS`` tokens, up to two kv heads, best of
     ``CALIBRATION_RUNS``; tens of milliseconds for a small model) and the answer is kept for
-    the process, so one process takes one path throughout. Both are exact attention: the
-    choice changes speed and rounding, never which keys a query sees.
+    the process, so one process takes one path throughout; the blocks are chosen only when they
+    take under ``MIN_SHARE`` of the kernel's time, so that a near tie does not pick a different
+    path (and rounding) from process to process. Both are exact attention: the choice changes
+    speed and rounding, never which keys a query sees.
     """
     if MODE != "auto":
         return MODE == "always"
@@ -122,7 +131,7 @@ def pays(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int
     answer = _PAYS.get(key)
     if answer is None:
         matmul_s, flash_s = _time_both(dtype, group * hkv, hkv, head_dim)
-        answer = _PAYS[key] = matmul_s < flash_s
+        answer = _PAYS[key] = matmul_s < MIN_SHARE * flash_s
     return answer
 
 
