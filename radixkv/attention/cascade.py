@@ -211,17 +211,10 @@ def _attend_chunk_fused(
     # every query of the segment x every head of KV group h is one "position" of head h, and
     # each of the n parts of a segment's keys is attended by all of the segment's queries
     # (stride 0): [S, n, Hkv, G, grp, D] -> [S * n, Hkv, G * grp, D]
-    if c.row_range is not None:
-        x, first = q, c.row_range[0]
-        s_s, s_g = G * q.stride(0), q.stride(0)
-    else:
-        assert c.rows is not None
-        x, first = q[c.rows], 0  # [S, G, Hq, D]
-        s_s, s_g = x.stride(0), x.stride(1)
-    s_h, s_d = x.stride(-2), x.stride(-1)
+    x = _chunk_queries(q, c)  # [S, G, Hq, D]
+    s_s, s_g, s_h, s_d = x.stride()
     qs = x.as_strided(
-        (S, n, h_kv, G, grp, d), (s_s, 0, grp * s_h, s_g, s_h, s_d),
-        x.storage_offset() + first * s_g,
+        (S, n, h_kv, G, grp, d), (s_s, 0, grp * s_h, s_g, s_h, s_d), x.storage_offset()
     ).reshape(S * n, h_kv, G * grp, d)  # fmt: skip
     mask = None
     if c.split_mask is not None:
