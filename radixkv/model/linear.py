@@ -1,25 +1,76 @@
-"""``Linear``: ``nn.Linear`` whose inference forward on a CPU in fp32 runs oneDNN's matmul.
+"""``Linear``: ``nn.Linear`` whose inference forward on a CPU runs oneDNN's matmul, on a weight
+packed once into oneDNN's layout.
 
 Why and how: radixkv/onednn.py (on AMD CPUs PyTorch's BLAS runs fp32 at half of what oneDNN
-reaches). Same parameters and state dict as ``nn.Linear`` (Hugging Face names load unchanged).
-Only inference takes the oneDNN path; training (tools/train_tiny.py) and any other dtype or
-device use ``F.linear``. Logits agree with Hugging Face's within the tests' 1e-4, and greedy
-tokens with it on the test prompts. ``radixkv.onednn.USE_ONEDNN = False`` turns it off.
+reaches; a weight oneDNN has to repack on every call costs a decode step of 32 rows about a
+third of its linear-layer time). Same parameters and state dict as ``nn.Linear`` (Hugging Face
+names load unchanged). Only inference takes the oneDNN path; training (tools/train_tiny.py) and
+any other dtype or device use ``F.linear``. Logits agree with Hugging Face's within the tests'
+1e-4, and greedy tokens with it on the test prompts. ``radixkv.onednn.USE_ONEDNN = False``
+turns oneDNN off, ``radixkv.onednn.PREPACK = False`` (or ``RADIXKV_PREPACK=0``) the packing.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from radixkv.onednn import linear
+from radixkv.onednn import linear, pack_weight, packing_available
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with :func:`radixkv.onednn.linear` as its forward (module docstring)."""
+    """``nn.Linear`` with :func:`radixkv.onednn.linear` as its forward (module docstring).
+
+    The packed weight is built on the first CPU inference call in fp32 or bf16 and kept beside
+    the parameter (a second copy of the weight: memory for speed). It is rebuilt when the
+    weight changes: in place (``load_state_dict``, ``copy_``: the tensor's version counter;
+    not for a weight created under ``torch.inference_mode``, which has none: call
+    :meth:`drop_packed` after changing such a weight in place), replaced, or moved or cast
+    (``.to()``, which also drops it). It is not a parameter or a
+    buffer: state dicts, copies and pickles never carry it."""
+
+    _packed: torch.Tensor | None = None
+    _packed_for: tuple[int, int, int, torch.dtype] | None = None  # (id, data_ptr, version, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self._packed_weight(x))
+
+    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of the current weight when ``x``'s call can use one, else None."""
+        w = self.weight
+        if (
+            x.device.type != "cpu"
+            or x.dtype is not w.dtype
+            or torch.is_grad_enabled()
+            or not packing_available(w.dtype)
+        ):
+            return None
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor has no version counter: in-place changes
+            version = -1  # made under inference_mode go unseen (drop_packed() then)
+        key = (id(w), w.data_ptr(), version, w.dtype)
+        if key != self._packed_for:
+            self._packed = None  # the old copy goes before the new one is made
+            self._packed = pack_weight(w)
+            self._packed_for = key
+        return self._packed
+
+    def drop_packed(self) -> None:
+        """Free the packed copy (the next CPU inference call packs again)."""
+        self._packed = self._packed_for = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        self.drop_packed()  # .to(), .float(), .cuda(): the copy would be stale
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state.pop("_packed_for", None)
+        return state
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", cpu fp32 inference: oneDNN"
+        return super().extra_repr() + ", cpu inference: oneDNN"
