@@ -179,3 +179,33 @@ def test_a_failing_packer_leaves_the_unpacked_path(monkeypatch: pytest.MonkeyPat
     assert (got.double() - _reference(layer, x)).abs().max().item() < 1e-4
     if onednn_mod._ONEDNN_LINEAR is not None:
         assert onednn_available()  # the unpacked oneDNN product still runs
+
+
+@needs_packing
+def test_the_runner_packs_every_linear_when_it_starts() -> None:
+    """No request pays for packing: the CPU runner packs every layer up front."""
+    from radixkv.kv.kv_pool import KVPool
+    from radixkv.model.loader import load_model
+    from radixkv.model.runner import ModelRunner
+
+    model = load_model("radixkv-tiny-random", dtype="float32").model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.drop_packed()
+    cfg = model.config
+    pool = KVPool(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    ModelRunner(model, pool)
+    assert linears and all(m._packed is not None for m in linears)
+    packed = [m._packed for m in linears]
+    ModelRunner(model, pool)  # a second runner on the same model packs nothing again
+    assert all(m._packed is p for m, p in zip(linears, packed, strict=True))
+
+
+def test_pack_says_whether_a_copy_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer, _ = _pair(True)
+    assert layer.pack() is CAN_PACK
+    assert (layer._packed is not None) is CAN_PACK
+    assert Linear(4, 4).double().pack() is False  # no packed layout for float64
+    layer.drop_packed()
+    monkeypatch.setattr(onednn_mod, "PREPACK", False)
+    assert layer.pack() is False and layer._packed is None

@@ -47,6 +47,9 @@ class Linear(nn.Linear):
             or not packing_available(w.dtype)
         ):
             return None
+        return self._current_pack(w)
+
+    def _current_pack(self, w: torch.Tensor) -> torch.Tensor | None:
         try:
             version = w._version
         except RuntimeError:  # an inference tensor has no version counter: in-place changes
@@ -57,6 +60,15 @@ class Linear(nn.Linear):
             self._packed = pack_weight(w)
             self._packed_for = key
         return self._packed
+
+    def pack(self) -> bool:
+        """Pack the current weight now rather than on the next inference call (the model
+        runner does it for every layer when it starts, so no request waits for it); True when
+        a packed copy exists (False on other devices and dtypes, or with packing off)."""
+        w = self.weight
+        if w.device.type != "cpu" or not packing_available(w.dtype):
+            return False
+        return self._current_pack(w) is not None
 
     def drop_packed(self) -> None:
         """Free the packed copy (the next CPU inference call packs again)."""
@@ -74,3 +86,8 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", cpu inference: oneDNN"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """:meth:`Linear.pack` every Linear of ``model``; returns how many have a packed copy."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, Linear))

@@ -18,6 +18,7 @@ from radixkv.attention.torch_backend import TorchAttention
 from radixkv.debug import debug_checks_enabled
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.cpu_malloc import keep_freed_memory
+from radixkv.model.linear import pack_linears
 from radixkv.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class ModelRunner:
             raise ValueError("KV pool does not fit the model: " + "; ".join(problems))
         if kv_pool.device.type == "cpu":
             keep_freed_memory()  # activations reuse heap pages instead of faulting new ones
+            pack_linears(model)  # now, not in the first request's forward (radixkv/onednn.py)
         self.model = model
         self.config = cfg
         self.kv_pool = kv_pool
