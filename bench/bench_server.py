@@ -91,10 +91,10 @@ def run_load(args: argparse.Namespace, cache_on: bool) -> dict[str, Any]:
         res = asyncio.run(load(srv.url, args, systems))
         wall = time.perf_counter() - t0
         stats = httpx.get(srv.url + "/metrics").text
-    hit_rate = next(
+    hit_rate = next(  # the series carries labels: radixkv_prefix_cache_hit_rate{model_name=...}
         float(line.split()[-1])
         for line in stats.splitlines()
-        if line.startswith("radixkv_prefix_cache_hit_rate ")
+        if line.startswith(("radixkv_prefix_cache_hit_rate ", "radixkv_prefix_cache_hit_rate{"))
     )
     lat = [r["latency"] for r in res]
     ttft = [r["ttft"] for r in res]
