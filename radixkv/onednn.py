@@ -23,9 +23,11 @@ first copies it into its blocked layout, on every call; a model weight never cha
 inference, so the copy can be made once. The per-call copy reads and writes the whole weight
 for every product, which a decode step of a few rows does not amortise: measured on a 2-core
 AMD EPYC (Zen 4), radixkv-tiny's linear layers for 32 rows (a decode step of 32 sequences)
-take 5.2 ms unpacked and 3.6 ms packed in fp32, 2.9 and 2.2 ms in bf16; for 256 rows (a
-prefill chunk) 5-10% less. Outputs are bit-identical to the unpacked oneDNN product's from 2
-rows up (measured there); a single row rounds differently in fp32 (a few ulps). The
+take 5.2 ms unpacked and 3.7 ms packed in fp32, 2.9 and 1.9 ms in bf16; for 256 rows (a
+prefill chunk) 5-10% less; for a single bf16 row 1.06 against 0.42 ms. Outputs are
+bit-identical to the unpacked oneDNN product's from 2 rows up (measured there). A single fp32
+row rounds differently packed (a few ulps) and runs no faster (7% slower in that
+measurement), so the model's Linear multiplies it by the plain weight. The
 packed copy is a second copy of the weight in memory (the model's Linear keeps it beside its
 parameter): ``PREPACK = False``, or the environment variable ``RADIXKV_PREPACK=0`` read at
 import, turns packing off.

@@ -52,8 +52,22 @@ def test_inference_matches_f_linear(bias: bool, rows: int) -> None:
     assert torch.equal(got, got_no_grad)
     if onednn_mod._ONEDNN_LINEAR is not None:
         assert onednn_available()  # the probe succeeded: this PyTorch has it
-    if CAN_PACK:
-        assert layer._packed is not None and layer._packed.dtype == torch.float32
+    if CAN_PACK:  # a lone fp32 row keeps the plain weight (radixkv/onednn.py)
+        assert (layer._packed is not None) is (rows > 1)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 2, 8, 37])
+def test_packed_rows_match_the_unpacked_product(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing changes the speed, not the result (measured on this project's CPUs; a lone fp32
+    row is not packed at all)."""
+    layer, x = _pair(True, rows)
+    assert layer.pack()
+    with torch.inference_mode():
+        got = layer(x)
+        monkeypatch.setattr(onednn_mod, "PREPACK", False)
+        unpacked = layer(x)
+    assert (got - unpacked).abs().max().item() <= 1e-5 * unpacked.abs().max().item()
 
 
 @needs_packing

@@ -45,6 +45,9 @@ class Linear(nn.Linear):
             or x.dtype is not w.dtype
             or torch.is_grad_enabled()
             or not packing_available(w.dtype)
+            # a single fp32 row: the plain weight is as fast (oneDNN multiplies it as a
+            # vector), and its rounding stays that of every other row count (module docstring)
+            or (w.dtype is torch.float32 and x.numel() == x.shape[-1])
         ):
             return None
         return self._current_pack(w)
