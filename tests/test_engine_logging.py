@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from radixkv import onednn
 from radixkv.attention import registry
 from radixkv.attention.registry import choose_backend
 from radixkv.engine.engine import Engine
@@ -29,7 +30,9 @@ def _messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == level]
 
 
-def test_startup_summary_names_what_was_built(caplog: pytest.LogCaptureFixture) -> None:
+def test_startup_summary_names_what_was_built(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with caplog.at_level(logging.INFO, logger=ENGINE_LOGGER):
         eng = Engine(MODEL, num_pages=48, page_size=8, eviction_policy="lfu")
     (line,) = [m for m in _messages(caplog, logging.INFO) if m.startswith("radixkv engine:")]
@@ -44,12 +47,20 @@ def test_startup_summary_names_what_was_built(caplog: pytest.LogCaptureFixture) 
     ):
         assert part in line, (part, line)
     assert f"), prefill by {eng.runner.attn.prefill_path}; KV pool" in line
+    packed = eng.runner.packed_weight_bytes  # the second copy packing costs, said up front
+    if onednn.packing_available(torch.float32):
+        assert packed > 0 and line.endswith(
+            f"prefix cache on (lfu eviction); linear weights packed for oneDNN "
+            f"(+{packed / 2**20:.1f} MiB; RADIXKV_PREPACK=0 turns it off)"
+        )
     assert not _messages(caplog, logging.WARNING)
     caplog.clear()
+    monkeypatch.setattr(onednn, "PREPACK", False)
     with caplog.at_level(logging.INFO, logger=ENGINE_LOGGER):
-        Engine(MODEL, num_pages=8, enable_prefix_cache=False, attention_backend="torch")
+        eng = Engine(MODEL, num_pages=8, enable_prefix_cache=False, attention_backend="torch")
     (line,) = _messages(caplog, logging.INFO)
     assert "attention torch (requested)" in line and line.endswith("prefix cache off")
+    assert eng.runner.packed_weight_bytes == 0
 
 
 def test_backend_choice_and_reasons(monkeypatch: pytest.MonkeyPatch) -> None:

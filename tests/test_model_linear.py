@@ -208,8 +208,9 @@ def test_the_runner_packs_every_linear_when_it_starts() -> None:
         m.drop_packed()
     cfg = model.config
     pool = KVPool(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    ModelRunner(model, pool)
+    runner = ModelRunner(model, pool)
     assert linears and all(m._packed is not None for m in linears)
+    assert runner.packed_weight_bytes == sum(4 * m.weight.numel() for m in linears)
     packed = [m._packed for m in linears]
     ModelRunner(model, pool)  # a second runner on the same model packs nothing again
     assert all(m._packed is p for m, p in zip(linears, packed, strict=True))

@@ -167,10 +167,17 @@ class Engine:
         kv, cfg, choice = self.kv_pool, self.config, self.backend_choice
         # the torch backend's prefill kernel depends on the CPU (measured: matmul_attention.pays)
         path = getattr(self.runner.attn, "prefill_path", None)
+        packed = self.runner.packed_weight_bytes  # a second copy of these (radixkv/onednn.py)
+        packed_note = (
+            f"; linear weights packed for oneDNN (+{packed / 2**20:.1f} MiB; RADIXKV_PREPACK=0 "
+            "turns it off)"
+            if packed
+            else ""
+        )
         log.info(
             "radixkv engine: model %s (%s, %d layers, max context %d tokens) on %s in %s; "
             "attention %s (%s)%s; KV pool %d pages x %d tokens = %d tokens (%.1f MiB); "
-            "prefix cache %s",
+            "prefix cache %s%s",
             self.model.name,
             self.model.config.architecture,
             self.model.config.num_layers,
@@ -185,6 +192,7 @@ class Engine:
             kv.num_pages * cfg.page_size,
             kv.num_pages * kv.bytes_per_page / 2**20,
             f"on ({cfg.eviction_policy} eviction)" if cfg.enable_prefix_cache else "off",
+            packed_note,
         )
         if choice.fallback:
             log.warning(

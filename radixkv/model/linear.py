@@ -92,5 +92,10 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """:meth:`Linear.pack` every Linear of ``model``; returns how many have a packed copy."""
-    return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
+    """:meth:`Linear.pack` every Linear of ``model``; returns the bytes of the weights that now
+    have a packed copy (about what the copies take)."""
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if isinstance(m, Linear) and m.pack()
+    )

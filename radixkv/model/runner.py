@@ -82,9 +82,12 @@ class ModelRunner:
             problems.append(f"device {kv_pool.device} != model's {model.device}")
         if problems:
             raise ValueError("KV pool does not fit the model: " + "; ".join(problems))
+        # bytes of linear weights with a packed copy for oneDNN (radixkv/onednn.py): packed
+        # now, not in the first request's forward; the copies take about as much again
+        self.packed_weight_bytes = 0
         if kv_pool.device.type == "cpu":
             keep_freed_memory()  # activations reuse heap pages instead of faulting new ones
-            pack_linears(model)  # now, not in the first request's forward (radixkv/onednn.py)
+            self.packed_weight_bytes = pack_linears(model)
         self.model = model
         self.config = cfg
         self.kv_pool = kv_pool
