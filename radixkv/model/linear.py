@@ -23,13 +23,15 @@ from radixkv.onednn import linear, pack_weight, packing_available
 class Linear(nn.Linear):
     """``nn.Linear`` with :func:`radixkv.onednn.linear` as its forward (module docstring).
 
-    The packed weight is built on the first CPU inference call in fp32 or bf16 and kept beside
-    the parameter (a second copy of the weight: memory for speed). It is rebuilt when the
+    The packed weight (fp32 or bf16 on a CPU) is built by :meth:`pack`, which the model runner
+    calls for every layer when it starts, or else on the first inference call that uses it, and
+    kept beside the parameter (a second copy of the weight: memory for speed). A single fp32
+    row is multiplied by the plain weight (radixkv/onednn.py says why). It is rebuilt when the
     weight changes: in place (``load_state_dict``, ``copy_``: the tensor's version counter;
     not for a weight created under ``torch.inference_mode``, which has none: call
     :meth:`drop_packed` after changing such a weight in place), replaced, or moved or cast
-    (``.to()``, which also drops it). It is not a parameter or a
-    buffer: state dicts, copies and pickles never carry it."""
+    (``.to()``, which also drops it). It is not a parameter or a buffer: state dicts, copies
+    and pickles never carry it."""
 
     _packed: torch.Tensor | None = None
     _packed_for: tuple[int, int, int, torch.dtype] | None = None  # (id, data_ptr, version, dtype)
