@@ -97,6 +97,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _probed_product(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, state: dict, key: object
+) -> torch.Tensor | None:
+    """oneDNN's ``x @ w^T + bias``, its outcome recorded in ``state[key]``; None when it fails
+    before it ever worked (a missing kernel: callers fall back), raises when it fails after."""
+    assert _ONEDNN_LINEAR is not None
+    try:
+        out = _ONEDNN_LINEAR(x, w, bias, "none", [], "")
+    except (RuntimeError, TypeError):
+        if state.get(key):
+            raise  # worked before: a real error, not a missing kernel
+        state[key] = False
+        return None
+    state[key] = True
+    return out
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -109,25 +126,11 @@ def linear(
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     if packed is not None and x.dtype is packed.dtype and USE_ONEDNN:
-        assert _ONEDNN_LINEAR is not None  # pack_weight made it
-        try:
-            out = _ONEDNN_LINEAR(x, packed, bias, "none", [], "")
-        except (RuntimeError, TypeError):
-            if _PACK_STATE.get(x.dtype):
-                raise  # worked before: a real error, not a missing kernel
-            _PACK_STATE[x.dtype] = False
-        else:
-            _PACK_STATE[x.dtype] = True
+        out = _probed_product(x, packed, bias, _PACK_STATE, x.dtype)
+        if out is not None:
             return out
     if x.dtype is torch.float32 and onednn_available():
-        assert _ONEDNN_LINEAR is not None
-        try:
-            out = _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-        except (RuntimeError, TypeError):
-            if _STATE.get("ok"):
-                raise  # worked before: a real error, not a missing kernel
-            _STATE["ok"] = False
-        else:
-            _STATE["ok"] = True
+        out = _probed_product(x, weight, bias, _STATE, "ok")
+        if out is not None:
             return out
     return F.linear(x, weight, bias)

@@ -41,20 +41,22 @@ class Linear(nn.Linear):
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of the current weight when ``x``'s call can use one, else None."""
-        w = self.weight
         if (
-            x.device.type != "cpu"
-            or x.dtype is not w.dtype
+            x.dtype is not self.weight.dtype
             or torch.is_grad_enabled()
-            or not packing_available(w.dtype)
             # a single fp32 row: the plain weight is as fast (oneDNN multiplies it as a
             # vector), and its rounding stays that of every other row count (module docstring)
-            or (w.dtype is torch.float32 and x.numel() == x.shape[-1])
+            or (x.dtype is torch.float32 and x.numel() == x.shape[-1])
         ):
             return None
-        return self._current_pack(w)
+        return self._current_pack()
 
-    def _current_pack(self, w: torch.Tensor) -> torch.Tensor | None:
+    def _current_pack(self) -> torch.Tensor | None:
+        """The packed copy of the current weight, made if missing or stale; None where packing
+        is unavailable (device, dtype, switches) or failed."""
+        w = self.weight
+        if w.device.type != "cpu" or not packing_available(w.dtype):
+            return None
         try:
             version = w._version
         except RuntimeError:  # an inference tensor has no version counter: in-place changes
@@ -70,10 +72,7 @@ class Linear(nn.Linear):
         """Pack the current weight now rather than on the next inference call (the model
         runner does it for every layer when it starts, so no request waits for it); True when
         a packed copy exists (False on other devices and dtypes, or with packing off)."""
-        w = self.weight
-        if w.device.type != "cpu" or not packing_available(w.dtype):
-            return False
-        return self._current_pack(w) is not None
+        return self._current_pack() is not None
 
     def drop_packed(self) -> None:
         """Free the packed copy (the next CPU inference call packs again)."""
