@@ -1,4 +1,4 @@
-"""The ``radixkv`` command line: demo, generate, bench-cache, serve, serve-ray.
+"""The ``radixkv`` command line: demo, generate, bench, bench-cache, serve, serve-ray.
 
 ``radixkv ...`` and ``python -m radixkv ...`` are the same program."""
 
@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
 
     sub.add_parser(
+        "bench",
+        help="the engine on a synthetic workload, prefix cache off vs on (radixkv bench --help)",
+        add_help=False,
+    )
+    sub.add_parser(
         "bench-cache", help="cache micro-benchmarks (bench/bench_cache.py)", add_help=False
     )
     sub.add_parser("serve", help="OpenAI-compatible server (radixkv serve --help)", add_help=False)
@@ -200,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # serve and bench-cache own their flags; hand them the rest of the command line untouched
+    # serve, bench and bench-cache own their flags; hand them the rest of the command line
     if argv and argv[0] == "serve":
         from radixkv.server import main as serve_main
 
@@ -209,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         from radixkv.cluster.cli import main as serve_ray_main
 
         return int(serve_ray_main(argv[1:]) or 0)
+    if argv and argv[0] == "bench":
+        from radixkv.engine.bench_cli import main as bench_main
+
+        return bench_main(argv[1:])
     if argv and argv[0] == "bench-cache":
         return _bench_cache(argv[1:])
     args = build_parser().parse_args(argv)

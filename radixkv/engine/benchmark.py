@@ -107,14 +107,15 @@ def measure(
 
 def format_table(results: Sequence[WorkloadResult]) -> str:
     """A fixed-width comparison table, one row per result."""
+    w = max([22, *(len(r.name) for r in results)])  # the name column fits every name
     head = (
-        f"{'workload':<22} {'cache':>5} {'hit rate':>8} {'TTFT mean':>10} {'TTFT p99':>10} "
+        f"{'workload':<{w}} {'cache':>5} {'hit rate':>8} {'TTFT mean':>10} {'TTFT p99':>10} "
         f"{'tok/s':>9} {'prefill run':>11} {'saved':>9} {'wall s':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.name:<22} {'on' if r.cache else 'off':>5} {r.hit_rate:>8.1%} "
+            f"{r.name:<{w}} {'on' if r.cache else 'off':>5} {r.hit_rate:>8.1%} "
             f"{r.ttft_mean_s * 1e3:>8.0f}ms {r.ttft_p99_s * 1e3:>8.0f}ms "
             f"{r.throughput_tok_s:>9.0f} {r.prefill_computed:>11,} {r.prefill_saved:>9,} "
             f"{r.wall_s:>7.2f}"

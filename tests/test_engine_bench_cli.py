@@ -1,0 +1,98 @@
+"""``radixkv bench``: the engine benchmark command (small workloads), its report and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixkv.cli import main
+
+
+def _bench(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--no-progress", "--json", str(out), *flags]) == 0
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def test_generated_shared_prefix_cache_off_then_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    groups, per_group, system, question = 2, 3, 64, 16
+    report = _bench(
+        tmp_path,
+        *("--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(per_group)),
+        *("--gsp-system-prompt-len", str(system), "--gsp-question-len", str(question)),
+        *("--gsp-output-len", "3", "--num-pages", "256"),
+    )
+    out = capsys.readouterr().out
+    n = groups * per_group
+    work = report["workload"]
+    assert work["dataset"] == "generated-shared-prefix" and work["requests"] == n
+    assert work["prompt_tokens"] == n * (system + question)
+    # every prompt past the first of its group could reuse the group's system prompt
+    assert work["ideal_hit_rate"] == pytest.approx(
+        (n - groups) * system / (n * (system + question))
+    )
+    off, on = report["results"]
+    assert (off["cache"], on["cache"]) == (False, True)
+    assert off["prefill_saved"] == 0 and off["prefill_computed"] == work["prompt_tokens"]
+    assert 0 < on["prefill_saved"] <= (n - groups) * system
+    assert on["prefill_computed"] + on["prefill_saved"] == work["prompt_tokens"]
+    assert on["output_tokens"] == off["output_tokens"] == n * 3  # ignore_eos: every token
+    assert on["hit_rate"] <= work["ideal_hit_rate"] + 1e-9
+    assert report["summary"]["hit_rate"] == on["hit_rate"]
+    assert report["engine"]["page_size"] == 16 and report["engine"]["enable_prefix_cache"]
+    # the printed report: header, table, ratios
+    assert "radixkv bench: generated-shared-prefix" in out and "perfect cache" in out
+    assert "TTFT mean" in out and "prefix cache: time to first token" in out
+    assert "model radixkv-tiny in float32" in out
+
+
+def test_branches_decode_with_the_cascade(tmp_path: Path) -> None:
+    report = _bench(
+        tmp_path,
+        *("--dataset-name", "branches", "--num-prompts", "4", "--branches-prefix-len", "256"),
+        *("--branches-unique-len", "4", "--branches-output-len", "4"),
+        *("--cache", "on", "--cascade", "on"),
+    )
+    (on,) = report["results"]
+    assert on["cache"] is True and report["summary"] == {}  # one side: no ratios
+    assert on["prefill_saved"] == 3 * 256  # the trunk, computed once
+    assert on["cascade_steps"] > 0
+    assert on["decode_kv_bytes_read"] < on["decode_kv_bytes_plain"]
+    assert any("cascade in" in line for line in report["summary_lines"])
+
+
+def test_random_prompts_get_no_hits_and_the_warmup_is_forgotten(tmp_path: Path) -> None:
+    report = _bench(
+        tmp_path,
+        *("--dataset-name", "random", "--num-prompts", "3", "--random-input-len", "48"),
+        *("--random-output-len", "2", "--cache", "on"),
+    )
+    (on,) = report["results"]
+    assert report["workload"]["ideal_hit_rate"] == 0.0
+    assert on["prefill_saved"] == 0 and on["prefill_computed"] == 3 * 48
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gsp-num-groups", "0"], "expected a positive integer, got 0"),
+        (["--random-input-len", "x"], "expected a positive integer, got 'x'"),
+        (["--cache", "on", "--disable-prefix-cache"], "contradict each other"),
+        (["--dataset-name", "random", "--random-input-len", "20000"], "model's context is"),
+        (["--model", "/no/such/model"], "not a model folder"),
+        (["--page-size", "0"], "page_size must be"),
+    ],
+)
+def test_bad_settings_exit_2_naming_the_problem(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--no-progress", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
