@@ -96,3 +96,62 @@ def test_bad_settings_exit_2_naming_the_problem(
         main(["bench", "--no-progress", *flags])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- --base-url: a running server
+def test_base_url_drives_a_live_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from server_helpers import assert_clean, live_server
+
+    groups, per_group, system, question, out_len = 2, 3, 64, 16, 4
+    flags = [
+        *("--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(per_group)),
+        *("--gsp-system-prompt-len", str(system), "--gsp-question-len", str(question)),
+        *("--gsp-output-len", str(out_len), "--max-concurrency", "3"),
+    ]
+    with live_server() as (srv, st):
+        first = _bench(tmp_path, "--base-url", srv.url, *flags)
+        again = _bench(tmp_path, "--base-url", srv.url, *flags)
+        assert_clean(st)  # every request ended, locks back to zero, pages conserved
+    n = groups * per_group
+    s = first["summary"]
+    assert first["model"] == "radixkv-tiny"  # the first model /v1/models lists
+    assert (s["completed"], s["failed"], s["first_error"]) == (n, 0, None)
+    assert s["prompt_tokens"] == n * (system + question)
+    assert s["output_tokens"] == n * out_len  # ignore_eos: every request its max_tokens
+    # the server served each group's system prompt from its cache to the group's later prompts
+    assert 0 < s["cached_tokens"] <= (n - groups) * system
+    assert s["ttft_ms"]["mean"] > 0 and s["latency_ms"]["p99"] >= s["ttft_ms"]["p99"]
+    # the same seed again: the server still holds the first run's prompts
+    assert again["summary"]["cached_share"] > s["cached_share"]
+    out = capsys.readouterr().out
+    assert "server prefix cache:" in out and "time to first token" in out
+
+
+def test_base_url_failures_are_counted_and_reported(tmp_path: Path) -> None:
+    from server_helpers import live_server
+
+    out = tmp_path / "fail.json"
+    with live_server(max_model_len=128) as (srv, _):
+        flags = ["--dataset-name", "random", "--num-prompts", "2", "--random-input-len", "200"]
+        rc = main(["bench", "--base-url", srv.url, "--json", str(out), *flags])
+    assert rc == 1  # some request failed
+    s = json.loads(out.read_text())["summary"]
+    assert (s["completed"], s["failed"]) == (0, 2)
+    assert "HTTP 400" in s["first_error"] and "context length" in s["first_error"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9"),
+        (["--base-url", "http://127.0.0.1:9", "--cache", "on"], "--cache applies to an engine"),
+        (["--base-url", "http://x", "--request-rate", "0"], "expected a rate > 0"),
+    ],
+)
+def test_base_url_bad_settings_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

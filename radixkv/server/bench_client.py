@@ -1,0 +1,279 @@
+"""``radixkv bench --base-url URL``: drive a running OpenAI-compatible server with a workload.
+
+The client side of a serving benchmark, as SGLang's ``bench_serving`` and vLLM's ``bench serve``
+measure it, so one workload can be sent to ``radixkv serve``, SGLang or vLLM alike: every
+request is a streamed ``/v1/completions`` call whose prompt is a list of token ids (all three
+accept that), greedy, with ``ignore_eos`` (so each produces exactly its ``max_tokens``) and
+``stream_options.include_usage`` (so the server reports the prompt tokens it served from its
+prefix cache, ``usage.prompt_tokens_details.cached_tokens``).
+
+Requests start at ``--request-rate`` per second (Poisson arrivals; ``inf``: all at once), at
+most ``--max-concurrency`` in flight. Measured at the client, per request: time to first token
+(the first chunk carrying text), the gaps between text chunks (inter-token latency), and the
+whole request; per run: request and token throughput. A request that fails (HTTP error, broken
+stream) is counted, with the first error's text, and leaves the others running.
+
+The workload's prompts are seeded: a second run with the same ``--seed`` finds the first run's
+prompts in the server's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from typing import Any, TextIO
+
+import msgspec
+
+from radixkv.engine.bench_cli import Workload, build_workload
+from radixkv.engine.benchmark import percentile
+
+
+class RequestRecord(msgspec.Struct, kw_only=True):
+    """One request as the client saw it (times in seconds)."""
+
+    ok: bool
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = msgspec.field(default_factory=list)  # gaps between text chunks
+
+
+def _rate(text: str) -> float:
+    try:
+        r = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a rate in requests/s or inf, got {text!r}"
+        ) from None
+    if not r > 0:
+        raise argparse.ArgumentTypeError(f"expected a rate > 0 (or inf), got {text!r}")
+    return r
+
+
+def add_serving_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--base-url`` flags of ``radixkv bench``."""
+    s = p.add_argument_group("serving (with --base-url: a running server, not an engine here)")
+    s.add_argument(
+        "--base-url",
+        default=None,
+        help="an OpenAI-compatible server (radixkv serve, SGLang, vLLM), e.g. "
+        "http://127.0.0.1:8000; the engine flags then do not apply",
+    )
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id to send (default: the first one /v1/models lists)",
+    )
+    s.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf)")
+    s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    return p
+
+
+async def _one(client: Any, model: str, prompt: list[int], output_len: int) -> RequestRecord:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    rec = RequestRecord(ok=False, prompt_tokens=len(prompt))
+    t0 = time.perf_counter()
+    last = None
+    chunks = 0
+    usage = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                rec.error = f"HTTP {r.status_code}: {text[:300]}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    if last is None:
+                        rec.ttft = now - t0
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except Exception as e:  # a broken connection or stream fails this request only
+        rec.error = f"{type(e).__name__}: {e}"
+        return rec
+    rec.latency = time.perf_counter() - t0
+    if last is None:
+        rec.error = "the stream ended without any text"
+        return rec
+    rec.ok = True
+    rec.output_tokens = chunks
+    if usage:
+        rec.output_tokens = int(usage.get("completion_tokens") or chunks)
+        rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        rec.cached_tokens = int(details.get("cached_tokens") or 0)
+    return rec
+
+
+async def _run(
+    args: argparse.Namespace, work: Workload, model: str
+) -> tuple[list[RequestRecord], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = args.max_concurrency or len(work.prompts)
+    sem = asyncio.Semaphore(limit)
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits
+    ) as client:
+
+        async def bounded(prompt: list[int]) -> RequestRecord:
+            async with sem:
+                return await _one(client, model, prompt, work.output_len)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt in work.prompts:
+            tasks.append(asyncio.create_task(bounded(prompt)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        records = await asyncio.gather(*tasks)
+        return list(records), time.perf_counter() - t0
+
+
+def _served_model(args: argparse.Namespace) -> str:
+    """The model id to send: ``--served-model-name``, else the server's first; ValueError if
+    the server cannot be reached or lists none."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {args.base_url}: {type(e).__name__}: {e}") from None
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if r.status_code != 200:
+        raise ValueError(f"{args.base_url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
+    models = r.json().get("data") or []
+    if not models:
+        raise ValueError(f"{args.base_url}/v1/models lists no model: pass --served-model-name")
+    return str(models[0]["id"])
+
+
+def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
+    """Run totals and latency statistics (ms) over the requests that succeeded."""
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft * 1e3 for r in ok]
+    lat = [r.latency * 1e3 for r in ok]
+    itl = [x * 1e3 for r in ok for x in r.itl]
+    tpot = [(r.latency - r.ttft) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    output = sum(r.output_tokens for r in ok)
+
+    def stats(xs: list[float]) -> dict[str, float]:
+        return {
+            "mean": sum(xs) / len(xs) if xs else 0.0,
+            "p50": percentile(xs, 50),
+            "p99": percentile(xs, 99),
+        }
+
+    return {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "first_error": next((r.error for r in records if not r.ok), None),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "input_tok_s": prompt / duration,
+        "output_tok_s": output / duration,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "cached_tokens": cached,
+        "cached_share": cached / max(1, prompt),
+        "ttft_ms": stats(ttft),
+        "tpot_ms": stats(tpot),
+        "itl_ms": stats(itl),
+        "latency_ms": stats(lat),
+    }
+
+
+def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
+    """Send the workload of ``args`` to ``args.base_url``, print the report to ``out``, return
+    it. ValueError (before anything is sent) if the server cannot be reached."""
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    model = _served_model(args)
+    work = build_workload(args, vocab=256)  # ids below 256: valid for every tokenizer
+    rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
+    print(
+        f"radixkv bench: {work.name}: {work.description} -> {args.base_url} (model {model}; "
+        f"{rate}, at most {args.max_concurrency or len(work.prompts)} in flight; on a fresh "
+        f"server a perfect cache serves {work.ideal_hit_rate:.1%} of the prompt tokens)",
+        file=out,
+        flush=True,
+    )
+    records, duration = asyncio.run(_run(args, work, model))
+    s = summarize(records, duration)
+    lines = [
+        f"requests: {s['completed']} completed, {s['failed']} failed in {duration:.2f} s "
+        f"({s['request_throughput']:.2f} req/s; {s['input_tok_s']:,.0f} prompt tok/s, "
+        f"{s['output_tok_s']:,.0f} output tok/s)",
+        f"server prefix cache: {s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt tokens "
+        f"({s['cached_share']:.1%}; a perfect cache on a fresh server: "
+        f"{work.ideal_hit_rate:.1%})",
+    ]
+    for key, name in (
+        ("ttft_ms", "time to first token"),
+        ("tpot_ms", "time per output token"),
+        ("itl_ms", "inter-token latency"),
+        ("latency_ms", "request latency"),
+    ):
+        st = s[key]
+        lines.append(
+            f"{name:<22} mean {st['mean']:9.1f} ms   p50 {st['p50']:9.1f} ms   "
+            f"p99 {st['p99']:9.1f} ms"
+        )
+    if s["failed"]:
+        lines.append(f"first failure: {s['first_error']}")
+    for line in lines:
+        print(line, file=out)
+    return {
+        "benchmark": "radixkv bench --base-url",
+        "base_url": args.base_url,
+        "model": model,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "workload": {
+            "dataset": work.name,
+            "description": work.description,
+            "requests": len(work.prompts),
+            "output_len": work.output_len,
+            "ideal_hit_rate": work.ideal_hit_rate,
+            "seed": args.seed,
+        },
+        "summary": s,
+        "summary_lines": lines,
+    }
