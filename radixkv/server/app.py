@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, config) -> FastAPI``.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-GET /health, GET /metrics, POST /reset_prefix_cache (admin key); GET /openapi.json describes them
+Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), POST /tokenize,
+POST /detokenize, GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache (admin
+key); GET /openapi.json describes them
 (server/openapi.py) and GET /docs renders it. Paths are exact: a trailing slash is 404 (no
 redirect, whose Location would echo the request's Host header).
 
@@ -138,6 +139,36 @@ def build_app(
         st.check_length(ids, max_tokens, "messages")
         params = st.sampling_params(req, max_tokens)
         return await st.run(request, principal, req, [ids], params, chat=True)
+
+    @app.post(
+        "/tokenize",
+        openapi_extra=OA.json_route(
+            "TokenizeRequest",
+            "TokenizeResponse",
+            "The token ids a prompt or chat messages become (vLLM's /tokenize)",
+        ),
+    )
+    async def tokenize(request: Request) -> Response:
+        st.auth.authenticate(request.headers.get("authorization"))
+        req = st.decode(await read_body(request, config.max_body_bytes), P.TokenizeRequest)
+        st.check_model(req.model)
+        ids = st.prompt_ids(req.prompt) if req.prompt is not None else st.chat_ids(req)
+        strs = [st.token_texts(t) for t in ids] if req.return_token_strs else None
+        body = P.TokenizeResponse(len(ids), st.max_context, ids, strs)
+        return Response(P.encode(body), media_type="application/json")
+
+    @app.post(
+        "/detokenize",
+        openapi_extra=OA.json_route(
+            "DetokenizeRequest", "DetokenizeResponse", "The text of token ids (vLLM's /detokenize)"
+        ),
+    )
+    async def detokenize(request: Request) -> Response:
+        st.auth.authenticate(request.headers.get("authorization"))
+        req = st.decode(await read_body(request, config.max_body_bytes), P.DetokenizeRequest)
+        st.check_model(req.model)
+        text = st.tokenizer.decode(st.check_ids(req.tokens, "tokens"))
+        return Response(P.encode(P.DetokenizeResponse(text)), media_type="application/json")
 
     @app.get("/v1/models", openapi_extra=OA.simple_route("The served model", "ModelList", 401))
     async def models(request: Request) -> Response:

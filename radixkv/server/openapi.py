@@ -20,11 +20,18 @@ from radixkv.server.errors import ErrorResponse
 
 REF = "#/components/schemas/{name}"
 
-_REQUESTS: list[Any] = [P.CompletionRequest, P.ChatCompletionRequest]
+_REQUESTS: list[Any] = [
+    P.CompletionRequest,
+    P.ChatCompletionRequest,
+    P.TokenizeRequest,
+    P.DetokenizeRequest,
+]
 _RESPONSES: list[Any] = [
     P.CompletionResponse,
     P.ChatCompletionResponse,
     P.ChatCompletionChunk,
+    P.TokenizeResponse,
+    P.DetokenizeResponse,
     P.ModelList,
     P.Status,
     ErrorResponse,
@@ -36,7 +43,7 @@ _ERROR_TEXT = {
     403: "Admin endpoints are disabled (no admin key configured)",
     404: "Unknown model (code model_not_found)",
     413: "Request body over the size limit",
-    500: "The engine failed while serving the request",
+    500: "The server failed while serving the request",
     503: "Server at capacity (code queue_full, retry-after), or the engine is unavailable",
 }
 
@@ -95,6 +102,18 @@ def generation_route(request: str, response: str, chunk: str, summary: str) -> d
                 },
             },
             **_errors(400, 401, 404, 413, 500, 503),
+        },
+    }
+
+
+def json_route(request: str, response: str, summary: str) -> dict[str, Any]:
+    """``openapi_extra`` of a JSON-in, JSON-out route that does not generate (/tokenize)."""
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {
+            "200": {"description": f"A {response}", "content": _json(response)},
+            **_errors(400, 401, 404, 413, 500),
         },
     }
 

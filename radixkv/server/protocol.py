@@ -222,21 +222,67 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return bool(self.tools) and self.tool_choice != "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for ``tokenizer.apply_chat_template``: an assistant's
-        ``tool_calls`` as sent (the renderer decodes their JSON ``arguments``, for Python
-        callers alike); a tool result keeps its ``tool_call_id`` and ``name``."""
-        out: list[dict[str, Any]] = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            msg: dict[str, Any] = {"role": role, "content": m.text()}
-            if m.tool_calls:
-                msg["tool_calls"] = m.tool_calls
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            if m.name is not None and role == "tool":
-                msg["name"] = m.name
-            out.append(msg)
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for ``tokenizer.apply_chat_template``: an assistant's
+    ``tool_calls`` as sent (the renderer decodes their JSON ``arguments``, for Python callers
+    alike); a tool result keeps its ``tool_call_id`` and ``name``."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None and role == "tool":
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /tokenize``: the token ids the server would run for ``prompt`` (encoded as
+    /v1/completions encodes a text prompt) or for ``messages`` (rendered as
+    /v1/chat/completions renders them, with ``tools`` and ``chat_template_kwargs``); exactly
+    one of the two."""
+
+    model: str
+    prompt: NonEmptyStr | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # also each token's text
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt or messages: give exactly one of them")
+        if self.prompt is not None and (self.tools or self.chat_template_kwargs):
+            raise ValueError("tools and chat_template_kwargs apply to messages, not to a prompt")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        assert self.messages is not None  # callers render only a messages request
+        return template_messages(self.messages)
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int  # the server's context length: prompt + output must fit in it
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /detokenize``: the text of token ids (special tokens kept)."""
+
+    model: str
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

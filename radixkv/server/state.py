@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixkv.engine.async_engine import AsyncEngine, QueueFull
+from radixkv.engine.logprobs import TokenTexts
 from radixkv.engine.params import SamplingParams
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
@@ -43,6 +44,7 @@ class ServerState:
         self.auth = Authenticator(config.api_keys, config.admin_key, keys_file=config.api_keys_file)
         core = engine.engine
         self.tokenizer = core.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)  # /tokenize's token_strs, memoised
         self.max_context: int = core.max_context
         self.vocab_size: int = core.vocab_size
         self.model_name = config.model_name or str(getattr(core.model, "name", "radixkv"))
@@ -124,14 +126,18 @@ class ServerState:
             if not ids:
                 raise bad_request("prompt encodes to no tokens", "prompt")
             return ids
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        return self.check_ids(prompt, "prompt")
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        """``ids``, or 400 naming ``param`` if one is outside the vocabulary."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise bad_request(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param
             )
-        return prompt
+        return ids
 
-    def chat_ids(self, req: P.ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, req: P.ChatCompletionRequest | P.TokenizeRequest) -> list[int]:
         """The request's conversation as token ids, made as ``Engine.chat`` makes them
         (:func:`~radixkv.model.tokenizer.encode_chat`)."""
         try:
