@@ -102,6 +102,9 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed if args.temperature > 0 else None,
         stop=args.stop or (),
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     prompt: Prompt = args.prompt
     if args.chat:  # the ids Engine.chat and the server's chat completions make (one chat path)
@@ -206,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 0; 1 is off, above 1 fewer repeats"
+    )
     g.add_argument(
         "--chat",
         action="store_true",

@@ -43,5 +43,8 @@ def test_generate_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--max-tokens", "3", "--stream", "--temperature", "0.7"]) == 0
     assert main(["generate", "", "--max-tokens", "3"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "hi", "--max-tokens", "3", "--repetition-penalty", "1.5"]) == 0
+    assert main(["generate", "hi", "--max-tokens", "3", "--repetition-penalty", "0"]) == 2
+    assert "repetition_penalty must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["no-such-command"])

@@ -45,6 +45,7 @@ from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.logprobs import TokenTexts, step_logprobs
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
+from radixkv.engine.penalties import apply_penalties
 from radixkv.engine.prefill_cost import attention_cost_ratio
 from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
 from radixkv.engine.request import Sequence as Seq
@@ -286,7 +287,15 @@ class Engine:
         t2 = time.perf_counter()
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
         seqs = [batch.seqs[i] for i in rows]
-        tokens = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        picked = logits[rows]
+        if any(s.params.has_penalties for s in seqs):  # on the raw logits; logprobs stay raw
+            picked = apply_penalties(
+                picked,
+                [s.params for s in seqs],
+                [s.token_ids for s in seqs],
+                [s.num_prompt_tokens for s in seqs],
+            )
+        tokens = sample(picked, [s.params for s in seqs], [s.generator for s in seqs])
         if any(s.logprobs is not None for s in seqs):
             self._record_logprobs(logits, rows, seqs, tokens)
         t3 = time.perf_counter()

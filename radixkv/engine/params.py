@@ -33,6 +33,15 @@ class SamplingParams:
             request uses ``seed + i``). None draws from the engine's seeded generator.
         skip_special_tokens: leave special tokens (chat markers, EOS) out of ``text``, as
             vLLM and SGLang do by default; ``token_ids`` always keeps them.
+        presence_penalty: subtracted from the logit of every token the output already holds,
+            in [-2, 2] (OpenAI's range); 0 disables it.
+        frequency_penalty: times each token's count in the output so far, subtracted from its
+            logit, in [-2, 2]; 0 disables it.
+        repetition_penalty: logits of tokens in the prompt or the output so far are divided
+            by it where positive and multiplied by it where negative (Hugging Face's and
+            vLLM's), > 0; 1 disables it, above 1 discourages repeats. The three apply to the
+            raw logits before temperature and filtering, so greedy decoding feels them too
+            (engine/penalties.py).
         logprobs: None (default) returns no log probabilities and costs nothing. An int k >= 0
             returns, for every output token, the log probability of the sampled token and of
             the k most likely tokens at that step (0: the sampled token only), in
@@ -57,6 +66,9 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -98,6 +110,17 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+            object.__setattr__(self, name, float(v))
+        rp = self.repetition_penalty
+        if not isinstance(rp, int | float) or isinstance(rp, bool) or not math.isfinite(rp):
+            raise ValueError(f"repetition_penalty must be a finite number, got {rp!r}")
+        if rp <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {rp!r}")
+        object.__setattr__(self, "repetition_penalty", float(rp))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", float(self.min_p))
@@ -105,6 +128,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties is on (engine/penalties.py)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def max_stop_len(self) -> int:

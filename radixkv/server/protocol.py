@@ -4,7 +4,7 @@ Requests are decoded the way real OpenAI clients send them (``decode_request``):
 
 - ``null`` for an optional field means "not given" (its default), at any depth;
 - neutral values of features the engine does not have are accepted (``"logprobs": false``,
-  ``"response_format": {"type": "text"}``, zero penalties, ``"echo": false``, an empty
+  ``"response_format": {"type": "text"}``, ``"echo": false``, an empty
   ``logit_bias``, ``best_of`` equal to ``n``); other values of those are 400 naming the field;
 - unknown fields are dropped and reported to the caller (the app logs one warning per field
   name), or, with ``strict=True`` (``radixkv serve --strict-api``), rejected with 400;
@@ -17,9 +17,9 @@ name; a Struct that exists is a valid one. Responses are Structs too, encoded wi
 ``msgspec.json``.
 
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
-sharing within the caller's tenant), ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
-``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob tokens as
-``"token_id:N"``).
+sharing within the caller's tenant), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob
+tokens as ``"token_id:N"``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1 - MAX_N  # sample i uses seed + i
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs
+MAX_REPETITION_PENALTY = 10.0  # a divisor of logits: beyond ~2 it already forbids repeats
 
 
 class ProtocolError(ValueError):
@@ -62,10 +63,6 @@ def _check_sampling(req: _SamplingFields) -> None:
         raise ValueError("stop strings must be non-empty")
     if req.stream_options is not None and not req.stream:
         raise ValueError("stream_options is only allowed with stream=true")
-    if req.presence_penalty != 0.0:
-        raise ValueError("presence_penalty is not supported (must be 0)")
-    if req.frequency_penalty != 0.0:
-        raise ValueError("frequency_penalty is not supported (must be 0)")
     if req.response_format is not None and req.response_format.type != "text":
         raise ValueError(
             f"response_format type {req.response_format.type!r} is not supported "
@@ -100,9 +97,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     return_tokens_as_token_ids: bool = False
-    # Accepted only at their neutral values: the engine has no penalties, biases or grammars.
+    # OpenAI's two penalties, and vLLM's / SGLang's repetition_penalty (engine/penalties.py)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
+    # Accepted only at their neutral values: the engine has no biases or grammars.
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
 

@@ -178,6 +178,9 @@ class ServerState:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 seed=req.seed,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
             )
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
