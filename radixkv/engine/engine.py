@@ -42,10 +42,10 @@ from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, Deco
 from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
 from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.logit_adjust import adjust_logits
 from radixkv.engine.logprobs import TokenTexts, step_logprobs
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.penalties import apply_penalties
 from radixkv.engine.prefill_cost import attention_cost_ratio
 from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
 from radixkv.engine.request import Sequence as Seq
@@ -288,12 +288,13 @@ class Engine:
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
         seqs = [batch.seqs[i] for i in rows]
         picked = logits[rows]
-        if any(s.params.has_penalties for s in seqs):  # on the raw logits; logprobs stay raw
-            picked = apply_penalties(
+        if any(s.params.adjusts_logits for s in seqs):  # the raw logits; logprobs stay raw
+            picked = adjust_logits(
                 picked,
                 [s.params for s in seqs],
                 [s.token_ids for s in seqs],
                 [s.num_prompt_tokens for s in seqs],
+                self.eos_token_ids,
             )
         tokens = sample(picked, [s.params for s in seqs], [s.generator for s in seqs])
         if any(s.logprobs is not None for s in seqs):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -33,6 +33,11 @@ class SamplingParams:
             request uses ``seed + i``). None draws from the engine's seeded generator.
         skip_special_tokens: leave special tokens (chat markers, EOS) out of ``text``, as
             vLLM and SGLang do by default; ``token_ids`` always keeps them.
+        min_tokens: the output's EOS tokens (unless ``ignore_eos``) and ``stop_token_ids`` are
+            held back until it has this many tokens (vLLM's), 0 to ``max_tokens``; a stop
+            string may still end it earlier.
+        logit_bias: ``{token_id: bias}`` added to those tokens' logits at every step (OpenAI's,
+            bias in [-100, 100]); normalised to a sorted tuple of pairs.
         presence_penalty: subtracted from the logit of every token the output already holds,
             in [-2, 2] (OpenAI's range); 0 disables it.
         frequency_penalty: times each token's count in the output so far, subtracted from its
@@ -41,7 +46,7 @@ class SamplingParams:
             by it where positive and multiplied by it where negative (Hugging Face's and
             vLLM's), > 0; 1 disables it, above 1 discourages repeats. The three apply to the
             raw logits before temperature and filtering, so greedy decoding feels them too
-            (engine/penalties.py).
+            (engine/logit_adjust.py, with ``logit_bias`` and ``min_tokens``).
         logprobs: None (default) returns no log probabilities and costs nothing. An int k >= 0
             returns, for every output token, the log probability of the sampled token and of
             the k most likely tokens at that step (0: the sampled token only), in
@@ -66,6 +71,8 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -110,6 +117,12 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        object.__setattr__(self, "logit_bias", _normalise_bias(self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
@@ -130,8 +143,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the step's logits (engine/logit_adjust.py)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
     def has_penalties(self) -> bool:
-        """Whether any of the three penalties is on (engine/penalties.py)."""
+        """Whether any of the three penalties is on."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
@@ -156,3 +174,28 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
             raise ValueError("stop strings must be non-empty")
         out.append(s)
     return tuple(out)
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound
+
+
+def _normalise_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``{token_id: bias}`` (or pairs) as a sorted tuple of (int, float) pairs."""
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    if not isinstance(items, Iterable) or isinstance(items, str | bytes):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for pair in items:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
+        t, v = pair
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative ints, got {t!r}")
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+            raise ValueError(f"logit_bias values must be finite numbers, got {v!r} for {t}")
+        if abs(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for {t}")
+        out[t] = float(v)
+    return tuple(sorted(out.items()))

@@ -4,8 +4,8 @@ Requests are decoded the way real OpenAI clients send them (``decode_request``):
 
 - ``null`` for an optional field means "not given" (its default), at any depth;
 - neutral values of features the engine does not have are accepted (``"logprobs": false``,
-  ``"response_format": {"type": "text"}``, ``"echo": false``, an empty
-  ``logit_bias``, ``best_of`` equal to ``n``); other values of those are 400 naming the field;
+  ``"response_format": {"type": "text"}``, ``"echo": false``, ``best_of`` equal to ``n``);
+  other values of those are 400 naming the field;
 - unknown fields are dropped and reported to the caller (the app logs one warning per field
   name), or, with ``strict=True`` (``radixkv serve --strict-api``), rejected with 400;
 - wrong JSON types and out-of-range values are a ``ProtocolError`` naming the parameter, which
@@ -17,7 +17,7 @@ name; a Struct that exists is a valid one. Responses are Structs too, encoded wi
 ``msgspec.json``.
 
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
-sharing within the caller's tenant), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+sharing within the caller's tenant), ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob
 tokens as ``"token_id:N"``).
 """
@@ -68,8 +68,9 @@ def _check_sampling(req: _SamplingFields) -> None:
             f"response_format type {req.response_format.type!r} is not supported "
             "(only 'text': structured output is not implemented)"
         )
-    if req.logit_bias:
-        raise ValueError("logit_bias is not supported (must be empty)")
+    for key in req.logit_bias or {}:
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {key[:40]!r}")
 
 
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -97,14 +98,19 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     return_tokens_as_token_ids: bool = False
-    # OpenAI's two penalties, and vLLM's / SGLang's repetition_penalty (engine/penalties.py)
+    # OpenAI's two penalties, and vLLM's / SGLang's repetition_penalty (engine/logit_adjust.py)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
-    # Accepted only at their neutral values: the engine has no biases or grammars.
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (as a string) -> bias added to its logit; vLLM's min_tokens
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Accepted only at its neutral value: the engine has no grammars.
     response_format: ResponseFormat | None = None
 
+
+# the request fields a SamplingParams error can name (its message starts with the name)
+SAMPLING_FIELDS = frozenset(_SamplingFields.__struct_fields__) | {"logprobs", "top_logprobs"}
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 PromptType = (
@@ -358,7 +364,8 @@ def decode_request(
         for pattern in (_AT_PATH, _MISSING):
             m = pattern.search(msg)
             if m:
-                param = m.group(1) or None
+                # a dict value's path ends in [...] (msgspec): name the dict
+                param = m.group(1).replace("[...]", "") or None
                 break
         if param is None:  # a __post_init__ check: its message starts with the field's name
             m = _FIRST_WORD.match(msg)

@@ -161,10 +161,11 @@ class ServerState:
                 code="context_length_exceeded",
             )
 
-    @staticmethod
     def sampling_params(
-        req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int
+        self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int
     ) -> SamplingParams:
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        self.check_ids(list(bias), "logit_bias")
         try:
             return SamplingParams(
                 n=req.n,
@@ -178,12 +179,15 @@ class ServerState:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 seed=req.seed,
+                min_tokens=req.min_tokens,
+                logit_bias=bias,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
             )
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
+        except (ValueError, TypeError) as e:  # the message starts with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), name if name in P.SAMPLING_FIELDS else None) from None
 
     # ------------------------------------------------------------ running a request
     async def run(
