@@ -162,7 +162,7 @@ def _bench(argv: list[str]) -> int:
         parser.error(str(e))  # prints usage + the message, exits 2
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 1 if report.get("summary", {}).get("failed") else 0
+    return 1 if report.get("failed_requests") else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,8 +113,9 @@ def test_base_url_drives_a_live_server(tmp_path: Path, capsys: pytest.CaptureFix
         again = _bench(tmp_path, "--base-url", srv.url, *flags)
         assert_clean(st)  # every request ended, locks back to zero, pages conserved
     n = groups * per_group
-    s = first["summary"]
-    assert first["model"] == "radixkv-tiny"  # the first model /v1/models lists
+    (server,) = first["servers"]
+    s = server["summary"]
+    assert server["model"] == "radixkv-tiny"  # the first model /v1/models lists
     assert (s["completed"], s["failed"], s["first_error"]) == (n, 0, None)
     assert s["prompt_tokens"] == n * (system + question)
     assert s["output_tokens"] == n * out_len  # ignore_eos: every request its max_tokens
@@ -122,7 +123,7 @@ def test_base_url_drives_a_live_server(tmp_path: Path, capsys: pytest.CaptureFix
     assert 0 < s["cached_tokens"] <= (n - groups) * system
     assert s["ttft_ms"]["mean"] > 0 and s["latency_ms"]["p99"] >= s["ttft_ms"]["p99"]
     # the same seed again: the server still holds the first run's prompts
-    assert again["summary"]["cached_share"] > s["cached_share"]
+    assert again["servers"][0]["summary"]["cached_share"] > s["cached_share"]
     out = capsys.readouterr().out
     assert "server prefix cache:" in out and "time to first token" in out
 
@@ -135,15 +136,40 @@ def test_base_url_failures_are_counted_and_reported(tmp_path: Path) -> None:
         flags = ["--dataset-name", "random", "--num-prompts", "2", "--random-input-len", "200"]
         rc = main(["bench", "--base-url", srv.url, "--json", str(out), *flags])
     assert rc == 1  # some request failed
-    s = json.loads(out.read_text())["summary"]
-    assert (s["completed"], s["failed"]) == (0, 2)
+    report = json.loads(out.read_text())
+    s = report["servers"][0]["summary"]
+    assert (s["completed"], s["failed"], report["failed_requests"]) == (0, 2, 2)
     assert "HTTP 400" in s["first_error"] and "context length" in s["first_error"]
+
+
+def test_two_servers_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from server_helpers import live_server
+
+    flags = [
+        *("--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-output-len", "2"),
+        *("--gsp-system-prompt-len", "64", "--gsp-question-len", "16", "--repeats", "2"),
+    ]
+    with live_server() as (on, _), live_server(enable_prefix_cache=False) as (off, _):
+        report = _bench(tmp_path, "--base-url", on.url, "--base-url", off.url, *flags)
+    cached, plain = report["servers"]
+    assert (cached["base_url"], plain["base_url"]) == (on.url, off.url)
+    for server in report["servers"]:
+        assert server["summary"]["completed"] == 2 * 6  # both rounds
+        assert server["summary"]["prompt_tokens"] == 2 * 6 * 80
+    # round 2 sends new prompts: the cache serves what a fresh one would, no more
+    ideal = report["workload"]["ideal_hit_rate"]
+    assert 0 < cached["summary"]["cached_share"] <= ideal + 1e-9
+    assert plain["summary"]["cached_share"] == 0
+    out = capsys.readouterr().out
+    table = out[out.index("server ") :]
+    assert on.url in table and off.url in table and "TTFT mean" in table
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9"),
+        (["--base-url", "http://127.0.0.1:9", "--repeats", "0"], "--repeats must be >= 1"),
         (["--base-url", "http://127.0.0.1:9", "--cache", "on"], "--cache applies to an engine"),
         (["--base-url", "http://x", "--request-rate", "0"], "expected a rate > 0"),
     ],

@@ -7,6 +7,9 @@ accept that), greedy, with ``ignore_eos`` (so each produces exactly its ``max_to
 ``stream_options.include_usage`` (so the server reports the prompt tokens it served from its
 prefix cache, ``usage.prompt_tokens_details.cached_tokens``).
 
+Several ``--base-url`` run the same prompts one server after the other (each round in a
+rotated order, ``--repeats`` rounds of new prompts), and a table sets them side by side.
+
 Requests start at ``--request-rate`` per second (Poisson arrivals; ``inf``: all at once), at
 most ``--max-concurrency`` in flight. Measured at the client, per request: time to first token
 (the first chunk carrying text), the gaps between text chunks (inter-token latency), and the
@@ -63,14 +66,23 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     s = p.add_argument_group("serving (with --base-url: a running server, not an engine here)")
     s.add_argument(
         "--base-url",
+        action="append",
         default=None,
         help="an OpenAI-compatible server (radixkv serve, SGLang, vLLM), e.g. "
-        "http://127.0.0.1:8000; the engine flags then do not apply",
+        "http://127.0.0.1:8000; repeat it to compare servers side by side; the engine flags "
+        "then do not apply",
     )
     s.add_argument(
         "--served-model-name",
         default=None,
-        help="the model id to send (default: the first one /v1/models lists)",
+        help="the model id to send (default: each server's first one in /v1/models)",
+    )
+    s.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds; round r sends the workload of seed + r to every server, the servers' "
+        "order rotating from round to round",
     )
     s.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf)")
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
@@ -136,7 +148,7 @@ async def _one(client: Any, model: str, prompt: list[int], output_len: int) -> R
 
 
 async def _run(
-    args: argparse.Namespace, work: Workload, model: str
+    args: argparse.Namespace, base_url: str, work: Workload, model: str
 ) -> tuple[list[RequestRecord], float]:
     import httpx
 
@@ -146,7 +158,7 @@ async def _run(
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits
+        base_url=base_url, headers=headers, timeout=args.timeout, limits=limits
     ) as client:
 
         async def bounded(prompt: list[int]) -> RequestRecord:
@@ -163,23 +175,23 @@ async def _run(
         return list(records), time.perf_counter() - t0
 
 
-def _served_model(args: argparse.Namespace) -> str:
-    """The model id to send: ``--served-model-name``, else the server's first; ValueError if
-    the server cannot be reached or lists none."""
+def _served_model(args: argparse.Namespace, base_url: str) -> str:
+    """The model id to send to ``base_url``: ``--served-model-name``, else the server's first;
+    ValueError if the server cannot be reached or lists none."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        r = httpx.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers, timeout=30)
+        r = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=30)
     except httpx.HTTPError as e:
-        raise ValueError(f"cannot reach {args.base_url}: {type(e).__name__}: {e}") from None
+        raise ValueError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from None
     if args.served_model_name:
         return str(args.served_model_name)
     if r.status_code != 200:
-        raise ValueError(f"{args.base_url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
+        raise ValueError(f"{base_url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
     models = r.json().get("data") or []
     if not models:
-        raise ValueError(f"{args.base_url}/v1/models lists no model: pass --served-model-name")
+        raise ValueError(f"{base_url}/v1/models lists no model: pass --served-model-name")
     return str(models[0]["id"])
 
 
@@ -221,29 +233,72 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
 
 
 def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
-    """Send the workload of ``args`` to ``args.base_url``, print the report to ``out``, return
-    it. ValueError (before anything is sent) if the server cannot be reached."""
+    """Send the workload of ``args`` to each ``args.base_url`` (``args.repeats`` rounds), print
+    the report to ``out``, return it. ValueError (before anything is sent) if a server cannot
+    be reached or a setting is bad."""
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    model = _served_model(args)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    urls: list[str] = list(dict.fromkeys(args.base_url))  # in order, each once
+    models = {url: _served_model(args, url) for url in urls}
+    records: dict[str, list[RequestRecord]] = {url: [] for url in urls}
+    seconds = dict.fromkeys(urls, 0.0)
     work = build_workload(args, vocab=256)  # ids below 256: valid for every tokenizer
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     print(
-        f"radixkv bench: {work.name}: {work.description} -> {args.base_url} (model {model}; "
-        f"{rate}, at most {args.max_concurrency or len(work.prompts)} in flight; on a fresh "
-        f"server a perfect cache serves {work.ideal_hit_rate:.1%} of the prompt tokens)",
+        f"radixkv bench: {work.name}: {work.description}; {rate}, at most "
+        f"{args.max_concurrency or len(work.prompts)} in flight, {args.repeats} round(s); on a "
+        f"fresh server a perfect cache serves {work.ideal_hit_rate:.1%} of the prompt tokens",
         file=out,
         flush=True,
     )
-    records, duration = asyncio.run(_run(args, work, model))
-    s = summarize(records, duration)
+    seed = args.seed
+    for r in range(args.repeats):
+        if r:  # a new round: new prompts, so no server finds the last round's in its cache
+            args.seed = seed + r
+            work = build_workload(args, vocab=256)
+        for k in range(len(urls)):
+            url = urls[(k + r) % len(urls)]
+            recs, duration = asyncio.run(_run(args, url, work, models[url]))
+            records[url].extend(recs)
+            seconds[url] += duration
+    args.seed = seed
+    servers = []
+    for url in urls:
+        s = summarize(records[url], seconds[url])
+        lines = _server_lines(s, work.ideal_hit_rate)
+        print(f"\n{url} (model {models[url]}):", file=out)
+        for line in lines:
+            print("  " + line, file=out)
+        servers.append({"base_url": url, "model": models[url], "summary": s, "lines": lines})
+    if len(urls) > 1:
+        print("\n" + _comparison(servers), file=out)
+    return {
+        "benchmark": "radixkv bench --base-url",
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "repeats": args.repeats,
+        "workload": {
+            "dataset": work.name,
+            "description": work.description,
+            "requests_per_round": len(work.prompts),
+            "output_len": work.output_len,
+            "ideal_hit_rate": work.ideal_hit_rate,
+            "seed": seed,
+        },
+        "servers": servers,
+        "failed_requests": sum(x["summary"]["failed"] for x in servers),
+    }
+
+
+def _server_lines(s: dict[str, Any], ideal: float) -> list[str]:
     lines = [
-        f"requests: {s['completed']} completed, {s['failed']} failed in {duration:.2f} s "
+        f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.2f} s "
         f"({s['request_throughput']:.2f} req/s; {s['input_tok_s']:,.0f} prompt tok/s, "
         f"{s['output_tok_s']:,.0f} output tok/s)",
         f"server prefix cache: {s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt tokens "
-        f"({s['cached_share']:.1%}; a perfect cache on a fresh server: "
-        f"{work.ideal_hit_rate:.1%})",
+        f"({s['cached_share']:.1%}; a perfect cache on a fresh server: {ideal:.1%})",
     ]
     for key, name in (
         ("ttft_ms", "time to first token"),
@@ -258,22 +313,22 @@ def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
         )
     if s["failed"]:
         lines.append(f"first failure: {s['first_error']}")
-    for line in lines:
-        print(line, file=out)
-    return {
-        "benchmark": "radixkv bench --base-url",
-        "base_url": args.base_url,
-        "model": model,
-        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-        "max_concurrency": args.max_concurrency,
-        "workload": {
-            "dataset": work.name,
-            "description": work.description,
-            "requests": len(work.prompts),
-            "output_len": work.output_len,
-            "ideal_hit_rate": work.ideal_hit_rate,
-            "seed": args.seed,
-        },
-        "summary": s,
-        "summary_lines": lines,
-    }
+    return lines
+
+
+def _comparison(servers: list[dict[str, Any]]) -> str:
+    """One row per server, the first one's figures as the baseline of the ratios."""
+    w = max(len("server"), *(len(x["base_url"]) for x in servers))
+    head = (
+        f"{'server':<{w}} {'req/s':>8} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT p99':>10} "
+        f"{'TPOT mean':>10} {'cached':>7} {'failed':>6}"
+    )
+    rows = [head, "-" * len(head)]
+    for x in servers:
+        s = x["summary"]
+        rows.append(
+            f"{x['base_url']:<{w}} {s['request_throughput']:>8.2f} {s['output_tok_s']:>10,.0f} "
+            f"{s['ttft_ms']['mean']:>8.1f}ms {s['ttft_ms']['p99']:>8.1f}ms "
+            f"{s['tpot_ms']['mean']:>8.1f}ms {s['cached_share']:>7.1%} {s['failed']:>6}"
+        )
+    return "\n".join(rows)
