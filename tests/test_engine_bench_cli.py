@@ -181,3 +181,57 @@ def test_base_url_bad_settings_exit_2(
         main(["bench", *flags])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _stream_of(*events: str) -> Any:
+    """An httpx transport answering every completion with these SSE events."""
+    import httpx
+
+    def handler(request: Any) -> Any:
+        body = "".join(f"data: {e}\n\n" for e in events)
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize(
+    ("events", "ok", "error"),
+    [
+        (['{"choices":[{"text":"a"}]}', '{"choices":[{"text":"b"}]}', "[DONE]"], True, None),
+        (['{"choices":[{"text":"a"}]}', '{"error":{"message":"engine failed"}}'], False, "failed"),
+        (['{"choices":[{"text":"a","finish_reason":"error"}]}', "[DONE]"], False, "'error'"),
+        (['{"choices":[{"text":""}]}', "[DONE]"], False, "without any text"),
+    ],
+)
+def test_a_stream_counts_only_when_it_delivers(
+    events: list[str], ok: bool, error: str | None
+) -> None:
+    import asyncio
+
+    import httpx
+
+    from radixkv.server.bench_client import _one
+
+    async def go() -> Any:
+        transport = _stream_of(*events)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await _one(client, "m", [1, 2, 3], 4)
+
+    rec = asyncio.run(go())
+    assert rec.ok is ok
+    if error is None:
+        assert rec.error is None and rec.output_tokens == 2 and len(rec.itl) == 1
+    else:
+        assert error in (rec.error or "")
+
+
+def test_an_openai_style_base_url_ending_in_v1_works(tmp_path: Path) -> None:
+    from server_helpers import live_server
+
+    flags = ["--dataset-name", "random", "--num-prompts", "2", "--random-input-len", "32"]
+    with live_server() as (srv, _):
+        report = _bench(
+            tmp_path, "--base-url", srv.url + "/v1/", *flags, "--random-output-len", "2"
+        )
+    (server,) = report["servers"]
+    assert server["base_url"] == srv.url and server["summary"]["completed"] == 2

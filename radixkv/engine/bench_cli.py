@@ -189,7 +189,7 @@ def _warm_up(engine: Engine, length: int) -> None:
     """One unrelated request (first-call costs: kernel setup, allocations), then forget it."""
     rng = random.Random(_WARMUP_SEED)
     prompt = [rng.randrange(min(engine.vocab_size, 256)) for _ in range(length)]
-    engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     engine.reset_prefix_cache()
 
 

@@ -119,9 +119,16 @@ async def _one(client: Any, model: str, prompt: list[int], output_len: int) -> R
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if chunk.get("error"):  # a server that fails mid-stream says so in an event
+                    err = chunk["error"]
+                    rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
+                    return rec
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 choices = chunk.get("choices") or []
+                if choices and choices[0].get("finish_reason") == "error":
+                    rec.error = "the server ended the request with finish_reason 'error'"
+                    return rec
                 if choices and choices[0].get("text"):
                     now = time.perf_counter()
                     if last is None:
@@ -173,6 +180,12 @@ async def _run(
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         records = await asyncio.gather(*tasks)
         return list(records), time.perf_counter() - t0
+
+
+def _server_root(url: str) -> str:
+    """``url`` without a trailing slash or ``/v1`` (the routes add ``/v1/...`` themselves)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def _served_model(args: argparse.Namespace, base_url: str) -> str:
@@ -240,7 +253,8 @@ def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    urls: list[str] = list(dict.fromkeys(args.base_url))  # in order, each once
+    # in order, each once; "http://host:8000/v1" (an OpenAI client's base URL) is the server
+    urls: list[str] = list(dict.fromkeys(_server_root(u) for u in args.base_url))
     models = {url: _served_model(args, url) for url in urls}
     records: dict[str, list[RequestRecord]] = {url: [] for url in urls}
     seconds = dict.fromkeys(urls, 0.0)
