@@ -156,6 +156,20 @@ def test_index_cache_snippet_runs() -> None:
         exec(compile(block, "docs/index.md", "exec"), {})
 
 
+def test_embedding_sampling_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The sampling example of docs/embedding.md runs, and its logit bias holds."""
+    import re
+
+    text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "logit_bias" in b]
+    assert len(blocks) == 1, "docs/embedding.md lost its sampling example"
+    scope: dict[str, object] = {}
+    exec(compile(blocks[0], "docs/embedding.md", "exec"), scope)
+    out = scope["out"]
+    assert "#" not in out.text  # the logit bias
+    assert capsys.readouterr().out
+
+
 def test_make_report_dates_a_committed_result_by_its_commit(tmp_path: Path) -> None:
     """A fresh checkout stamps every file with the checkout time: a result without a date of
     its own is dated by the commit of its content, and by its file time once changed."""
