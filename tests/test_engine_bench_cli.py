@@ -235,3 +235,22 @@ def test_an_openai_style_base_url_ending_in_v1_works(tmp_path: Path) -> None:
         )
     (server,) = report["servers"]
     assert server["base_url"] == srv.url and server["summary"]["completed"] == 2
+
+
+def test_text_prompts_for_servers_that_take_text_only(tmp_path: Path) -> None:
+    from server_helpers import live_server
+
+    from radixkv.server.bench_client import as_text
+
+    texts = as_text([[0, 1, 2], [0, 1, 3]])
+    assert texts[0] != texts[1] and texts[0][:9] == texts[1][:9]  # shared ids, shared text
+    flags = [
+        *("--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-output-len", "2"),
+        *("--gsp-system-prompt-len", "32", "--gsp-question-len", "8", "--prompt-format", "text"),
+    ]
+    with live_server() as (srv, _):
+        report = _bench(tmp_path, "--base-url", srv.url, *flags)
+    s = report["servers"][0]["summary"]
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert s["prompt_tokens"] > 6 * 40  # the server's count: radixkv-tiny reads bytes
+    assert s["cached_tokens"] > 0  # the groups' shared text is served from the cache

@@ -5,7 +5,8 @@ measure it, so one workload can be sent to ``radixkv serve``, SGLang or vLLM ali
 request is a streamed ``/v1/completions`` call whose prompt is a list of token ids (all three
 accept that), greedy, with ``ignore_eos`` (so each produces exactly its ``max_tokens``) and
 ``stream_options.include_usage`` (so the server reports the prompt tokens it served from its
-prefix cache, ``usage.prompt_tokens_details.cached_tokens``).
+prefix cache, ``usage.prompt_tokens_details.cached_tokens``). ``--prompt-format text`` sends
+the same prompts as words instead (:func:`as_text`), for servers that take text only.
 
 Several ``--base-url`` run the same prompts one server after the other (each round in a
 rotated order, ``--repeats`` rounds of new prompts), and a table sets them side by side.
@@ -86,12 +87,20 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     s.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf)")
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    s.add_argument(
+        "--prompt-format",
+        default="ids",
+        choices=("ids", "text"),
+        help="ids: token-id prompts (radixkv, vLLM, SGLang); text: the same prompts as words, "
+        "for servers that take text only (OpenAI, llama.cpp's server), where the server's "
+        "tokenizer sets the token counts",
+    )
     s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     return p
 
 
-async def _one(client: Any, model: str, prompt: list[int], output_len: int) -> RequestRecord:
+async def _one(client: Any, model: str, prompt: list[int] | str, output_len: int) -> RequestRecord:
     body = {
         "model": model,
         "prompt": prompt,
@@ -101,7 +110,8 @@ async def _one(client: Any, model: str, prompt: list[int], output_len: int) -> R
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    rec = RequestRecord(ok=False, prompt_tokens=len(prompt))
+    # a text prompt's token count is the server's to say (usage); ids are counted here
+    rec = RequestRecord(ok=False, prompt_tokens=0 if isinstance(prompt, str) else len(prompt))
     t0 = time.perf_counter()
     last = None
     chunks = 0
@@ -168,18 +178,49 @@ async def _run(
         base_url=base_url, headers=headers, timeout=args.timeout, limits=limits
     ) as client:
 
-        async def bounded(prompt: list[int]) -> RequestRecord:
+        async def bounded(prompt: list[int] | str) -> RequestRecord:
             async with sem:
                 return await _one(client, model, prompt, work.output_len)
 
         t0 = time.perf_counter()
         tasks = []
-        for prompt in work.prompts:
+        prompts = work.prompts if args.prompt_format == "ids" else as_text(work.prompts)
+        for prompt in prompts:
             tasks.append(asyncio.create_task(bounded(prompt)))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         records = await asyncio.gather(*tasks)
         return list(records), time.perf_counter() - t0
+
+
+# 256 distinct words, one per token id of the workloads (which are below 256): two syllables each
+_SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "nu",
+    "pe",
+    "ra",
+    "si",
+    "to",
+    "vu",
+    "we",
+    "ba",
+    "do",
+    "fe",
+    "gi",
+    "ho",
+    "ju",
+)
+_WORDS = tuple(a + b for a in _SYLLABLES for b in _SYLLABLES)
+
+
+def as_text(prompts: list[list[int]]) -> list[str]:
+    """Token-id prompts as text: id ``t`` is the ``t``-th word, so prompts that share ids share
+    their text (the shared prefixes stay shared, up to a token where they end). How many
+    tokens a prompt becomes is the server's tokenizer's business."""
+    words = _WORDS
+    return [" ".join(words[t % len(words)] for t in p) for p in prompts]
 
 
 def _server_root(url: str) -> str:
