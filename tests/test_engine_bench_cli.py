@@ -119,6 +119,7 @@ def test_base_url_drives_a_live_server(tmp_path: Path, capsys: pytest.CaptureFix
     assert (s["completed"], s["failed"], s["first_error"]) == (n, 0, None)
     assert s["prompt_tokens"] == n * (system + question)
     assert s["output_tokens"] == n * out_len  # ignore_eos: every request its max_tokens
+    assert s["short_outputs"] == 0
     # the server served each group's system prompt from its cache to the group's later prompts
     assert 0 < s["cached_tokens"] <= (n - groups) * system
     assert s["ttft_ms"]["mean"] > 0 and s["latency_ms"]["p99"] >= s["ttft_ms"]["p99"]
@@ -240,8 +241,9 @@ def test_an_openai_style_base_url_ending_in_v1_works(tmp_path: Path) -> None:
 def test_text_prompts_for_servers_that_take_text_only(tmp_path: Path) -> None:
     from server_helpers import live_server
 
-    from radixkv.server.bench_client import as_text
+    from radixkv.server.bench_client import _WORDS, as_text
 
+    assert len(set(_WORDS)) == len(_WORDS) == 256  # one distinct word per token id below 256
     texts = as_text([[0, 1, 2], [0, 1, 3]])
     assert texts[0] != texts[1] and texts[0][:9] == texts[1][:9]  # shared ids, shared text
     flags = [
@@ -254,3 +256,17 @@ def test_text_prompts_for_servers_that_take_text_only(tmp_path: Path) -> None:
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["prompt_tokens"] > 6 * 40  # the server's count: radixkv-tiny reads bytes
     assert s["cached_tokens"] > 0  # the groups' shared text is served from the cache
+
+
+def test_outputs_that_stop_short_are_counted() -> None:
+    from radixkv.server.bench_client import RequestRecord, _server_lines, summarize
+
+    recs = [
+        RequestRecord(ok=True, prompt_tokens=5, output_tokens=n, ttft=0.1, latency=0.2)
+        for n in (4, 4, 1)
+    ] + [RequestRecord(ok=False, error="HTTP 500: x")]
+    s = summarize(recs, 1.0, output_len=4)
+    assert (s["completed"], s["failed"], s["short_outputs"], s["output_tokens"]) == (3, 1, 1, 9)
+    lines = _server_lines(s, 0.5)
+    assert any("1 of 3 outputs stopped before max_tokens" in line for line in lines)
+    assert lines[-1] == "first failure: HTTP 500: x"

@@ -139,14 +139,19 @@ async def _one(client: Any, model: str, prompt: list[int] | str, output_len: int
                 if choices and choices[0].get("finish_reason") == "error":
                     rec.error = "the server ended the request with finish_reason 'error'"
                     return rec
-                if choices and choices[0].get("text"):
+                if not choices:
+                    continue
+                if choices[0].get("finish_reason") is None or choices[0].get("text"):
+                    # a token whose text is held back (part of a UTF-8 character) still counts,
+                    # for servers that report no usage
+                    chunks += 1
+                if choices[0].get("text"):
                     now = time.perf_counter()
                     if last is None:
                         rec.ttft = now - t0
                     else:
                         rec.itl.append(now - last)
                     last = now
-                    chunks += 1
     except Exception as e:  # a broken connection or stream fails this request only
         rec.error = f"{type(e).__name__}: {e}"
         return rec
@@ -193,26 +198,29 @@ async def _run(
         return list(records), time.perf_counter() - t0
 
 
-# 256 distinct words, one per token id of the workloads (which are below 256): two syllables each
-_SYLLABLES = (
-    "ka",
-    "lo",
-    "mi",
-    "nu",
-    "pe",
-    "ra",
-    "si",
-    "to",
-    "vu",
-    "we",
-    "ba",
-    "do",
-    "fe",
-    "gi",
-    "ho",
-    "ju",
+# 256 distinct common English words, one per token id of the workloads (which are below 256):
+# most are one token (after a space) in real models' vocabularies (GPT-2's, Llama's, Qwen's)
+_WORD_TEXT = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot right "
+    "study book eye job word business issue side kind head house service friend father power "
+    "hour game line end member law car city community name president team minute idea kid body "
+    "information back parent face others level office door health person art war history party "
+    "result change morning reason research girl guy moment air teacher force education foot boy "
+    "age policy music market sense nation plan college interest death experience effect class "
+    "control care field development role effort rate heart drug show leader light voice wife "
+    "police mind price report decision son view relationship town road arm difference value "
+    "building action model season society tax director position player record paper space "
+    "ground form event official matter center couple site project activity star table need "
+    "court oil situation cost industry figure street image phone data picture practice piece "
+    "land product doctor wall patient worker news test movie north love support technology step "
+    "baby computer type attention film tree source organization hair window evidence population "
+    "truth camp trial fire hotel heat river rock army bank cell chair lake ship snow sun train "
+    "wind bird blue cold dark deep dry early easy fast fine free full good great green hard "
+    "high hot large late long low new old open poor real red short simple slow small "
 )
-_WORDS = tuple(a + b for a in _SYLLABLES for b in _SYLLABLES)
+_WORDS = tuple(_WORD_TEXT.split())  # distinct (a test checks)
 
 
 def as_text(prompts: list[list[int]]) -> list[str]:
@@ -249,8 +257,11 @@ def _served_model(args: argparse.Namespace, base_url: str) -> str:
     return str(models[0]["id"])
 
 
-def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
-    """Run totals and latency statistics (ms) over the requests that succeeded."""
+def summarize(
+    records: list[RequestRecord], duration: float, output_len: int | None = None
+) -> dict[str, Any]:
+    """Run totals and latency statistics (ms) over the requests that succeeded; with
+    ``output_len`` (what each asked for), how many stopped short of it."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft * 1e3 for r in ok]
     lat = [r.latency * 1e3 for r in ok]
@@ -279,6 +290,9 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
         "output_tokens": output,
         "cached_tokens": cached,
         "cached_share": cached / max(1, prompt),
+        "short_outputs": (
+            0 if output_len is None else sum(r.output_tokens < output_len for r in ok)
+        ),
         "ttft_ms": stats(ttft),
         "tpot_ms": stats(tpot),
         "itl_ms": stats(itl),
@@ -321,7 +335,7 @@ def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     args.seed = seed
     servers = []
     for url in urls:
-        s = summarize(records[url], seconds[url])
+        s = summarize(records[url], seconds[url], work.output_len)
         lines = _server_lines(s, work.ideal_hit_rate)
         print(f"\n{url} (model {models[url]}):", file=out)
         for line in lines:
@@ -365,6 +379,11 @@ def _server_lines(s: dict[str, Any], ideal: float) -> list[str]:
         lines.append(
             f"{name:<22} mean {st['mean']:9.1f} ms   p50 {st['p50']:9.1f} ms   "
             f"p99 {st['p99']:9.1f} ms"
+        )
+    if s["short_outputs"]:
+        lines.append(
+            f"{s['short_outputs']} of {s['completed']} outputs stopped before max_tokens (a "
+            "server that ignores ignore_eos ends at EOS): compare token rates, not request rates"
         )
     if s["failed"]:
         lines.append(f"first failure: {s['first_error']}")
