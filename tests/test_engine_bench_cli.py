@@ -134,6 +134,11 @@ def test_base_url_failures_are_counted_and_reported(tmp_path: Path) -> None:
 
     out = tmp_path / "fail.json"
     with live_server(max_model_len=128) as (srv, _):
+        # extra body fields reach the server: an invalid one fails every request
+        small = ["--dataset-name", "random", "--num-prompts", "1", "--random-input-len", "16"]
+        small += ["--random-output-len", "2", "--base-url", srv.url]
+        assert main(["bench", *small]) == 0
+        assert main(["bench", *small, "--extra-request-body", '{"top_k": -5}']) == 1
         flags = ["--dataset-name", "random", "--num-prompts", "2", "--random-input-len", "200"]
         rc = main(["bench", "--base-url", srv.url, "--json", str(out), *flags])
     assert rc == 1  # some request failed
@@ -173,6 +178,8 @@ def test_two_servers_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[
         (["--base-url", "http://127.0.0.1:9", "--repeats", "0"], "--repeats must be >= 1"),
         (["--base-url", "http://127.0.0.1:9", "--cache", "on"], "--cache applies to an engine"),
         (["--base-url", "http://x", "--request-rate", "0"], "expected a rate > 0"),
+        (["--base-url", "http://x", "--extra-request-body", "{x"], "not JSON"),
+        (["--base-url", "http://x", "--extra-request-body", "[1]"], "expected a JSON object"),
     ],
 )
 def test_base_url_bad_settings_exit_2(

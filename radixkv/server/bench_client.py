@@ -62,6 +62,16 @@ def _rate(text: str) -> float:
     return r
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def add_serving_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``--base-url`` flags of ``radixkv bench``."""
     s = p.add_argument_group("serving (with --base-url: a running server, not an engine here)")
@@ -95,13 +105,27 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
         "for servers that take text only (OpenAI, llama.cpp's server), where the server's "
         "tokenizer sets the token counts",
     )
+    s.add_argument(
+        "--extra-request-body",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="fields merged into every request body, as SGLang's bench_serving takes them, "
+        """e.g. '{"logit_bias": {"2": -100}}' to ban an EOS a server would not ignore""",
+    )
     s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     return p
 
 
-async def _one(client: Any, model: str, prompt: list[int] | str, output_len: int) -> RequestRecord:
-    body = {
+async def _one(
+    client: Any,
+    model: str,
+    prompt: list[int] | str,
+    output_len: int,
+    extra: dict[str, Any] | None = None,
+) -> RequestRecord:
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
@@ -109,6 +133,7 @@ async def _one(client: Any, model: str, prompt: list[int] | str, output_len: int
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     # a text prompt's token count is the server's to say (usage); ids are counted here
     rec = RequestRecord(ok=False, prompt_tokens=0 if isinstance(prompt, str) else len(prompt))
@@ -185,7 +210,7 @@ async def _run(
 
         async def bounded(prompt: list[int] | str) -> RequestRecord:
             async with sem:
-                return await _one(client, model, prompt, work.output_len)
+                return await _one(client, model, prompt, work.output_len, args.extra_request_body)
 
         t0 = time.perf_counter()
         tasks = []
