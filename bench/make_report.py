@@ -156,6 +156,18 @@ SECTIONS: list[tuple[str, str, str]] = [
         "whose 32 tokens all agree). `cpu_limit`: this CPU's matmul peak and radixkv-tiny's "
         "4,096-token prefill as a share of it, measured in the same run.",
     ),
+    (
+        "bench_serving_peers",
+        "Serving against llama.cpp's server",
+        "`bench/bench_serving_peers.py` (`nox -s bench_peers`, after the above): the same "
+        "checkpoint behind `radixkv serve` (float32) and behind llama-cpp-python's OpenAI "
+        "server (the f32 GGUF, `--interrupt_requests False`), sent the same requests by "
+        "`radixkv bench --base-url` in one run: SGLang's generated-shared-prefix shape as text "
+        "prompts (llama.cpp's server takes text only), all at once, streamed, greedy, rounds "
+        "of new prompts with the servers' order rotated. Times are client-side; `cached_share` "
+        "is the share of prompt tokens the server reports serving from its cache (llama.cpp's "
+        "server reports none). llama.cpp's server runs one request at a time.",
+    ),
 ]
 
 HEADER = """# Benchmarks

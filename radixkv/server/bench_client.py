@@ -339,9 +339,12 @@ def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     records: dict[str, list[RequestRecord]] = {url: [] for url in urls}
     seconds = dict.fromkeys(urls, 0.0)
     work = build_workload(args, vocab=256)  # ids below 256: valid for every tokenizer
+    what = work.description
+    if args.prompt_format == "text":
+        what += " (sent as text, a word per token id: the server's tokenizer sets the counts)"
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     print(
-        f"radixkv bench: {work.name}: {work.description}; {rate}, at most "
+        f"radixkv bench: {work.name}: {what}; {rate}, at most "
         f"{args.max_concurrency or len(work.prompts)} in flight, {args.repeats} round(s); on a "
         f"fresh server a perfect cache serves {work.ideal_hit_rate:.1%} of the prompt tokens",
         file=out,
@@ -375,7 +378,7 @@ def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
         "repeats": args.repeats,
         "workload": {
             "dataset": work.name,
-            "description": work.description,
+            "description": what,
             "requests_per_round": len(work.prompts),
             "output_len": work.output_len,
             "ideal_hit_rate": work.ideal_hit_rate,
