@@ -79,6 +79,8 @@ def test_completion_defaults_and_prompt_shapes() -> None:
         (_cmpl(response_format={"type": "json_object"}), "response_format"),
         (_cmpl(response_format={"type": 3}), "response_format.type"),
         (_cmpl(logit_bias={"x5": 10}), "logit_bias"),
+        (_cmpl(logit_bias={"\u00b2": 1}), "logit_bias"),  # a digit to str.isdigit, not int()
+        (_cmpl(logit_bias={"9" * 5000: 1}), "logit_bias"),
         (_cmpl(logit_bias={"5": 101}), "logit_bias"),
         (_cmpl(min_tokens=-1), "min_tokens"),
         (_cmpl(best_of=2), "best_of"),

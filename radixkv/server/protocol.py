@@ -69,7 +69,8 @@ def _check_sampling(req: _SamplingFields) -> None:
             "(only 'text': structured output is not implemented)"
         )
     for key in req.logit_bias or {}:
-        if not key.isdigit():
+        # ASCII digits only (str.isdigit also takes "²", which int() refuses), and short
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):
             raise ValueError(f"logit_bias keys must be token ids (digits), got {key[:40]!r}")
 
 
