@@ -63,3 +63,38 @@ def test_lpm_lookahead_does_not_touch_hit_counts() -> None:
     while eng.has_unfinished():
         eng.step()
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(engine: Engine, stream: bool) -> None:
+    prompt = "def add(a, b):\n"  # radixkv-tiny answers with a run of spaces, then code
+    base = SamplingParams(temperature=0.0, max_tokens=24, stop=["   "])
+    keep = SamplingParams(
+        temperature=0.0, max_tokens=24, stop=["   "], include_stop_str_in_output=True
+    )
+    if stream:
+        cut = "".join(o.outputs[0].delta_text for o in engine.stream(prompt, base))
+        kept = "".join(o.outputs[0].delta_text for o in engine.stream(prompt, keep))
+    else:
+        cut = engine.generate([prompt], base, use_tqdm=False)[0].outputs[0].text
+        kept = engine.generate([prompt], keep, use_tqdm=False)[0].outputs[0].text
+    assert kept == cut + "   "  # the stop string, once, at the end
+    assert "   " not in cut
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be a bool"):
+        SamplingParams(include_stop_str_in_output=1)
+
+
+def test_the_server_passes_include_stop_str_in_output_on() -> None:
+    import httpx
+    from server_helpers import MODEL, live_server
+
+    body = {"model": MODEL, "prompt": "def add(a, b):\n", "max_tokens": 24, "temperature": 0}
+    with live_server() as (srv, _), httpx.Client(base_url=srv.url, timeout=30) as http:
+        texts = [
+            http.post(
+                "/v1/completions",
+                json={**body, "stop": ["   "], "include_stop_str_in_output": keep},
+            ).json()["choices"][0]["text"]
+            for keep in (False, True)
+        ]
+    assert texts[1] == texts[0] + "   "

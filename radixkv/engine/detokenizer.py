@@ -30,6 +30,7 @@ class IncrementalDetokenizer:
         "_emitted",
         "_hold",
         "_ids",
+        "_include_stop",
         "_prefix_offset",
         "_read_offset",
         "_skip_special",
@@ -45,6 +46,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str],
         skip_special_tokens: bool = False,
+        include_stop: bool = False,
     ) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
@@ -52,13 +54,15 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stops = tuple(stop)
+        self._include_stop = include_stop  # keep the matched stop string at the text's end
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._emitted = 0
         self.text = ""
         self.stop_matched: str | None = None
 
     def add(self, token_id: int) -> bool:
-        """Append one token; returns True when a stop string completed (text is cut before it)."""
+        """Append one token; returns True when a stop string completed (text is cut before it,
+        or after it with ``include_stop``)."""
         if self.stop_matched is not None:
             raise RuntimeError("detokenizer: token added after a stop string matched")
         self._ids.append(token_id)
@@ -96,7 +100,8 @@ class IncrementalDetokenizer:
                 best, self.stop_matched = p, s
         if best == -1:
             return False
-        self.text = self.text[:best]
+        assert self.stop_matched is not None
+        self.text = self.text[: best + (len(self.stop_matched) if self._include_stop else 0)]
         return True
 
     def take_delta(self, finished: bool) -> str:

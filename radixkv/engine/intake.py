@@ -179,7 +179,11 @@ class RequestIntake:
                 seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
                 gen = make_generator(seed)
             detok = IncrementalDetokenizer(
-                self.tokenizer, ids, params.stop, params.skip_special_tokens
+                self.tokenizer,
+                ids,
+                params.stop,
+                params.skip_special_tokens,
+                params.include_stop_str_in_output,
             )
             seq = Sequence(group, i, ids, gen, detok)
             seq.live_detok = live_detok

@@ -24,8 +24,11 @@ class SamplingParams:
             most likely token's, in [0, 1]; 0 disables it. Applied before top-k and top-p, as
             vLLM does.
         max_tokens: most tokens to generate (>= 1).
-        stop: strings that end the output when they appear; the stop string is not included.
-            A single string or a sequence of strings; normalised to a tuple.
+        stop: strings that end the output when they appear; the stop string is not included
+            (unless ``include_stop_str_in_output``). A single string or a sequence of strings;
+            normalised to a tuple.
+        include_stop_str_in_output: keep the stop string that ended the output at the end of
+            its text (vLLM's).
         stop_token_ids: token ids that end the output (the token is kept in ``token_ids``,
             not in ``text``).
         ignore_eos: keep generating past the model's EOS tokens.
@@ -66,6 +69,7 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int = 16
     stop: tuple[str, ...] = field(default=())
+    include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     seed: int | None = None
@@ -109,6 +113,11 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {list(ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(
+                "include_stop_str_in_output must be a bool, got "
+                f"{self.include_stop_str_in_output!r}"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):

@@ -17,9 +17,10 @@ name; a Struct that exists is a valid one. Responses are Structs too, encoded wi
 ``msgspec.json``.
 
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
-sharing within the caller's tenant), ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob
-tokens as ``"token_id:N"``).
+sharing within the caller's tenant), ``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob tokens as
+``"token_id:N"``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     ignore_eos: bool = False
     user: str | None = None

@@ -177,6 +177,7 @@ class ServerState:
                 logprobs=req.engine_logprobs(),
                 stop=tuple(P.stop_list(req.stop)),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos,
                 seed=req.seed,
                 min_tokens=req.min_tokens,
