@@ -467,6 +467,24 @@ def plot_peers(data: Any, fig: Any) -> None:
     )
 
 
+def plot_serving_peers(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    names = [r["server"] for r in rows]
+    colours = ["tab:green" if n.startswith("radixkv") else "tab:orange" for n in names]
+    axes = fig.subplots(1, 3)
+    for ax, key, label in zip(
+        axes,
+        ("req_per_s", "output_tok_per_s", "ttft_mean_ms"),
+        ("requests / s (higher is better)", "output tokens / s", "TTFT mean, ms (lower)"),
+        strict=True,
+    ):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=colours)
+        ax.set_xticks(range(len(rows)), [n.split(" (")[0] for n in names], fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("One checkpoint behind two servers, the same requests (client-side)")
+
+
 # file stem -> [(image name suffix, plotter)]
 PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_tuning": [("", plot_tuning), ("_chunk", plot_chunk)],
@@ -475,6 +493,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_cascade_bf16": [("", plot_cascade)],
     "bench_vs_sglang": [("", plot_vs_sglang)],
     "bench_peers": [("", plot_peers)],
+    "bench_serving_peers": [("", plot_serving_peers)],
 }
 
 
