@@ -344,6 +344,44 @@ def check_tiny_model() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def check_sampling(device: str = DEV) -> dict[str, Any]:
+    """Logit bias, min_tokens and the penalties on CUDA tensors: adjust_logits there equals it
+    on the CPU for the same logits, and the engine on the GPU honours a ban and min_tokens."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.logit_adjust import adjust_logits
+    from radixkv.engine.params import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    ids = [torch.randint(0, 300, (40,), generator=gen).tolist() for _ in range(4)]
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(logit_bias={7: 50.0, 9: -100.0}),
+        SamplingParams(max_tokens=64, min_tokens=30, stop_token_ids=[11]),
+        SamplingParams(),
+    ]
+    cpu = adjust_logits(logits, params, ids, [20] * 4, eos_token_ids={2})
+    gpu = adjust_logits(logits.to(device), params, ids, [20] * 4, eos_token_ids={2}).cpu()
+    diff = (cpu - gpu).abs().nan_to_num(posinf=0.0, neginf=0.0).max().item()
+    same_inf = bool(torch.equal(torch.isinf(cpu), torch.isinf(gpu)))
+    eng = Engine("radixkv-tiny", device=device, dtype=TINY_DTYPE, num_pages=256)
+    eos = sorted(eng.eos_token_ids)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={eos: 100.0})
+    short = eng.generate(["def f(x):\n"], greedy, use_tqdm=False)[0].outputs[0]
+    held = SamplingParams(
+        temperature=0.0, max_tokens=12, logit_bias={eos: 100.0}, min_tokens=5,
+        repetition_penalty=1.2, frequency_penalty=0.3,
+    )  # fmt: skip
+    out = eng.generate(["def f(x):\n"], held, use_tqdm=False)[0].outputs[0]
+    eng.check_invariants()
+    return {
+        "adjust_max_abs_diff": diff, "same_inf": same_inf,
+        "eos_first_len": len(short.token_ids), "min_tokens_len": len(out.token_ids),
+        "ok": diff <= 1e-5 and same_inf and len(short.token_ids) == 1
+        and len(out.token_ids) == 6 and eos not in out.token_ids[:5],
+    }  # fmt: skip
+
+
 def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[str, Any]:
     """See the module doc; ``device``/``backend`` let the same check run on a CPU (torch)."""
     import tempfile
@@ -450,6 +488,11 @@ def _table(result: dict[str, Any]) -> str:
             f"hit rate {tiers['hit_rate_tiered']:.3f} vs {tiers['hit_rate_unbounded']:.3f}, "
             f"storage hit {tiers['storage_hit_tokens']} tok, auto {tiers['auto_dtype']} |"
         )
+    samp = result.get("sampling", {})
+    if "adjust_max_abs_diff" in samp:
+        lines.append(
+            f"| sampling | 1 | {int(not samp['ok'])} | {samp['adjust_max_abs_diff']:.2e} |"
+        )
     tiny = result.get("tiny_model", {})
     if "max_abs_diff" in tiny:
         lines.append(f"| tiny_model | 1 | {int(not tiny['ok'])} | {tiny['max_abs_diff']:.2e} |")
@@ -522,9 +565,12 @@ def main() -> int:
         ])  # fmt: skip
         _section(result, "tiny_model", check_tiny_model)
         _section(result, "engine_tiers", check_engine_tiers)
+        _section(result, "sampling", check_sampling)
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
-    sections = ("paged", "cascade", "tiny_model", "engine_tiers", "timings", "cascade_timing")
+    sections = (
+        "paged", "cascade", "tiny_model", "engine_tiers", "sampling", "timings", "cascade_timing"
+    )  # fmt: skip
     result["ok"] = "error" not in result and all(
         _rows_ok(result.get(s, {"ok": False})) for s in sections
     )

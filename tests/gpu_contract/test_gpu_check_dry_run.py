@@ -74,6 +74,12 @@ def test_tiny_model_section(fake: FakeFlashInfer) -> None:
     assert _shapes_used(fake) <= set(gpu_check.kernel_variants())
 
 
+def test_sampling_section(fake: FakeFlashInfer) -> None:
+    row = gpu_check.check_sampling("cpu")
+    assert row["ok"], row
+    assert row["adjust_max_abs_diff"] == 0.0  # the same device here: bit for bit
+
+
 def test_table_renders() -> None:
     result = {"ok": False, "device": "x", "paged": [{"ok": True, "max_abs_diff": 1e-3}],
               "cascade": {"ok": False, "error": "boom"}, "timings": {"error": "boom"}}  # fmt: skip
