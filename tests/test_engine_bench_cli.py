@@ -277,3 +277,19 @@ def test_outputs_that_stop_short_are_counted() -> None:
     lines = _server_lines(s, 0.5)
     assert any("1 of 3 outputs stopped before max_tokens" in line for line in lines)
     assert lines[-1] == "first failure: HTTP 500: x"
+
+
+def test_multi_turn_chats_resent_with_their_history(tmp_path: Path) -> None:
+    report = _bench(
+        tmp_path,
+        *("--dataset-name", "multi-turn", "--mt-conversations", "3", "--mt-turns", "3"),
+        *("--mt-system-len", "64", "--mt-user-len", "16", "--mt-assistant-len", "32"),
+        *("--mt-output-len", "2", "--cache", "on"),
+    )
+    work = report["workload"]
+    # turns of 80, 128 and 176 tokens; reusable: the system prompt for chats 2 and 3's first
+    # turns, then each turn's predecessor (80 and 128 tokens)
+    assert work["requests"] == 9 and work["prompt_tokens"] == 3 * (80 + 128 + 176)
+    assert work["ideal_hit_rate"] == pytest.approx((2 * 64 + 3 * (80 + 128)) / (3 * 384))
+    (on,) = report["results"]
+    assert 0 < on["prefill_saved"] <= work["ideal_hit_rate"] * work["prompt_tokens"]

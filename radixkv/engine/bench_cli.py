@@ -14,6 +14,9 @@ datasets, with SGLang's flag names where it has them:
   each with ``--branches-unique-len`` tokens of its own, decoding together (best-of-n, a tree
   search): the shared prefix is computed once, and with ``--cascade auto`` its KV is read once
   per decode step for all branches instead of once per branch.
+* ``multi-turn``: ``--mt-conversations`` chats of ``--mt-turns`` turns, each turn resent with
+  the chat's history (a system prompt all chats share, earlier user turns and answers), as
+  chat clients send them; every turn of every chat is sent at once.
 
 Prompts are random token ids below 256, valid for every tokenizer, so any model runs them;
 sampling is greedy with ``ignore_eos`` so every request produces its full output. Each engine
@@ -44,7 +47,7 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
 
-DATASETS = ("generated-shared-prefix", "random", "branches")
+DATASETS = ("generated-shared-prefix", "random", "branches", "multi-turn")
 CACHE_MODES = ("both", "on", "off")
 _WARMUP_SEED = 10_007  # the warm-up prompt's ids come from their own generator
 
@@ -100,6 +103,19 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     w.add_argument("--branches-prefix-len", type=_positive, default=4096, help="shared tokens")
     w.add_argument("--branches-unique-len", type=_positive, default=8, help="tokens a branch owns")
     w.add_argument("--branches-output-len", type=_positive, default=48, help="tokens out")
+    w.add_argument("--mt-conversations", type=_positive, default=8, help="chats")
+    w.add_argument("--mt-turns", type=_positive, default=4, help="user turns a chat")
+    w.add_argument(
+        "--mt-system-len", type=_positive, default=256, help="system prompt all chats share"
+    )
+    w.add_argument("--mt-user-len", type=_positive, default=64, help="tokens a user turn")
+    w.add_argument(
+        "--mt-assistant-len",
+        type=_positive,
+        default=128,
+        help="tokens of each earlier answer in the history",
+    )
+    w.add_argument("--mt-output-len", type=_positive, default=32, help="tokens out")
     r = p.add_argument_group("run")
     r.add_argument(
         "--cache",
@@ -158,6 +174,8 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
             output_len=args.random_output_len,
             ideal_hit_rate=0.0,
         )
+    if args.dataset_name == "multi-turn":
+        return _multi_turn(args, seed, vocab)
     n, pre, uniq = args.num_prompts, args.branches_prefix_len, args.branches_unique_len
     prompts = shared_prefix_tokens(
         num_requests=n, prefix_len=pre, unique_len=uniq, vocab=vocab, seed=seed
@@ -172,6 +190,44 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
         prompts=prompts,
         output_len=args.branches_output_len,
         ideal_hit_rate=(n - 1) * pre / (n * (pre + uniq)),
+    )
+
+
+def _multi_turn(args: argparse.Namespace, seed: int, vocab: int) -> Workload:
+    """Chats resent with their history, as a chat client sends them: turn t of a chat is the
+    shared system prompt, the t - 1 earlier exchanges (user turn + answer) and the new user
+    turn. The earlier answers are fixed tokens here, not what the model wrote, so what a cache
+    can reuse of turn t is turn t - 1's prompt (and, for a chat's first turn, the system prompt
+    once another chat computed it)."""
+    rng = random.Random(seed)
+    hi = min(vocab, 256)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(hi) for _ in range(n)]
+
+    c, turns = args.mt_conversations, args.mt_turns
+    system = toks(args.mt_system_len)
+    prompts: list[list[int]] = []
+    reusable = 0
+    for chat in range(c):
+        history = list(system)
+        for t in range(turns):
+            prompt = history + toks(args.mt_user_len)
+            reusable += len(history) - args.mt_assistant_len if t else (len(system) if chat else 0)
+            prompts.append(prompt)
+            history = prompt + toks(args.mt_assistant_len)
+    total = sum(map(len, prompts))
+    desc = (
+        f"{c} chats x {turns} turns resent with their history: a {args.mt_system_len:,}-token "
+        f"system prompt they all share, {args.mt_user_len}-token user turns, "
+        f"{args.mt_assistant_len}-token earlier answers, {args.mt_output_len} tokens out"
+    )
+    return Workload(
+        name=args.dataset_name,
+        description=desc,
+        prompts=prompts,
+        output_len=args.mt_output_len,
+        ideal_hit_rate=reusable / total,
     )
 
 
