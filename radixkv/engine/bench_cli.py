@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import random
 import sys
 import zlib
 from typing import Any, TextIO
@@ -41,6 +40,8 @@ from radixkv.engine.benchmark import (
     format_table,
     generated_shared_prefix,
     measure,
+    multi_turn_chats,
+    random_prompts,
     shared_prefix_tokens,
 )
 from radixkv.engine.config import EngineConfig
@@ -135,10 +136,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
-    """The prompts of ``args.dataset_name``, seeded by ``args.seed`` and the dataset's name
-    (datasets never share token runs: a server that ran one holds nothing of another)."""
-    seed = zlib.crc32(f"{args.dataset_name}:{args.seed}".encode())
+def build_workload(args: argparse.Namespace, vocab: int, seed: int | None = None) -> Workload:
+    """The prompts of ``args.dataset_name``, seeded by ``seed`` (default ``args.seed``) and the
+    dataset's name (datasets never share token runs: a server that ran one holds nothing of
+    another)."""
+    seed = zlib.crc32(f"{args.dataset_name}:{args.seed if seed is None else seed}".encode())
     if args.dataset_name == "generated-shared-prefix":
         g, n = args.gsp_num_groups, args.gsp_prompts_per_group
         sys_len, q_len = args.gsp_system_prompt_len, args.gsp_question_len
@@ -162,10 +164,8 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
             ideal_hit_rate=ideal,
         )
     if args.dataset_name == "random":
-        rng = random.Random(seed)
-        hi = min(vocab, 256)
         n, length = args.num_prompts, args.random_input_len
-        prompts = [[rng.randrange(hi) for _ in range(length)] for _ in range(n)]
+        prompts = random_prompts(num_requests=n, length=length, vocab=vocab, seed=seed)
         desc = f"{n} independent prompts of {length:,} tokens, {args.random_output_len} out"
         return Workload(
             name=args.dataset_name,
@@ -194,29 +194,16 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
 
 
 def _multi_turn(args: argparse.Namespace, seed: int, vocab: int) -> Workload:
-    """Chats resent with their history, as a chat client sends them: turn t of a chat is the
-    shared system prompt, the t - 1 earlier exchanges (user turn + answer) and the new user
-    turn. The earlier answers are fixed tokens here, not what the model wrote, so what a cache
-    can reuse of turn t is turn t - 1's prompt (and, for a chat's first turn, the system prompt
-    once another chat computed it)."""
-    rng = random.Random(seed)
-    hi = min(vocab, 256)
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(hi) for _ in range(n)]
-
     c, turns = args.mt_conversations, args.mt_turns
-    system = toks(args.mt_system_len)
-    prompts: list[list[int]] = []
-    reusable = 0
-    for chat in range(c):
-        history = list(system)
-        for t in range(turns):
-            prompt = history + toks(args.mt_user_len)
-            reusable += len(history) - args.mt_assistant_len if t else (len(system) if chat else 0)
-            prompts.append(prompt)
-            history = prompt + toks(args.mt_assistant_len)
-    total = sum(map(len, prompts))
+    prompts, ideal = multi_turn_chats(
+        num_chats=c,
+        turns=turns,
+        system_len=args.mt_system_len,
+        user_len=args.mt_user_len,
+        assistant_len=args.mt_assistant_len,
+        vocab=vocab,
+        seed=seed,
+    )
     desc = (
         f"{c} chats x {turns} turns resent with their history: a {args.mt_system_len:,}-token "
         f"system prompt they all share, {args.mt_user_len}-token user turns, "
@@ -227,7 +214,7 @@ def _multi_turn(args: argparse.Namespace, seed: int, vocab: int) -> Workload:
         description=desc,
         prompts=prompts,
         output_len=args.mt_output_len,
-        ideal_hit_rate=reusable / total,
+        ideal_hit_rate=ideal,
     )
 
 
@@ -243,9 +230,10 @@ def _check_fits(engine: Engine, work: Workload) -> None:
 
 def _warm_up(engine: Engine, length: int) -> None:
     """One unrelated request (first-call costs: kernel setup, allocations), then forget it."""
-    rng = random.Random(_WARMUP_SEED)
-    prompt = [rng.randrange(min(engine.vocab_size, 256)) for _ in range(length)]
-    engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    prompts = random_prompts(
+        num_requests=1, length=length, vocab=engine.vocab_size, seed=_WARMUP_SEED
+    )
+    engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     engine.reset_prefix_cache()
 
 
@@ -272,11 +260,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> dict[str, Any]:
         if args.cache == "on":
             raise ValueError("--cache on and --disable-prefix-cache contradict each other")
         modes = (False,)
-    params_for = {}
     results: list[WorkloadResult] = []
     decode: list[dict[str, Any]] = []
     model: Any = args.model
     work: Workload | None = None
+    params: SamplingParams | None = None
     for cache_on in modes:
         cfg = dataclasses.replace(config, enable_prefix_cache=cache_on)
         if not isinstance(model, str):  # loaded: what only loading uses is spent
@@ -284,14 +272,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> dict[str, Any]:
         engine = Engine(model, config=cfg)
         try:
             model = engine.model  # loaded once, shared by the second engine
-            if work is None:
+            if work is None or params is None:
                 work = build_workload(args, engine.vocab_size)
                 _check_fits(engine, work)
                 print(_header(engine, work), file=out, flush=True)
-            params = params_for.setdefault(
-                work.output_len,
-                SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True),
-            )
+                params = SamplingParams(
+                    temperature=0.0, max_tokens=work.output_len, ignore_eos=True
+                )
             if args.warmup:
                 _warm_up(engine, min(256, max(map(len, work.prompts))))
             before = engine.stats()

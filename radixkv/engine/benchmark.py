@@ -1,4 +1,5 @@
-"""Workloads and measurements shared by ``radixkv demo`` and bench/bench_engine.py.
+"""Workloads and measurements shared by ``radixkv demo``, ``radixkv bench`` and
+bench/bench_engine.py.
 
 ``measure(engine, prompts, params)`` submits every prompt at once, runs the engine to completion
 and reports what a prefix cache changes: hit rate, time to first token (mean, p99), throughput
@@ -287,3 +288,44 @@ def generated_shared_prefix(
     n = len(prompts)
     ideal = (n - num_groups) * system_len / (n * (system_len + question_len))
     return prompts, ideal
+
+
+def random_prompts(*, num_requests: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``num_requests`` independent token prompts of ``length`` ids: nothing to share."""
+    rng = random.Random(seed)
+    hi = min(vocab, 256)
+    return [[rng.randrange(hi) for _ in range(length)] for _ in range(num_requests)]
+
+
+def multi_turn_chats(
+    *,
+    num_chats: int,
+    turns: int,
+    system_len: int,
+    user_len: int,
+    assistant_len: int,
+    vocab: int,
+    seed: int = 0,
+) -> tuple[list[list[int]], float]:
+    """Chats resent with their history, as a chat client sends them: turn t of a chat is a
+    system prompt every chat shares, the t - 1 earlier exchanges (user turn + answer) and the
+    new user turn. Returns (prompts, ideal hit rate). The earlier answers are fixed tokens, not
+    what a model wrote, so what a cache can reuse of turn t is turn t - 1's prompt (and, for a
+    chat's first turn, the system prompt once another chat computed it)."""
+    rng = random.Random(seed)
+    hi = min(vocab, 256)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(hi) for _ in range(n)]
+
+    system = toks(system_len)
+    prompts: list[list[int]] = []
+    reusable = 0
+    for chat in range(num_chats):
+        history = list(system)
+        for t in range(turns):
+            prompt = history + toks(user_len)
+            reusable += len(history) - assistant_len if t else (len(system) if chat else 0)
+            prompts.append(prompt)
+            history = prompt + toks(assistant_len)
+    return prompts, reusable / sum(map(len, prompts))

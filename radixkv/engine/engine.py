@@ -287,16 +287,17 @@ class Engine:
         t2 = time.perf_counter()
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
         seqs = [batch.seqs[i] for i in rows]
+        params = [s.params for s in seqs]
         picked = logits[rows]
-        if any(s.params.adjusts_logits for s in seqs):  # the raw logits; logprobs stay raw
+        if any(p.adjusts_logits for p in params):  # the raw logits; logprobs stay raw
             picked = adjust_logits(
                 picked,
-                [s.params for s in seqs],
+                params,
                 [s.token_ids for s in seqs],
                 [s.num_prompt_tokens for s in seqs],
                 self.eos_token_ids,
             )
-        tokens = sample(picked, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(picked, params, [s.generator for s in seqs])
         if any(s.logprobs is not None for s in seqs):
             self._record_logprobs(logits, rows, seqs, tokens)
         t3 = time.perf_counter()

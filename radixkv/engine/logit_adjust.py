@@ -68,7 +68,6 @@ def adjust_logits(
         if bias:
             ts = torch.tensor([t for t, _ in bias], device=dev)
             row.index_add_(0, ts, torch.tensor([v for _, v in bias], device=dev))
-        ids: torch.Tensor | None = None
         k = num_prompt_tokens[i]
         # 2. min_tokens: what would end the output is held back
         if p.min_tokens and len(token_ids[i]) - k < p.min_tokens:

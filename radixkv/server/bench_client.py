@@ -161,11 +161,11 @@ async def _one(
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("finish_reason") == "error":
-                    rec.error = "the server ended the request with finish_reason 'error'"
-                    return rec
                 if not choices:
                     continue
+                if choices[0].get("finish_reason") == "error":
+                    rec.error = "the server ended the request with finish_reason 'error'"
+                    return rec
                 if choices[0].get("finish_reason") is None or choices[0].get("text"):
                     # a token whose text is held back (part of a UTF-8 character) still counts,
                     # for servers that report no usage
@@ -199,13 +199,12 @@ async def _run(
 ) -> tuple[list[RequestRecord], float]:
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or len(work.prompts)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=args.timeout, limits=limits
+        base_url=base_url, headers=_headers(args), timeout=args.timeout, limits=limits
     ) as client:
 
         async def bounded(prompt: list[int] | str) -> RequestRecord:
@@ -262,14 +261,18 @@ def _server_root(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 def _served_model(args: argparse.Namespace, base_url: str) -> str:
-    """The model id to send to ``base_url``: ``--served-model-name``, else the server's first;
-    ValueError if the server cannot be reached or lists none."""
+    """The model id to send to ``base_url`` (a server root, see :func:`_server_root`):
+    ``--served-model-name``, else the server's first; ValueError if the server cannot be
+    reached or lists none."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        r = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=30)
+        r = httpx.get(f"{base_url}/v1/models", headers=_headers(args), timeout=30)
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from None
     if args.served_model_name:
@@ -350,17 +353,14 @@ def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
         file=out,
         flush=True,
     )
-    seed = args.seed
     for r in range(args.repeats):
         if r:  # a new round: new prompts, so no server finds the last round's in its cache
-            args.seed = seed + r
-            work = build_workload(args, vocab=256)
+            work = build_workload(args, vocab=256, seed=args.seed + r)
         for k in range(len(urls)):
             url = urls[(k + r) % len(urls)]
             recs, duration = asyncio.run(_run(args, url, work, models[url]))
             records[url].extend(recs)
             seconds[url] += duration
-    args.seed = seed
     servers = []
     for url in urls:
         s = summarize(records[url], seconds[url], work.output_len)
@@ -382,7 +382,7 @@ def run_serving(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
             "requests_per_round": len(work.prompts),
             "output_len": work.output_len,
             "ideal_hit_rate": work.ideal_hit_rate,
-            "seed": seed,
+            "seed": args.seed,
         },
         "servers": servers,
         "failed_requests": sum(x["summary"]["failed"] for x in servers),
@@ -419,7 +419,7 @@ def _server_lines(s: dict[str, Any], ideal: float) -> list[str]:
 
 
 def _comparison(servers: list[dict[str, Any]]) -> str:
-    """One row per server, the first one's figures as the baseline of the ratios."""
+    """One row per server, in the order given."""
     w = max(len("server"), *(len(x["base_url"]) for x in servers))
     head = (
         f"{'server':<{w}} {'req/s':>8} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT p99':>10} "
