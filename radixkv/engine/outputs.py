@@ -77,6 +77,12 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     ``outputs``. ``num_cached_tokens`` is how many prompt tokens were served from the prefix
     cache (for ``n > 1``, the first sample's count). ``finished`` is True once every sample has
     finished.
+
+    ``prompt_logprobs`` (only with ``SamplingParams.prompt_logprobs`` set, else None) has one
+    entry per prompt token: None for the first, then ``{prompt token: Logprob, the k most
+    likely tokens ...}`` (the prompt's own token first, as in ``CompletionOutput.logprobs``).
+    It is filled once the prompt's prefill is complete, so every output that carries a
+    generated token (and the final one) has it; earlier streamed outputs have None.
     """
 
     request_id: str
@@ -90,6 +96,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     outputs: list[CompletionOutput]
     finished: bool = False
     namespace: object | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -57,6 +57,12 @@ class SamplingParams:
             (``log_softmax`` of the step's logits), before temperature, top-k/top-p/min-p
             filtering: what vLLM returns by default (its ``raw_logprobs``), so they do not
             depend on how the token was chosen.
+        prompt_logprobs: None (default) or an int k >= 0: the log probability of every prompt
+            token given the tokens before it, and of the k most likely tokens at that
+            position, in ``RequestOutput.prompt_logprobs`` (vLLM's; the first token has none).
+            Computing them needs the model's output at every prompt position, so such a
+            request reuses no cached prefix: its whole prompt is prefilled (and cached as
+            usual). Raw values, like ``logprobs``.
 
     Raises:
         ValueError: on any out-of-range value or wrongly typed field (the message names it).
@@ -75,6 +81,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     presence_penalty: float = 0.0
@@ -102,6 +109,12 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}"
+            )
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
