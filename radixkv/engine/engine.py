@@ -43,7 +43,7 @@ from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.logit_adjust import adjust_logits
-from radixkv.engine.logprobs import TokenTexts, step_logprobs
+from radixkv.engine.logprobs import TokenTexts, prompt_logprobs, step_logprobs
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.prefill_cost import attention_cost_ratio
@@ -283,8 +283,12 @@ class Engine:
                 self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()
-        logits = self._forward(batch)  # [B, vocab] fp32
+        owing = [i for i, s in enumerate(batch.seqs) if s.owes_prompt_logprobs]
+        past = [batch.seqs[i].num_computed for i in owing]
+        logits, hidden = self._forward(batch, owing)  # [B, vocab] fp32; [num_new, hidden] each
         t2 = time.perf_counter()
+        if owing:
+            self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
         seqs = [batch.seqs[i] for i in rows]
         params = [s.params for s in seqs]
@@ -371,12 +375,20 @@ class Engine:
             storage_hit_tokens=batch.num_storage_hit_tokens,
         )
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One model forward over the batch; if it raises, the batch's requests end with
+    def _forward(
+        self, batch: ScheduledBatch, hidden_of: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One model forward over the batch: last-token logits, and the hidden states of every
+        new token of the batch rows ``hidden_of``; if it raises, the batch's requests end with
         "error" and the exception propagates."""
         try:
             cascade, rows = self._plan_cascade(batch)
-            return self.runner.forward(batch.model_inputs(), cascade=cascade, cascade_rows=rows)
+            inputs = batch.model_inputs()
+            if hidden_of:
+                return self.runner.forward_hidden(
+                    inputs, hidden_of, cascade=cascade, cascade_rows=rows
+                )
+            return self.runner.forward(inputs, cascade=cascade, cascade_rows=rows), []
         except Exception:
             self._fail_batch(batch)
             raise
@@ -434,6 +446,30 @@ class Engine:
             assert seq.logprobs is not None
             seq.logprobs.append(entry)
             seq.cumulative_logprob += entry[tokens[i]].logprob
+
+    def _record_prompt_logprobs(
+        self, seqs: list[Seq], past: list[int], hidden: list[torch.Tensor]
+    ) -> None:
+        """Append the prompt logprobs this step's chunk yields to each sequence's request: the
+        chunk's position q (``past`` + row) predicts prompt token q + 1. Positions that already
+        have theirs (recomputed after a preemption) and the prompt's last position (it predicts
+        the first output token) are skipped."""
+        for seq, p0, h in zip(seqs, past, hidden):
+            owed = seq.group.prompt_logprobs
+            assert owed is not None
+            first = len(owed) - 1  # the next position owed; the match stopped at or before it
+            assert p0 <= first, (seq, p0, first)
+            end = min(p0 + h.shape[0], seq.num_prompt_tokens - 1)
+            if end <= first:
+                continue
+            owed += prompt_logprobs(
+                h[first - p0 : end - p0],
+                self.runner.logits,
+                seq.token_ids[first + 1 : end + 1].tolist(),
+                seq.params.prompt_logprobs or 0,  # (set: the group owes them)
+                self._token_texts,
+                self.model.config.vocab_size,
+            )
 
     def _append_tokens(self, seqs: list[Seq], tokens: list[int]) -> None:
         """Append one sampled token to each sequence; finish those that hit a stop token, a

@@ -44,6 +44,8 @@ class InflightPages:
         """Another running sequence is computing ``seq``'s first uncached full page."""
         if not self.enabled or not self.counts:
             return False
+        if seq.reuse_limit < len(seq.token_ids) - 1:
+            return False  # it computes its prompt whatever is cached (prompt logprobs)
         j = seq.num_computed // self.page_size
         if (j + 1) * self.page_size > len(seq.token_ids):
             return False  # it computes no full page: nothing to share

@@ -117,10 +117,10 @@ class RequestIntake:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
         text, ids = normalise_prompt(prompt, self.tokenizer, self.vocab_size)
         if text is not None:
             self._check_double_bos(ids)

@@ -68,7 +68,9 @@ class SeqKV:
         if not self.enabled or len(seq.token_ids) <= 1:
             return 0
         # a host continuation counts: loading it back is a copy, not a forward
-        return self.cache.peek_prefix(seq.token_ids[:-1], namespace=seq.namespace, host=True)
+        return self.cache.peek_prefix(
+            seq.token_ids[: seq.reuse_limit], namespace=seq.namespace, host=True
+        )
 
     def available_pages(self) -> int:
         """Pages an allocation could get now: free ones plus cached ones eviction could free."""
@@ -76,8 +78,9 @@ class SeqKV:
 
     # ------------------------------------------------------------------ admission
     def acquire(self, seq: Sequence) -> int:
-        """Match the sequence's longest cached prefix (capped at len - 1 so the last token is
-        computed and yields logits) and lock it. Requires a sequence holding no pages.
+        """Match the sequence's longest cached prefix (capped at ``seq.reuse_limit``: len - 1,
+        so the last token is computed and yields logits, or less while the sequence owes prompt
+        logprobs) and lock it. Requires a sequence holding no pages.
         Returns the number of tokens hit.
 
         With a host tier, a continuation found there is loaded back into device pages (a copy)
@@ -91,7 +94,7 @@ class SeqKV:
             seq.num_computed = 0
             return 0
         cache = self.cache
-        m = cache.match_prefix(seq.token_ids[:-1], namespace=seq.namespace)
+        m = cache.match_prefix(seq.token_ids[: seq.reuse_limit], namespace=seq.namespace)
         node, pages, hit = m.node, m.pages, m.num_tokens
         if m.num_host_tokens and not seq.skip_host:
             t = time.perf_counter()

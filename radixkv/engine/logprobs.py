@@ -1,5 +1,6 @@
 """Log probabilities of sampled tokens (``SamplingParams.logprobs``), computed from one step's
-logits.
+logits, and of prompt tokens (``SamplingParams.prompt_logprobs``), computed from the hidden states
+of a prefill chunk a block of rows at a time.
 
 Only the rows of sequences that asked for them are touched, so a batch without such a sequence
 pays nothing (the engine does not call in). The values are ``log_softmax`` of the raw logits:
@@ -9,7 +10,7 @@ Token strings are decoded one id at a time and memoised, since the same ids recu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,4 +64,36 @@ def step_logprobs(
             if alt not in entry:
                 entry[alt] = Logprob(top_v[row][j], j + 1, token_text(alt))
         out.append(entry)
+    return out
+
+
+# Rows of [rows, vocab] fp32 logits a block of prompt logprobs holds at once (with its log_softmax
+# as much again): 2**24 values are 64 MB, so a 2,048-token chunk on a 152k vocabulary never
+# materialises its 1.2 GB of logits.
+PROMPT_BLOCK_VALUES = 2**24
+
+
+def prompt_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: Sequence[int],
+    num_top: int,
+    token_text: TokenTexts,
+    vocab_size: int,
+) -> list[dict[int, Logprob]]:
+    """Per row of ``hidden``: {the next prompt token: Logprob, then the ``num_top`` most likely}.
+
+    Args:
+        hidden: [R, hidden] trunk states of R consecutive prompt positions.
+        head: hidden states -> fp32 logits [rows, vocab] (``ModelRunner.logits``).
+        targets: R token ids, the prompt token after each position.
+        num_top: alternatives per position (0: the prompt token only).
+        token_text: decodes one token id.
+        vocab_size: V, which sizes the blocks.
+    """
+    block = max(1, PROMPT_BLOCK_VALUES // vocab_size)
+    out: list[dict[int, Logprob]] = []
+    for a in range(0, len(targets), block):
+        rows = targets[a : a + block]
+        out += step_logprobs(head(hidden[a : a + block]), rows, [num_top] * len(rows), token_text)
     return out

@@ -124,6 +124,23 @@ class Sequence:
         return self.group.namespace
 
     @property
+    def reuse_limit(self) -> int:
+        """How many leading tokens may be served from the prefix cache: all but the last (its
+        logits are needed), and while this sequence still owes its request prompt logprobs,
+        only the positions that have them (the others' outputs must be computed)."""
+        n = len(self.token_ids) - 1
+        owed = self.group.prompt_logprobs
+        if owed is not None and self.index == 0 and len(owed) < self.num_prompt_tokens:
+            return min(n, len(owed) - 1)
+        return n
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """This sample computes its request's prompt logprobs, and they are not all done."""
+        owed = self.group.prompt_logprobs
+        return owed is not None and self.index == 0 and len(owed) < self.num_prompt_tokens
+
+    @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :].tolist()
 
@@ -153,6 +170,7 @@ class RequestGroup:
         "params",
         "prefetch",
         "prompt",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "seqs",
@@ -180,6 +198,11 @@ class RequestGroup:
         self._emitted_tokens: list[int] = []
         # the storage tier's lookup of the prompt (kv_manager.py), or None
         self.prefetch: PrefetchJob | None = None
+        # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first
+        # token has none), appended in order by the engine as sample 0's prefill goes
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
 
     @property
     def finished(self) -> bool:
@@ -212,6 +235,7 @@ class RequestGroup:
                 )
             )
         first = outs[0]
+        pl = self.prompt_logprobs
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -224,4 +248,7 @@ class RequestGroup:
             outputs=outs,
             finished=done,
             namespace=self.namespace,
+            prompt_logprobs=(
+                list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
+            ),
         )

@@ -142,6 +142,21 @@ class LlamaForCausalLM(nn.Module):
 
         ``max_position`` (the largest entry of ``positions``) lets the caller skip a device sync.
         """
+        h = self.trunk(input_ids, positions, attn, max_position=max_position)
+        if logits_indices is not None:
+            h = h.index_select(0, logits_indices)
+        return self.head(h)
+
+    def trunk(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        *,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        """The decoder layers: ``[T]`` ids and positions -> hidden states ``[T, hidden]`` before
+        the final norm (writes the KV pool like ``forward``)."""
         if max_position is None:
             max_position = int(positions.max())
         cos, sin = self.rotary.cos_sin(positions, max_position)
@@ -150,8 +165,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin, attn)
-        if logits_indices is not None:
-            h = h.index_select(0, logits_indices)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Trunk hidden states ``[R, hidden]`` -> fp32 logits ``[R, vocab]`` (final norm and
+        LM head; each row on its own, so the rows can be taken in blocks)."""
         return self.lm_head(self.model.norm(h)).float()
 
 

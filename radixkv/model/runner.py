@@ -139,6 +139,44 @@ class ModelRunner:
         ``cascade_rows`` (batch indices, in the planner's input order; None: the whole batch,
         which must then be decode-only): their shared prefixes are read once per group (same
         logits, fewer KV reads). A plan over part of a batch needs ``supports_mixed_cascade``."""
+        ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
+        idx_t = None if all_logits else self._last_rows(seqs)
+        return self.model(ids_t, pos_t, attn, idx_t, max_position=max_pos)
+
+    @torch.inference_mode()
+    def forward_hidden(
+        self,
+        seqs: Sequence[SeqInput],
+        hidden_of: Sequence[int],
+        *,
+        cascade: CascadeSchedule | None = None,
+        cascade_rows: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward``'s last-token logits ``[len(seqs), vocab]``, and for each batch index in
+        ``hidden_of`` the trunk hidden states ``[len(new_token_ids), hidden]`` of all that
+        sequence's new tokens, for :meth:`logits` to turn into logits a block at a time
+        (prompt logprobs need every position, and ``[T, vocab]`` at once can be gigabytes)."""
+        ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
+        h = self.model.trunk(ids_t, pos_t, attn, max_position=max_pos)  # [T, hidden]
+        logits = self.model.head(h.index_select(0, self._last_rows(seqs)))
+        starts = [0]
+        for s in seqs:
+            starts.append(starts[-1] + len(s.new_token_ids))
+        return logits, [h[starts[i] : starts[i + 1]] for i in hidden_of]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[R, vocab]`` of trunk hidden states ``[R, hidden]`` (forward_hidden's)."""
+        return self.model.head(hidden)
+
+    def _prepare(
+        self,
+        seqs: Sequence[SeqInput],
+        cascade: CascadeSchedule | None,
+        cascade_rows: Sequence[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, int, AttentionBackend]:
+        """Token ids and positions ``[T]`` on the device, the largest position, and the
+        attention backend planned for the batch."""
         if not seqs:
             raise ValueError("ModelRunner.forward: empty batch")
         if self.check_inputs:
@@ -150,18 +188,24 @@ class ModelRunner:
         )
         ids: list[int] = []
         positions: list[int] = []
-        last: list[int] = []
         for s in seqs:
             ids.extend(int(t) for t in s.new_token_ids)
             positions.extend(range(s.num_past, s.num_past + len(s.new_token_ids)))
-            last.append(len(ids) - 1)
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        idx_t = None if all_logits else torch.tensor(last, dtype=torch.int64).to(dev)
         attn = self.attn if cascade is None else self._cascade_attn(cascade, cascade_rows)
         attn.plan(layout)
-        return self.model(ids_t, pos_t, attn, idx_t, max_position=max(positions))
+        return ids_t, pos_t, max(positions), attn
+
+    def _last_rows(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
+        """Row of each sequence's last new token in the flattened batch ``[len(seqs)]``."""
+        last: list[int] = []
+        end = -1
+        for s in seqs:
+            end += len(s.new_token_ids)
+            last.append(end)
+        return torch.tensor(last, dtype=torch.int64).to(self.device)
 
     @property
     def supports_mixed_cascade(self) -> bool:
