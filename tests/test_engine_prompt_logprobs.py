@@ -211,3 +211,33 @@ def test_preempted_mid_prompt_resumes_without_gaps_or_repeats(small: tuple[Any, 
     pl = done[rid].prompt_logprobs
     assert pl is not None
     _check(hf, prompt, pl, 1)
+
+
+def test_start_scores_a_continuation_on_the_cached_context(small: tuple[Any, Any]) -> None:
+    """``prompt_logprobs_start``: a multiple-choice question's context is cached once; each
+    answer's logprobs come with the context served from the cache (up to the page before the
+    start), exact, and None before the start."""
+    hf, lm = small
+    eng = Engine(lm, page_size=4, num_pages=300)
+    context = shared_prefix_prompts(12)[0]
+    answers = [[41, 42, 43], [44, 45], [46, 47, 48, 49, 50]]
+    run_checked(eng, [context], SamplingParams(max_tokens=1, seed=0))  # caches the context
+    start = len(context)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2, prompt_logprobs_start=start)
+    outs = run_checked(eng, [context + a for a in answers], params)
+    for a, o in zip(answers, outs):
+        pl = o.prompt_logprobs
+        assert pl is not None and pl[:start] == [None] * start
+        assert o.num_cached_tokens == (start - 1) // 4 * 4 > 0
+        ref = torch.log_softmax(hf_logits(hf, context + a), dim=-1)
+        for j, tok in enumerate(a):
+            entry = pl[start + j]
+            assert entry is not None and next(iter(entry)) == tok
+            assert abs(entry[tok].logprob - ref[start + j - 1, tok].item()) <= ATOL
+    with pytest.raises(ValueError, match="prompt_logprobs_start needs prompt_logprobs"):
+        SamplingParams(prompt_logprobs_start=3)
+    with pytest.raises(ValueError, match="prompt_logprobs_start must be an integer"):
+        SamplingParams(prompt_logprobs=0, prompt_logprobs_start=-1)
+    with pytest.raises(ValueError, match="less than the prompt's length"):
+        eng.add_request([3, 4, 5], SamplingParams(prompt_logprobs=0, prompt_logprobs_start=3))
+    assert not eng.has_unfinished()

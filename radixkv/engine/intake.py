@@ -122,6 +122,12 @@ class RequestIntake:
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
         text, ids = normalise_prompt(prompt, self.tokenizer, self.vocab_size)
+        start = params.prompt_logprobs_start
+        if start and start >= len(ids):
+            raise ValueError(
+                f"prompt_logprobs_start={start} must be less than the prompt's length "
+                f"({len(ids)} tokens)"
+            )
         if text is not None:
             self._check_double_bos(ids)
         total = len(ids) + params.max_tokens

@@ -61,8 +61,14 @@ class SamplingParams:
             token given the tokens before it, and of the k most likely tokens at that
             position, in ``RequestOutput.prompt_logprobs`` (vLLM's; the first token has none).
             Computing them needs the model's output at every prompt position, so such a
-            request reuses no cached prefix: its whole prompt is prefilled (and cached as
-            usual). Raw values, like ``logprobs``.
+            request reuses no cached prefix before ``prompt_logprobs_start``: that part of its
+            prompt is prefilled again (and cached as usual). Raw values, like ``logprobs``.
+        prompt_logprobs_start: the first prompt token that gets a prompt logprob (SGLang's
+            ``logprob_start_len``); the entries before it are None. Scoring a continuation after
+            a shared context (few-shot examples, multiple-choice answers, a document) then
+            reuses the cached context: only from ``start - 1`` on must the model's outputs be
+            computed. 0 (default) and 1 both mean from the second token; needs
+            ``prompt_logprobs``; must be less than the prompt's length (checked at submission).
 
     Raises:
         ValueError: on any out-of-range value or wrongly typed field (the message names it).
@@ -82,6 +88,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     presence_penalty: float = 0.0
@@ -115,6 +122,12 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}"
             )
+        if not _is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 0:
+            raise ValueError(
+                f"prompt_logprobs_start must be an integer >= 0, got {self.prompt_logprobs_start!r}"
+            )
+        if self.prompt_logprobs_start and self.prompt_logprobs is None:
+            raise ValueError("prompt_logprobs_start needs prompt_logprobs (None here)")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))

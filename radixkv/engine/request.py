@@ -200,8 +200,11 @@ class RequestGroup:
         self.prefetch: PrefetchJob | None = None
         # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first
         # token has none), appended in order by the engine as sample 0's prefill goes
+        # (None up to prompt_logprobs_start: those tokens get none)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            None if params.prompt_logprobs is None else [None]
+            None
+            if params.prompt_logprobs is None
+            else [None] * max(1, min(params.prompt_logprobs_start, len(prompt_token_ids)))
         )
 
     @property
