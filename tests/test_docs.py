@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -168,6 +169,29 @@ def test_embedding_sampling_snippet_runs(capsys: pytest.CaptureFixture[str]) -> 
     out = scope["out"]
     assert "#" not in out.text  # the logit bias
     assert capsys.readouterr().out
+
+
+def test_embedding_scoring_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The scoring example of docs/embedding.md runs: every answer token scored, nothing before
+    the start, and the answers after the first served the context from the cache."""
+    import re
+
+    text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
+    blocks = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+        if "prompt_logprobs_start" in b
+    ]
+    assert len(blocks) == 1, "docs/embedding.md lost its scoring example"
+    scope: dict[str, Any] = {}
+    exec(compile(blocks[0], "docs/embedding.md", "exec"), scope)
+    n, outs = scope["ctx_len"], scope["outs"]
+    for a, o in zip(scope["answers"], outs):
+        assert o.prompt_logprobs[:n] == [None] * n
+        assert all(e is not None for e in o.prompt_logprobs[n:])
+        assert len(o.prompt_logprobs) == len(o.prompt_token_ids) == n + len(a.encode())  # bytes
+    assert [o.num_cached_tokens > 0 for o in outs] == [False, True, True]
+    assert len(capsys.readouterr().out.splitlines()) == len(outs)
 
 
 def test_make_report_dates_a_committed_result_by_its_commit(tmp_path: Path) -> None:

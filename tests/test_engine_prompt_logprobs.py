@@ -234,6 +234,17 @@ def test_start_scores_a_continuation_on_the_cached_context(small: tuple[Any, Any
             entry = pl[start + j]
             assert entry is not None and next(iter(entry)) == tok
             assert abs(entry[tok].logprob - ref[start + j - 1, tok].item()) <= ATOL
+    # submitted together to a cold cache: one computes the context, the others wait for it
+    cold = Engine(lm, page_size=4, num_pages=300)
+    together = run_checked(cold, [context + a for a in answers], params)
+    assert sorted(o.num_cached_tokens for o in together) == [0] + [(start - 1) // 4 * 4] * 2
+    for a, b in zip(together, outs):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        for x, y in zip(a.prompt_logprobs, b.prompt_logprobs):
+            assert (x is None) == (y is None)
+            if x is not None and y is not None:
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) <= ATOL for t in x)
     with pytest.raises(ValueError, match="prompt_logprobs_start needs prompt_logprobs"):
         SamplingParams(prompt_logprobs_start=3)
     with pytest.raises(ValueError, match="prompt_logprobs_start must be an integer"):

@@ -44,11 +44,11 @@ class InflightPages:
         """Another running sequence is computing ``seq``'s first uncached full page."""
         if not self.enabled or not self.counts:
             return False
-        if seq.reuse_limit < len(seq.token_ids) - 1:
-            return False  # it computes its prompt whatever is cached (prompt logprobs)
         j = seq.num_computed // self.page_size
-        if (j + 1) * self.page_size > len(seq.token_ids):
-            return False  # it computes no full page: nothing to share
+        if (j + 1) * self.page_size > seq.reuse_limit:
+            # a page it could not take from the cache anyway (past its last token, or where
+            # it owes prompt logprobs): nothing to wait for
+            return False
         return self.page_key(seq, j) in self.counts
 
     def announce(self, seq: Sequence) -> None:
