@@ -382,6 +382,38 @@ def check_sampling(device: str = DEV) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def check_prompt_logprobs(device: str = DEV) -> dict[str, Any]:
+    """Prompt logprobs from the engine on the GPU (its auto backend: FlashInfer there, blocks of
+    rows through the LM head) against log_softmax of one whole-prompt forward on the same device
+    with the torch backend; then scoring after a shared context hits the cached context."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+    from radixkv.model.runner import ModelRunner, SeqInput
+
+    eng = Engine("radixkv-tiny", device=device, dtype=TINY_DTYPE, num_pages=256)
+    tok = eng.tokenizer
+    context = "The quick brown fox jumps over the lazy dog. " * 12
+    ids = tok.encode(context + "And then it slept.")
+    (o,) = eng.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)
+    c = eng.model.config
+    kv = KVPool(c.num_layers, 64, 16, c.num_kv_heads, c.head_dim, TINY_DTYPE, device)
+    ref_runner = ModelRunner(eng.model.model, kv, backend="torch")
+    logits = ref_runner.forward([SeqInput(ids, list(range(64)), 0)], all_logits=True)
+    ref = torch.log_softmax(logits.float(), dim=-1).cpu()  # [P, V]
+    pl = o.prompt_logprobs or []
+    diffs = [abs(pl[j][ids[j]].logprob - ref[j - 1, ids[j]].item()) for j in range(1, len(ids))]
+    start = len(tok.encode(context))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=start)
+    scored = eng.generate([ids], params, use_tqdm=False)[0]
+    eng.check_invariants()
+    return {
+        "tokens": len(ids), "max_abs_diff": max(diffs), "entries": len(pl),
+        "cached_with_start": scored.num_cached_tokens,
+        "ok": len(pl) == len(ids) and pl[0] is None and max(diffs) <= 0.1
+        and scored.num_cached_tokens > 0 and all(e is None for e in (scored.prompt_logprobs or [0])[:start]),
+    }  # fmt: skip
+
+
 def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[str, Any]:
     """See the module doc; ``device``/``backend`` let the same check run on a CPU (torch)."""
     import tempfile
@@ -493,6 +525,9 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(
             f"| sampling | 1 | {int(not samp['ok'])} | {samp['adjust_max_abs_diff']:.2e} |"
         )
+    plp = result.get("prompt_logprobs", {})
+    if "max_abs_diff" in plp:
+        lines.append(f"| prompt_logprobs | 1 | {int(not plp['ok'])} | {plp['max_abs_diff']:.2e} |")
     tiny = result.get("tiny_model", {})
     if "max_abs_diff" in tiny:
         lines.append(f"| tiny_model | 1 | {int(not tiny['ok'])} | {tiny['max_abs_diff']:.2e} |")
@@ -566,10 +601,12 @@ def main() -> int:
         _section(result, "tiny_model", check_tiny_model)
         _section(result, "engine_tiers", check_engine_tiers)
         _section(result, "sampling", check_sampling)
+        _section(result, "prompt_logprobs", check_prompt_logprobs)
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
     sections = (
-        "paged", "cascade", "tiny_model", "engine_tiers", "sampling", "timings", "cascade_timing"
+        "paged", "cascade", "tiny_model", "engine_tiers", "sampling", "prompt_logprobs",
+        "timings", "cascade_timing",
     )  # fmt: skip
     result["ok"] = "error" not in result and all(
         _rows_ok(result.get(s, {"ok": False})) for s in sections

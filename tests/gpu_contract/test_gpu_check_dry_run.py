@@ -80,6 +80,12 @@ def test_sampling_section(fake: FakeFlashInfer) -> None:
     assert row["adjust_max_abs_diff"] == 0.0  # the same device here: bit for bit
 
 
+def test_prompt_logprobs_section(fake: FakeFlashInfer) -> None:
+    row = gpu_check.check_prompt_logprobs("cpu")
+    assert row["ok"], row
+    assert row["entries"] == row["tokens"] and row["cached_with_start"] > 0
+
+
 def test_table_renders() -> None:
     result = {"ok": False, "device": "x", "paged": [{"ok": True, "max_abs_diff": 1e-3}],
               "cascade": {"ok": False, "error": "boom"}, "timings": {"error": "boom"}}  # fmt: skip
