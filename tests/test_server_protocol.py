@@ -44,7 +44,9 @@ def test_completion_defaults_and_prompt_shapes() -> None:
         (b"{not json", None),
         (b"[]", None),
         (_cmpl(max_tokens="5"), "max_tokens"),
-        (_cmpl(max_tokens=0), None),
+        (_cmpl(max_tokens=0), "max_tokens"),  # 0 only with echo
+        (_cmpl(max_tokens=0, echo=True, min_tokens=1), "min_tokens"),
+        (_cmpl(max_tokens=-1, echo=True), "max_tokens"),
         (_cmpl(max_tokens=1.5), "max_tokens"),
         (_cmpl(temperature=-0.1), None),
         (_cmpl(temperature=2.5), None),
@@ -66,8 +68,15 @@ def test_completion_defaults_and_prompt_shapes() -> None:
             _cmpl(stream=True, stream_options={"include_usage": "yes"}),
             "stream_options.include_usage",
         ),
-        (_cmpl(echo=True), "echo"),
+        (_cmpl(echo="yes"), "echo"),
         (_cmpl(suffix="x"), "suffix"),
+        (_cmpl(suffix="x", echo=True), "suffix"),
+        (_cmpl(prompt_logprobs=-1), "prompt_logprobs"),
+        (_cmpl(prompt_logprobs=P.MAX_LOGPROBS + 1), "prompt_logprobs"),
+        (_cmpl(prompt_logprobs=True), "prompt_logprobs"),
+        (_cmpl(prompt_logprobs="2"), "prompt_logprobs"),
+        (_cmpl(prompt_logprobs=1.5), "prompt_logprobs"),
+        (_cmpl(prompt_logprobs=1, stream=True), "prompt_logprobs"),
         (_cmpl(logprobs=P.MAX_LOGPROBS + 1), "logprobs"),
         (_cmpl(logprobs=-1), "logprobs"),
         (_cmpl(logprobs=True), "logprobs"),
@@ -134,11 +143,50 @@ def test_chat_decoding() -> None:
         _chat(logprobs=True, top_logprobs=P.MAX_LOGPROBS + 1),
         _chat(logprobs=2),
         _chat(messages=[{"role": None, "content": "x"}]),
+        _chat(max_tokens=0),  # echo (and so max_tokens=0) is completions' only
+        _chat(prompt_logprobs=-1),
+        _chat(prompt_logprobs=P.MAX_LOGPROBS + 1),
+        _chat(prompt_logprobs=False),
+        _chat(prompt_logprobs=2, stream=True),
     ],
 )
 def test_chat_rejects(body: bytes) -> None:
     with pytest.raises(P.ProtocolError):
         P.decode_request(body, P.ChatCompletionRequest)
+
+
+def test_echo_and_prompt_logprobs_decoding() -> None:
+    """What the engine is asked for: max_tokens=0 with echo runs one token; echo's logprobs and
+    prompt_logprobs share one engine computation, sized for the larger."""
+    r = P.decode_request(_cmpl(echo=True, max_tokens=0, logprobs=1), P.CompletionRequest)
+    assert (r.max_tokens, r.engine_max_tokens(), r.engine_logprobs()) == (0, 1, 1)
+    assert (r.echo_logprobs(), r.engine_prompt_logprobs()) == (1, 1)
+    r = P.decode_request(_cmpl(echo=True, max_tokens=5), P.CompletionRequest)
+    assert (r.engine_max_tokens(), r.echo_logprobs(), r.engine_prompt_logprobs()) == (5, None, None)
+    r = P.decode_request(_cmpl(echo=True, logprobs=0, prompt_logprobs=3), P.CompletionRequest)
+    assert (r.echo_logprobs(), r.engine_prompt_logprobs()) == (0, 3)
+    r = P.decode_request(_cmpl(echo=True, logprobs=4, prompt_logprobs=2), P.CompletionRequest)
+    assert r.engine_prompt_logprobs() == 4
+    r = P.decode_request(_cmpl(logprobs=4, prompt_logprobs=0), P.CompletionRequest)
+    assert (r.echo_logprobs(), r.engine_prompt_logprobs()) == (None, 0)
+    r = P.decode_request(_cmpl(logprobs=4), P.CompletionRequest)
+    assert r.engine_prompt_logprobs() is None
+    r = P.decode_request(_chat(prompt_logprobs=0), P.ChatCompletionRequest)
+    assert r.engine_prompt_logprobs() == 0 and r.engine_logprobs() is None
+    # lm-eval-harness's local-completions request, as it sends it
+    body = json.dumps(
+        {
+            "model": "m",
+            "prompt": [[5, 6, 7], [8, 9]],
+            "max_tokens": 1,
+            "logprobs": 1,
+            "echo": True,
+            "temperature": 0,
+            "seed": 1234,
+        }
+    ).encode()
+    r = P.decode_request(body, P.CompletionRequest, strict=True)
+    assert r.prompts() == [[5, 6, 7], [8, 9]] and r.engine_prompt_logprobs() == 1
 
 
 def test_nulls_and_neutral_values_are_accepted() -> None:

@@ -110,11 +110,11 @@ def build_app(
         principal = st.auth.authenticate(request.headers.get("authorization"))
         req = st.decode(await read_body(request, config.max_body_bytes), P.CompletionRequest)
         st.check_model(req.model)
-        assert req.max_tokens is not None  # defaulted in the Struct
+        max_tokens = req.engine_max_tokens()  # echo's max_tokens=0 runs one token
         prompts = [st.prompt_ids(p) for p in req.prompts()]
         for ids in prompts:
-            st.check_length(ids, req.max_tokens, "prompt")
-        params = st.sampling_params(req, req.max_tokens)
+            st.check_length(ids, max_tokens, "prompt")
+        params = st.sampling_params(req, max_tokens)
         return await st.run(request, principal, req, prompts, params, chat=False)
 
     @app.post(

@@ -4,7 +4,7 @@ Requests are decoded the way real OpenAI clients send them (``decode_request``):
 
 - ``null`` for an optional field means "not given" (its default), at any depth;
 - neutral values of features the engine does not have are accepted (``"logprobs": false``,
-  ``"response_format": {"type": "text"}``, ``"echo": false``, ``best_of`` equal to ``n``);
+  ``"response_format": {"type": "text"}``, ``"suffix": null``, ``best_of`` equal to ``n``);
   other values of those are 400 naming the field;
 - unknown fields are dropped and reported to the caller (the app logs one warning per field
   name), or, with ``strict=True`` (``radixkv serve --strict-api``), rejected with 400;
@@ -20,7 +20,9 @@ Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrow
 sharing within the caller's tenant), ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob tokens as
-``"token_id:N"``).
+``"token_id:N"``), ``prompt_logprobs`` (vLLM's: every prompt token's logprob and the k most
+likely tokens at its position, non-streamed only), and on /v1/completions ``"max_tokens": 0``
+with ``echo`` (vLLM's: the prompt scored, nothing generated).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def _check_sampling(req: _SamplingFields) -> None:
         raise ValueError("stop strings must be non-empty")
     if req.stream_options is not None and not req.stream:
         raise ValueError("stream_options is only allowed with stream=true")
+    if req.prompt_logprobs is not None and req.stream:
+        # as vLLM: they come whole with the response, which a stream does not have
+        raise ValueError("prompt_logprobs is not supported with stream=true")
     if req.response_format is not None and req.response_format.type != "text":
         raise ValueError(
             f"response_format type {req.response_format.type!r} is not supported "
@@ -101,6 +106,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     return_tokens_as_token_ids: bool = False
+    # vLLM's: each prompt token's logprob and the k most likely tokens at its position
+    prompt_logprobs: NumLogprobs | None = None
     # OpenAI's two penalties, and vLLM's / SGLang's repetition_penalty (engine/logit_adjust.py)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -127,7 +134,9 @@ PromptType = (
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: PromptType
-    echo: bool = False
+    # 0 only with echo: the prompt is scored (echo's logprobs), nothing generated
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    echo: bool = False  # each choice's text (and logprobs) start with its prompt's
     logprobs: NumLogprobs | None = None  # top alternatives per token; 0: the sampled one only
     suffix: str | None = None
     best_of: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
@@ -136,8 +145,14 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         if self.max_tokens is None:
             self.max_tokens = 16  # OpenAI's default for /v1/completions
         _check_sampling(self)
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise ValueError(
+                    "max_tokens must be at least 1 (0 is allowed only with echo=true, "
+                    "which returns the prompt and generates nothing)"
+                )
+            if self.min_tokens > 0:
+                raise ValueError("min_tokens must be 0 when max_tokens is 0")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -168,6 +183,22 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     def engine_logprobs(self) -> int | None:
         """``SamplingParams.logprobs`` for this request."""
         return self.logprobs
+
+    def engine_max_tokens(self) -> int:
+        """``SamplingParams.max_tokens``: the engine always generates (at least one token), so
+        echo's ``max_tokens=0`` runs one whose output is not shown."""
+        assert self.max_tokens is not None  # defaulted in __post_init__
+        return max(1, self.max_tokens)
+
+    def echo_logprobs(self) -> int | None:
+        """Top alternatives per prompt token in the echoed logprobs (None: not shown)."""
+        return self.logprobs if self.echo else None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """``SamplingParams.prompt_logprobs``: enough for both the ``prompt_logprobs``
+        extension and echo's logprobs (each shows its own number of alternatives)."""
+        wanted = [k for k in (self.prompt_logprobs, self.echo_logprobs()) if k is not None]
+        return max(wanted) if wanted else None
 
 
 class TextContentPart(msgspec.Struct):
@@ -224,6 +255,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     def engine_logprobs(self) -> int | None:
         """``SamplingParams.logprobs`` for this request."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """``SamplingParams.prompt_logprobs`` for this request."""
+        return self.prompt_logprobs
 
     def wants_tool_calls(self) -> bool:
         """Whether tool calls are to be parsed out of the reply (given a parser)."""
@@ -401,12 +436,26 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token of the choice's text
+    (with echo: the prompt's tokens first, the first of them null: nothing precedes it)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's ``prompt_logprobs`` entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int  # 1: the most likely token at that position
+    decoded_token: str
+
+
+# one entry per prompt token: null for the first (nothing precedes it), then token id (as a
+# string) -> its logprob, the prompt's own token first, then the k most likely
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct):
@@ -414,6 +463,8 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    # only in whole responses (null unless asked for), never in stream chunks
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -481,6 +532,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, for the one prompt
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):

@@ -7,6 +7,12 @@ count: each chunk carries those of the tokens generated since the previous one (
 text is still held back still has its logprob sent), so a stream's logprobs, concatenated, are
 the non-streamed response's.
 
+With echo (``/v1/completions``), each choice starts with its prompt: the prompt's text and,
+when logprobs were asked for, its tokens' logprobs (the engine's ``prompt_logprobs``; the first
+token has none, so null), then the completion's; ``text_offset`` runs on across both. A stream
+sends the prompt in the choice's first chunk, held back until the engine has the prompt's
+logprobs when they are needed (outputs before the prefill completes do not carry them).
+
 Logprob values are the engine's (``log_softmax`` of the raw logits, engine/logprobs.py), with
 ``-inf`` sent as -9999.0 (JSON has no infinity; vLLM does the same). A token's ``bytes`` are the
 UTF-8 bytes of its decoded text.
@@ -17,10 +23,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from radixkv.engine.outputs import Logprob
+from radixkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from radixkv.server import protocol as P
 from radixkv.server.metrics import ServerMetrics
-from radixkv.server.submission import ChoiceState, Submission
+from radixkv.server.submission import ChoiceState, PromptState, Submission
 from radixkv.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 _MIN_LOGPROB = -9999.0
@@ -34,19 +40,21 @@ class LogprobFormat:
     num_top: int = 0
     as_token_ids: bool = False
 
-    def token(self, token_id: int, lp: Logprob) -> str:
-        return f"token_id:{token_id}" if self.as_token_ids else lp.decoded_token
+    def token(self, token_id: int, text: str) -> str:
+        """How a token is named: ``text`` is its decoded text."""
+        return f"token_id:{token_id}" if self.as_token_ids else text
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's logprob and its top alternatives, ready for either API shape."""
+    """One token's logprob and its top alternatives, ready for either API shape; ``logprob``
+    and ``top`` are None for an echoed prompt's first token (nothing precedes it)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     bytes: list[int]
-    text_offset: int  # characters of the completion text before this token
-    top: list[tuple[str, float, list[int]]]  # (token, logprob, bytes), most likely first
+    text_offset: int  # characters of the choice's tokens before this one
+    top: list[tuple[str, float, list[int]]] | None  # (token, logprob, bytes), most likely first
 
 
 @dataclass(frozen=True)
@@ -92,12 +100,16 @@ def _token_logprobs(
         chosen = entry[tok]
         ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: fmt.num_top]
         top = [
-            (fmt.token(t, lp), _value(lp.logprob), list(lp.decoded_token.encode(errors="replace")))
+            (
+                fmt.token(t, lp.decoded_token),
+                _value(lp.logprob),
+                list(lp.decoded_token.encode(errors="replace")),
+            )
             for t, lp in ranked
         ]
         out.append(
             TokenLogprob(
-                token=fmt.token(tok, chosen),
+                token=fmt.token(tok, chosen.decoded_token),
                 logprob=_value(chosen.logprob),
                 bytes=list(chosen.decoded_token.encode(errors="replace")),
                 text_offset=state.logprob_chars,
@@ -106,6 +118,79 @@ def _token_logprobs(
         )
         state.logprob_chars += len(chosen.decoded_token)
     return out
+
+
+def _echo_head(
+    p: PromptState,
+    out: RequestOutput,
+    c: CompletionOutput,
+    fmt: LogprobFormat | None,
+    state: ChoiceState,
+) -> tuple[str, list[TokenLogprob] | None] | None:
+    """The prompt a choice of ``p`` starts with (echo): its text, and its tokens' logprobs
+    when the request asked for logprobs (advancing the choice's text offset); None while the
+    engine has not computed those yet."""
+    assert p.echo is not None
+    if fmt is None:
+        return p.echo.text, None
+    entries = out.prompt_logprobs
+    if entries is None:
+        if c.finish_reason is None:
+            return None  # the engine fills them once the prefill is complete: wait for it
+        # finished without them (only an engine that broke its contract): the text alone,
+        # rather than never finishing the choice
+        return p.echo.text, None
+    ids = p.prompt_ids
+    first = p.echo.first_token
+    offset = state.logprob_chars
+    head = [
+        TokenLogprob(
+            fmt.token(ids[0], first), None, list(first.encode(errors="replace")), offset, None
+        )
+    ]
+    state.logprob_chars += len(first)
+    rest: list[dict[int, Logprob]] = []
+    for entry in entries[1:]:
+        assert entry is not None  # only the first prompt token has no entry
+        rest.append(entry)
+    head += _token_logprobs(fmt, ids[1:], rest, state)
+    return p.echo.text, head
+
+
+def _advance(
+    sub: Submission, prompt_index: int, j: int, state: ChoiceState, fmt: LogprobFormat | None
+) -> Delta | None:
+    """What sample ``j`` of a prompt has new since ``state`` (which it advances): None when
+    nothing, or while its echoed prompt waits for the engine's prompt logprobs."""
+    p = sub.prompts[prompt_index]
+    out = p.latest
+    assert out is not None
+    c = out.outputs[j]
+    text, logprobs = "", None
+    if p.echo is not None and not state.echoed:
+        head = _echo_head(p, out, c, fmt, state)
+        if head is None:
+            return None  # the prompt goes first: hold the whole choice back until it can
+        text, logprobs = head
+        state.echoed = True
+    if not sub.echo_only:
+        text += c.text[state.sent_chars :]
+        state.sent_chars = len(c.text)
+        state.completion_tokens = len(c.token_ids)
+        if fmt is not None and c.logprobs is not None:
+            start = state.sent_logprobs
+            generated = _token_logprobs(fmt, c.token_ids[start:], c.logprobs[start:], state)
+            logprobs = generated if logprobs is None else logprobs + generated
+            state.sent_logprobs = len(c.logprobs)
+    finish = None
+    if c.finish_reason is not None and state.finish_reason is None:
+        finish = c.finish_reason
+        if sub.echo_only and finish in ("stop", "length"):
+            finish = "length"  # max_tokens=0 reached (whatever ended the hidden token)
+        state.finish_reason = finish
+    if not (text or finish is not None or logprobs):
+        return None
+    return Delta(prompt_index * sub.params.n + j, text, finish, logprobs)
 
 
 def take_deltas(
@@ -120,41 +205,31 @@ def take_deltas(
     out = p.latest
     if out is None:
         return []
-    n = sub.params.n
     deltas: list[Delta] = []
     now = time.monotonic()
-    for j, c in enumerate(out.outputs):
+    for j in range(len(out.outputs)):
         state = p.choices[j]
-        new_text = c.text[state.sent_chars :]
-        state.sent_chars = len(c.text)
-        state.completion_tokens = len(c.token_ids)
-        logprobs = None
-        if fmt is not None and c.logprobs is not None:
-            start = state.sent_logprobs
-            logprobs = _token_logprobs(fmt, c.token_ids[start:], c.logprobs[start:], state)
-            state.sent_logprobs = len(c.logprobs)
-        finish = None
-        if c.finish_reason is not None and state.finish_reason is None:
-            finish = state.finish_reason = c.finish_reason
-            if metrics is not None:
-                m = out.metrics
-                ttft = m.ttft
-                if ttft is None and m.first_token_time is not None:
-                    ttft = m.first_token_time - m.arrival_time
-                queue = None
-                if m.first_scheduled_time is not None:
-                    queue = m.first_scheduled_time - m.arrival_time
-                metrics.observe_finished(
-                    finish_reason=finish,
-                    prompt_tokens=p.prompt_tokens if j == 0 else 0,
-                    cached_tokens=p.cached_tokens if j == 0 else 0,
-                    completion_tokens=state.completion_tokens,
-                    ttft=ttft if j == 0 else None,
-                    latency=now - m.arrival_time,
-                    queue_time=queue if j == 0 else None,
-                )
-        if new_text or finish is not None or logprobs:
-            deltas.append(Delta(prompt_index * n + j, new_text, finish, logprobs))
+        d = _advance(sub, prompt_index, j, state, fmt)
+        if d is None:
+            continue
+        deltas.append(d)
+        if d.finish_reason is not None and metrics is not None:
+            m = out.metrics
+            ttft = m.ttft
+            if ttft is None and m.first_token_time is not None:
+                ttft = m.first_token_time - m.arrival_time
+            queue = None
+            if m.first_scheduled_time is not None:
+                queue = m.first_scheduled_time - m.arrival_time
+            metrics.observe_finished(
+                finish_reason=d.finish_reason,
+                prompt_tokens=p.prompt_tokens if j == 0 else 0,
+                cached_tokens=p.cached_tokens if j == 0 else 0,
+                completion_tokens=state.completion_tokens,
+                ttft=ttft if j == 0 else None,
+                latency=now - m.arrival_time,
+                queue_time=queue if j == 0 else None,
+            )
     return deltas
 
 
@@ -172,9 +247,12 @@ def cache_headers(sub: Submission, request_id: str) -> dict[str, str]:
     }
 
 
-def _with_sampled(t: TokenLogprob) -> dict[str, float]:
+def _with_sampled(t: TokenLogprob) -> dict[str, float] | None:
     """The legacy shape's top_logprobs entry: the top alternatives plus the sampled token (so
-    up to k + 1 entries, as OpenAI and vLLM do), most likely first."""
+    up to k + 1 entries, as OpenAI and vLLM do), most likely first; None for an echoed
+    prompt's first token."""
+    if t.top is None or t.logprob is None:
+        return None
     entries = {tok: lp for tok, lp, _ in t.top}
     entries.setdefault(t.token, t.logprob)
     return dict(sorted(entries.items(), key=lambda kv: -kv[1]))
@@ -194,39 +272,72 @@ def completion_logprobs(tokens: list[TokenLogprob] | None) -> P.CompletionLogpro
 def chat_logprobs(tokens: list[TokenLogprob] | None) -> P.ChatLogprobs | None:
     if tokens is None:
         return None
-    return P.ChatLogprobs(
-        content=[
-            P.ChatTokenLogprob(
-                token=t.token,
-                logprob=t.logprob,
-                bytes=t.bytes,
-                top_logprobs=[P.TopLogprob(tok, lp, b) for tok, lp, b in t.top],
-            )
-            for t in tokens
-        ]
-    )
+    content = []
+    for t in tokens:
+        # chat has no echo, so every token has a logprob
+        assert t.logprob is not None and t.top is not None
+        top = [P.TopLogprob(tok, lp, b) for tok, lp, b in t.top]
+        content.append(P.ChatTokenLogprob(t.token, t.logprob, t.bytes, top))
+    return P.ChatLogprobs(content=content)
 
 
 def _all_deltas(sub: Submission, fmt: LogprobFormat | None) -> list[Delta]:
-    """Each choice's whole output as one Delta (a finished, non-streamed submission)."""
+    """Each choice's whole output as one Delta (a finished, non-streamed submission), made
+    as a stream's deltas are, so a stream's concatenation cannot differ from it."""
     deltas = []
     for i, p in enumerate(sub.prompts):
         assert p.latest is not None
-        for j, c in enumerate(p.latest.outputs):
-            logprobs = None
-            if fmt is not None and c.logprobs is not None:
-                logprobs = _token_logprobs(fmt, c.token_ids, c.logprobs, ChoiceState())
-            deltas.append(Delta(i * sub.params.n + j, c.text, c.finish_reason, logprobs))
+        for j in range(len(p.latest.outputs)):
+            d = _advance(sub, i, j, ChoiceState(), fmt)
+            deltas.append(d or Delta(i * sub.params.n + j, "", None))
     return deltas
 
 
+def prompt_logprobs(out: RequestOutput, num_top: int) -> P.PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of one prompt: per token (after the first, which has none)
+    its own logprob and the ``num_top`` most likely (the engine may hold more: it computed
+    what echo and this extension need together); None if the engine has none."""
+    if out.prompt_logprobs is None:
+        return None
+    result: P.PromptLogprobs = []
+    for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+        shown = {tok: entry[tok], **dict(ranked)}  # the prompt's own token first
+        result.append(
+            {
+                str(t): P.PromptLogprob(_value(lp.logprob), lp.rank, lp.decoded_token)
+                for t, lp in shown.items()
+            }
+        )
+    return result
+
+
 def completion_response(
-    sub: Submission, rid: str, model: str, created: int, fmt: LogprobFormat | None = None
+    sub: Submission,
+    rid: str,
+    model: str,
+    created: int,
+    fmt: LogprobFormat | None = None,
+    num_prompt_logprobs: int | None = None,
 ) -> P.CompletionResponse:
-    choices = [
-        P.CompletionChoice(d.index, d.text, d.finish_reason, completion_logprobs(d.logprobs))
-        for d in _all_deltas(sub, fmt)
-    ]
+    """The whole response; ``num_prompt_logprobs``: the request's ``prompt_logprobs``, shown
+    on each choice (each choice of a prompt shows that prompt's)."""
+    shown: list[P.PromptLogprobs | None] = [None] * len(sub.prompts)
+    if num_prompt_logprobs is not None:
+        for i, p in enumerate(sub.prompts):
+            assert p.latest is not None
+            shown[i] = prompt_logprobs(p.latest, num_prompt_logprobs)
+    choices = []
+    for d in _all_deltas(sub, fmt):
+        plp = shown[d.index // sub.params.n]
+        choices.append(
+            P.CompletionChoice(
+                d.index, d.text, d.finish_reason, completion_logprobs(d.logprobs), plp
+            )
+        )
     return P.CompletionResponse(rid, created, model, choices, usage(sub))
 
 
@@ -241,9 +352,11 @@ def chat_response(
     created: int,
     fmt: LogprobFormat | None = None,
     tool_parser: str | None = None,
+    num_prompt_logprobs: int | None = None,
 ) -> P.ChatCompletionResponse:
     """The whole chat response; with ``tool_parser`` each reply's tool calls are read out of
-    its text (server/tool_calls.py) and its choice finishes with "tool_calls"."""
+    its text (server/tool_calls.py) and its choice finishes with "tool_calls";
+    ``num_prompt_logprobs``: the request's ``prompt_logprobs`` (of the rendered messages)."""
     choices = []
     for d in _all_deltas(sub, fmt):
         message, finish = P.ChatResponseMessage(d.text), d.finish_reason
@@ -253,7 +366,12 @@ def chat_response(
                 message = P.ChatResponseMessage(content, tool_calls=_tool_calls_out(calls))
                 finish = "tool_calls"
         choices.append(P.ChatChoice(d.index, message, finish, chat_logprobs(d.logprobs)))
-    return P.ChatCompletionResponse(rid, created, model, choices, usage(sub))
+    plp = None
+    if num_prompt_logprobs is not None:
+        out = sub.prompts[0].latest
+        assert out is not None
+        plp = prompt_logprobs(out, num_prompt_logprobs)
+    return P.ChatCompletionResponse(rid, created, model, choices, usage(sub), prompt_logprobs=plp)
 
 
 def sse(obj: object) -> bytes:

@@ -24,7 +24,7 @@ from radixkv.server.auth import Authenticator, Principal
 from radixkv.server.config import ServerConfig
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.metrics import ServerMetrics
-from radixkv.server.submission import Submission
+from radixkv.server.submission import Echo, Submission
 from radixkv.server.tool_calls import ToolCallStream
 from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
@@ -175,6 +175,7 @@ class ServerState:
                 min_p=req.min_p,
                 max_tokens=max_tokens,
                 logprobs=req.engine_logprobs(),
+                prompt_logprobs=req.engine_prompt_logprobs(),
                 stop=tuple(P.stop_list(req.stop)),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -190,6 +191,17 @@ class ServerState:
             name = str(e).split(" ", 1)[0]
             raise bad_request(str(e), name if name in P.SAMPLING_FIELDS else None) from None
 
+    def echo(self, prompt: str | list[int], ids: list[int], params: SamplingParams) -> Echo:
+        """What a choice echoes of ``prompt`` (which runs as ``ids``): a text prompt as given;
+        token ids decoded as the engine decodes its output text (``skip_special_tokens``, so
+        ids encoded from a text echo that text, BOS aside)."""
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        # the first token's text as the engine writes every Logprob.decoded_token
+        return Echo(text, self.token_texts(ids[0]))
+
     # ------------------------------------------------------------ running a request
     async def run(
         self,
@@ -201,6 +213,10 @@ class ServerState:
         *,
         chat: bool,
     ) -> Response:
+        echo, echo_only = None, False  # before admission: nothing to release if this fails
+        if isinstance(req, P.CompletionRequest) and req.echo:
+            echo = [self.echo(p, ids, params) for p, ids in zip(req.prompts(), prompts)]
+            echo_only = req.max_tokens == 0
         seqs = len(prompts) * params.n
         if seqs > self.config.max_queue:  # could never be admitted: retrying will not help
             raise bad_request(
@@ -219,7 +235,15 @@ class ServerState:
         self.in_flight += seqs
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         namespace = principal.namespace(req.cache_salt)
-        sub = Submission(self.engine, prompts, params, namespace=namespace, request_id=rid)
+        sub = Submission(
+            self.engine,
+            prompts,
+            params,
+            namespace=namespace,
+            request_id=rid,
+            echo=echo,
+            echo_only=echo_only,
+        )
         released = False
         handed_off = False  # True once an SSEResponse owns the release
 
@@ -269,9 +293,13 @@ class ServerState:
             for i in range(len(sub.prompts)):
                 R.take_deltas(sub, i, self.metrics)
             if chat:
-                payload: Any = R.chat_response(sub, rid, req.model, created, fmt, tool_parser)
+                payload: Any = R.chat_response(
+                    sub, rid, req.model, created, fmt, tool_parser, req.prompt_logprobs
+                )
             else:
-                payload = R.completion_response(sub, rid, req.model, created, fmt)
+                payload = R.completion_response(
+                    sub, rid, req.model, created, fmt, req.prompt_logprobs
+                )
             return Response(
                 P.encode(payload), media_type="application/json", headers=R.cache_headers(sub, rid)
             )

@@ -21,6 +21,15 @@ from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What every choice of one prompt starts with (``echo=true``): the prompt's text, and the
+    text of its first token, the one token no ``prompt_logprobs`` entry carries."""
+
+    text: str
+    first_token: str
+
+
 @dataclass
 class ChoiceState:
     """What has been sent to the client for one (prompt, sample)."""
@@ -30,6 +39,7 @@ class ChoiceState:
     completion_tokens: int = 0
     sent_logprobs: int = 0  # tokens whose logprobs were sent
     logprob_chars: int = 0  # characters of those tokens' text (the next token's text_offset)
+    echoed: bool = False  # the prompt (with echo) was sent
 
 
 @dataclass
@@ -39,6 +49,8 @@ class PromptState:
     error: BaseException | None = None
     done: bool = False
     choices: list[ChoiceState] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    echo: Echo | None = None  # None: the choices show their completions only
 
     @property
     def cached_tokens(self) -> int:
@@ -46,7 +58,11 @@ class PromptState:
 
 
 class Submission:
-    """The engine requests of one HTTP request (``len(prompts)`` requests of ``n`` samples)."""
+    """The engine requests of one HTTP request (``len(prompts)`` requests of ``n`` samples).
+
+    ``echo``: per prompt, what its choices start with (completions' ``echo=true``);
+    ``echo_only``: the choices show that and nothing the engine generated (``max_tokens=0``,
+    run as one generated token since the engine always generates)."""
 
     def __init__(
         self,
@@ -56,14 +72,26 @@ class Submission:
         *,
         namespace: Namespace,
         request_id: str,
+        echo: Sequence[Echo] | None = None,
+        echo_only: bool = False,
     ) -> None:
+        if echo is not None and len(echo) != len(prompts):
+            raise ValueError(f"{len(echo)} echoes for {len(prompts)} prompts")
+        if echo_only and echo is None:
+            raise ValueError("echo_only needs echo")
         self.engine = engine
         self.params = params
         self.request_id = request_id
+        self.echo_only = echo_only
         self.start = time.monotonic()
         self.prompts = [
-            PromptState(len(ids), choices=[ChoiceState() for _ in range(params.n)])
-            for ids in prompts
+            PromptState(
+                len(ids),
+                choices=[ChoiceState() for _ in range(params.n)],
+                prompt_ids=list(ids),
+                echo=None if echo is None else echo[i],
+            )
+            for i, ids in enumerate(prompts)
         ]
         self._events: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = (
             asyncio.Queue()
