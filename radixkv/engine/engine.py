@@ -40,6 +40,7 @@ from radixkv.cache import PagePool, RadixCache
 from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
 from radixkv.engine.config import EngineConfig, canonical_options
+from radixkv.engine.guided import GuideCompiler, mask_logits
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.logit_adjust import adjust_logits
@@ -152,6 +153,7 @@ class Engine:
             vocab_size=self.vocab_size,
             max_context=self.max_context,
             num_pages=self.pool.num_pages,
+            guides=GuideCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
         )
         self._live: dict[str, RequestGroup] = {}  # unfinished requests (waiting or running)
         self._news: dict[str, RequestGroup] = {}  # requests with news since the last drain()
@@ -301,6 +303,9 @@ class Engine:
                 [s.num_prompt_tokens for s in seqs],
                 self.eos_token_ids,
             )
+        guides = [s.guide for s in seqs]
+        if any(g is not None for g in guides):  # after the adjustments: the mask is final
+            picked = mask_logits(picked, guides)
         tokens = sample(picked, params, [s.generator for s in seqs])
         if any(s.logprobs is not None for s in seqs):
             self._record_logprobs(logits, rows, seqs, tokens)
@@ -473,7 +478,7 @@ class Engine:
 
     def _append_tokens(self, seqs: list[Seq], tokens: list[int]) -> None:
         """Append one sampled token to each sequence; finish those that hit a stop token, a
-        stop string or ``max_tokens``."""
+        stop string, the end of their guided language or ``max_tokens``."""
         now = time.monotonic()
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
@@ -484,10 +489,15 @@ class Engine:
             self._news[group.request_id] = group
             p = seq.params
             reason = None
+            guide = seq.guide
+            if guide is not None and tok not in self.eos_token_ids:
+                guide.advance(tok)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                 reason, seq.stop_reason = "stop", tok
             elif seq.live_detok and seq.detok.add(tok):
                 reason, seq.stop_reason = "stop", seq.detok.stop_matched
+            elif guide is not None and guide.only_end:
+                reason = "stop"  # the output is complete: no step spent on an EOS token
             if reason is None and seq.num_output_tokens >= p.max_tokens:
                 reason = "length"
             if reason is not None:

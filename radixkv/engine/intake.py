@@ -22,6 +22,7 @@ from collections.abc import Sequence as SequenceABC
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.guided import GuideCompiler
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace, RequestGroup, Sequence
 from radixkv.engine.sampler import make_generator
@@ -99,8 +100,10 @@ class RequestIntake:
         vocab_size: int,
         max_context: int,
         num_pages: int,
+        guides: GuideCompiler,
     ) -> None:
         self.tokenizer = tokenizer
+        self.guides = guides  # compiles SamplingParams.guided (guided.py)
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.page_size = config.page_size
@@ -121,6 +124,8 @@ class RequestIntake:
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
+        if params.guided is not None:
+            self.guides.compile(params.guided)  # raises ValueError naming what cannot be used
         text, ids = normalise_prompt(prompt, self.tokenizer, self.vocab_size)
         start = params.prompt_logprobs_start
         if start and start >= len(ids):
@@ -193,6 +198,8 @@ class RequestIntake:
             )
             seq = Sequence(group, i, ids, gen, detok)
             seq.live_detok = live_detok
+            if params.guided is not None:  # compiled in check(): a cache hit here
+                seq.guide = self.guides.guide(params.guided)
             group.seqs.append(seq)
         return group
 

@@ -2,13 +2,93 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuidedDecodingParams:
+    """What the output must match (vLLM's guided decoding); exactly one of:
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value it
+            accepts, properties in the schema's order. Normalised to compact JSON text.
+        json_object: True: the output is any JSON object (OpenAI's ``json_object`` mode).
+        regex: a regular expression the whole output matches (Rust ``regex`` syntax, as
+            outlines-core reads it: no lookaround, no backreferences).
+        choice: the output is exactly one of these strings.
+        whitespace_pattern: for ``json`` and ``json_object``, the regex of the whitespace
+            allowed between JSON tokens; None: at most one space (outlines-core's default,
+            which keeps small models from rambling in blank space).
+
+    The engine compiles it against the tokenizer's vocabulary when the request is added
+    (engine/guided.py); an unsupported schema or a language no token sequence can spell raises
+    ValueError there.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, v in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+            )
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "guided decoding takes exactly one of json, json_object, regex and choice, "
+                f"got {given or 'none'}"
+            )
+        if self.json is not None:
+            object.__setattr__(self, "json", _normalise_schema(self.json))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"regex must be a non-empty string, got {self.regex!r}")
+        if self.choice is not None:
+            c = self.choice
+            if isinstance(c, str) or not isinstance(c, Sequence) or not c:
+                raise ValueError(f"choice must be a non-empty list of strings, got {c!r}")
+            if not all(isinstance(x, str) and x for x in c):
+                raise ValueError(f"choice must hold non-empty strings, got {list(c)!r}")
+            object.__setattr__(self, "choice", tuple(c))
+        w = self.whitespace_pattern
+        if w is not None and (not isinstance(w, str) or not w):
+            raise ValueError(f"whitespace_pattern must be a non-empty string, got {w!r}")
+
+
+def _normalise_schema(schema: object) -> str:
+    value: Any = schema
+    if isinstance(schema, str):
+        try:
+            value = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"json must be a JSON schema, got text that is not JSON: {e}"
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"json must be a JSON schema (an object), got {type(value).__name__}")
+    try:
+        # key order kept: a schema's property order is the order the output writes them in
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"json must be a JSON schema: {e}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +149,11 @@ class SamplingParams:
             reuses the cached context: only from ``start - 1`` on must the model's outputs be
             computed. 0 (default) and 1 both mean from the second token; needs
             ``prompt_logprobs``; must be less than the prompt's length (checked at submission).
+        guided: a :class:`GuidedDecodingParams` (or a dict of its fields): the output is
+            constrained to match it, a JSON schema, any JSON object, a regex or one of some
+            strings (tokens that cannot continue a match get no probability; penalties and
+            bias apply first; logprobs stay raw). The output ends ("stop") as soon as nothing
+            but the end can follow. None (default): free text.
 
     Raises:
         ValueError: on any out-of-range value or wrongly typed field (the message names it).
@@ -94,6 +179,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    guided: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -169,6 +255,15 @@ class SamplingParams:
         if rp <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {rp!r}")
         object.__setattr__(self, "repetition_penalty", float(rp))
+        g = self.guided
+        if isinstance(g, Mapping):
+            try:
+                g = GuidedDecodingParams(**g)
+            except TypeError as e:
+                raise ValueError(f"guided: {e}") from None
+            object.__setattr__(self, "guided", g)
+        if g is not None and not isinstance(g, GuidedDecodingParams):
+            raise ValueError(f"guided must be a GuidedDecodingParams or None, got {g!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", float(self.min_p))

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixkv.cache import LoadBack, TreeNode
+    from radixkv.engine.guided import TokenGuide
     from radixkv.engine.storage_tier import PrefetchJob
 
 # What partitions the prefix cache (a tenant, a LoRA, a cache salt): any hashable value, None
@@ -57,6 +58,7 @@ class Sequence:
         "finish_reason",
         "generator",
         "group",
+        "guide",
         "index",
         "inflight_keys",
         "live_detok",
@@ -101,6 +103,8 @@ class Sequence:
             None if group.params.logprobs is None else []
         )
         self.cumulative_logprob = 0.0
+        # SamplingParams.guided: where this sample's output stands in its language (guided.py)
+        self.guide: TokenGuide | None = None
         self.page_table: list[int] = []
         self.num_shared_pages = 0
         self.locked_node: TreeNode | None = None

@@ -8,8 +8,10 @@ call it, so the same conversation gives the same ids (and shares cache entries) 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from functools import cache
 from typing import Any, Protocol, runtime_checkable
 
 from radixkv.model.chat_template import ChatTemplateError, render_chat_template
@@ -144,6 +146,10 @@ class ByteTokenizer(_ChatMixin):
             out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self) -> dict[int, bytes]:
+        """Each ordinary token's bytes (the special tokens have none): for guided decoding."""
+        return {i: bytes([i]) for i in range(256)}
+
 
 class HFTokenizer(_ChatMixin):
     """A ``tokenizers.Tokenizer`` (from tokenizer.json) plus the chat template and EOS ids."""
@@ -172,3 +178,44 @@ class HFTokenizer(_ChatMixin):
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self) -> dict[int, bytes]:
+        """Each ordinary token's bytes, what it adds to decoded text (special tokens left out):
+        for guided decoding, which matches the output's bytes against a regular language.
+
+        Byte-level BPE (GPT-2, Llama 3, Qwen) spells bytes as printable characters, mapped
+        back here; SentencePiece-style vocabularies (Llama 2, Mistral) spell a space as U+2581
+        and an unmapped byte as ``<0xNN>`` (byte fallback)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        byte_level = '"ByteLevel"' in json.dumps(decoder)
+        specials = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        to_byte = _byte_level_decoding()
+        out: dict[int, bytes] = {}
+        for text, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i in specials:
+                continue
+            if byte_level:
+                try:
+                    out[i] = bytes(to_byte[c] for c in text)
+                except KeyError:  # an added token is stored as plain text
+                    out[i] = text.encode()
+            elif m := _BYTE_FALLBACK.fullmatch(text):
+                out[i] = bytes([int(m[1], 16)])
+            else:
+                out[i] = text.replace("\u2581", " ").encode()
+        return out
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@cache
+def _byte_level_decoding() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character -> byte: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes (controls, space, ...) for the code points from 256 on, in
+    byte order (GPT-2's convention, which every byte-level vocabulary uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {chr(b): b for b in printable}
+    others = sorted(set(range(256)) - set(printable))
+    out.update({chr(256 + k): b for k, b in enumerate(others)})
+    return out

@@ -1,0 +1,171 @@
+"""Guided decoding: each step, a guided sequence may only sample tokens that keep its output a
+prefix of some string in a regular language (a JSON schema's, any JSON object's, a regex's or a
+list of choices').
+
+outlines-core does the automata work: ``Index`` compiles the language's regex against the
+vocabulary (token id -> the bytes it spells, from the tokenizer's ``token_bytes``) into a DFA
+whose transitions are token ids; a ``Guide`` walks one sequence through it and writes the set
+of allowed tokens as a bitmask. Here:
+
+* :class:`GuideCompiler` (one per engine) turns ``GuidedDecodingParams`` into a compiled index,
+  memoising the last ``CACHE_SIZE`` by regex: compiling is the costly part (milliseconds on a
+  byte vocabulary, up to seconds for a large schema on a 150k one), a walk is microseconds.
+* :class:`TokenGuide` (one per guided sequence) masks that sequence's logits and advances on the
+  token it sampled.
+
+The vocabulary's end-of-sequence token stands for all of the model's EOS ids: they are allowed
+where the language may end (and only there), so a guided output can only finish in the language
+(or at ``max_tokens``). Once nothing but the end may follow, the engine finishes the sequence
+with "stop" without spending a step on an EOS token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixkv.engine.params import GuidedDecodingParams
+
+if TYPE_CHECKING:
+    from radixkv.model.tokenizer import Tokenizer
+
+CACHE_SIZE = 64  # compiled indexes kept (per engine), least recently used dropped first
+_META = set("\\.+*?()|[]{}^$#&-~")  # what a literal must escape in outlines-core's regex syntax
+
+
+def _literal(text: str) -> str:
+    return "".join("\\" + c if c in _META else c for c in text)
+
+
+def guide_regex(g: GuidedDecodingParams) -> str:
+    """The regular expression the output must match (ValueError for an unsupported schema)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if g.regex is not None:
+        return g.regex
+    if g.choice is not None:
+        return "(" + "|".join(_literal(c) for c in g.choice) + ")"
+    schema = '{"type":"object"}' if g.json_object else g.json
+    assert schema is not None
+    try:
+        return build_regex_from_schema(schema, g.whitespace_pattern)
+    except Exception as e:  # outlines-core raises its own error types for schemas it lacks
+        raise ValueError(f"guided json: unsupported JSON schema: {e}") from None
+
+
+class GuideCompiler:
+    """Compiles guided-decoding params against one tokenizer's vocabulary (lazily built on the
+    first guided request, then shared), with a small LRU of compiled indexes."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's: the width of a row of logits
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self._vocabulary: Any = None
+        self._index_size = 0  # ids the index's bitmask covers (its vocabulary's largest + 1)
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+
+    def _vocab(self) -> Any:
+        if self._vocabulary is None:
+            from outlines_core import Vocabulary
+
+            spell = getattr(self._tokenizer, "token_bytes", None)
+            if spell is None:
+                raise ValueError(
+                    f"guided decoding needs the tokenizer's token bytes; "
+                    f"{type(self._tokenizer).__name__} has no token_bytes()"
+                )
+            if not self.eos_token_ids:
+                raise ValueError("guided decoding needs an EOS token: the model has none")
+            eos = self.eos_token_ids[0]
+            by_bytes: dict[bytes, list[int]] = {}
+            for i, b in spell().items():
+                if i < self.vocab_size and i not in self.eos_token_ids and b:
+                    by_bytes.setdefault(b, []).append(i)
+            self._vocabulary = Vocabulary(eos, by_bytes)
+            self._index_size = max([eos, *(i for ids in by_bytes.values() for i in ids)]) + 1
+        return self._vocabulary
+
+    def compile(self, g: GuidedDecodingParams) -> Any:
+        """The compiled index for ``g`` (ValueError naming the problem when it cannot be)."""
+        from outlines_core import Index
+
+        regex = guide_regex(g)
+        index = self._cache.get(regex)
+        if index is not None:
+            self._cache.move_to_end(regex)
+            return index
+        vocab = self._vocab()
+        try:
+            index = Index(regex, vocab)
+        except Exception as e:  # a bad regex, or one no token sequence can spell
+            raise ValueError(f"guided decoding cannot use {_what(g)}: {e}") from None
+        self._cache[regex] = index
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return index
+
+    def guide(self, g: GuidedDecodingParams) -> TokenGuide:
+        """A fresh walk for one sequence."""
+        return TokenGuide(self.compile(g), self.vocab_size, self._index_size, self.eos_token_ids)
+
+
+def _what(g: GuidedDecodingParams) -> str:
+    if g.regex is not None:
+        return f"regex {g.regex!r}"
+    if g.choice is not None:
+        return f"choice {list(g.choice)!r}"
+    return "the JSON schema" if g.json is not None else "json_object"
+
+
+class TokenGuide:
+    """One sequence's position in a compiled index."""
+
+    __slots__ = ("_eos", "_guide", "_index_size", "_vocab_size", "_words")
+
+    def __init__(self, index: Any, vocab_size: int, index_size: int, eos: list[int]) -> None:
+        from outlines_core import Guide
+
+        self._guide = Guide(index)
+        self._vocab_size = vocab_size
+        self._index_size = index_size
+        self._eos = eos
+        self._words = torch.zeros((index_size + 31) // 32, dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:
+        """``[vocab_size]`` bool: the tokens that may come next (all EOS ids where it may end)."""
+        w = self._words
+        self._guide.write_mask_into(w.data_ptr(), w.numel(), 4)
+        shifts = torch.arange(32, dtype=torch.int32)
+        bits = ((w.unsqueeze(1) >> shifts) & 1).flatten()[: self._index_size].bool()  # [I]
+        out = torch.zeros(self._vocab_size, dtype=torch.bool)
+        n = min(self._index_size, self._vocab_size)
+        out[:n] = bits[:n]
+        eos = self._eos
+        if bits[eos[0]]:
+            out[eos] = True
+        return out
+
+    def advance(self, token: int) -> None:
+        """Move past ``token`` (which must have been allowed; an EOS id is not walked)."""
+        if token not in self._eos:
+            self._guide.advance(token)
+
+    @property
+    def only_end(self) -> bool:
+        """Nothing but the end may follow (the output is complete)."""
+        g = self._guide
+        return g.is_finished() and g.get_tokens() == [self._eos[0]]
+
+
+def mask_logits(logits: torch.Tensor, guides: list[TokenGuide | None]) -> torch.Tensor:
+    """``logits [B, V]`` (the step's picked rows, modified in place and returned) with each
+    guided row's disallowed tokens at -inf."""
+    for row, g in enumerate(guides):
+        if g is not None:
+            allowed = g.allowed().to(logits.device, non_blocking=True)
+            logits[row].masked_fill_(~allowed, float("-inf"))
+    return logits

@@ -1,0 +1,170 @@
+"""Guided decoding (``SamplingParams.guided``): sampled outputs match their JSON schema, JSON
+object, regex or choice list, on radixkv-tiny's byte vocabulary and a byte-level BPE one, through
+sampling, n > 1, preemption and a warm cache; an output ends as soon as its language does;
+``max_tokens`` leaves a valid prefix; what cannot be compiled is a ValueError at submission."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+from engine_helpers import make_small_llama, run_checked
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import GuidedDecodingParams, SamplingParams
+from radixkv.model.tokenizer import HFTokenizer
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Engine:
+    return Engine("radixkv-tiny", num_pages=512)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    return make_small_llama(tmp_path_factory.mktemp("small-llama-guided"))
+
+
+def _sampled(eng: Engine, guided: GuidedDecodingParams, prompts: list[str], **kw: Any) -> list[Any]:
+    params = SamplingParams(
+        **{"temperature": 1.0, "seed": 7, "max_tokens": 200, **kw}, guided=guided
+    )
+    outs = run_checked(eng, [eng.tokenizer.encode(p) for p in prompts], params)
+    return [c for o in outs for c in o.outputs]
+
+
+PROMPTS = ["Person: ", "{", "Here is JSON:\n", "def f(x):\n", "The quick brown fox"]
+
+
+def test_json_schema_outputs_validate(tiny: Engine) -> None:
+    outs = _sampled(tiny, GuidedDecodingParams(json=SCHEMA), PROMPTS, n=3)
+    assert len(outs) == 15
+    for c in outs:
+        assert c.finish_reason == "stop", c
+        value = json.loads(c.text)
+        jsonschema.validate(value, SCHEMA)
+        assert list(value)[:2] == ["name", "age"]  # the schema's order
+        assert c.token_ids[-1] not in tiny.eos_token_ids  # ended with the language, no EOS step
+
+
+def test_json_object_regex_and_choice(tiny: Engine) -> None:
+    objects = _sampled(tiny, GuidedDecodingParams(json_object=True), PROMPTS, max_tokens=400)
+    done = [c for c in objects if c.finish_reason == "stop"]
+    assert len(done) >= 3  # an object may ramble on at temperature 1; most close
+    assert all(isinstance(json.loads(c.text), dict) for c in done)
+    pattern = r"(\+|-)?[0-9]{1,4}\.[0-9]{2} (EUR|USD)"
+    for c in _sampled(tiny, GuidedDecodingParams(regex=pattern), PROMPTS):
+        assert re.fullmatch(pattern, c.text), c.text
+    choices = ["positive", "negative", "neutral", "néant ✓"]
+    seen = set()
+    for c in _sampled(tiny, GuidedDecodingParams(choice=choices), PROMPTS * 4):
+        assert c.text in choices and c.finish_reason == "stop"
+        seen.add(c.text)
+    assert len(seen) > 1  # sampled, not stuck on one
+
+
+def test_greedy_choice_follows_the_model_and_the_bias(tiny: Engine) -> None:
+    """Among the allowed tokens greedy takes the most likely; a bias that favours another
+    choice's first byte switches the answer: the mask applies after the adjustments."""
+    g = GuidedDecodingParams(choice=["apple", "banana", "cherry"])
+    prompt = tiny.tokenizer.encode("Fruit: ")
+    (plain,) = run_checked(tiny, [prompt], SamplingParams(temperature=0, guided=g))
+    other = next(c for c in g.choice or () if c != plain.text)
+    biased = SamplingParams(temperature=0, guided=g, logit_bias={ord(other[0]): 100.0})
+    (pushed,) = run_checked(tiny, [prompt], biased)
+    assert plain.text in (g.choice or ()) and pushed.text == other
+
+
+def test_max_tokens_leaves_a_prefix_of_the_language(tiny: Engine) -> None:
+    g = GuidedDecodingParams(choice=["abcdefghij", "abcdxyz"])
+    outs = _sampled(tiny, g, PROMPTS, max_tokens=5)
+    for c in outs:
+        assert c.finish_reason == "length" and len(c.token_ids) == 5
+        assert any(ch.startswith(c.text) for ch in g.choice or ())
+
+
+def test_preempted_guided_sequences_stay_valid() -> None:
+    eng = Engine("radixkv-tiny", num_pages=14, page_size=16, max_prefill_tokens=64)
+    pattern = r"[a-z]{40,60}\."
+    outs = _sampled(eng, GuidedDecodingParams(regex=pattern), PROMPTS[:4], n=2, max_tokens=80)
+    assert eng.stats().num_preemptions > 0
+    for c in outs:
+        assert re.fullmatch(pattern, c.text), c.text
+
+
+def test_byte_level_bpe_vocabulary(small: tuple[Any, Any]) -> None:
+    """A BPE tokenizer whose tokens spell several bytes each: its token bytes agree with its own
+    decoding, and guided outputs made of multi-byte tokens validate."""
+    _, lm = small
+    tok = lm.tokenizer
+    assert isinstance(tok, HFTokenizer)
+    spelled = tok.token_bytes()
+    assert any(len(b) > 1 for b in spelled.values())
+    for i, b in spelled.items():
+        assert tok.decode([i]).encode() == b or "\ufffd" in tok.decode([i]), i
+    assert not set(spelled) & set(tok.eos_token_ids)  # specials have no bytes
+    eng = Engine(lm, page_size=4, num_pages=400)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    params = SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=60, guided=GuidedDecodingParams(json=schema)
+    )
+    (o,) = run_checked(eng, [tok.encode("hello world")], params)
+    multi = 0
+    for c in o.outputs:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), schema)
+        multi += sum(len(spelled.get(t, b"")) > 1 for t in c.token_ids)
+    assert multi > 0  # the walk took multi-byte tokens, not only single bytes
+
+
+def test_sentencepiece_style_token_bytes(tmp_path: Any) -> None:
+    """U+2581 spells a space and ``<0xNN>`` a byte (byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        "<0x0A>": 3,
+        "\u2581hello": 4,
+        "world": 5,
+        "\u2581": 6,
+    }
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    t.add_special_tokens(["<s>", "</s>"])
+    spelled = HFTokenizer(t, eos_token_ids=[2]).token_bytes()
+    assert spelled[3] == b"\n" and spelled[4] == b" hello" and spelled[5] == b"world"
+    assert spelled[6] == b" " and 1 not in spelled and 2 not in spelled
+
+
+def test_bad_guides_are_refused_at_submission(tiny: Engine) -> None:
+    bad = [
+        (dict(regex="(unclosed"), "guided decoding cannot use regex"),
+        (dict(json={"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}), "guided"),
+    ]
+    for g, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            tiny.add_request([1, 2, 3], SamplingParams(guided=g))
+    for g in (dict(), dict(regex="a", choice=["b"]), dict(json="{not json"), dict(choice=[""])):
+        with pytest.raises(ValueError):
+            SamplingParams(guided=g)
+    assert not tiny.has_unfinished()
+    tiny.check_invariants()
