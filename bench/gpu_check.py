@@ -37,6 +37,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 import traceback
@@ -346,7 +347,8 @@ def check_tiny_model() -> dict[str, Any]:
 
 def check_sampling(device: str = DEV) -> dict[str, Any]:
     """Logit bias, min_tokens and the penalties on CUDA tensors: adjust_logits there equals it
-    on the CPU for the same logits, and the engine on the GPU honours a ban and min_tokens."""
+    on the CPU for the same logits, and the engine on the GPU honours a ban, min_tokens and a
+    guided regex."""
     from radixkv.engine.engine import Engine
     from radixkv.engine.logit_adjust import adjust_logits
     from radixkv.engine.params import SamplingParams
@@ -373,12 +375,18 @@ def check_sampling(device: str = DEV) -> dict[str, Any]:
         repetition_penalty=1.2, frequency_penalty=0.3,
     )  # fmt: skip
     out = eng.generate(["def f(x):\n"], held, use_tqdm=False)[0].outputs[0]
+    # guided decoding: the mask (built on the CPU) lands on the GPU's logits
+    pattern = r"[0-9]{3}-[a-z]{4}"
+    guided = SamplingParams(temperature=1.0, seed=0, n=4, guided={"regex": pattern})
+    texts = [c.text for c in eng.generate(["id: "], guided, use_tqdm=False)[0].outputs]
+    guided_ok = all(re.fullmatch(pattern, t) for t in texts)
     eng.check_invariants()
     return {
         "adjust_max_abs_diff": diff, "same_inf": same_inf,
         "eos_first_len": len(short.token_ids), "min_tokens_len": len(out.token_ids),
+        "guided_texts": texts,
         "ok": diff <= 1e-5 and same_inf and len(short.token_ids) == 1
-        and len(out.token_ids) == 6 and eos not in out.token_ids[:5],
+        and len(out.token_ids) == 6 and eos not in out.token_ids[:5] and guided_ok,
     }  # fmt: skip
 
 

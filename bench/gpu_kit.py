@@ -5,7 +5,8 @@ What goes in (``.gpu-kit/`` by default):
 
 * ``flashinfer-py.tar.xz``: flashinfer's Python files from the pinned wheel (its CUDA sources,
   CUTLASS and CCCL headers are left out: nothing is compiled on the GPU machine);
-* the cp312 ``apache-tvm-ffi`` wheel flashinfer loads its kernels with;
+* the cp312 ``apache-tvm-ffi`` wheel flashinfer loads its kernels with, and cp312 wheels of
+  radixkv's own dependencies the lent machine's image lacks (``RUNTIME_WHEELS``);
 * ``aot/NAME/NAME.so``: the kernels compiled ahead of time here for Hopper (sm_90a), exactly the
   variants the check asks for (:func:`required_modules`, computed from
   ``gpu_check.kernel_variants()``); ``run.sh`` puts them where flashinfer looks for ahead-of-time
@@ -46,6 +47,9 @@ BUILD_DIR = ROOT / ".gpu-kit-build"  # wheel cache, nvcc scratch; never carried
 # extra, noxfile's gpu_contract/gpu_kit sessions and docs/gpu.md name the same one).
 FLASHINFER_VERSION = "0.7.4"
 TVM_FFI_VERSION = "0.1.15.post2"  # flashinfer 0.7.4 needs apache-tvm-ffi>=0.1.11,<0.2
+# radixkv's dependencies that the H200 image (library/device/KINDS.md's package list) does not
+# hold, carried as cp312 wheels: msgspec (configs, outputs) and outlines-core (guided decoding)
+RUNTIME_WHEELS = ("msgspec==0.23.0", "outlines-core==0.2.14")
 CURAND_VERSION = "10.4.4.72"  # headers only: FA3's CUTLASS includes curand_kernel.h
 CUDA_ARCH = "9.0a"  # H100/H200 (Hopper); FA3 kernels need the "a" features
 TARGET_PYTHON = "3.12"  # the lent machine's python3
@@ -349,10 +353,12 @@ def build(kit: Path, *, rebuild: bool = False) -> dict[str, Any]:
     wheels = BUILD_DIR / "wheels"
     fi_wheel = _pip_download(wheels, f"flashinfer-python=={FLASHINFER_VERSION}", target=False)
     tvm_wheel = _pip_download(wheels, f"apache-tvm-ffi=={TVM_FFI_VERSION}", target=True)
+    carried = [tvm_wheel] + [_pip_download(wheels, r, target=True) for r in RUNTIME_WHEELS]
     for stale in kit.glob("*.whl"):
-        if stale.name != tvm_wheel.name:
+        if stale.name not in {w.name for w in carried}:
             stale.unlink()
-    shutil.copy2(tvm_wheel, kit / tvm_wheel.name)
+    for wheel in carried:
+        shutil.copy2(wheel, kit / wheel.name)
     # 2. kernels: the specs (and the data files their generators read), then compile
     specs = required_specs(_check_module().kernel_variants())
     data_files = runtime_data_files()
@@ -489,6 +495,10 @@ def check(kit: Path) -> list[str]:
                 problems.append(f"{name} (read when the kernel is asked for) is not in the kit")
     if not list(kit.glob(f"apache_tvm_ffi-{TVM_FFI_VERSION}-cp312-*.whl")):
         problems.append("the cp312 apache-tvm-ffi wheel is missing")
+    for req in RUNTIME_WHEELS:
+        name, version = req.replace("-", "_").split("==")
+        if not list(kit.glob(f"{name}-{version}-cp312-*.whl")):
+            problems.append(f"the cp312 {req} wheel is missing")
     size = _dir_bytes(kit)
     if size > KIT_LIMIT_BYTES:
         problems.append(f"kit is {size / 2**20:.1f} MiB, over 60 MiB")

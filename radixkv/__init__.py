@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "EngineConfig": "radixkv.engine.config",
     "AsyncEngine": "radixkv.engine.async_engine",
     "SamplingParams": "radixkv.engine.params",
+    "GuidedDecodingParams": "radixkv.engine.params",
     "RequestOutput": "radixkv.engine.outputs",
     "RequestMetrics": "radixkv.engine.outputs",
     "EngineStats": "radixkv.engine.outputs",

@@ -10,6 +10,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine.params import GuidedDecodingParams
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -105,6 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
+        guided=_guided(args),
     )
     prompt: Prompt = args.prompt
     if args.chat:  # the ids Engine.chat and the server's chat completions make (one chat path)
@@ -123,6 +128,26 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _guided(args: argparse.Namespace) -> GuidedDecodingParams | None:
+    from radixkv.engine.params import GuidedDecodingParams
+
+    schema = args.json_schema
+    if schema is not None and schema.startswith("@"):
+        try:
+            schema = Path(schema[1:]).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--json-schema: cannot read {schema[1:]}: {e.strerror}") from None
+    if schema is not None:
+        return GuidedDecodingParams(json=schema)
+    if args.json_object:
+        return GuidedDecodingParams(json_object=True)
+    if args.regex is not None:
+        return GuidedDecodingParams(regex=args.regex)
+    if args.choice:
+        return GuidedDecodingParams(choice=args.choice)
+    return None
 
 
 def _bench_cache(argv: list[str]) -> int:
@@ -213,6 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
     g.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="> 0; 1 is off, above 1 fewer repeats"
+    )
+    guided = g.add_mutually_exclusive_group()  # guided decoding (SamplingParams.guided)
+    guided.add_argument(
+        "--json-schema",
+        default=None,
+        help="constrain the output to one JSON value this schema accepts (JSON text, or "
+        "@path to a file holding it)",
+    )
+    guided.add_argument("--json-object", action="store_true", help="output any JSON object")
+    guided.add_argument("--regex", default=None, help="output a match of this regex")
+    guided.add_argument(
+        "--choice", action="append", default=None, help="output one of these (repeatable)"
     )
     g.add_argument(
         "--chat",

@@ -171,6 +171,27 @@ def test_embedding_sampling_snippet_runs(capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().out
 
 
+def test_embedding_structured_output_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The structured-output example of docs/embedding.md runs: each sample is JSON with the
+    schema's required keys, and the label is one of the choices."""
+    import re
+
+    text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
+    blocks = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+        if "GuidedDecodingParams" in b
+    ]
+    assert len(blocks) == 1, "docs/embedding.md lost its structured-output example"
+    exec(compile(blocks[0], "docs/embedding.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[-1] in ("spam", "ham")
+    for line in lines[:3]:
+        reason, value = line.split(" ", 1)
+        if reason == "stop":
+            assert "'name'" in value and "'year'" in value
+
+
 def test_embedding_scoring_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The scoring example of docs/embedding.md runs: every answer token scored, nothing before
     the start, and the answers after the first served the context from the cache."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,29 @@ def test_generate_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "repetition_penalty must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["no-such-command"])
+
+
+def test_generate_guided(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--json-schema (inline or @file), --json-object, --regex and --choice constrain the
+    output; a bad regex or an unreadable schema file exits 2 naming it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for flag in (json.dumps(schema), f"@{path}"):
+        assert main(["generate", "Count: ", "--json-schema", flag, "--max-tokens", "40"]) == 0
+        value = json.loads(capsys.readouterr().out)
+        assert isinstance(value["n"], int)
+    assert main(["generate", "x", "--json-object", "--max-tokens", "200"]) == 0
+    out = capsys.readouterr()
+    if "finish=stop" in out.err:
+        assert isinstance(json.loads(out.out), dict)
+    assert main(["generate", "x", "--regex", "[0-9]{2}-[a-z]{2}"]) == 0
+    assert re.fullmatch(r"[0-9]{2}-[a-z]{2}", capsys.readouterr().out.strip())
+    assert main(["generate", "x", "--choice", "yes", "--choice", "no"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    assert main(["generate", "x", "--regex", "(unclosed"]) == 2
+    assert "guided decoding cannot use regex" in capsys.readouterr().err
+    assert main(["generate", "x", "--json-schema", f"@{tmp_path / 'missing.json'}"]) == 2
+    assert "--json-schema: cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--regex", "a", "--choice", "a"])  # one constraint at most

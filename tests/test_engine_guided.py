@@ -21,7 +21,7 @@ SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0},
+        "age": {"type": "integer"},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
         "ok": {"type": "boolean"},
     },
@@ -153,6 +153,15 @@ def test_sentencepiece_style_token_bytes(tmp_path: Any) -> None:
     spelled = HFTokenizer(t, eos_token_ids=[2]).token_bytes()
     assert spelled[3] == b"\n" and spelled[4] == b" hello" and spelled[5] == b"world"
     assert spelled[6] == b" " and 1 not in spelled and 2 not in spelled
+
+
+def test_numeric_ranges_are_named_as_not_enforced(
+    tiny: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5}}}
+    with caplog.at_level("WARNING", logger="radixkv.engine.guided"):
+        run_checked(tiny, [[1, 2]], SamplingParams(max_tokens=30, guided={"json": schema}))
+    assert "minimum are not enforced" in caplog.text
 
 
 def test_bad_guides_are_refused_at_submission(tiny: Engine) -> None:

@@ -8,7 +8,7 @@ whose transitions are token ids; a ``Guide`` walks one sequence through it and w
 of allowed tokens as a bitmask. Here:
 
 * :class:`GuideCompiler` (one per engine) turns ``GuidedDecodingParams`` into a compiled index,
-  memoising the last ``CACHE_SIZE`` by regex: compiling is the costly part (milliseconds on a
+  memoising the last ``CACHE_SIZE``: compiling is the costly part (milliseconds on a
   byte vocabulary, up to seconds for a large schema on a 150k one), a walk is microseconds.
 * :class:`TokenGuide` (one per guided sequence) masks that sequence's logits and advances on the
   token it sampled.
@@ -17,10 +17,17 @@ The vocabulary's end-of-sequence token stands for all of the model's EOS ids: th
 where the language may end (and only there), so a guided output can only finish in the language
 (or at ``max_tokens``). Once nothing but the end may follow, the engine finishes the sequence
 with "stop" without spending a step on an EOS token.
+
+A JSON schema becomes a regex (outlines-core's ``build_regex_from_schema``), so what a regular
+language cannot express is not checked: numeric ranges (``UNENFORCED``: accepted, with a
+warning). Types, required and optional properties in order, enums and consts, string lengths
+and patterns, array lengths, ``anyOf``/``oneOf`` and local ``$ref`` are.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -32,8 +39,12 @@ from radixkv.engine.params import GuidedDecodingParams
 if TYPE_CHECKING:
     from radixkv.model.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 CACHE_SIZE = 64  # compiled indexes kept (per engine), least recently used dropped first
 _META = set("\\.+*?()|[]{}^$#&-~")  # what a literal must escape in outlines-core's regex syntax
+# JSON-schema keywords a regular language cannot check (numeric ranges): accepted, not enforced
+UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
 def _literal(text: str) -> str:
@@ -50,10 +61,22 @@ def guide_regex(g: GuidedDecodingParams) -> str:
         return "(" + "|".join(_literal(c) for c in g.choice) + ")"
     schema = '{"type":"object"}' if g.json_object else g.json
     assert schema is not None
+    ignored = sorted(_keywords(json.loads(schema)) & set(UNENFORCED))
+    if ignored:
+        log.warning("guided json: %s are not enforced (numeric ranges)", ", ".join(ignored))
     try:
         return build_regex_from_schema(schema, g.whitespace_pattern)
     except Exception as e:  # outlines-core raises its own error types for schemas it lacks
         raise ValueError(f"guided json: unsupported JSON schema: {e}") from None
+
+
+def _keywords(node: object) -> set[str]:
+    """Every key used anywhere in a JSON value."""
+    if isinstance(node, dict):
+        return set(node).union(*(_keywords(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_keywords(v) for v in node))
+    return set()
 
 
 class GuideCompiler:
@@ -66,7 +89,7 @@ class GuideCompiler:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self._vocabulary: Any = None
         self._index_size = 0  # ids the index's bitmask covers (its vocabulary's largest + 1)
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache: OrderedDict[GuidedDecodingParams, Any] = OrderedDict()
 
     def _vocab(self) -> Any:
         if self._vocabulary is None:
@@ -93,17 +116,17 @@ class GuideCompiler:
         """The compiled index for ``g`` (ValueError naming the problem when it cannot be)."""
         from outlines_core import Index
 
-        regex = guide_regex(g)
-        index = self._cache.get(regex)
+        index = self._cache.get(g)
         if index is not None:
-            self._cache.move_to_end(regex)
+            self._cache.move_to_end(g)
             return index
+        regex = guide_regex(g)
         vocab = self._vocab()
         try:
             index = Index(regex, vocab)
         except Exception as e:  # a bad regex, or one no token sequence can spell
             raise ValueError(f"guided decoding cannot use {_what(g)}: {e}") from None
-        self._cache[regex] = index
+        self._cache[g] = index
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return index
