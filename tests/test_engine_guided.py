@@ -177,3 +177,49 @@ def test_bad_guides_are_refused_at_submission(tiny: Engine) -> None:
             SamplingParams(guided=g)
     assert not tiny.has_unfinished()
     tiny.check_invariants()
+
+
+def test_async_engine_compiles_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow compile (seconds on a large vocabulary) runs in a worker thread: the event loop
+    keeps ticking meanwhile, and the submission then finds the language compiled."""
+    import asyncio
+    import threading
+    import time
+
+    from radixkv.engine.async_engine import AsyncEngine
+    from radixkv.engine.guided import GuideCompiler
+
+    threads: list[str] = []
+    original = GuideCompiler.compile
+
+    def slow(self: GuideCompiler, g: GuidedDecodingParams) -> Any:
+        threads.append(threading.current_thread().name)
+        if len(threads) == 1:
+            time.sleep(0.3)
+        return original(self, g)
+
+    monkeypatch.setattr(GuideCompiler, "compile", slow)
+
+    async def go() -> tuple[int, str]:
+        eng = AsyncEngine("radixkv-tiny", num_pages=128)
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        params = SamplingParams(temperature=0, guided={"regex": "[a-c]{5}"})
+        text = ""
+        async for out in eng.generate([1, 2, 3], params):
+            text = out.text
+        ticker.cancel()
+        await eng.shutdown()
+        return ticks, text
+
+    ticks, text = asyncio.run(go())
+    assert re.fullmatch("[a-c]{5}", text)
+    assert ticks >= 10  # the loop ran during the 0.3 s compile
+    assert threads[0] != threading.main_thread().name  # compiled in a worker thread

@@ -71,6 +71,9 @@ class AsyncEngine:
         namespace: Namespace = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request. Raises ValueError/TypeError at submission on bad input."""
+        if isinstance(params, SamplingParams) and params.guided is not None:
+            # compiling a language can take seconds: off the event loop, before submission
+            await asyncio.to_thread(self.engine.compile_guided, params)
         rid, queue = self.submit(prompt, params, request_id=request_id, namespace=namespace)
         finished = False
         try:

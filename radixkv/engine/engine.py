@@ -229,6 +229,14 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return self._intake.build(request_id, text, ids, params, namespace, stream, arrival_time)
 
+    def compile_guided(self, params: SamplingParams) -> None:
+        """Compile ``params.guided`` now (nothing to do without one), so that submitting a
+        request with it does not: compiled languages are kept (engine/guided.py). Thread-safe:
+        an asyncio front end calls it in a worker thread, as a large schema on a large
+        vocabulary takes seconds. ValueError when it cannot be compiled."""
+        if params.guided is not None:
+            self._intake.guides.compile(params.guided)
+
     def submit(self, request: RequestGroup) -> str:
         """Queue a request from :meth:`prepare` (once); returns its id. ValueError if a live
         request has its id (and nothing is queued)."""

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from radixkv.engine.params import GuidedDecodingParams
@@ -81,7 +83,12 @@ def _keywords(node: object) -> set[str]:
 
 class GuideCompiler:
     """Compiles guided-decoding params against one tokenizer's vocabulary (lazily built on the
-    first guided request, then shared), with a small LRU of compiled indexes."""
+    first guided request, then shared), with a small LRU of compiled indexes.
+
+    Thread-safe: an asyncio front end compiles in a worker thread (a large schema on a large
+    vocabulary takes seconds) while the engine's own thread submits requests, whose compile is
+    then a cache hit. Two threads compiling the same params at once both compile; one result
+    is kept."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer
@@ -90,45 +97,52 @@ class GuideCompiler:
         self._vocabulary: Any = None
         self._index_size = 0  # ids the index's bitmask covers (its vocabulary's largest + 1)
         self._cache: OrderedDict[GuidedDecodingParams, Any] = OrderedDict()
+        self._lock = threading.Lock()  # the cache and the vocabulary's construction
 
     def _vocab(self) -> Any:
-        if self._vocabulary is None:
-            from outlines_core import Vocabulary
+        with self._lock:
+            if self._vocabulary is None:
+                self._vocabulary = self._build_vocab()
+            return self._vocabulary
 
-            spell = getattr(self._tokenizer, "token_bytes", None)
-            if spell is None:
-                raise ValueError(
-                    f"guided decoding needs the tokenizer's token bytes; "
-                    f"{type(self._tokenizer).__name__} has no token_bytes()"
-                )
-            if not self.eos_token_ids:
-                raise ValueError("guided decoding needs an EOS token: the model has none")
-            eos = self.eos_token_ids[0]
-            by_bytes: dict[bytes, list[int]] = {}
-            for i, b in spell().items():
-                if i < self.vocab_size and i not in self.eos_token_ids and b:
-                    by_bytes.setdefault(b, []).append(i)
-            self._vocabulary = Vocabulary(eos, by_bytes)
-            self._index_size = max([eos, *(i for ids in by_bytes.values() for i in ids)]) + 1
-        return self._vocabulary
+    def _build_vocab(self) -> Any:
+        from outlines_core import Vocabulary
+
+        spell = getattr(self._tokenizer, "token_bytes", None)
+        if spell is None:
+            raise ValueError(
+                f"guided decoding needs the tokenizer's token bytes; "
+                f"{type(self._tokenizer).__name__} has no token_bytes()"
+            )
+        if not self.eos_token_ids:
+            raise ValueError("guided decoding needs an EOS token: the model has none")
+        eos = self.eos_token_ids[0]
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, b in spell().items():
+            if i < self.vocab_size and i not in self.eos_token_ids and b:
+                by_bytes.setdefault(b, []).append(i)
+        self._index_size = max([eos, *(i for ids in by_bytes.values() for i in ids)]) + 1
+        return Vocabulary(eos, by_bytes)
 
     def compile(self, g: GuidedDecodingParams) -> Any:
         """The compiled index for ``g`` (ValueError naming the problem when it cannot be)."""
         from outlines_core import Index
 
-        index = self._cache.get(g)
-        if index is not None:
-            self._cache.move_to_end(g)
-            return index
+        with self._lock:
+            index = self._cache.get(g)
+            if index is not None:
+                self._cache.move_to_end(g)
+                return index
         regex = guide_regex(g)
         vocab = self._vocab()
         try:
             index = Index(regex, vocab)
         except Exception as e:  # a bad regex, or one no token sequence can spell
             raise ValueError(f"guided decoding cannot use {_what(g)}: {e}") from None
-        self._cache[g] = index
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[g] = index
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return index
 
     def guide(self, g: GuidedDecodingParams) -> TokenGuide:
@@ -156,21 +170,34 @@ class TokenGuide:
         self._vocab_size = vocab_size
         self._index_size = index_size
         self._eos = eos
-        self._words = torch.zeros((index_size + 31) // 32, dtype=torch.int32)
+        self._words = np.zeros((index_size + 31) // 32, dtype=np.int32)  # the bitmask
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> np.ndarray:
         """``[vocab_size]`` bool: the tokens that may come next (all EOS ids where it may end)."""
         w = self._words
-        self._guide.write_mask_into(w.data_ptr(), w.numel(), 4)
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = ((w.unsqueeze(1) >> shifts) & 1).flatten()[: self._index_size].bool()  # [I]
-        out = torch.zeros(self._vocab_size, dtype=torch.bool)
+        self._guide.write_mask_into(w.ctypes.data, w.size, 4)
+        # bit k of little-endian word j is token 32 j + k: the bytes' bits in little order
+        bits = np.unpackbits(w.view(np.uint8), bitorder="little").view(bool)  # [32 W]
+        out = np.zeros(self._vocab_size, dtype=bool)
         n = min(self._index_size, self._vocab_size)
         out[:n] = bits[:n]
         eos = self._eos
         if bits[eos[0]]:
             out[eos] = True
         return out
+
+    def mask(self, row: torch.Tensor) -> None:
+        """Set the disallowed entries of one row of logits ``[vocab_size]`` to -inf, in place."""
+        allowed = self.allowed()
+        ids = np.flatnonzero(allowed)
+        if len(ids) * 8 < len(allowed):  # few allowed (a number, a keyword): keep just those
+            idx = torch.from_numpy(ids).to(row.device, non_blocking=True)
+            keep = row[idx]
+            row.fill_(float("-inf"))
+            row[idx] = keep
+        else:  # free text inside a JSON string: most of the vocabulary
+            banned = torch.from_numpy(~allowed).to(row.device, non_blocking=True)
+            row.masked_fill_(banned, float("-inf"))
 
     def advance(self, token: int) -> None:
         """Move past ``token`` (which must have been allowed; an EOS id is not walked)."""
@@ -189,6 +216,5 @@ def mask_logits(logits: torch.Tensor, guides: list[TokenGuide | None]) -> torch.
     guided row's disallowed tokens at -inf."""
     for row, g in enumerate(guides):
         if g is not None:
-            allowed = g.allowed().to(logits.device, non_blocking=True)
-            logits[row].masked_fill_(~allowed, float("-inf"))
+            g.mask(logits[row])
     return logits
