@@ -223,3 +223,67 @@ def test_async_engine_compiles_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
     assert re.fullmatch("[a-c]{5}", text)
     assert ticks >= 10  # the loop ran during the 0.3 s compile
     assert threads[0] != threading.main_thread().name  # compiled in a worker thread
+
+
+def test_ignore_eos_never_offers_an_end_before_the_language_must_end(tiny: Engine) -> None:
+    """With ignore_eos an EOS would be appended and the output go on past it: the guide does
+    not offer one where the language may go on, so outputs stay in the language; where it must
+    end, it ends."""
+    pattern = r"[0-9]{1,3}(-[0-9]{1,3}){0,6}"
+    for ignore in (False, True):
+        outs = _sampled(tiny, GuidedDecodingParams(regex=pattern), PROMPTS, n=4, ignore_eos=ignore)
+        for c in outs:
+            assert not set(c.token_ids) & tiny.eos_token_ids
+            assert re.fullmatch(pattern, c.text) and c.finish_reason == "stop", c
+        if ignore:  # never stopped early at an EOS: every output ran to the language's end
+            assert all(c.text.count("-") == 6 for c in outs)
+
+
+PATTERNS = [
+    r"a(bc)?",
+    r"[0-9]+(\.[0-9]+)?",
+    r"x(\.[0-9]+)?",
+    r"a(bc)*d?",
+    r"(ab|a)(c|bc)?",
+    r"[ab]{1,3}(-[ab]{1,2}){0,2}",
+    r"(a|ab)(c|bcd)?",
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_guide_walks_exactly_the_regex(tiny: Engine, pattern: str) -> None:
+    """Every string of up to 5 characters over a small alphabet: the guide walks it to a point
+    where it may end exactly when Python's re fullmatches it (optional groups after a
+    possible end included: the automaton must not stop at the first match)."""
+    import itertools
+
+    from radixkv.engine.guided import GuideCompiler
+
+    compiler = GuideCompiler(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)
+    g = GuidedDecodingParams(regex=pattern)
+    eos = min(tiny.eos_token_ids)
+    for n in range(1, 6):
+        for chars in itertools.product("abcd.-x1", repeat=n):
+            s = "".join(chars)
+            guide = compiler.guide(g)
+            walked = True
+            for b in s.encode():
+                if not guide.allowed()[b]:
+                    walked = False
+                    break
+                guide.advance(b)
+            may_end = walked and bool(guide.allowed()[eos])
+            assert may_end == (re.fullmatch(pattern, s) is not None), (pattern, s)
+
+
+def test_json_numbers_may_have_fractions_and_exponents(tiny: Engine) -> None:
+    from radixkv.engine.guided import GuideCompiler
+
+    compiler = GuideCompiler(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)
+    g = GuidedDecodingParams(json={"type": "object", "properties": {"x": {"type": "number"}}})
+    for text in ('{"x": 1.5}', '{"x": -0.25e+3}', '{"x": 12}', "{}"):
+        guide = compiler.guide(g)
+        for b in text.encode():
+            assert guide.allowed()[b], (text, chr(b))
+            guide.advance(b)
+        assert guide.only_end or guide.allowed()[min(tiny.eos_token_ids)]

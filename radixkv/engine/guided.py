@@ -133,7 +133,11 @@ class GuideCompiler:
             if index is not None:
                 self._cache.move_to_end(g)
                 return index
-        regex = guide_regex(g)
+        # Anchored at the end: without the anchor outlines-core drops a final state's
+        # transitions into non-final ones (``a(bc)?`` would never offer "b" after "a", nor a
+        # JSON number its fraction); with it the walks are exactly the regex's prefixes
+        # (tests/test_engine_guided.py checks them against Python's re)
+        regex = f"(?:{guide_regex(g)})$"
         vocab = self._vocab()
         try:
             index = Index(regex, vocab)
@@ -145,9 +149,11 @@ class GuideCompiler:
                 self._cache.popitem(last=False)
         return index
 
-    def guide(self, g: GuidedDecodingParams) -> TokenGuide:
-        """A fresh walk for one sequence."""
-        return TokenGuide(self.compile(g), self.vocab_size, self._index_size, self.eos_token_ids)
+    def guide(self, g: GuidedDecodingParams, *, allow_eos: bool = True) -> TokenGuide:
+        """A fresh walk for one sequence; ``allow_eos=False`` (``ignore_eos``) never offers an
+        EOS token, where the language may end or go on (it still ends where it must)."""
+        index = self.compile(g)
+        return TokenGuide(index, self.vocab_size, self._index_size, self.eos_token_ids, allow_eos)
 
 
 def _what(g: GuidedDecodingParams) -> str:
@@ -161,12 +167,15 @@ def _what(g: GuidedDecodingParams) -> str:
 class TokenGuide:
     """One sequence's position in a compiled index."""
 
-    __slots__ = ("_eos", "_guide", "_index_size", "_vocab_size", "_words")
+    __slots__ = ("_eos", "_eos_ok", "_guide", "_index_size", "_vocab_size", "_words")
 
-    def __init__(self, index: Any, vocab_size: int, index_size: int, eos: list[int]) -> None:
+    def __init__(
+        self, index: Any, vocab_size: int, index_size: int, eos: list[int], allow_eos: bool
+    ) -> None:
         from outlines_core import Guide
 
         self._guide = Guide(index)
+        self._eos_ok = allow_eos
         self._vocab_size = vocab_size
         self._index_size = index_size
         self._eos = eos
@@ -181,9 +190,7 @@ class TokenGuide:
         out = np.zeros(self._vocab_size, dtype=bool)
         n = min(self._index_size, self._vocab_size)
         out[:n] = bits[:n]
-        eos = self._eos
-        if bits[eos[0]]:
-            out[eos] = True
+        out[self._eos] = self._eos_ok and bool(bits[self._eos[0]])
         return out
 
     def mask(self, row: torch.Tensor) -> None:

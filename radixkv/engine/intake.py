@@ -199,7 +199,7 @@ class RequestIntake:
             seq = Sequence(group, i, ids, gen, detok)
             seq.live_detok = live_detok
             if params.guided is not None:  # compiled in check(): a cache hit here
-                seq.guide = self.guides.guide(params.guided)
+                seq.guide = self.guides.guide(params.guided, allow_eos=not params.ignore_eos)
             group.seqs.append(seq)
         return group
 
