@@ -231,7 +231,7 @@ def _err(exc: openai.APIStatusError) -> dict[str, Any]:
         ({"top_p": 0}, None),
         ({"n": 0}, None),
         ({"extra_body": {"logprobs": 99}}, "logprobs"),
-        ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+        ({"extra_body": {"response_format": {"type": "grammar"}}}, "response_format"),
         ({"extra_body": {"max_tokens": "ten"}}, "max_tokens"),
         ({"prompt": ""}, None),
         ({"prompt": [999999]}, "prompt"),

@@ -141,11 +141,19 @@ def test_agent_turns_render_for_the_template() -> None:
         json.dumps({**body, "tool_choice": "none"}).encode(), P.ChatCompletionRequest
     )
     assert not off.wants_tool_calls()
+    # forcing a call (guided decoding, server/structured.py): the reply is the calls' JSON,
+    # read without the parser
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(P.ProtocolError, match="tool_choice"):
+        forced = P.decode_request(
+            json.dumps({**body, "tool_choice": choice}).encode(), P.ChatCompletionRequest
+        )
+        assert not forced.wants_tool_calls()
+    for bad in ({"type": "function", "function": {"name": "other"}}, "sometimes"):
+        with pytest.raises(P.ProtocolError, match="tool_choice") as e:
             P.decode_request(
-                json.dumps({**body, "tool_choice": choice}).encode(), P.ChatCompletionRequest
+                json.dumps({**body, "tool_choice": bad}).encode(), P.ChatCompletionRequest
             )
+        assert e.value.param == "tool_choice"
 
 
 def test_config_checks_the_parser_name() -> None:

@@ -114,6 +114,7 @@ def build_app(
         prompts = [st.prompt_ids(p) for p in req.prompts()]
         for ids in prompts:
             st.check_length(ids, max_tokens, "prompt")
+        st.check_prompt_logprobs_start(req, prompts)
         params = st.sampling_params(req, max_tokens)
         return await st.run(request, principal, req, prompts, params, chat=False)
 

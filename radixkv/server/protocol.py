@@ -4,8 +4,8 @@ Requests are decoded the way real OpenAI clients send them (``decode_request``):
 
 - ``null`` for an optional field means "not given" (its default), at any depth;
 - neutral values of features the engine does not have are accepted (``"logprobs": false``,
-  ``"response_format": {"type": "text"}``, ``"suffix": null``, ``best_of`` equal to ``n``);
-  other values of those are 400 naming the field;
+  ``"suffix": null``, ``best_of`` equal to ``n``); other values of those are 400 naming the
+  field;
 - unknown fields are dropped and reported to the caller (the app logs one warning per field
   name), or, with ``strict=True`` (``radixkv serve --strict-api``), rejected with 400;
 - wrong JSON types and out-of-range values are a ``ProtocolError`` naming the parameter, which
@@ -21,8 +21,16 @@ sharing within the caller's tenant), ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob tokens as
 ``"token_id:N"``), ``prompt_logprobs`` (vLLM's: every prompt token's logprob and the k most
-likely tokens at its position, non-streamed only), and on /v1/completions ``"max_tokens": 0``
-with ``echo`` (vLLM's: the prompt scored, nothing generated).
+likely tokens at its position, non-streamed only), on /v1/completions ``"max_tokens": 0``
+with ``echo`` (vLLM's: the prompt scored, nothing generated) and ``prompt_logprobs_start``
+(SGLang's ``logprob_start_len``: prompt logprobs from that token on, the context before it
+served from the prefix cache).
+
+Structured outputs (server/structured.py): OpenAI's ``response_format`` (``text``,
+``json_object``, ``json_schema``), vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_whitespace_pattern`` and ``structured_outputs``, and chat's ``tool_choice``
+``"required"`` or naming a function (the reply constrained to the tools' schemas and returned as
+tool calls, without a ``--tool-call-parser``); at most one source of constraint per request.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
+
+from radixkv.server.structured import request_constraint
 
 # Bounds that keep one request from monopolising the server; the engine checks the context length.
 MAX_N = 16
@@ -54,11 +64,35 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: OpenAI's shape. ``schema`` is required (400 naming
+    ``response_format`` without it); ``strict`` changes nothing (the schema is always enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct):
-    """Only ``{"type": "text"}`` (the default: plain text) is supported."""
+    """``{"type": "text"}`` (the default: plain text), ``{"type": "json_object"}`` (any JSON
+    object) or ``{"type": "json_schema", "json_schema": {...}}``."""
 
     type: str
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema or its JSON text),
+    ``regex``, ``choice`` and ``json_object``; ``whitespace_pattern`` for the JSON ones;
+    ``grammar`` is rejected (not a regular language)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    grammar: str | None = None
 
 
 def _check_sampling(req: _SamplingFields) -> None:
@@ -69,11 +103,6 @@ def _check_sampling(req: _SamplingFields) -> None:
     if req.prompt_logprobs is not None and req.stream:
         # as vLLM: they come whole with the response, which a stream does not have
         raise ValueError("prompt_logprobs is not supported with stream=true")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ValueError(
-            f"response_format type {req.response_format.type!r} is not supported "
-            "(only 'text': structured output is not implemented)"
-        )
     for key in req.logit_bias or {}:
         # ASCII digits only (str.isdigit also takes "²", which int() refuses), and short
         if not (key.isascii() and key.isdigit() and len(key) <= 18):
@@ -115,8 +144,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # OpenAI's: token id (as a string) -> bias added to its logit; vLLM's min_tokens
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # Accepted only at its neutral value: the engine has no grammars.
+    # Structured outputs (server/structured.py): OpenAI's, and vLLM's extensions
     response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # rejected: a context-free grammar
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 # the request fields a SamplingParams error can name (its message starts with the name)
@@ -140,6 +175,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: NumLogprobs | None = None  # top alternatives per token; 0: the sampled one only
     suffix: str | None = None
     best_of: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
+    # the first prompt token with a prompt logprob (echo's or prompt_logprobs'); the context
+    # before it is served from the prefix cache (SGLang's logprob_start_len)
+    prompt_logprobs_start: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -163,6 +201,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         for p in prompts:
             if len(p) == 0:
                 raise ValueError("prompt must not be empty")
+        if self.prompt_logprobs_start and self.engine_prompt_logprobs() is None:
+            raise ValueError(
+                "prompt_logprobs_start needs prompt logprobs: echo with logprobs, or "
+                "prompt_logprobs"
+            )
+        request_constraint(self)  # validates the structured-output fields
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts: each a string or a list of token ids."""
@@ -200,6 +244,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         wanted = [k for k in (self.prompt_logprobs, self.echo_logprobs()) if k is not None]
         return max(wanted) if wanted else None
 
+    def engine_prompt_logprobs_start(self) -> int:
+        """``SamplingParams.prompt_logprobs_start`` (0 unless prompt logprobs are computed)."""
+        if self.engine_prompt_logprobs() is None:
+            return 0
+        return self.prompt_logprobs_start or 0
+
 
 class TextContentPart(msgspec.Struct):
     type: Literal["text"]
@@ -230,7 +280,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     # Rendered by the chat template (tool schemas the model is shown; the template's switches,
     # e.g. {"enable_thinking": false} for Qwen3, as vLLM and SGLang take them). Tool calls are
     # parsed out of the reply when the server has a --tool-call-parser (server/tool_calls.py)
-    # and tool_choice is "auto" (the default with tools); "none" leaves the reply as text.
+    # and tool_choice is "auto" (the default with tools); "none" leaves the reply as text;
+    # "required" or {"type": "function", "function": {"name": ...}} force a call by guided
+    # decoding (server/structured.py), the reply being the calls' JSON, with or without a parser.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -246,11 +298,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             raise ValueError("messages must not be empty")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.tool_choice is not None and self.tool_choice not in ("auto", "none"):
-            raise ValueError(
-                f"tool_choice {self.tool_choice!r} is not supported: only 'auto' and 'none' "
-                "(forcing a call needs guided decoding, which radixkv does not have)"
-            )
+        request_constraint(self)  # validates tool_choice and the structured-output fields
 
     def engine_logprobs(self) -> int | None:
         """``SamplingParams.logprobs`` for this request."""
@@ -260,9 +308,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         """``SamplingParams.prompt_logprobs`` for this request."""
         return self.prompt_logprobs
 
+    def engine_prompt_logprobs_start(self) -> int:
+        """``SamplingParams.prompt_logprobs_start``: chat scores the whole conversation."""
+        return 0
+
     def wants_tool_calls(self) -> bool:
-        """Whether tool calls are to be parsed out of the reply (given a parser)."""
-        return bool(self.tools) and self.tool_choice != "none"
+        """Whether tool calls are to be parsed out of the reply by the server's
+        ``--tool-call-parser`` (``tool_choice`` "auto"; forced calls are read without one)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)

@@ -9,9 +9,10 @@ the non-streamed response's.
 
 With echo (``/v1/completions``), each choice starts with its prompt: the prompt's text and,
 when logprobs were asked for, its tokens' logprobs (the engine's ``prompt_logprobs``; the first
-token has none, so null), then the completion's; ``text_offset`` runs on across both. A stream
-sends the prompt in the choice's first chunk, held back until the engine has the prompt's
-logprobs when they are needed (outputs before the prefill completes do not carry them).
+token has none, nor have those before ``prompt_logprobs_start``: null), then the completion's;
+``text_offset`` runs on across both. A stream sends the prompt in the choice's first chunk,
+held back until the engine has the prompt's logprobs when they are needed (outputs before the
+prefill completes do not carry them).
 
 Logprob values are the engine's (``log_softmax`` of the raw logits, engine/logprobs.py), with
 ``-inf`` sent as -9999.0 (JSON has no infinity; vLLM does the same). A token's ``bytes`` are the
@@ -48,7 +49,8 @@ class LogprobFormat:
 @dataclass(frozen=True)
 class TokenLogprob:
     """One token's logprob and its top alternatives, ready for either API shape; ``logprob``
-    and ``top`` are None for an echoed prompt's first token (nothing precedes it)."""
+    and ``top`` are None for an echoed prompt's first token (nothing precedes it) and the
+    tokens before ``prompt_logprobs_start``."""
 
     token: str
     logprob: float | None
@@ -141,19 +143,21 @@ def _echo_head(
         # rather than never finishing the choice
         return p.echo.text, None
     ids = p.prompt_ids
-    first = p.echo.first_token
-    offset = state.logprob_chars
-    head = [
-        TokenLogprob(
-            fmt.token(ids[0], first), None, list(first.encode(errors="replace")), offset, None
+    unscored = (p.echo.first_token, *p.echo.unscored)  # tokens before prompt_logprobs_start
+    head = []
+    for tok, text in zip(ids, unscored):
+        offset = state.logprob_chars
+        head.append(
+            TokenLogprob(
+                fmt.token(tok, text), None, list(text.encode(errors="replace")), offset, None
+            )
         )
-    ]
-    state.logprob_chars += len(first)
+        state.logprob_chars += len(text)
     rest: list[dict[int, Logprob]] = []
-    for entry in entries[1:]:
-        assert entry is not None  # only the first prompt token has no entry
+    for entry in entries[len(unscored) :]:
+        assert entry is not None  # only the tokens before the start have no entry
         rest.append(entry)
-    head += _token_logprobs(fmt, ids[1:], rest, state)
+    head += _token_logprobs(fmt, ids[len(unscored) :], rest, state)
     return p.echo.text, head
 
 

@@ -24,8 +24,9 @@ from radixkv.server.auth import Authenticator, Principal
 from radixkv.server.config import ServerConfig
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server.structured import request_constraint
 from radixkv.server.submission import Echo, Submission
-from radixkv.server.tool_calls import ToolCallStream
+from radixkv.server.tool_calls import ToolCallStream, ToolParser
 from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
 log = logging.getLogger("radixkv.server")
@@ -161,11 +162,28 @@ class ServerState:
                 code="context_length_exceeded",
             )
 
+    def check_prompt_logprobs_start(
+        self, req: P.CompletionRequest, prompts: list[list[int]]
+    ) -> None:
+        """400 naming ``prompt_logprobs_start`` unless every prompt is longer than it."""
+        start = req.engine_prompt_logprobs_start()
+        shortest = min(len(ids) for ids in prompts)
+        if start and start >= shortest:
+            raise bad_request(
+                f"prompt_logprobs_start={start} must be less than the prompt's length "
+                f"({shortest} tokens)",
+                "prompt_logprobs_start",
+            )
+
     def sampling_params(
         self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int
     ) -> SamplingParams:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         self.check_ids(list(bias), "logit_bias")
+        try:
+            constraint = request_constraint(req)
+        except ValueError as e:  # the decoder checked it already: only a changed request
+            raise bad_request(str(e)) from None
         try:
             return SamplingParams(
                 n=req.n,
@@ -176,6 +194,7 @@ class ServerState:
                 max_tokens=max_tokens,
                 logprobs=req.engine_logprobs(),
                 prompt_logprobs=req.engine_prompt_logprobs(),
+                prompt_logprobs_start=req.engine_prompt_logprobs_start(),
                 stop=tuple(P.stop_list(req.stop)),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -186,6 +205,7 @@ class ServerState:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
+                guided=None if constraint is None else constraint.guided,
             )
         except (ValueError, TypeError) as e:  # the message starts with the field's name
             name = str(e).split(" ", 1)[0]
@@ -199,8 +219,12 @@ class ServerState:
             text = prompt
         else:
             text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        # the first token's text as the engine writes every Logprob.decoded_token
-        return Echo(text, self.token_texts(ids[0]))
+        # the texts of the tokens without a prompt logprob (the first, and those before
+        # prompt_logprobs_start) as the engine writes every Logprob.decoded_token
+        unscored = (
+            ids[1 : params.prompt_logprobs_start] if params.prompt_logprobs is not None else []
+        )
+        return Echo(text, self.token_texts(ids[0]), tuple(self.token_texts(t) for t in unscored))
 
     # ------------------------------------------------------------ running a request
     async def run(
@@ -232,7 +256,33 @@ class ServerState:
                 code="queue_full",
                 headers={"retry-after": "1"},
             )
+        tool_parser: ToolParser | None = None
+        constraint = request_constraint(req)  # the decoder checked it: cannot raise here
+        if constraint is not None and constraint.tool_choice is not None:
+            tool_parser = constraint.tool_choice  # forced calls: the reply is their JSON
+        elif (
+            constraint is None  # a reply constrained to the client's format is content
+            and isinstance(req, P.ChatCompletionRequest)
+            and req.wants_tool_calls()
+        ):
+            tool_parser = self.config.tool_call_parser
+        guided_param = None if constraint is None else constraint.param
         self.in_flight += seqs
+        if params.guided is not None:
+            # compiled (off the event loop) before anything is submitted: a language the
+            # engine cannot use is a 400 naming its field, and no prompt of the request runs
+            try:
+                err = await wait_or_disconnect(self._compile(params), request.receive)
+            except ClientGone:
+                self.in_flight -= seqs
+                self.metrics.count_client_closed("waiting")
+                return Response(status_code=499)
+            except BaseException:
+                self.in_flight -= seqs
+                raise
+            if err is not None:
+                self.in_flight -= seqs
+                raise _engine_error(err, guided_param)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         namespace = principal.namespace(req.cache_salt)
         sub = Submission(
@@ -259,15 +309,12 @@ class ServerState:
             if params.logprobs is None
             else R.LogprobFormat(params.logprobs, req.return_tokens_as_token_ids)
         )
-        tool_parser = None
-        if isinstance(req, P.ChatCompletionRequest) and req.wants_tool_calls():
-            tool_parser = self.config.tool_call_parser
         try:
             created = int(time.time())
             if req.stream:
                 err = await wait_or_disconnect(sub.wait_started(), request.receive)
                 if err is not None:
-                    raise _engine_error(err)
+                    raise _engine_error(err, guided_param)
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 body = self._stream(
                     sub,
@@ -289,7 +336,7 @@ class ServerState:
                 return response
             err = await wait_or_disconnect(sub.wait_finished(), request.receive)
             if err is not None:
-                raise _engine_error(err)
+                raise _engine_error(err, guided_param)
             for i in range(len(sub.prompts)):
                 R.take_deltas(sub, i, self.metrics)
             if chat:
@@ -310,6 +357,15 @@ class ServerState:
             if not handed_off:
                 await release()
 
+    async def _compile(self, params: SamplingParams) -> BaseException | None:
+        """Compile ``params.guided`` in a worker thread (seconds for a large schema on a large
+        vocabulary); the ValueError when the engine cannot use it."""
+        try:
+            await asyncio.to_thread(self.engine.engine.compile_guided, params)
+        except (ValueError, TypeError) as e:
+            return e
+        return None
+
     async def _stream(
         self,
         sub: Submission,
@@ -320,7 +376,7 @@ class ServerState:
         chat: bool,
         include_usage: bool,
         fmt: R.LogprobFormat | None,
-        tool_parser: str | None = None,
+        tool_parser: ToolParser | None = None,
     ) -> AsyncIterator[bytes]:
         chunk = R.chat_chunk if chat else R.completion_chunk
         if chat:
@@ -351,10 +407,19 @@ class ServerState:
         yield R.SSE_DONE
 
 
-def _engine_error(err: BaseException) -> APIError:
+def _engine_error(err: BaseException, guided_param: str | None = None) -> APIError:
+    """The response to an engine error; a ValueError at submission is the request's fault (400):
+    one about its guided decoding names ``guided_param``, the field the constraint came from."""
     if isinstance(err, QueueFull):
         return APIError(503, str(err), code="queue_full", headers={"retry-after": "1"})
     if isinstance(err, ValueError | TypeError):
-        return bad_request(str(err))
+        message = str(err)
+        param = None
+        if message.startswith("guided") and guided_param is not None:
+            param = guided_param
+            message = f"{guided_param}: {message.removeprefix('guided json: ')}"
+        elif message.startswith("prompt_logprobs_start"):
+            param = "prompt_logprobs_start"
+        return bad_request(message, param)
     log.error("request failed in the engine: %r", err)
     return APIError(500, f"The engine failed while serving the request: {err}")

@@ -23,11 +23,13 @@ from radixkv.engine.request import Namespace
 
 @dataclass(frozen=True)
 class Echo:
-    """What every choice of one prompt starts with (``echo=true``): the prompt's text, and the
-    text of its first token, the one token no ``prompt_logprobs`` entry carries."""
+    """What every choice of one prompt starts with (``echo=true``): the prompt's text, the
+    text of its first token, the one token no ``prompt_logprobs`` entry carries, and the texts
+    of the tokens after it that have none either (before ``prompt_logprobs_start``)."""
 
     text: str
     first_token: str
+    unscored: tuple[str, ...] = ()
 
 
 @dataclass

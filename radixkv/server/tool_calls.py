@@ -19,6 +19,13 @@ starting (the start tag, or a prefix of it at the end of the text so far; for ``
 reply that opens with ``{``); from there the text is held back, and the calls are sent with
 the finish, in one delta, with ``finish_reason: "tool_calls"``. Held-back text that turns out
 not to be a call is sent as content then.
+
+Forced calls (:class:`ForcedToolChoice`, ``tool_choice`` naming a function or ``"required"``,
+as vLLM does them): the reply is guided decoding's JSON, not the model's native call format,
+and needs no parser: for a named function it is the call's arguments, for ``"required"`` a JSON
+array of ``{"name": ..., "parameters": {...}}``, one element per call. Streamed, it is held back
+whole and sent as calls with the finish. A reply that is not whole (``max_tokens`` cut it) is
+returned as content.
 """
 
 from __future__ import annotations
@@ -46,7 +53,41 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
-def _check_parser(parser: str) -> None:
+@dataclass(frozen=True)
+class ForcedToolChoice:
+    """How to read a reply whose tool call was forced: ``name`` the function ``tool_choice``
+    named (the reply is its arguments), or None for ``"required"`` (the reply is a JSON array
+    of ``{"name", "parameters"}`` objects)."""
+
+    name: str | None = None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(None, calls), or (text, []) when the reply is not the JSON asked for."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        if self.name is not None:
+            # the arguments as generated (guided decoding made them valid JSON)
+            return None, [ToolCall(self.name, text.strip())]
+        if not isinstance(value, list) or not value:
+            return text, []
+        calls = []
+        for item in value:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return text, []
+            args = item.get("parameters", {})
+            calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
+        return None, calls
+
+
+# how a reply's calls are read: a --tool-call-parser name, or a forced tool choice
+ToolParser = str | ForcedToolChoice
+
+
+def _check_parser(parser: ToolParser) -> None:
+    if isinstance(parser, ForcedToolChoice):
+        return
     if parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"unknown tool call parser {parser!r}; choose from {TOOL_CALL_PARSERS}")
 
@@ -81,10 +122,12 @@ def _calls(chunks: list[str], args_key: str) -> list[ToolCall] | None:
     return calls
 
 
-def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, parser: ToolParser) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole reply. With no calls found the content is ``text`` itself;
     with calls it is the text around them, stripped, or None when nothing is left."""
     _check_parser(parser)
+    if isinstance(parser, ForcedToolChoice):
+        return parser.parse(text)
     if parser == "hermes":
         if _HERMES_START not in text:
             return text, []
@@ -104,7 +147,7 @@ class ToolCallStream:
     """One streamed choice's text through the parser (module doc). ``feed(new_text)`` returns
     the content that can be sent now; ``finish()`` returns (content still held back, calls)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: ToolParser) -> None:
         _check_parser(parser)
         self.parser = parser
         self._text = ""  # everything so far
@@ -113,6 +156,8 @@ class ToolCallStream:
     def _safe_end(self) -> int:
         """How much of the text can go out as content without splitting a possible call."""
         text = self._text
+        if isinstance(self.parser, ForcedToolChoice):
+            return 0  # the whole reply is the call(s): sent with the finish
         if self.parser == "llama3_json":
             head = text.lstrip()
             # a reply that opens like a call is held whole (it is one, or it is sent at the end)
