@@ -287,3 +287,52 @@ def test_json_numbers_may_have_fractions_and_exponents(tiny: Engine) -> None:
             assert guide.allowed()[b], (text, chr(b))
             guide.advance(b)
         assert guide.only_end or guide.allowed()[min(tiny.eos_token_ids)]
+
+
+def _steps(eng: Engine) -> int:
+    return eng.stats().num_steps
+
+
+def test_jump_forward_same_greedy_output_in_fewer_steps() -> None:
+    """Tokens the language forces (a schema's keys, punctuation) are appended without a decode
+    step each; greedy outputs are the same as sampling every token."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "identifier": {"type": "string", "maxLength": 8},
+            "quantity": {"type": "integer"},
+            "label": {"enum": ["alpha", "beta"]},
+        },
+        "required": ["identifier", "quantity", "label"],
+    }
+    guides = [
+        GuidedDecodingParams(json=schema, whitespace_pattern=" "),
+        GuidedDecodingParams(regex=r"(id|key)-[0-9]{2}-(north|south)"),
+    ]
+    prompts = [[1, 2, 3], [40, 41], [99]]
+    texts, steps = {}, {}
+    for jump in (False, True):
+        eng = Engine("radixkv-tiny", num_pages=256, guided_jump_forward=jump)
+        texts[jump] = []
+        for g in guides:
+            outs = run_checked(
+                eng, prompts, SamplingParams(temperature=0, max_tokens=120, guided=g)
+            )
+            texts[jump] += [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs]
+        steps[jump] = _steps(eng)
+    assert texts[True] == texts[False]
+    assert steps[True] * 2 < steps[False]
+
+
+def test_jump_forward_honours_max_tokens_stop_strings_and_logprobs(tiny: Engine) -> None:
+    g = GuidedDecodingParams(regex="abcdefghij")  # every token forced after the first
+    (cut,) = run_checked(tiny, [[5, 6]], SamplingParams(temperature=0, max_tokens=4, guided=g))
+    assert cut.text == "abcd" and cut.outputs[0].finish_reason == "length"
+    stop = SamplingParams(temperature=0, max_tokens=20, stop=["de"], guided=g)
+    (stopped,) = run_checked(tiny, [[5, 6]], stop)
+    assert stopped.text == "abc" and stopped.outputs[0].finish_reason == "stop"
+    with_lp = SamplingParams(temperature=0, max_tokens=20, logprobs=0, guided=g)
+    (o,) = run_checked(tiny, [[5, 6]], with_lp)
+    c = o.outputs[0]
+    assert c.text == "abcdefghij" and c.logprobs is not None
+    assert len(c.logprobs) == len(c.token_ids) == 10  # no jump: every token has its logprob

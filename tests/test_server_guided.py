@@ -331,7 +331,7 @@ def test_whitespace_pattern(http: httpx.Client) -> None:
         "type": "object",
         "properties": {
             "a": {"type": "integer"},
-            "b": {"type": "array", "items": {"type": "boolean"}},
+            "b": {"type": "array", "items": {"type": "boolean"}, "maxItems": 4},
         },
         "required": ["a", "b"],
     }

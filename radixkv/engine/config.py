@@ -224,6 +224,18 @@ class EngineConfig:
     eviction_policy: str = field(
         default="lru", metadata=_cli("which cached pages go first", choices=tuple(POLICIES))
     )
+    # Guided decoding: where the output's language allows exactly one next token, append it at
+    # once (no decode step of its own; the run is computed as one chunk with the next step),
+    # as SGLang's jump-forward does. Not for requests that ask for logprobs (the forced tokens
+    # would have none); with greedy decoding the output is the same either way.
+    guided_jump_forward: bool = field(
+        default=True,
+        metadata=_cli(
+            "guided decoding: sample every token, even those the language forces",
+            flag="--disable-jump-forward",
+            aliases=("--disable-regex-jump-forward",),  # SGLang
+        ),
+    )
     # None: the model's max_position_embeddings (capped at sliding_window where it applies)
     max_model_len: int | None = field(
         default=None,
@@ -314,6 +326,10 @@ class EngineConfig:
                 f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"
             )
         _one_of("eviction_policy", self.eviction_policy, tuple(POLICIES))
+        if not isinstance(self.guided_jump_forward, bool):
+            raise ValueError(
+                f"guided_jump_forward must be a bool, got {self.guided_jump_forward!r}"
+            )
         if self.max_model_len is not None:
             _pos_int("max_model_len", self.max_model_len)
         _one_of("attention_backend", self.attention_backend, BACKENDS)

@@ -485,32 +485,47 @@ class Engine:
             )
 
     def _append_tokens(self, seqs: list[Seq], tokens: list[int]) -> None:
-        """Append one sampled token to each sequence; finish those that hit a stop token, a
-        stop string, the end of their guided language or ``max_tokens``."""
+        """Append one sampled token to each sequence, then (guided decoding, jump-forward) the
+        tokens its language forces; finish those that hit a stop token, a stop string, the end
+        of their guided language or ``max_tokens``."""
         now = time.monotonic()
+        jump = self.config.guided_jump_forward
+        appended = 0
         for seq, tok in zip(seqs, tokens):
-            seq.token_ids.append(tok)
             group = seq.group
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
                 group.metrics.ttft = now - group.metrics.arrival_time
             self._news[group.request_id] = group
-            p = seq.params
-            reason = None
+            reason = self._accept(seq, tok)
+            appended += 1
             guide = seq.guide
-            if guide is not None and tok not in self.eos_token_ids:
-                guide.advance(tok)
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-                reason, seq.stop_reason = "stop", tok
-            elif seq.live_detok and seq.detok.add(tok):
-                reason, seq.stop_reason = "stop", seq.detok.stop_matched
-            elif guide is not None and guide.only_end:
-                reason = "stop"  # the output is complete: no step spent on an EOS token
-            if reason is None and seq.num_output_tokens >= p.max_tokens:
-                reason = "length"
+            if jump and guide is not None and seq.logprobs is None:
+                while reason is None and (forced := guide.forced()) is not None:
+                    reason = self._accept(seq, forced)  # computed with the next step's chunk
+                    appended += 1
             if reason is not None:
                 self._finish(seq, reason)
-        self._stats.record_generated(len(tokens))
+        self._stats.record_generated(appended)
+
+    def _accept(self, seq: Seq, tok: int) -> str | None:
+        """Append ``tok`` to ``seq``; the finish reason it brings, or None."""
+        seq.token_ids.append(tok)
+        p = seq.params
+        guide = seq.guide
+        if guide is not None and tok not in self.eos_token_ids:
+            guide.advance(tok)
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            seq.stop_reason = tok
+            return "stop"
+        if seq.live_detok and seq.detok.add(tok):
+            seq.stop_reason = seq.detok.stop_matched
+            return "stop"
+        if guide is not None and guide.only_end:
+            return "stop"  # the output is complete: no step spent on an EOS token
+        if seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        return None
 
     def _finish(self, seq: Seq, reason: str, *, insert: bool = True) -> None:
         """The one place a sequence ends (stop, length, abort, error): the scheduler releases

@@ -211,6 +211,21 @@ class TokenGuide:
         if token not in self._eos:
             self._guide.advance(token)
 
+    def forced(self) -> int | None:
+        """The one token that may come next, when the language allows exactly one (and it is
+        not the end); else None. Reads the bitmask (one set bit), not the token list, which
+        can hold most of a large vocabulary."""
+        w = self._words
+        self._guide.write_mask_into(w.ctypes.data, w.size, 4)
+        nz = np.flatnonzero(w)
+        if len(nz) != 1:
+            return None
+        word = int(w[nz[0]]) & 0xFFFFFFFF
+        if word & (word - 1):
+            return None  # two or more bits in the one word
+        token = int(nz[0]) * 32 + word.bit_length() - 1
+        return None if token in self._eos or token >= self._vocab_size else token
+
     @property
     def only_end(self) -> bool:
         """Nothing but the end may follow (the output is complete)."""
