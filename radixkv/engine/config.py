@@ -224,6 +224,21 @@ class EngineConfig:
     eviction_policy: str = field(
         default="lru", metadata=_cli("which cached pages go first", choices=tuple(POLICIES))
     )
+    # Speculative decoding by prompt lookup (engine/speculative.py): up to this many draft
+    # tokens a step for greedy requests, taken from an earlier occurrence of the sequence's
+    # last tokens and verified in the same forward; 0 turns it off (the default: it pays where
+    # text repeats, code edits and quotes, and costs a wider forward where it does not)
+    num_speculative_tokens: int = field(
+        default=0,
+        metadata=_cli("prompt-lookup drafts a step for greedy requests (0: off)", type=int),
+    )
+    # the longest and shortest run of last tokens looked up for drafts (vLLM's names)
+    prompt_lookup_max: int = field(
+        default=4, metadata=_cli("longest n-gram looked up for drafts", type=int)
+    )
+    prompt_lookup_min: int = field(
+        default=2, metadata=_cli("shortest n-gram looked up for drafts", type=int)
+    )
     # Guided decoding: where the output's language allows exactly one next token, append it at
     # once (no decode step of its own; the run is computed as one chunk with the next step),
     # as SGLang's jump-forward does. Not for requests that ask for logprobs (the forced tokens
@@ -326,6 +341,16 @@ class EngineConfig:
                 f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"
             )
         _one_of("eviction_policy", self.eviction_policy, tuple(POLICIES))
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64:
+            raise ValueError(f"num_speculative_tokens must be an int in [0, 64], got {k!r}")
+        _pos_int("prompt_lookup_min", self.prompt_lookup_min)
+        _pos_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
         if not isinstance(self.guided_jump_forward, bool):
             raise ValueError(
                 f"guided_jump_forward must be a bool, got {self.guided_jump_forward!r}"

@@ -53,6 +53,7 @@ from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import sample
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.session import Session
+from radixkv.engine.speculative import Speculator
 from radixkv.engine.storage_tier import StorageTier
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
@@ -147,6 +148,16 @@ class Engine:
             mode=cfg.cascade,
             min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_values, value_bytes),
         )
+        self.speculator: Speculator | None = None  # prompt-lookup drafts (speculative.py)
+        if cfg.num_speculative_tokens:
+            self.speculator = Speculator(
+                self.seq_kv,
+                num_tokens=cfg.num_speculative_tokens,
+                lookup_min=cfg.prompt_lookup_min,
+                lookup_max=cfg.prompt_lookup_max,
+                max_context=self.max_context,
+                stop_token_ids=self.eos_token_ids,
+            )
         self._intake = RequestIntake(
             cfg,
             self.tokenizer,
@@ -293,13 +304,30 @@ class Engine:
                 self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()
+        spec = self.speculator
+        drafts = spec.propose(batch) if spec is not None else {}  # {row: draft tokens}
         owing = [i for i, s in enumerate(batch.seqs) if s.owes_prompt_logprobs]
         past = [batch.seqs[i].num_computed for i in owing]
-        logits, hidden = self._forward(batch, owing)  # [B, vocab] fp32; [num_new, hidden] each
+        try:  # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing, then drafted rows
+            logits, hidden = self._forward(batch, owing + list(drafts))
+        except BaseException:
+            if spec is not None:
+                spec.discard(batch, drafts)
+            raise
         t2 = time.perf_counter()
         if owing:
             self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
+        accepted: dict[Seq, list[int]] = {}
+        if drafts:  # keep the agreeing drafts; the logits after them are the rows' to sample
+            assert spec is not None
+            accepted = spec.verify(batch, drafts, hidden[len(owing) :], logits, self.runner.logits)
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
+        if accepted:
+            assert spec is not None
+            spec.release_rejected(accepted)
+            self._stats.record_speculation(
+                sum(map(len, drafts.values())), sum(map(len, accepted.values()))
+            )
         seqs = [batch.seqs[i] for i in rows]
         params = [s.params for s in seqs]
         picked = logits[rows]
@@ -318,7 +346,7 @@ class Engine:
         if any(s.logprobs is not None for s in seqs):
             self._record_logprobs(logits, rows, seqs, tokens)
         t3 = time.perf_counter()
-        self._append_tokens(seqs, tokens)
+        self._append_tokens(seqs, tokens, accepted)
         outs = self.drain()
         self._stats.record_step(t0, t1, t2, t3)
         return outs
@@ -484,10 +512,13 @@ class Engine:
                 self.model.config.vocab_size,
             )
 
-    def _append_tokens(self, seqs: list[Seq], tokens: list[int]) -> None:
-        """Append one sampled token to each sequence, then (guided decoding, jump-forward) the
-        tokens its language forces; finish those that hit a stop token, a stop string, the end
-        of their guided language or ``max_tokens``."""
+    def _append_tokens(
+        self, seqs: list[Seq], tokens: list[int], drafted: dict[Seq, list[int]]
+    ) -> None:
+        """Append each sequence's accepted drafts (speculative decoding: already in its tokens
+        and computed, taken through the same checks here) and one sampled token, then (guided
+        decoding, jump-forward) the tokens its language forces; finish those that hit a stop
+        token, a stop string, the end of their guided language or ``max_tokens``."""
         now = time.monotonic()
         jump = self.config.guided_jump_forward
         appended = 0
@@ -497,6 +528,12 @@ class Engine:
                 group.metrics.first_token_time = now
                 group.metrics.ttft = now - group.metrics.arrival_time
             self._news[group.request_id] = group
+            ahead = drafted.get(seq)
+            if ahead:  # no draft can finish the output (speculative.py): no reason to check
+                del seq.token_ids[-len(ahead) :]
+                for d in ahead:
+                    self._accept(seq, d)
+                appended += len(ahead)
             reason = self._accept(seq, tok)
             appended += 1
             guide = seq.guide

@@ -153,6 +153,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_bytes_read_plain: int = 0
     kv_bytes_read_cascade: int = 0
     cascade_steps: int = 0
+    # speculative decoding (prompt lookup): draft tokens proposed, and of those accepted (each
+    # one a decode step saved)
+    speculative_draft_tokens: int = 0
+    speculative_accepted_tokens: int = 0
     # host KV tier (all 0 without one): pages copied host -> device and the time admissions
     # waited for them, failed load backs, pages copied device -> host (backups, of which
     # write_back_pages on eviction), host pool gauges
@@ -227,6 +231,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     def record_abort(self) -> None:
         self.num_aborted += 1
+
+    def record_speculation(self, drafted: int, accepted: int) -> None:
+        self.speculative_draft_tokens += drafted
+        self.speculative_accepted_tokens += accepted
 
     def record_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
         """One completed step whose schedule / forward / sample phases started at t0 / t1 / t2

@@ -1,0 +1,164 @@
+"""Speculative decoding by prompt lookup (n-gram drafts), greedy requests only.
+
+A decoding sequence whose last few tokens occurred earlier in its prompt or output (code being
+edited, a document quoted, a list continued) probably goes on as it did then. Each step,
+:meth:`Speculator.propose` takes the tokens that followed the latest earlier occurrence of the
+sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``) as up
+to ``num_speculative_tokens`` drafts, appends them and widens the sequence's row of the batch to
+``1 + k`` tokens: one forward computes the real last token and the drafts together. After it,
+:meth:`Speculator.verify` compares each draft with the model's greedy choice at the position
+before it and keeps the longest agreeing run; the model's choice after that run is the step's
+sampled token. So a step yields 1 to ``k + 1`` tokens, exactly the ones plain greedy decoding
+would have (the same logits, up to the batch shape's float rounding), in one forward.
+
+Contracts. Drafts live within one step: appended after scheduling (their slots reserved then, or
+no drafts when the pool cannot supply them), cut back to the accepted run before the scheduler
+records the step (so only real tokens are computed, committed and published), and their
+slots past the accepted run freed after. A draft that is a stop token (EOS unless
+``ignore_eos``, ``stop_token_ids``) is never accepted: the model's own choice there ends the
+output through the normal path. Only requests whose next token is a plain argmax take part:
+greedy, no penalties or bias, no guided decoding, no logprobs, no stop strings (their text is
+matched as it is produced); the others decode as before in the same batch.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixkv.cache import OutOfPages
+from radixkv.engine.request import Sequence
+
+if TYPE_CHECKING:
+    from radixkv.engine.kv_manager import SeqKV
+    from radixkv.engine.scheduler import ScheduledBatch
+
+_TOKEN = 8  # bytes of a token in array('q')
+
+
+def propose_ngram(tokens: array, k: int, n_min: int, n_max: int) -> list[int]:
+    """``k`` tokens that followed the latest earlier occurrence of the last ``n`` tokens of
+    ``tokens`` (the longest ``n`` in ``[n_min, n_max]`` that occurs), or [] when none does.
+    One ``bytes.rfind`` per ``n`` (C speed) over the int64 encoding; a match must be aligned
+    to a token."""
+    total = len(tokens)
+    data = tokens.tobytes()
+    limit = len(data) - _TOKEN  # an occurrence must end before the last token (not be it)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        pattern = data[-n * _TOKEN :]
+        end = limit
+        while (pos := data.rfind(pattern, 0, end)) >= 0:
+            if pos % _TOKEN == 0:
+                # what followed the match; where it runs into the end, the text since the
+                # match repeats (a loop, a list continued): draft j copies position start + j
+                # of tokens + drafts
+                start = pos // _TOKEN + n
+                out = tokens[start : start + k].tolist()
+                while len(out) < k:
+                    out.append(out[start + len(out) - total])
+                return out
+            end = pos + len(pattern) - 1  # misaligned: look further back
+    return []
+
+
+class Speculator:
+    """Drafts, verification and their bookkeeping for one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        kv: SeqKV,
+        *,
+        num_tokens: int,
+        lookup_min: int,
+        lookup_max: int,
+        max_context: int,
+        stop_token_ids: Collection[int],
+    ) -> None:
+        self.kv = kv
+        self.num_tokens = num_tokens
+        self.lookup_min = lookup_min
+        self.lookup_max = lookup_max
+        self.max_context = max_context
+        self.eos_token_ids = frozenset(stop_token_ids)
+
+    def eligible(self, seq: Sequence) -> bool:
+        p = seq.params
+        return (
+            p.temperature == 0.0
+            and not p.adjusts_logits
+            and p.guided is None
+            and p.logprobs is None
+            and not p.stop
+            and seq.num_computed == len(seq.token_ids) - 1
+        )
+
+    def propose(self, batch: ScheduledBatch) -> dict[int, list[int]]:
+        """Drafts for the batch's eligible decode rows, appended to their sequences (slots
+        reserved, ``num_new`` widened); {row: drafts}."""
+        out: dict[int, list[int]] = {}
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            if n != 1 or not self.eligible(seq):
+                continue
+            p = seq.params
+            room = min(
+                self.num_tokens,
+                p.max_tokens - seq.num_output_tokens - 1,  # the step's own token comes too
+                self.max_context - len(seq.token_ids),
+            )
+            if room <= 0:
+                continue
+            drafts = propose_ngram(seq.token_ids, room, self.lookup_min, self.lookup_max)
+            if not drafts:
+                continue
+            try:
+                self.kv.reserve(seq, 1 + len(drafts))
+            except OutOfPages:
+                continue  # the pool is short: this row decodes one token, as it would have
+            seq.token_ids.extend(drafts)
+            batch.num_new[i] = 1 + len(drafts)
+            out[i] = drafts
+        return out
+
+    def discard(self, batch: ScheduledBatch, drafts: dict[int, list[int]]) -> None:
+        """Take the drafts back out (the forward failed)."""
+        for i, d in drafts.items():
+            del batch.seqs[i].token_ids[-len(d) :]
+            batch.num_new[i] = 1
+
+    def verify(
+        self,
+        batch: ScheduledBatch,
+        drafts: dict[int, list[int]],
+        hidden: list[torch.Tensor],
+        logits: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> dict[Sequence, list[int]]:
+        """Keep each row's longest run of drafts the model agrees with; cut the rest from the
+        sequence and the row; put the logits after the run into ``logits`` (the row's sampling
+        logits). ``hidden``: the rows' trunk states ``[1 + k, hidden]``, in ``drafts`` order;
+        ``head``: hidden -> logits (``ModelRunner.logits``). Returns {sequence: accepted}."""
+        accepted: dict[Sequence, list[int]] = {}
+        for (i, d), h in zip(drafts.items(), hidden):
+            seq = batch.seqs[i]
+            row_logits = head(h)  # [1 + k, V]: position j predicts the token after it
+            choice = row_logits.argmax(dim=-1).tolist()
+            stop = seq.params.stop_token_ids
+            ends = () if seq.params.ignore_eos else self.eos_token_ids
+            a = 0
+            while a < len(d) and choice[a] == d[a] and d[a] not in stop and d[a] not in ends:
+                a += 1
+            if a < len(d):
+                del seq.token_ids[a - len(d) :]
+            batch.num_new[i] = 1 + a
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                logits[i] = row_logits[a]
+            accepted[seq] = d[:a]
+        return accepted
+
+    def release_rejected(self, accepted: dict[Sequence, list[int]]) -> None:
+        """After the scheduler recorded the step: free the slots reserved for rejected drafts."""
+        for seq in accepted:
+            self.kv.rollback_uncomputed(seq)

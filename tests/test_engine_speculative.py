@@ -1,0 +1,176 @@
+"""Speculative decoding by prompt lookup (``num_speculative_tokens``): greedy outputs equal
+transformers' and the engine's own without it, token for token, through mixed batches, a tiny
+pool that preempts, EOS and ``max_tokens``; a loop is generated in a fraction of the steps;
+requests that cannot take part (sampling, logprobs, stop strings, penalties, guided) are
+unchanged; a failed forward leaves no draft behind; every page is accounted for after every
+step."""
+
+from __future__ import annotations
+
+import random
+from array import array
+from typing import Any
+
+import pytest
+from _model_hf_builders import VOCAB, hf_greedy
+from engine_helpers import make_small_llama, run_checked, shared_prefix_prompts
+
+from radixkv.engine import speculative
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+from radixkv.engine.speculative import propose_ngram
+from radixkv.model.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    return make_small_llama(tmp_path_factory.mktemp("small-llama-spec"))
+
+
+def test_prompt_lookup_proposals() -> None:
+    q = lambda *t: array("q", t)  # noqa: E731
+    assert propose_ngram(q(1, 2, 3, 4, 1, 2), 4, 2, 4) == [3, 4, 1, 2]
+    assert propose_ngram(q(1, 2, 3, 9, 1, 2, 3), 3, 2, 4) == [9, 1, 2]  # the longest n first
+    assert propose_ngram(q(7, 7, 7, 7), 5, 2, 4) == [7] * 5  # a loop runs on past the end
+    assert propose_ngram(q(1, 2, 1, 2, 1), 4, 1, 1) == [2, 1, 2, 1]
+    assert propose_ngram(q(5, 6, 7), 3, 2, 4) == []  # nothing earlier
+    assert propose_ngram(q(1, 2, 8, 1, 2), 2, 2, 2) == [8, 1]  # the latest occurrence
+    assert propose_ngram(q(3, 1, 2, 4, 4, 1, 2), 1, 2, 2) == [4]
+    # int64 bytes that match across a token boundary are not an occurrence: 256 = 00 01 00..,
+    # so the bytes of [1, 0] appear inside [256, 0] shifted by one byte
+    assert propose_ngram(q(256, 0, 0, 5, 1, 0), 3, 2, 2) == []
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Shared-prefix prompts plus prompts that repeat themselves (where lookups find drafts)."""
+    rng = random.Random(seed)
+    loops = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 9))] * 5 for _ in range(4)]
+    return shared_prefix_prompts(seed)[:6] + loops
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(num_pages=48, max_prefill_tokens=64)])
+def test_greedy_outputs_equal_transformers(small: tuple[Any, Any], cfg: dict[str, Any]) -> None:
+    hf, lm = small
+    prompts = _prompts(1)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    kw: dict[str, Any] = dict(page_size=4, num_pages=600, num_speculative_tokens=4)
+    kw.update(cfg)
+    eng = Engine(lm, **kw)
+    outs = run_checked(eng, prompts, params)
+    for p, o in zip(prompts, outs):
+        ref = hf_greedy(hf, p, params.max_tokens)
+        assert o.outputs[0].token_ids == ref, p
+    st = eng.stats()
+    assert st.speculative_accepted_tokens > 0 and st.speculative_draft_tokens > 0
+    if "num_pages" in cfg:
+        assert st.num_preemptions > 0
+
+
+def test_a_loop_takes_a_fraction_of_the_steps() -> None:
+    """radixkv-tiny falls into repeating itself on a repetitive prompt: with drafts of 8, the
+    same 2 x 300 tokens in under a quarter of the steps."""
+    prompts = ["import os\n" * 3 + "def f(x):\n    return x\n" * 4, "for i in range(9):\n" * 3]
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    outs, steps = {}, {}
+    for k in (0, 8):
+        eng = Engine("radixkv-tiny", num_pages=256, num_speculative_tokens=k)
+        outs[k] = [o.outputs[0].token_ids for o in run_checked(eng, prompts, params)]
+        steps[k] = eng.stats().num_steps
+        if k:
+            st = eng.stats()
+            assert st.speculative_accepted_tokens > 0.8 * st.speculative_draft_tokens
+    assert outs[8] == outs[0]
+    assert steps[8] * 4 < steps[0]
+
+
+def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) -> None:
+    """One batch: greedy requests (drafted), and requests whose next token is not a plain
+    argmax (sampled, logprobs, stop strings, penalties, guided): each output is what it is
+    without speculation."""
+    _, lm = small
+    prompts = _prompts(2)
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=20),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=20),
+        SamplingParams(temperature=0, max_tokens=20, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=20, stop=["ab"]),
+        SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20, guided={"regex": "[a-z ]{1,20}"}),
+    ]
+    results = {}
+    for k in (0, 4):
+        eng = Engine(lm, page_size=4, num_pages=800, num_speculative_tokens=k)
+        ids = [
+            eng.add_request(p, kinds[i % len(kinds)], stream=False) for i, p in enumerate(prompts)
+        ]
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            eng.check_invariants()
+        results[k] = [(done[r].outputs[0].token_ids, done[r].outputs[0].finish_reason) for r in ids]
+        if k:
+            assert eng.stats().speculative_draft_tokens > 0
+    assert results[4] == results[0]
+
+
+def test_eos_and_max_tokens_end_where_they_would(small: tuple[Any, Any]) -> None:
+    """A draft that is EOS is never accepted (the model's own choice ends the output), and a
+    step never runs past max_tokens: finish reasons and lengths are the same."""
+    _, lm = small
+    prompts = _prompts(3)
+    got = {}
+    for k in (0, 6):
+        eng = Engine(lm, page_size=4, num_pages=800, num_speculative_tokens=k)
+        for max_tokens in (1, 2, 7, 40):
+            params = SamplingParams(temperature=0, max_tokens=max_tokens)
+            outs = run_checked(eng, prompts, params)
+            got[k, max_tokens] = [
+                (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs
+            ]
+    for max_tokens in (1, 2, 7, 40):
+        assert got[6, max_tokens] == got[0, max_tokens]
+        assert all(len(t) <= max_tokens for t, _ in got[6, max_tokens])
+    assert any(r == "stop" for _, r in got[6, 40])  # some ended at EOS
+
+
+def test_failed_forward_leaves_no_draft(
+    small: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, lm = small
+    eng = Engine(lm, page_size=4, num_pages=300, num_speculative_tokens=4)
+    prompt = [5, 6, 7, 8] * 6
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=30))
+    before = 0
+    for _ in range(3):
+        before = max([len(o.outputs[0].token_ids) for o in eng.step()], default=before)
+    assert 0 < before < 30
+    original = ModelRunner.forward_hidden
+
+    def boom(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(ModelRunner, "forward_hidden", boom)
+    monkeypatch.setattr(speculative, "propose_ngram", lambda *a: [5, 6, 7])  # drafts for sure
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()  # drafted: the forward that keeps hidden states runs, and fails
+    out = next(o for o in eng.drain() if o.request_id == rid)
+    c = out.outputs[0]
+    assert c.finish_reason == "error"
+    assert len(c.token_ids) == before  # the drafts were taken back out
+    monkeypatch.setattr(ModelRunner, "forward_hidden", original)
+    eng.check_invariants()
+    assert eng.stats().locked_pages == 0 and not eng.has_unfinished()
+    # the engine goes on serving
+    (again,) = run_checked(eng, [prompt], SamplingParams(temperature=0, max_tokens=5))
+    assert again.outputs[0].finish_reason in ("length", "stop")
+
+
+def test_config_is_checked() -> None:
+    for bad in (
+        dict(num_speculative_tokens=-1),
+        dict(num_speculative_tokens=True),
+        dict(num_speculative_tokens=1, prompt_lookup_min=0),
+        dict(num_speculative_tokens=1, prompt_lookup_min=5, prompt_lookup_max=3),
+    ):
+        with pytest.raises(ValueError, match=r"speculative|prompt_lookup"):
+            Engine("radixkv-tiny", num_pages=16, **bad)
