@@ -353,6 +353,8 @@ def test_metrics_registries_are_per_app() -> None:
         num_running = 2
         num_waiting = 1
         evicted_pages = 4
+        speculative_draft_tokens = 12
+        speculative_accepted_tokens = 9
 
     m1, m2 = ServerMetrics(lambda: Stats(), model_name="m-1"), ServerMetrics(None)
     m1.observe_finished(
@@ -372,6 +374,8 @@ def test_metrics_registries_are_per_app() -> None:
     assert v1["radixkv_prefix_cache_hit_rate"] == 0.75
     assert v1["radixkv_prefix_cache_hits_tokens_total"] == 75.0
     assert v1["radixkv_kv_pages_total"] == 10.0 and v1["radixkv_num_requests_waiting"] == 1.0
+    assert v1["radixkv_spec_decode_num_draft_tokens_total"] == 12.0
+    assert v1["radixkv_spec_decode_num_accepted_tokens_total"] == 9.0
     assert v1["radixkv_time_per_output_token_seconds_count"] == 1.0
     assert v1["radixkv_request_queue_time_seconds_count"] == 1.0
     assert v1["radixkv_request_queue_time_seconds_sum"] == pytest.approx(0.02)

@@ -192,6 +192,16 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
         "1 while the storage tier is usable, 0 during an outage's back-off",
         "storage_available",
     ),
+    "spec_decode_num_draft_tokens": (
+        "counter",
+        "Draft tokens proposed by prompt lookup (speculative decoding)",
+        "speculative_draft_tokens",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "counter",
+        "Draft tokens accepted (each a decode step saved)",
+        "speculative_accepted_tokens",
+    ),
     "num_requests_running": ("gauge", "Requests running in the engine", "num_running"),
     "num_requests_waiting": ("gauge", "Requests waiting in the engine", "num_waiting"),
     "num_aborted_requests": (
