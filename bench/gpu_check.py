@@ -422,6 +422,35 @@ def check_prompt_logprobs(device: str = DEV) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def check_speculative(device: str = DEV) -> dict[str, Any]:
+    """Prompt-lookup drafts on the GPU (drafted rows are short prefills in decode batches, so
+    FlashInfer's mixed path): greedy outputs against the same engine without drafts. bf16
+    rounding differs between a chunk and a decode step, so near-ties may flip: the check asks
+    for accepted drafts, fewer steps and the outputs' common prefixes covering most tokens."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+
+    prompts = ["import os\n" * 3 + "def f(x):\n    return x\n" * 4, "for i in range(9):\n" * 3]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs, steps, accepted = {}, {}, 0
+    for k in (0, 6):
+        eng = Engine("radixkv-tiny", device=device, dtype=TINY_DTYPE, num_pages=256,
+                     num_speculative_tokens=k)  # fmt: skip
+        outs[k] = [o.outputs[0].token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+        steps[k] = eng.stats().num_steps
+        accepted = max(accepted, eng.stats().speculative_accepted_tokens)
+        eng.check_invariants()
+    common = 0
+    for a, b in zip(outs[0], outs[6]):
+        common += next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    total = sum(len(a) for a in outs[0])
+    return {
+        "steps_plain": steps[0], "steps_spec": steps[6], "accepted": accepted,
+        "common_prefix_fraction": common / total,
+        "ok": accepted > 0 and steps[6] < steps[0] and common >= 0.9 * total,
+    }  # fmt: skip
+
+
 def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[str, Any]:
     """See the module doc; ``device``/``backend`` let the same check run on a CPU (torch)."""
     import tempfile
@@ -536,6 +565,12 @@ def _table(result: dict[str, Any]) -> str:
     plp = result.get("prompt_logprobs", {})
     if "max_abs_diff" in plp:
         lines.append(f"| prompt_logprobs | 1 | {int(not plp['ok'])} | {plp['max_abs_diff']:.2e} |")
+    spec = result.get("speculative", {})
+    if "accepted" in spec:
+        lines.append(
+            f"| speculative | 1 | {int(not spec['ok'])} | steps {spec['steps_spec']} vs "
+            f"{spec['steps_plain']}, common prefix {spec['common_prefix_fraction']:.3f} |"
+        )
     tiny = result.get("tiny_model", {})
     if "max_abs_diff" in tiny:
         lines.append(f"| tiny_model | 1 | {int(not tiny['ok'])} | {tiny['max_abs_diff']:.2e} |")
@@ -610,11 +645,12 @@ def main() -> int:
         _section(result, "engine_tiers", check_engine_tiers)
         _section(result, "sampling", check_sampling)
         _section(result, "prompt_logprobs", check_prompt_logprobs)
+        _section(result, "speculative", check_speculative)
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
     sections = (
         "paged", "cascade", "tiny_model", "engine_tiers", "sampling", "prompt_logprobs",
-        "timings", "cascade_timing",
+        "speculative", "timings", "cascade_timing",
     )  # fmt: skip
     result["ok"] = "error" not in result and all(
         _rows_ok(result.get(s, {"ok": False})) for s in sections

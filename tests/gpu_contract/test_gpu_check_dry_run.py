@@ -86,6 +86,12 @@ def test_prompt_logprobs_section(fake: FakeFlashInfer) -> None:
     assert row["entries"] == row["tokens"] and row["cached_with_start"] > 0
 
 
+def test_speculative_section(fake: FakeFlashInfer) -> None:
+    row = gpu_check.check_speculative("cpu")
+    assert row["ok"], row
+    assert row["common_prefix_fraction"] > 0.9
+
+
 def test_table_renders() -> None:
     result = {"ok": False, "device": "x", "paged": [{"ok": True, "max_abs_diff": 1e-3}],
               "cascade": {"ok": False, "error": "boom"}, "timings": {"error": "boom"}}  # fmt: skip
