@@ -4,7 +4,9 @@ a small pool with invariants after every step, a failing forward, and AsyncEngin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+import re
 from typing import Any
 
 import pytest
@@ -90,6 +92,24 @@ def test_namespaces_never_share(lm: Any) -> None:
     assert a1.token_ids == b1.token_ids == a2.token_ids
 
 
+def _check_extras(out: Any, params: SamplingParams) -> None:
+    """Prompt logprobs whole (None before the start) when the prefill finished; a guided output
+    that ended without a stop string matches its language."""
+    pl = out.prompt_logprobs
+    if pl is not None:
+        ids = out.prompt_token_ids
+        start = max(1, params.prompt_logprobs_start)
+        assert len(pl) == len(ids) and pl[:start] == [None] * start
+        assert all(e is not None and next(iter(e)) == t for e, t in zip(pl[start:], ids[start:]))
+    g = params.guided
+    if g is None:
+        return
+    pattern = g.regex if g.regex is not None else "|".join(g.choice or ())
+    for c in out.outputs:
+        if c.finish_reason == "stop" and not isinstance(c.stop_reason, str):
+            assert re.fullmatch(pattern, c.text), (pattern, c.text, c.stop_reason)
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
     rng = random.Random(seed)
@@ -103,9 +123,13 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
         chunked_prefill_size=rng.choice([None, 5, 32]),
         schedule_policy=rng.choice(["lpm", "fcfs"]),
         seed=seed,
+        num_speculative_tokens=rng.choice([0, 3]),
+        guided_jump_forward=rng.random() < 0.5,
     )
     stems = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 60))] for _ in range(4)]
+    stems.append([rng.randrange(3, VOCAB) for _ in range(5)] * 8)  # repeats: drafts to verify
     live: list[str] = []
+    sent: dict[str, SamplingParams] = {}
     finished = 0
     for _ in range(250):
         op = rng.random()
@@ -119,9 +143,16 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
                 stop=rng.choice([(), ("a",), ("xyz", "e")]),
                 ignore_eos=rng.random() < 0.5,
                 seed=rng.choice([None, 7]),
+                prompt_logprobs=rng.choice([None, None, 1]),
+                guided=rng.choice([None, None, {"regex": "[a-z]{2,9}"}, {"choice": ["ab", "cd"]}]),
             )
+            if params.prompt_logprobs is not None and rng.random() < 0.5:
+                start = rng.randrange(0, len(prompt))
+                params = dataclasses.replace(params, prompt_logprobs_start=start)
             ns = rng.choice([None, None, "t1"])
-            live.append(eng.add_request(prompt, params, namespace=ns, stream=rng.random() < 0.5))
+            rid = eng.add_request(prompt, params, namespace=ns, stream=rng.random() < 0.5)
+            live.append(rid)
+            sent[rid] = params
         elif op < 0.4 and live:
             rid = live.pop(rng.randrange(len(live)))
             if eng.has_request(rid):
@@ -131,6 +162,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
                 if o.finished:
                     finished += 1
                     assert all(c.finish_reason for c in o.outputs)
+                    _check_extras(o, sent[o.request_id])
         eng.check_invariants()
     _drain(eng)
     st = eng.stats()
