@@ -104,6 +104,7 @@ class RequestIntake:
     ) -> None:
         self.tokenizer = tokenizer
         self.guides = guides  # compiles SamplingParams.guided (guided.py)
+        self.priority_scheduling = config.schedule_policy == "priority"
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.page_size = config.page_size
@@ -120,6 +121,11 @@ class RequestIntake:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.priority and not self.priority_scheduling:
+            raise ValueError(
+                f"priority={params.priority} needs schedule_policy='priority' "
+                "(--schedule-policy priority); under the other policies it must be 0"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:

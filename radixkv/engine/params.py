@@ -149,6 +149,10 @@ class SamplingParams:
             reuses the cached context: only from ``start - 1`` on must the model's outputs be
             computed. 0 (default) and 1 both mean from the second token; needs
             ``prompt_logprobs``; must be less than the prompt's length (checked at submission).
+        priority: the request's scheduling priority under ``schedule_policy="priority"``:
+            lower values go first (vLLM's convention), arrival order among equals; a waiting
+            request may preempt running ones of a lower priority (higher value) to get in.
+            Must stay 0 under the other policies (checked at submission).
         guided: a :class:`GuidedDecodingParams` (or a dict of its fields): the output is
             constrained to match it, a JSON schema, any JSON object, a regex or one of some
             strings (tokens that cannot continue a match get no probability; penalties and
@@ -179,6 +183,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    priority: int = 0
     guided: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
@@ -255,6 +260,8 @@ class SamplingParams:
         if rp <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {rp!r}")
         object.__setattr__(self, "repetition_penalty", float(rp))
+        if not _is_int(self.priority):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         g = self.guided
         if isinstance(g, Mapping):
             try:

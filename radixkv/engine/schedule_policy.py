@@ -40,4 +40,11 @@ def lpm(waiting: deque[Sequence], kv: SeqKV) -> list[Sequence]:
     return [s for _, _, s in scored]
 
 
-SCHEDULE_POLICIES: dict[str, AdmissionOrder] = {"lpm": lpm, "fcfs": fcfs}
+def priority(waiting: deque[Sequence], kv: SeqKV) -> list[Sequence]:
+    """``SamplingParams.priority`` first (lower values first), then as :func:`lpm` among equal
+    priorities. (The scheduler also keeps its running list in this order and preempts from its
+    end, so the lowest priority gives way first.)"""
+    return sorted(lpm(waiting, kv), key=lambda s: s.params.priority)  # stable: lpm within
+
+
+SCHEDULE_POLICIES: dict[str, AdmissionOrder] = {"lpm": lpm, "fcfs": fcfs, "priority": priority}

@@ -10,8 +10,13 @@ Each ``schedule()`` builds one mixed batch, in this order:
    front of the queue and later resumes by hitting its own pages), so the oldest sequence
    always progresses;
 2. admission of waiting sequences in the order of the schedule policy (schedule_policy.py:
-   ``lpm``, longest cached prefix first; ``fcfs``, arrival), while the budget,
-   ``max_running_requests`` and the pool allow.
+   ``lpm``, longest cached prefix first; ``fcfs``, arrival; ``priority``, the requests'
+   priority, then as lpm), while the budget, ``max_running_requests`` and the pool allow.
+
+Under ``priority`` the running list is kept in priority order (then admission order), so
+"most recently admitted" above reads "lowest priority, then most recently admitted"; and before
+step 1, running sequences of a lower priority than the best waiting one are preempted while that
+one could not otherwise get a running slot or its first chunk's pages.
 
 The step budget is ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (as in
 SGLang, where admitted requests draw on the chunk budget too): a burst of short prompts then
@@ -39,6 +44,7 @@ so the step stays short.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import time
@@ -154,10 +160,36 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.policy == "priority":
+            self._preempt_for_priority(batch)
         held_back = self._schedule_running(batch)
         if not self._admit(batch, self.step_budget - batch.prefill_cost):
             self._top_up(batch, held_back)
         return batch
+
+    def _preempt_for_priority(self, batch: ScheduledBatch) -> None:
+        """Make way for the best waiting sequence: preempt running ones of a lower priority,
+        lowest first, while it lacks a running slot or the pages of its first chunk (counting
+        what it would hit in the cache)."""
+        if not self.waiting or not self.running:
+            return
+        best = min(self.waiting, key=lambda s: s.params.priority)  # earliest among equals
+        remaining = len(best.token_ids) - self.kv.peek_match_len(best)
+        first = min(remaining, self.chunk_size or remaining)
+        while self.running and self.running[-1].params.priority > best.params.priority:
+            if len(self.running) < self.max_running and self._has_room(best, first):
+                return
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.preempted.append(victim)
+
+    def _start_running(self, seq: Sequence) -> None:
+        """Into the running list: at the end (admission order), or under ``priority`` after
+        every sequence of the same or a better priority."""
+        if self.policy == "priority":
+            bisect.insort_right(self.running, seq, key=lambda s: s.params.priority)
+        else:
+            self.running.append(seq)
 
     def _schedule_running(self, batch: ScheduledBatch) -> list[int]:
         """Oldest first: each running sequence decodes one token or computes its next prefill
@@ -279,7 +311,7 @@ class Scheduler:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.monotonic()
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
             self._inflight.announce(seq)
             batch.add(seq, n)
             cost = chunk_cost(n, seq.num_computed, self._ratio)
@@ -383,6 +415,9 @@ class Scheduler:
             need = pages_for(s.num_computed, self.page_size)
             assert len(s.page_table) == need, (s, need)
             assert s.num_shared_pages <= len(s.page_table), s
+        if self.policy == "priority":  # preemption takes the lowest priority from the end
+            prios = [s.params.priority for s in self.running]
+            assert prios == sorted(prios), "running list out of priority order"
         for s in self.waiting:
             assert s.status is SeqStatus.WAITING, s
             assert not s.page_table and s.locked_node is None and not s.inflight_keys, s

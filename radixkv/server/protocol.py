@@ -144,6 +144,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # OpenAI's: token id (as a string) -> bias added to its logit; vLLM's min_tokens
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # vLLM's: scheduling priority, lower first (radixkv serve --schedule-policy priority)
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
     # Structured outputs (server/structured.py): OpenAI's, and vLLM's extensions
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None

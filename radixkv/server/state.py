@@ -178,6 +178,12 @@ class ServerState:
     def sampling_params(
         self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int
     ) -> SamplingParams:
+        if req.priority and self.engine.engine.config.schedule_policy != "priority":
+            raise bad_request(
+                f"priority={req.priority} needs the server started with --schedule-policy "
+                "priority; under the other policies it must be 0",
+                "priority",
+            )
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         self.check_ids(list(bias), "logit_bias")
         try:
@@ -205,6 +211,7 @@ class ServerState:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
+                priority=req.priority,
                 guided=None if constraint is None else constraint.guided,
             )
         except (ValueError, TypeError) as e:  # the message starts with the field's name
