@@ -121,7 +121,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
         max_running_requests=rng.choice([2, 5, 64]),
         max_prefill_tokens=rng.choice([16, 64, 512]),
         chunked_prefill_size=rng.choice([None, 5, 32]),
-        schedule_policy=rng.choice(["lpm", "fcfs"]),
+        schedule_policy=rng.choice(["lpm", "fcfs", "priority"]),
         seed=seed,
         num_speculative_tokens=rng.choice([0, 3]),
         guided_jump_forward=rng.random() < 0.5,
@@ -145,6 +145,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
                 seed=rng.choice([None, 7]),
                 prompt_logprobs=rng.choice([None, None, 1]),
                 guided=rng.choice([None, None, {"regex": "[a-z]{2,9}"}, {"choice": ["ab", "cd"]}]),
+                priority=rng.choice([0, 1, -1]) if eng.config.schedule_policy == "priority" else 0,
             )
             if params.prompt_logprobs is not None and rng.random() < 0.5:
                 start = rng.randrange(0, len(prompt))
