@@ -84,14 +84,14 @@ def test_a_loop_takes_a_fraction_of_the_steps() -> None:
 
 
 def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) -> None:
-    """One batch: greedy requests (drafted), and requests whose next token is not a plain
-    argmax (sampled, logprobs, stop strings, penalties, guided): each output is what it is
+    """One batch: greedy requests (drafted), and requests whose next token depends on more than
+    the step's logits (penalties, logprobs, stop strings, guided): each output is what it is
     without speculation."""
     _, lm = small
     prompts = _prompts(2)
     kinds = [
         SamplingParams(temperature=0, max_tokens=20),
-        SamplingParams(temperature=0.9, seed=4, max_tokens=20),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=20, presence_penalty=0.5),
         SamplingParams(temperature=0, max_tokens=20, logprobs=1),
         SamplingParams(temperature=0, max_tokens=20, stop=["ab"]),
         SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
@@ -174,3 +174,48 @@ def test_config_is_checked() -> None:
     ):
         with pytest.raises(ValueError, match=r"speculative|prompt_lookup"):
             Engine("radixkv-tiny", num_pages=16, **bad)
+
+
+def test_speculative_sampling_keeps_the_distribution() -> None:
+    """accept_sampled against drafts that are sometimes likely, sometimes not: each position's
+    token frequencies over 20,000 draws match the target distribution (the first position's
+    directly; the second's given the first draft kept), and a banned draft is never kept."""
+    import torch
+
+    from radixkv.engine.speculative import accept_sampled
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7], [0.25, 0.25, 0.25, 0.25]])
+    drafts = [1, 3]
+    n = 20_000
+    first = torch.zeros(4)
+    second = torch.zeros(4)
+    kept_first = 0
+    for _ in range(n):
+        a, tok = accept_sampled(q, drafts, (), g)
+        first[drafts[0] if a >= 1 else tok] += 1
+        if a >= 1:
+            kept_first += 1
+            second[drafts[1] if a >= 2 else tok] += 1
+    assert torch.allclose(first / n, q[0], atol=0.015)
+    assert abs(kept_first / n - 0.3) < 0.015  # the first draft kept with its probability
+    assert torch.allclose(second / kept_first, q[1], atol=0.02)
+    for _ in range(200):
+        a, tok = accept_sampled(q, [2, 3], {2}, g)
+        assert a == 0  # a stop token is not offered; the token comes from q[0] whole
+    assert accept_sampled(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), [1], (), g) == (1, 0)
+
+
+def test_sampled_requests_draft_too() -> None:
+    """Sampled requests on a repeating prompt keep most drafts (the loop is likely) and stay
+    reproducible by seed."""
+    prompts = ["import os\n" * 3 + "def f(x):\n    return x\n" * 4]
+    params = SamplingParams(temperature=0.1, top_k=20, seed=11, max_tokens=120, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        eng = Engine("radixkv-tiny", num_pages=256, num_speculative_tokens=6)
+        runs.append([o.outputs[0].token_ids for o in run_checked(eng, prompts, params)])
+        st = eng.stats()
+        assert st.speculative_accepted_tokens > 0.8 * st.speculative_draft_tokens > 0
+        assert st.num_steps < 0.3 * 120
+    assert runs[0] == runs[1]

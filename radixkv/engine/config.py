@@ -225,12 +225,13 @@ class EngineConfig:
         default="lru", metadata=_cli("which cached pages go first", choices=tuple(POLICIES))
     )
     # Speculative decoding by prompt lookup (engine/speculative.py): up to this many draft
-    # tokens a step for greedy requests, taken from an earlier occurrence of the sequence's
-    # last tokens and verified in the same forward; 0 turns it off (the default: it pays where
+    # tokens a step, taken from an earlier occurrence of the sequence's last tokens and
+    # verified in the same forward (greedy: the same tokens; sampled: the same distribution);
+    # 0 turns it off (the default: it pays where
     # text repeats, code edits and quotes, and costs a wider forward where it does not)
     num_speculative_tokens: int = field(
         default=0,
-        metadata=_cli("prompt-lookup drafts a step for greedy requests (0: off)", type=int),
+        metadata=_cli("prompt-lookup draft tokens a step (speculative decoding; 0: off)", type=int),
     )
     # the longest and shortest run of last tokens looked up for drafts (vLLM's names)
     prompt_lookup_max: int = field(

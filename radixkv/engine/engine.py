@@ -318,9 +318,12 @@ class Engine:
         if owing:
             self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
         accepted: dict[Seq, list[int]] = {}
+        drawn: dict[int, int] = {}  # drafted sampled rows: the token verification drew
         if drafts:  # keep the agreeing drafts; the logits after them are the rows' to sample
             assert spec is not None
-            accepted = spec.verify(batch, drafts, hidden[len(owing) :], logits, self.runner.logits)
+            accepted, drawn = spec.verify(
+                batch, drafts, hidden[len(owing) :], logits, self.runner.logits
+            )
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
         if accepted:
             assert spec is not None
@@ -343,6 +346,8 @@ class Engine:
         if any(g is not None for g in guides):  # after the adjustments: the mask is final
             picked = mask_logits(picked, guides)
         tokens = sample(picked, params, [s.generator for s in seqs])
+        if drawn:  # drafted sampled rows: verification drew their token
+            tokens = [drawn.get(i, t) for i, t in zip(rows, tokens)]
         if any(s.logprobs is not None for s in seqs):
             self._record_logprobs(logits, rows, seqs, tokens)
         t3 = time.perf_counter()

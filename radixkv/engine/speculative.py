@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (n-gram drafts), greedy requests only.
+"""Speculative decoding by prompt lookup (n-gram drafts).
 
 A decoding sequence whose last few tokens occurred earlier in its prompt or output (code being
 edited, a document quoted, a list continued) probably goes on as it did then. Each step,
@@ -9,16 +9,18 @@ to ``num_speculative_tokens`` drafts, appends them and widens the sequence's row
 :meth:`Speculator.verify` compares each draft with the model's greedy choice at the position
 before it and keeps the longest agreeing run; the model's choice after that run is the step's
 sampled token. So a step yields 1 to ``k + 1`` tokens, exactly the ones plain greedy decoding
-would have (the same logits, up to the batch shape's float rounding), in one forward.
+would have (the same logits, up to the batch shape's float rounding), in one forward. Sampled
+requests verify by speculative sampling (:func:`accept_sampled`): their outputs follow the same
+distribution as without drafts (not the same draws: the generator is used differently).
 
 Contracts. Drafts live within one step: appended after scheduling (their slots reserved then, or
 no drafts when the pool cannot supply them), cut back to the accepted run before the scheduler
 records the step (so only real tokens are computed, committed and published), and their
 slots past the accepted run freed after. A draft that is a stop token (EOS unless
 ``ignore_eos``, ``stop_token_ids``) is never accepted: the model's own choice there ends the
-output through the normal path. Only requests whose next token is a plain argmax take part:
-greedy, no penalties or bias, no guided decoding, no logprobs, no stop strings (their text is
-matched as it is produced); the others decode as before in the same batch.
+output through the normal path. Only requests whose next token depends on nothing but the
+step's logits take part: no penalties or bias, no guided decoding, no logprobs, no stop strings
+(their text is matched as it is produced); the others decode as before in the same batch.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from radixkv.cache import OutOfPages
 from radixkv.engine.request import Sequence
+from radixkv.engine.sampler import sampling_probs
 
 if TYPE_CHECKING:
     from radixkv.engine.kv_manager import SeqKV
@@ -64,6 +67,31 @@ def propose_ngram(tokens: array, k: int, n_min: int, n_max: int) -> list[int]:
     return []
 
 
+def accept_sampled(
+    q: torch.Tensor, drafts: list[int], banned: Collection[int], generator: torch.Generator
+) -> tuple[int, int]:
+    """Speculative sampling with drafts that came with certainty (a lookup, not a model): draft
+    ``j`` is kept with probability ``q[j, d_j]``; at the first one refused, the step's token is
+    drawn from ``q[j]`` without ``d_j`` (renormalised); with all kept, from ``q[k]``. Each
+    output token is then distributed exactly as sampling from ``q`` one step at a time would
+    give. Drafts in ``banned`` (stop tokens) are not offered: at one, the token is drawn from
+    ``q[j]`` whole. ``q``: ``[1 + k, V]`` normalised probabilities. Returns (kept drafts,
+    token)."""
+    q = q.cpu()
+    for j, d in enumerate(drafts):
+        if d in banned:
+            return j, int(torch.multinomial(q[j], 1, generator=generator))
+        if torch.rand(1, generator=generator).item() < q[j, d].item():
+            continue
+        rest = q[j].clone()
+        rest[d] = 0.0
+        if rest.sum().item() <= 0.0:  # q[j] is all d (a refusal only by float round-off)
+            continue
+        return j, int(torch.multinomial(rest, 1, generator=generator))
+    k = len(drafts)
+    return k, int(torch.multinomial(q[k], 1, generator=generator))
+
+
 class Speculator:
     """Drafts, verification and their bookkeeping for one engine (see the module docstring)."""
 
@@ -87,8 +115,7 @@ class Speculator:
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
         return (
-            p.temperature == 0.0
-            and not p.adjusts_logits
+            not p.adjusts_logits
             and p.guided is None
             and p.logprobs is None
             and not p.stop
@@ -135,28 +162,40 @@ class Speculator:
         hidden: list[torch.Tensor],
         logits: torch.Tensor,
         head: Callable[[torch.Tensor], torch.Tensor],
-    ) -> dict[Sequence, list[int]]:
-        """Keep each row's longest run of drafts the model agrees with; cut the rest from the
-        sequence and the row; put the logits after the run into ``logits`` (the row's sampling
-        logits). ``hidden``: the rows' trunk states ``[1 + k, hidden]``, in ``drafts`` order;
-        ``head``: hidden -> logits (``ModelRunner.logits``). Returns {sequence: accepted}."""
+    ) -> tuple[dict[Sequence, list[int]], dict[int, int]]:
+        """Keep each row's drafts as far as the model agrees (greedy: its argmax; sampled:
+        :func:`accept_sampled`); cut the rest from the sequence and the row. A greedy row's
+        logits after its run go into ``logits`` (the row's sampling logits: its argmax is the
+        step's token); a sampled row's token is drawn here. ``hidden``: the rows' trunk states
+        ``[1 + k, hidden]``, in ``drafts`` order; ``head``: hidden -> logits
+        (``ModelRunner.logits``). Returns ({sequence: kept drafts}, {row: its drawn token}),
+        the second to replace what sampling the row's logits gives."""
         accepted: dict[Sequence, list[int]] = {}
+        drawn: dict[int, int] = {}
         for (i, d), h in zip(drafts.items(), hidden):
             seq = batch.seqs[i]
+            p = seq.params
             row_logits = head(h)  # [1 + k, V]: position j predicts the token after it
-            choice = row_logits.argmax(dim=-1).tolist()
-            stop = seq.params.stop_token_ids
-            ends = () if seq.params.ignore_eos else self.eos_token_ids
-            a = 0
-            while a < len(d) and choice[a] == d[a] and d[a] not in stop and d[a] not in ends:
-                a += 1
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned |= self.eos_token_ids
+            if p.temperature > 0.0:
+                assert seq.generator is not None
+                a, drawn[i] = accept_sampled(
+                    sampling_probs(row_logits, p), d, banned, seq.generator
+                )
+            else:
+                choice = row_logits.argmax(dim=-1).tolist()
+                a = 0
+                while a < len(d) and choice[a] == d[a] and d[a] not in banned:
+                    a += 1
+                with torch.inference_mode():  # the runner's logits are inference tensors
+                    logits[i] = row_logits[a]
             if a < len(d):
                 del seq.token_ids[a - len(d) :]
             batch.num_new[i] = 1 + a
-            with torch.inference_mode():  # the runner's logits are inference tensors
-                logits[i] = row_logits[a]
             accepted[seq] = d[:a]
-        return accepted
+        return accepted, drawn
 
     def release_rejected(self, accepted: dict[Sequence, list[int]]) -> None:
         """After the scheduler recorded the step: free the slots reserved for rejected drafts."""
