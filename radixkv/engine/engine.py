@@ -308,26 +308,20 @@ class Engine:
         drafts = spec.propose(batch) if spec is not None else {}  # {row: draft tokens}
         owing = [i for i, s in enumerate(batch.seqs) if s.owes_prompt_logprobs]
         past = [batch.seqs[i].num_computed for i in owing]
-        try:  # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing, then drafted rows
-            logits, hidden = self._forward(batch, owing + list(drafts))
-        except BaseException:
-            if spec is not None:
-                spec.discard(batch, drafts)
-            raise
+        # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing rows, then the drafted
+        logits, hidden = self._forward(batch, owing, drafts)
         t2 = time.perf_counter()
         if owing:
             self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
-        accepted: dict[Seq, list[int]] = {}
+        accepted: dict[Seq, list[int]] = {}  # drafted sequences: the drafts they keep
         drawn: dict[int, int] = {}  # drafted sampled rows: the token verification drew
-        if drafts:  # keep the agreeing drafts; the logits after them are the rows' to sample
-            assert spec is not None
+        if spec is not None and drafts:  # cut rejected drafts before the step is recorded
             accepted, drawn = spec.verify(
                 batch, drafts, hidden[len(owing) :], logits, self.runner.logits
             )
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
-        if accepted:
-            assert spec is not None
-            spec.release_rejected(accepted)
+        if spec is not None and drafts:
+            spec.release_rejected(accepted)  # the slots of the drafts cut
             self._stats.record_speculation(
                 sum(map(len, drafts.values())), sum(map(len, accepted.values()))
             )
@@ -422,20 +416,22 @@ class Engine:
         )
 
     def _forward(
-        self, batch: ScheduledBatch, hidden_of: list[int]
+        self, batch: ScheduledBatch, hidden_of: list[int], drafts: dict[int, list[int]]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One model forward over the batch: last-token logits, and the hidden states of every
-        new token of the batch rows ``hidden_of``; if it raises, the batch's requests end with
-        "error" and the exception propagates."""
+        new token of the batch rows ``hidden_of`` and then of the drafted rows ``drafts``; if
+        it raises, the drafts are taken back out, the batch's requests end with "error" and
+        the exception propagates."""
         try:
             cascade, rows = self._plan_cascade(batch)
             inputs = batch.model_inputs()
-            if hidden_of:
-                return self.runner.forward_hidden(
-                    inputs, hidden_of, cascade=cascade, cascade_rows=rows
-                )
+            keep = hidden_of + list(drafts)
+            if keep:
+                return self.runner.forward_hidden(inputs, keep, cascade=cascade, cascade_rows=rows)
             return self.runner.forward(inputs, cascade=cascade, cascade_rows=rows), []
         except Exception:
+            if self.speculator is not None:
+                self.speculator.discard(batch, drafts)
             self._fail_batch(batch)
             raise
 
