@@ -36,6 +36,8 @@ def test_prompt_lookup_proposals() -> None:
     assert propose_ngram(q(5, 6, 7), 3, 2, 4) == []  # nothing earlier
     assert propose_ngram(q(1, 2, 8, 1, 2), 2, 2, 2) == [8, 1]  # the latest occurrence
     assert propose_ngram(q(3, 1, 2, 4, 4, 1, 2), 1, 2, 2) == [4]
+    assert propose_ngram(q(1, 2, 9, 4, 5, 6, 1, 2), 2, 2, 2, window=6) == []  # outside the window
+    assert propose_ngram(q(1, 2, 9, 4, 1, 2, 6, 1, 2), 2, 2, 2, window=6) == [6, 1]
     # int64 bytes that match across a token boundary are not an occurrence: 256 = 00 01 00..,
     # so the bytes of [1, 0] appear inside [256, 0] shifted by one byte
     assert propose_ngram(q(256, 0, 0, 5, 1, 0), 3, 2, 2) == []

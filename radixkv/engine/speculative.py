@@ -40,17 +40,23 @@ if TYPE_CHECKING:
     from radixkv.engine.scheduler import ScheduledBatch
 
 _TOKEN = 8  # bytes of a token in array('q')
+# Tokens searched back for an earlier occurrence: bounds a lookup's cost (a copy and a scan of
+# 64 KB, some 10 us) however long the sequence grows
+LOOKUP_WINDOW = 8192
 
 
-def propose_ngram(tokens: array, k: int, n_min: int, n_max: int) -> list[int]:
+def propose_ngram(
+    tokens: array, k: int, n_min: int, n_max: int, window: int = LOOKUP_WINDOW
+) -> list[int]:
     """``k`` tokens that followed the latest earlier occurrence of the last ``n`` tokens of
-    ``tokens`` (the longest ``n`` in ``[n_min, n_max]`` that occurs), or [] when none does.
-    One ``bytes.rfind`` per ``n`` (C speed) over the int64 encoding; a match must be aligned
-    to a token."""
+    ``tokens`` (the longest ``n`` in ``[n_min, n_max]`` that occurs within the last ``window``
+    tokens), or [] when none does. One ``bytes.rfind`` per ``n`` (C speed) over the int64
+    encoding; a match must be aligned to a token."""
     total = len(tokens)
-    data = tokens.tobytes()
+    base = max(0, total - window)
+    data = memoryview(tokens)[base:].tobytes()  # one copy of the window
     limit = len(data) - _TOKEN  # an occurrence must end before the last token (not be it)
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
+    for n in range(min(n_max, total - base - 1), n_min - 1, -1):
         pattern = data[-n * _TOKEN :]
         end = limit
         while (pos := data.rfind(pattern, 0, end)) >= 0:
@@ -58,7 +64,7 @@ def propose_ngram(tokens: array, k: int, n_min: int, n_max: int) -> list[int]:
                 # what followed the match; where it runs into the end, the text since the
                 # match repeats (a loop, a list continued): draft j copies position start + j
                 # of tokens + drafts
-                start = pos // _TOKEN + n
+                start = base + pos // _TOKEN + n
                 out = tokens[start : start + k].tolist()
                 while len(out) < k:
                     out.append(out[start + len(out) - total])
