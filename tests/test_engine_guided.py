@@ -336,3 +336,22 @@ def test_jump_forward_honours_max_tokens_stop_strings_and_logprobs(tiny: Engine)
     c = o.outputs[0]
     assert c.text == "abcdefghij" and c.logprobs is not None
     assert len(c.logprobs) == len(c.token_ids) == 10  # no jump: every token has its logprob
+
+
+def test_integers_are_held_to_16_digits_unless_the_schema_says(tiny: Engine) -> None:
+    from radixkv.engine.guided import GuideCompiler
+
+    compiler = GuideCompiler(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)
+    for schema, most in (
+        ({"type": "object", "properties": {"n": {"type": "integer"}}}, 16),
+        ({"type": "object", "properties": {"n": {"type": "integer", "maxDigits": 20}}}, 20),
+    ):
+        guide = compiler.guide(GuidedDecodingParams(json=schema))
+        for b in b'{"n":-':
+            guide.advance(b)
+        digits = 0
+        while guide.allowed()[ord("7")]:
+            guide.advance(ord("7"))
+            digits += 1
+        assert digits == most
+        assert guide.allowed()[ord("}")]

@@ -21,7 +21,8 @@ with "stop" without spending a step on an EOS token.
 A JSON schema becomes a regex (outlines-core's ``build_regex_from_schema``), so what a regular
 language cannot express is not checked: numeric ranges (``UNENFORCED``: accepted, with a
 warning). Types, required and optional properties in order, enums and consts, string lengths
-and patterns, array lengths, ``anyOf``/``oneOf`` and local ``$ref`` are.
+and patterns, array lengths, ``anyOf``/``oneOf`` and local ``$ref`` are. Integers are held to
+``MAX_INTEGER_DIGITS`` digits unless the schema's ``maxDigits`` says otherwise.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ CACHE_SIZE = 64  # compiled indexes kept (per engine), least recently used dropp
 _META = set("\\.+*?()|[]{}^$#&-~")  # what a literal must escape in outlines-core's regex syntax
 # JSON-schema keywords a regular language cannot check (numeric ranges): accepted, not enforced
 UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# digits an integer may have unless its schema sets maxDigits: JSON readers lose integers past
+# 2**53 (16 digits) anyway
+MAX_INTEGER_DIGITS = 16
 
 
 def _literal(text: str) -> str:
@@ -63,13 +67,29 @@ def guide_regex(g: GuidedDecodingParams) -> str:
         return "(" + "|".join(_literal(c) for c in g.choice) + ")"
     schema = '{"type":"object"}' if g.json_object else g.json
     assert schema is not None
-    ignored = sorted(_keywords(json.loads(schema)) & set(UNENFORCED))
+    value = json.loads(schema)
+    ignored = sorted(_keywords(value) & set(UNENFORCED))
     if ignored:
         log.warning("guided json: %s are not enforced (numeric ranges)", ", ".join(ignored))
     try:
-        return build_regex_from_schema(schema, g.whitespace_pattern)
+        return build_regex_from_schema(json.dumps(_bound_integers(value)), g.whitespace_pattern)
     except Exception as e:  # outlines-core raises its own error types for schemas it lacks
         raise ValueError(f"guided json: unsupported JSON schema: {e}") from None
+
+
+def _bound_integers(node: Any) -> Any:
+    """``node`` with every integer schema that does not say otherwise held to
+    ``MAX_INTEGER_DIGITS`` digits (outlines-core's ``maxDigits``), as llama.cpp's JSON grammars
+    do: a model that keeps choosing digits would otherwise run to ``max_tokens`` inside one
+    number and leave no valid JSON."""
+    if isinstance(node, list):
+        return [_bound_integers(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bound_integers(v) for k, v in node.items()}
+    if out.get("type") == "integer" and "maxDigits" not in out:
+        out["maxDigits"] = MAX_INTEGER_DIGITS
+    return out
 
 
 def _keywords(node: object) -> set[str]:
