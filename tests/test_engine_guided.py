@@ -355,3 +355,24 @@ def test_integers_are_held_to_16_digits_unless_the_schema_says(tiny: Engine) -> 
             digits += 1
         assert digits == most
         assert guide.allowed()[ord("}")]
+
+
+def test_forced_spelling_shared_by_several_tokens() -> None:
+    """SentencePiece's byte fallback spells "a" twice (<0x61> and the piece "a"): where the
+    language forces those bytes, jump-forward takes the vocabulary's own piece (the higher id);
+    where two spellings may follow, nothing is forced."""
+    from radixkv.engine.guided import GuideCompiler
+
+    class Spelled:
+        def token_bytes(self) -> dict[int, bytes]:
+            return {**{i: bytes([i]) for i in range(256)}, 300: b"a", 301: b"b", 302: b"ab"}
+
+    compiler = GuideCompiler(Spelled(), 310, [257])
+    guide = compiler.guide(GuidedDecodingParams(regex="xa"))
+    assert guide.forced() == ord("x")
+    guide.advance(ord("x"))
+    assert guide.forced() == 300  # "a" or <0x61>: the piece
+    guide = compiler.guide(GuidedDecodingParams(regex="ab"))
+    assert guide.forced() is None  # "a", <0x61> or "ab": not one spelling
+    guide = compiler.guide(GuidedDecodingParams(regex="(c|d)"))
+    assert guide.forced() is None

@@ -116,6 +116,7 @@ class GuideCompiler:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self._vocabulary: Any = None
         self._index_size = 0  # ids the index's bitmask covers (its vocabulary's largest + 1)
+        self._same: dict[int, list[int]] = {}  # token -> all tokens spelling its bytes (>= 2)
         self._cache: OrderedDict[GuidedDecodingParams, Any] = OrderedDict()
         self._lock = threading.Lock()  # the cache and the vocabulary's construction
 
@@ -142,6 +143,10 @@ class GuideCompiler:
             if i < self.vocab_size and i not in self.eos_token_ids and b:
                 by_bytes.setdefault(b, []).append(i)
         self._index_size = max([eos, *(i for ids in by_bytes.values() for i in ids)]) + 1
+        # tokens that spell the same bytes (SentencePiece's byte-fallback <0x61> and "a"): one
+        # stands for all of them where the language forces those bytes (jump-forward), the
+        # highest id (a vocabulary's byte-fallback tokens come first, its own pieces after)
+        self._same = {i: ids for ids in by_bytes.values() if len(ids) > 1 for i in ids}
         return Vocabulary(eos, by_bytes)
 
     def compile(self, g: GuidedDecodingParams) -> Any:
@@ -173,7 +178,9 @@ class GuideCompiler:
         """A fresh walk for one sequence; ``allow_eos=False`` (``ignore_eos``) never offers an
         EOS token, where the language may end or go on (it still ends where it must)."""
         index = self.compile(g)
-        return TokenGuide(index, self.vocab_size, self._index_size, self.eos_token_ids, allow_eos)
+        return TokenGuide(
+            index, self.vocab_size, self._index_size, self.eos_token_ids, allow_eos, self._same
+        )
 
 
 def _what(g: GuidedDecodingParams) -> str:
@@ -187,15 +194,22 @@ def _what(g: GuidedDecodingParams) -> str:
 class TokenGuide:
     """One sequence's position in a compiled index."""
 
-    __slots__ = ("_eos", "_eos_ok", "_guide", "_index_size", "_vocab_size", "_words")
+    __slots__ = ("_eos", "_eos_ok", "_guide", "_index_size", "_same", "_vocab_size", "_words")
 
     def __init__(
-        self, index: Any, vocab_size: int, index_size: int, eos: list[int], allow_eos: bool
+        self,
+        index: Any,
+        vocab_size: int,
+        index_size: int,
+        eos: list[int],
+        allow_eos: bool,
+        same: dict[int, list[int]],
     ) -> None:
         from outlines_core import Guide
 
         self._guide = Guide(index)
         self._eos_ok = allow_eos
+        self._same = same  # the compiler's: tokens spelling the same bytes
         self._vocab_size = vocab_size
         self._index_size = index_size
         self._eos = eos
@@ -232,18 +246,25 @@ class TokenGuide:
             self._guide.advance(token)
 
     def forced(self) -> int | None:
-        """The one token that may come next, when the language allows exactly one (and it is
-        not the end); else None. Reads the bitmask (one set bit), not the token list, which
-        can hold most of a large vocabulary."""
+        """The token to append when the language allows exactly one next spelling (and it is
+        not the end): the one token, or the highest id of tokens that all spell the same bytes;
+        else None. Reads the bitmask's few set bits, not the token list, which can hold most
+        of a large vocabulary."""
         w = self._words
         self._guide.write_mask_into(w.ctypes.data, w.size, 4)
         nz = np.flatnonzero(w)
-        if len(nz) != 1:
+        if not 0 < len(nz) <= 4:
             return None
-        word = int(w[nz[0]]) & 0xFFFFFFFF
-        if word & (word - 1):
-            return None  # two or more bits in the one word
-        token = int(nz[0]) * 32 + word.bit_length() - 1
+        ids: list[int] = []
+        for j in nz.tolist():
+            word = int(w[j]) & 0xFFFFFFFF
+            while word and len(ids) <= 8:
+                low = word & -word
+                ids.append(j * 32 + low.bit_length() - 1)
+                word ^= low
+        token = max(ids)
+        if len(ids) > 1 and sorted(ids) != self._same.get(token):
+            return None  # two spellings (or more than one token's worth) may follow
         return None if token in self._eos or token >= self._vocab_size else token
 
     @property
