@@ -97,7 +97,8 @@ LLAMA_CPP_CMAKE_ARGS = (
 def bench_peers(session: nox.Session) -> None:
     """radixkv vs transformers and llama.cpp on one checkpoint (bench/bench_peers.py, ~30 min
     plus the llama.cpp build), radixkv serve vs llama.cpp's server (bench_serving_peers.py,
-    ~2 min), then docs/benchmarks.md. Not in CI."""
+    ~2 min), guided JSON vs llama.cpp's grammar (bench_structured_peers.py, ~1 min), then
+    docs/benchmarks.md. Not in CI."""
     _install(session, "test")
     session.install(GGUF, "sentencepiece")
     session.install(
@@ -112,6 +113,7 @@ def bench_peers(session: nox.Session) -> None:
     session.run("python", "bench/bench_peers.py", "--fetch-converter", *session.posargs)
     session.install("sse-starlette", "starlette-context", "pydantic-settings")  # its server
     session.run("python", "bench/bench_serving_peers.py", "--fetch-converter")
+    session.run("python", "bench/bench_structured_peers.py", "--fetch-converter")
     session.run("python", "bench/make_report.py")
 
 

@@ -168,6 +168,18 @@ SECTIONS: list[tuple[str, str, str]] = [
         "is the share of prompt tokens the server reports serving from its cache (llama.cpp's "
         "server reports none). llama.cpp's server runs one request at a time.",
     ),
+    (
+        "bench_structured_peers",
+        "Structured output against llama.cpp's JSON-schema grammar",
+        "`bench/bench_structured_peers.py` (`nox -s bench_peers`): the same checkpoint, 16 "
+        "record-extraction prompts each generating one JSON object under one schema (strings, an "
+        "integer, an enum, a boolean, an array of enums), greedy, up to 160 tokens: radixkv's "
+        "guided decoding (all prompts together, with and without jump-forward) against "
+        "llama-cpp-python with `LlamaGrammar.from_json_schema` (llama.cpp's own conversion; one "
+        "prompt at a time). `valid_json`: outputs that parse and validate against the schema. "
+        "Medians over rounds in rotated order; `time_vs_radixkv` is the system's time over "
+        "radixkv's with jump-forward.",
+    ),
 ]
 
 HEADER = """# Benchmarks
@@ -485,6 +497,32 @@ def plot_serving_peers(data: Any, fig: Any) -> None:
     fig.suptitle("One checkpoint behind two servers, the same requests (client-side)")
 
 
+def plot_structured_peers(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    names = [r["system"] for r in rows]
+    colours = ["tab:green" if n.startswith("radixkv") else "tab:orange" for n in names]
+    axes = fig.subplots(1, 2)
+    for ax, key, label in zip(
+        axes,
+        ("seconds", "output_tok_per_s"),
+        ("seconds for 16 JSON records (lower is better)", "output tokens / s"),
+        strict=True,
+    ):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=colours)
+        ticks = [
+            "radixkv\njump-forward"
+            if "jump-forward" in n
+            else "radixkv\nno jump"
+            if n.startswith("radixkv")
+            else n.split(" (")[0] + "\ngrammar"
+            for n in names
+        ]
+        ax.set_xticks(range(len(rows)), ticks, fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("Schema-constrained JSON, one checkpoint, the same prompts")
+
+
 # file stem -> [(image name suffix, plotter)]
 PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_tuning": [("", plot_tuning), ("_chunk", plot_chunk)],
@@ -494,6 +532,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_vs_sglang": [("", plot_vs_sglang)],
     "bench_peers": [("", plot_peers)],
     "bench_serving_peers": [("", plot_serving_peers)],
+    "bench_structured_peers": [("", plot_structured_peers)],
 }
 
 

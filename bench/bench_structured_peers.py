@@ -1,0 +1,206 @@
+"""Structured output, side by side in one run: radixkv's guided decoding against llama.cpp's
+JSON-schema grammar, on the same checkpoint.
+
+bench_peers.py's random Llama (hidden 512, 4 layers, a character-level vocabulary of 32,000),
+fp32 in radixkv and as llama.cpp's f32 GGUF (made by llama.cpp's own converter). Sixteen record-
+extraction prompts (a shared instruction, then a record of their own) each generate one JSON
+object under the same schema, greedy, up to 160 tokens:
+
+* radixkv: ``SamplingParams(guided=GuidedDecodingParams(json=schema))``, all prompts submitted
+  together (continuous batching, the instruction served from the prefix cache), with
+  jump-forward (the default: tokens the schema forces are appended without a decode step) and
+  without it;
+* llama.cpp through llama-cpp-python: ``LlamaGrammar.from_json_schema`` (llama.cpp's own
+  schema-to-grammar conversion), ``create_completion`` one prompt at a time (it runs one
+  sequence), the machine's threads.
+
+A random model says nothing meaningful, but the grammar decides the shape: every output must
+parse and validate against the schema (``jsonschema``), and the table counts those that do.
+Rounds run every system once in a rotated order; times are medians over rounds.
+
+    python bench/bench_structured_peers.py [--fetch-converter | --converter PATH] [--quick]
+
+Needs llama-cpp-python and jsonschema (see bench_peers.py for the converter). Writes
+bench/results/bench_structured_peers.json. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_peers  # noqa: E402
+
+from radixkv.engine.engine import Engine  # noqa: E402
+from radixkv.engine.params import GuidedDecodingParams, SamplingParams  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "bench_structured_peers.json"
+MAX_TOKENS = 160
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "city": {"enum": ["Paris", "Lagos", "Lima", "Osaka"]},
+        "member": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["new", "vip", "late"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "city", "member", "tags"],
+}
+INSTRUCTION = (
+    "You are a data extraction service. Read the customer record below and answer with one "
+    "JSON object holding the customer's name, age, city, whether they are a member, and the "
+    "tags that apply to them. Answer with the JSON object only.\n\nRecord: "
+)
+PEOPLE = ["Ada", "Bola", "Chen", "Dara", "Emeka", "Femi", "Gita", "Hugo"]
+CITIES = ["Paris", "Lagos", "Lima", "Osaka"]
+
+
+def prompts(n: int) -> list[str]:
+    return [
+        f"{INSTRUCTION}{PEOPLE[i % 8]} {chr(65 + i)}., {20 + 3 * i} years old, lives in "
+        f"{CITIES[i % 4]}, customer since {2001 + i}.\nJSON: "
+        for i in range(n)
+    ]
+
+
+def valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+System = Callable[[list[str]], list[tuple[str, int]]]  # prompts -> (text, output tokens) each
+
+
+def radixkv_system(folder: Path, jump_forward: bool) -> System:
+    engine = Engine(str(folder), dtype="float32", guided_jump_forward=jump_forward)
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, guided=GuidedDecodingParams(json=SCHEMA)
+    )
+    engine.compile_guided(params)  # compiled once, as a server would have it by now
+
+    def run(ps: list[str]) -> list[tuple[str, int]]:
+        engine.reset_prefix_cache()  # every round starts cold, as llama.cpp's does
+        outs = engine.generate(ps, params, use_tqdm=False)
+        return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
+
+    return run
+
+
+def llama_cpp_system(gguf: Path) -> System:
+    import llama_cpp
+
+    threads = os.cpu_count() or 1
+    llm = llama_cpp.Llama(
+        str(gguf),
+        n_ctx=2048,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        type_k=0,
+        type_v=0,
+        seed=bench_peers.SEED,
+        verbose=False,
+    )  # fmt: skip  (f32 KV, as radixkv's)
+    grammar = llama_cpp.LlamaGrammar.from_json_schema(json.dumps(SCHEMA), verbose=False)
+
+    def run(ps: list[str]) -> list[tuple[str, int]]:
+        llm.reset()  # the KV of the previous round's last prompt: start cold
+        outs = []
+        for p in ps:
+            r = llm.create_completion(
+                p, max_tokens=MAX_TOKENS, temperature=0.0, top_k=1, repeat_penalty=1.0,
+                grammar=grammar,
+            )  # fmt: skip
+            outs.append((r["choices"][0]["text"], int(r["usage"]["completion_tokens"])))
+        return outs
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py")
+    ap.add_argument("--fetch-converter", action="store_true", help="see bench_peers.py")
+    ap.add_argument("--cache", type=Path, default=bench_peers.CACHE)
+    ap.add_argument("--quick", action="store_true", help="4 prompts, one round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+
+    folder = bench_peers.build_checkpoint(args.cache / bench_peers._model_tag())
+    gguf = args.cache / f"{bench_peers._model_tag()}-f32.gguf"
+    if not gguf.is_file():
+        converter = args.converter or (
+            bench_peers.fetch_converter(args.cache) if args.fetch_converter else None
+        )
+        if converter is None:
+            ap.error("the f32 GGUF is not made yet: pass --converter PATH or --fetch-converter")
+        gguf = bench_peers.convert(folder, converter, "f32", args.cache)
+    n, rounds = (4, 1) if args.quick else (16, args.rounds)
+    ps = prompts(n)
+    systems: dict[str, System] = {
+        "radixkv (guided, jump-forward)": radixkv_system(folder, True),
+        "radixkv (guided, every token sampled)": radixkv_system(folder, False),
+        "llama.cpp f32 (JSON-schema grammar)": llama_cpp_system(gguf),
+    }
+    names = list(systems)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    last: dict[str, list[tuple[str, int]]] = {}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            last[name] = systems[name](ps)
+            times[name].append(time.perf_counter() - t0)
+            print(f"round {r}: {name}: {times[name][-1]:.2f} s", flush=True)
+    base = statistics.median(times[names[0]])
+    rows = []
+    for name in names:
+        secs = statistics.median(times[name])
+        tokens = sum(t for _, t in last[name])
+        rows.append(
+            {
+                "system": name,
+                "seconds": round(secs, 3),
+                "output_tokens": tokens,
+                "output_tok_per_s": round(tokens / secs, 1),
+                "valid_json": f"{sum(valid(t) for t, _ in last[name])}/{len(ps)}",
+                "time_vs_radixkv": round(secs / base, 2),
+            }
+        )
+    for row in rows:
+        print(row)
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "checkpoint": bench_peers._model_tag(),
+        "workload": {"prompts": n, "max_tokens": MAX_TOKENS, "rounds": rounds, "greedy": True},
+        "schema": SCHEMA,
+        "summary": rows,
+        "sample_outputs": {name: last[name][0][0] for name in names},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
