@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -221,3 +222,19 @@ def test_sampled_requests_draft_too() -> None:
         assert st.speculative_accepted_tokens > 0.8 * st.speculative_draft_tokens > 0
         assert st.num_steps < 0.3 * 120
     assert runs[0] == runs[1]
+
+
+def test_text_that_does_not_repeat_backs_off() -> None:
+    """radixkv-tiny writing code that does not repeat itself: refused drafts make a sequence
+    look up less and less often, so it drafts fewer tokens than it generates (407 drafts for
+    600 tokens; without the back off 1,644), and the outputs are unchanged."""
+    code = Path(__file__).read_text()[:1500]
+    prompts = [code, code[:700] + "\n\ndef ", "def read_lines(path):\n"]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs = {}
+    for k in (0, 5):
+        eng = Engine("radixkv-tiny", num_pages=512, num_speculative_tokens=k)
+        outs[k] = [o.outputs[0].token_ids for o in run_checked(eng, prompts, params)]
+        st = eng.stats()
+    assert outs[5] == outs[0]
+    assert 0 < st.speculative_draft_tokens < st.generated_tokens

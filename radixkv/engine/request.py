@@ -73,6 +73,8 @@ class Sequence:
         "page_table",
         "seq_id",
         "skip_host",
+        "spec_misses",
+        "spec_wait",
         "status",
         "stop_reason",
         "token_ids",
@@ -118,6 +120,10 @@ class Sequence:
         # (page index, hash) of the pages this sequence announced it is computing, in page order
         self.page_keys: list[int] = []
         self.inflight_keys: deque[tuple[int, int]] = deque()
+        # speculative decoding (speculative.py): verifications in a row that kept no draft, and
+        # steps left before the next lookup
+        self.spec_misses = 0
+        self.spec_wait = 0
 
     @property
     def params(self) -> SamplingParams:

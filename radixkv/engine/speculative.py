@@ -20,7 +20,9 @@ slots past the accepted run freed after. A draft that is a stop token (EOS unles
 ``ignore_eos``, ``stop_token_ids``) is never accepted: the model's own choice there ends the
 output through the normal path. Only requests whose next token depends on nothing but the
 step's logits take part: no penalties or bias, no guided decoding, no logprobs, no stop strings
-(their text is matched as it is produced); the others decode as before in the same batch.
+(their text is matched as it is produced); the others decode as before in the same batch. A
+sequence whose drafts keep being refused backs off (exponentially, up to ``MAX_BACKOFF`` steps
+between lookups), so text that does not repeat costs few wide forwards.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ _TOKEN = 8  # bytes of a token in array('q')
 # Tokens searched back for an earlier occurrence: bounds a lookup's cost (a copy and a scan of
 # 64 KB, some 10 us) however long the sequence grows
 LOOKUP_WINDOW = 8192
+# most steps a sequence skips drafting after its drafts kept being refused
+MAX_BACKOFF = 16
 
 
 def propose_ngram(
@@ -135,6 +139,9 @@ class Speculator:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             if n != 1 or not self.eligible(seq):
                 continue
+            if seq.spec_wait:  # backing off after drafts that were all refused
+                seq.spec_wait -= 1
+                continue
             p = seq.params
             room = min(
                 self.num_tokens,
@@ -201,6 +208,10 @@ class Speculator:
                 del seq.token_ids[a - len(d) :]
             batch.num_new[i] = 1 + a
             accepted[seq] = d[:a]
+            # back off from text that does not repeat: after m verifications in a row that kept
+            # nothing, skip the next 2**m - 1 lookups (at most MAX_BACKOFF); one kept resets it
+            seq.spec_misses = 0 if a else seq.spec_misses + 1
+            seq.spec_wait = min(MAX_BACKOFF, 2**seq.spec_misses - 1)
         return accepted, drawn
 
     def release_rejected(self, accepted: dict[Sequence, list[int]]) -> None:
