@@ -75,6 +75,7 @@ def bench(session: nox.Session) -> None:
         ("bench_cascade.py", "--dtype", "bfloat16"),
         ("bench_tuning.py",),
         ("bench_server.py",),
+        ("bench_speculative_peers.py",),
     )
     for script, *args in runs:
         session.run("python", f"bench/{script}", *args, *session.posargs)

@@ -169,6 +169,19 @@ SECTIONS: list[tuple[str, str, str]] = [
         "server reports none). llama.cpp's server runs one request at a time.",
     ),
     (
+        "bench_speculative_peers",
+        "Speculative decoding against transformers' prompt lookup",
+        "`bench/bench_speculative_peers.py` (`nox -s bench`): radixkv-tiny's trained weights in "
+        "float32, in radixkv and in transformers' `LlamaForCausalLM`; greedy, a fixed number of "
+        "new tokens. `repeating`: prompts the model continues by repeating itself; `code`: real "
+        "code it continues with its own. radixkv with and without `num_speculative_tokens=8` "
+        "(all prompts together) against transformers' `generate` with and without "
+        "`prompt_lookup_num_tokens=8` (one prompt at a time: its lookup runs at batch size 1). "
+        "`same_as_transformers`: outputs equal token for token to transformers' plain "
+        "`generate`. Medians over rotated rounds; `time_vs_radixkv_drafts` is the system's time "
+        "over radixkv's with drafts on the same workload.",
+    ),
+    (
         "bench_structured_peers",
         "Structured output against llama.cpp's JSON-schema grammar",
         "`bench/bench_structured_peers.py` (`nox -s bench_peers`): the same checkpoint, 16 "
@@ -523,6 +536,21 @@ def plot_structured_peers(data: Any, fig: Any) -> None:
     fig.suptitle("Schema-constrained JSON, one checkpoint, the same prompts")
 
 
+def plot_speculative_peers(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    axes = fig.subplots(1, len(workloads))
+    for ax, w in zip(axes, workloads, strict=True):
+        sub = [r for r in rows if r["workload"] == w]
+        colours = ["tab:green" if r["system"].startswith("radixkv") else "tab:orange" for r in sub]
+        ax.bar(range(len(sub)), [r["tok_per_s"] for r in sub], color=colours)
+        ticks = [r["system"].replace(", ", "\n") for r in sub]
+        ax.set_xticks(range(len(sub)), ticks, fontsize=6)
+        ax.set_title(f"{w}: output tokens / s (higher is better)", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("Prompt-lookup speculative decoding, the same weights, greedy")
+
+
 # file stem -> [(image name suffix, plotter)]
 PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_tuning": [("", plot_tuning), ("_chunk", plot_chunk)],
@@ -533,6 +561,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_peers": [("", plot_peers)],
     "bench_serving_peers": [("", plot_serving_peers)],
     "bench_structured_peers": [("", plot_structured_peers)],
+    "bench_speculative_peers": [("", plot_speculative_peers)],
 }
 
 
