@@ -238,3 +238,20 @@ def test_text_that_does_not_repeat_backs_off() -> None:
         st = eng.stats()
     assert outs[5] == outs[0]
     assert 0 < st.speculative_draft_tokens < st.generated_tokens
+
+
+def test_drafts_alongside_cascade_decode() -> None:
+    """Branches of one long prompt: cascade on or off, drafts on or off, the same greedy tokens;
+    drafted rows leave the cascade to the plain decode rows of the step."""
+    prefix = (Path(__file__).parents[1] / "radixkv" / "engine" / "scheduler.py").read_text()[:3000]
+    prompts = [prefix + f"\n# branch {i}\n" + "x = 1\n" * 3 for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = {}
+    for cascade in ("off", "on"):
+        for k in (0, 4):
+            eng = Engine("radixkv-tiny", num_pages=1024, cascade=cascade, num_speculative_tokens=k)
+            got[cascade, k] = [o.outputs[0].token_ids for o in run_checked(eng, prompts, params)]
+            st = eng.stats()
+            assert (st.cascade_steps > 0) == (cascade == "on")
+            assert (st.speculative_draft_tokens > 0) == (k > 0)
+    assert all(v == got["off", 0] for v in got.values())
