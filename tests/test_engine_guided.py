@@ -175,6 +175,8 @@ def test_bad_guides_are_refused_at_submission(tiny: Engine) -> None:
     for g in (dict(), dict(regex="a", choice=["b"]), dict(json="{not json"), dict(choice=[""])):
         with pytest.raises(ValueError):
             SamplingParams(guided=g)
+    with pytest.raises(ValueError, match="whitespace_pattern applies to json and json_object"):
+        SamplingParams(guided=dict(regex="a", whitespace_pattern=" "))
     assert not tiny.has_unfinished()
     tiny.check_invariants()
 

@@ -156,7 +156,7 @@ class Engine:
                 lookup_min=cfg.prompt_lookup_min,
                 lookup_max=cfg.prompt_lookup_max,
                 max_context=self.max_context,
-                stop_token_ids=self.eos_token_ids,
+                eos_token_ids=self.eos_token_ids,
             )
         self._intake = RequestIntake(
             cfg,
@@ -510,7 +510,7 @@ class Engine:
                 seq.token_ids[first + 1 : end + 1].tolist(),
                 seq.params.prompt_logprobs or 0,  # (set: the group owes them)
                 self._token_texts,
-                self.model.config.vocab_size,
+                self.vocab_size,
             )
 
     def _append_tokens(

@@ -24,7 +24,7 @@ class GuidedDecodingParams:
         regex: a regular expression the whole output matches (Rust ``regex`` syntax, as
             outlines-core reads it: no lookaround, no backreferences).
         choice: the output is exactly one of these strings.
-        whitespace_pattern: for ``json`` and ``json_object``, the regex of the whitespace
+        whitespace_pattern: for ``json`` and ``json_object`` only, the regex of the whitespace
             allowed between JSON tokens; None: at most one space (outlines-core's default,
             which keeps small models from rambling in blank space).
 
@@ -71,6 +71,10 @@ class GuidedDecodingParams:
         w = self.whitespace_pattern
         if w is not None and (not isinstance(w, str) or not w):
             raise ValueError(f"whitespace_pattern must be a non-empty string, got {w!r}")
+        if w is not None and self.json is None and not self.json_object:
+            raise ValueError(
+                f"whitespace_pattern applies to json and json_object, not to {given[0]}"
+            )
 
 
 def _normalise_schema(schema: object) -> str:

@@ -139,9 +139,8 @@ class Sequence:
         logits are needed), and while this sequence still owes its request prompt logprobs,
         only the positions that have them (the others' outputs must be computed)."""
         n = len(self.token_ids) - 1
-        owed = self.group.prompt_logprobs
-        if owed is not None and self.index == 0 and len(owed) < self.num_prompt_tokens:
-            return min(n, len(owed) - 1)
+        if self.owes_prompt_logprobs:
+            return min(n, len(self.group.prompt_logprobs or ()) - 1)
         return n
 
     @property

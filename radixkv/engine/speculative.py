@@ -113,14 +113,14 @@ class Speculator:
         lookup_min: int,
         lookup_max: int,
         max_context: int,
-        stop_token_ids: Collection[int],
+        eos_token_ids: Collection[int],
     ) -> None:
         self.kv = kv
         self.num_tokens = num_tokens
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
         self.max_context = max_context
-        self.eos_token_ids = frozenset(stop_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params

@@ -160,20 +160,14 @@ def _structured_outputs(so: Any) -> dict[str, Any]:
             ("regex", so.regex),
             ("choice", so.choice),
             ("json_object", so.json_object or None),
+            ("whitespace_pattern", so.whitespace_pattern),
         )
         if v is not None
     }
-    if len(given) != 1:
-        raise ValueError(
-            "structured_outputs takes exactly one of json, regex, choice and json_object, "
-            f"got {sorted(given) or 'none'}"
-        )
-    if so.whitespace_pattern is not None:
-        if "json" not in given and "json_object" not in given:
-            raise ValueError(
-                "structured_outputs.whitespace_pattern applies to json and json_object"
-            )
-        given["whitespace_pattern"] = so.whitespace_pattern
+    try:  # the engine's rules: exactly one language, whitespace for JSON only
+        GuidedDecodingParams(**given)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs: {e}") from None
     return given
 
 
