@@ -492,62 +492,62 @@ def plot_peers(data: Any, fig: Any) -> None:
     )
 
 
+def _peer_bars(
+    ax: Any, systems: list[str], values: list[float], ticks: list[str], title: str, size: int = 7
+) -> None:
+    """One panel: a bar per system, radixkv's green and the peers' orange (ticks in ``size``)."""
+    colours = ["tab:green" if n.startswith("radixkv") else "tab:orange" for n in systems]
+    ax.bar(range(len(values)), values, color=colours)
+    ax.set_xticks(range(len(values)), ticks, fontsize=size)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def plot_serving_peers(data: Any, fig: Any) -> None:
     rows = data["summary"]
     names = [r["server"] for r in rows]
-    colours = ["tab:green" if n.startswith("radixkv") else "tab:orange" for n in names]
-    axes = fig.subplots(1, 3)
-    for ax, key, label in zip(
-        axes,
+    ticks = [n.split(" (")[0] for n in names]
+    for ax, key, title in zip(
+        fig.subplots(1, 3),
         ("req_per_s", "output_tok_per_s", "ttft_mean_ms"),
         ("requests / s (higher is better)", "output tokens / s", "TTFT mean, ms (lower)"),
         strict=True,
     ):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=colours)
-        ax.set_xticks(range(len(rows)), [n.split(" (")[0] for n in names], fontsize=7)
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3, axis="y")
+        _peer_bars(ax, names, [r[key] for r in rows], ticks, title)
     fig.suptitle("One checkpoint behind two servers, the same requests (client-side)")
+
+
+def _structured_tick(system: str) -> str:
+    if "jump-forward" in system:
+        return "radixkv\njump-forward"
+    if system.startswith("radixkv"):
+        return "radixkv\nno jump"
+    return system.split(" (")[0] + "\ngrammar"
 
 
 def plot_structured_peers(data: Any, fig: Any) -> None:
     rows = data["summary"]
     names = [r["system"] for r in rows]
-    colours = ["tab:green" if n.startswith("radixkv") else "tab:orange" for n in names]
-    axes = fig.subplots(1, 2)
-    for ax, key, label in zip(
-        axes,
+    ticks = [_structured_tick(n) for n in names]
+    for ax, key, title in zip(
+        fig.subplots(1, 2),
         ("seconds", "output_tok_per_s"),
         ("seconds for 16 JSON records (lower is better)", "output tokens / s"),
         strict=True,
     ):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=colours)
-        ticks = [
-            "radixkv\njump-forward"
-            if "jump-forward" in n
-            else "radixkv\nno jump"
-            if n.startswith("radixkv")
-            else n.split(" (")[0] + "\ngrammar"
-            for n in names
-        ]
-        ax.set_xticks(range(len(rows)), ticks, fontsize=7)
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3, axis="y")
+        _peer_bars(ax, names, [r[key] for r in rows], ticks, title)
     fig.suptitle("Schema-constrained JSON, one checkpoint, the same prompts")
 
 
 def plot_speculative_peers(data: Any, fig: Any) -> None:
     rows = data["summary"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    axes = fig.subplots(1, len(workloads))
-    for ax, w in zip(axes, workloads, strict=True):
+    for ax, w in zip(fig.subplots(1, len(workloads)), workloads, strict=True):
         sub = [r for r in rows if r["workload"] == w]
-        colours = ["tab:green" if r["system"].startswith("radixkv") else "tab:orange" for r in sub]
-        ax.bar(range(len(sub)), [r["tok_per_s"] for r in sub], color=colours)
-        ticks = [r["system"].replace(", ", "\n") for r in sub]
-        ax.set_xticks(range(len(sub)), ticks, fontsize=6)
-        ax.set_title(f"{w}: output tokens / s (higher is better)", fontsize=9)
-        ax.grid(alpha=0.3, axis="y")
+        names = [r["system"] for r in sub]
+        ticks = [n.replace(", ", "\n") for n in names]
+        title = f"{w}: output tokens / s (higher is better)"
+        _peer_bars(ax, names, [r["tok_per_s"] for r in sub], ticks, title, size=6)
     fig.suptitle("Prompt-lookup speculative decoding, the same weights, greedy")
 
 
