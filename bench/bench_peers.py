@@ -481,6 +481,47 @@ def _best_of(tasks: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return best
 
 
+# ---- shared with the other peer scripts ----------------------------------------------------------
+def add_gguf_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--converter``, ``--fetch-converter`` and ``--cache``, as :func:`f32_checkpoint` reads
+    them."""
+    ap.add_argument("--converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py")
+    ap.add_argument("--fetch-converter", action="store_true", help="see bench_peers.py")
+    ap.add_argument("--cache", type=Path, default=CACHE, help="checkpoint and GGUF files")
+
+
+def f32_checkpoint(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[Path, Path]:
+    """This benchmark's checkpoint folder and its f32 GGUF under ``args.cache``; the GGUF is
+    converted only when missing (a usage error then without a converter)."""
+    folder = build_checkpoint(args.cache / _model_tag())
+    gguf = args.cache / f"{_model_tag()}-f32.gguf"
+    if not gguf.is_file():
+        converter = args.converter or (
+            fetch_converter(args.cache) if args.fetch_converter else None
+        )
+        if converter is None:
+            ap.error("the f32 GGUF is not made yet: pass --converter PATH or --fetch-converter")
+        gguf = convert(folder, converter, "f32", args.cache)
+    return folder, gguf
+
+
+def rotated_rounds(
+    systems: dict[str, Callable[[], Any]], rounds: int, label: str = ""
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Run every system once a round, the order rotated one place a round (a slow spell hits
+    each alike); returns (each one's times, each one's output in the last round)."""
+    names = list(systems)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    last: dict[str, Any] = {}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            last[name] = systems[name]()
+            times[name].append(time.perf_counter() - t0)
+            print(f"{label}round {r}: {name}: {times[name][-1]:.2f} s", flush=True)
+    return times, last
+
+
 # ---- main ----------------------------------------------------------------------------------------
 def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()

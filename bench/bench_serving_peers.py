@@ -73,23 +73,13 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py")
-    ap.add_argument("--fetch-converter", action="store_true", help="see bench_peers.py")
-    ap.add_argument("--cache", type=Path, default=bench_peers.CACHE)
+    bench_peers.add_gguf_arguments(ap)
     ap.add_argument("--quick", action="store_true", help="2 groups x 4 prompts, one round")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
-    folder = bench_peers.build_checkpoint(args.cache / bench_peers._model_tag())
-    converter = args.converter or (
-        bench_peers.fetch_converter(args.cache) if args.fetch_converter else None
-    )
-    gguf = args.cache / f"{bench_peers._model_tag()}-f32.gguf"
-    if not gguf.is_file():
-        if converter is None:
-            ap.error("the f32 GGUF is not made yet: pass --converter PATH or --fetch-converter")
-        gguf = bench_peers.convert(folder, converter, "f32", args.cache)
+    folder, gguf = bench_peers.f32_checkpoint(args, ap)
 
     groups, per_group, repeats = (2, 4, 1) if args.quick else (4, 4, args.repeats)
     # words of the client's text prompts: this checkpoint's tokenizer reads them a character at

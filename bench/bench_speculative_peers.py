@@ -32,6 +32,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_peers  # noqa: E402
 
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.params import SamplingParams  # noqa: E402
@@ -134,14 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for wname, (texts, new) in workloads(args.quick).items():
         prompts = [tok.encode(t) for t in texts]
-        times: dict[str, list[float]] = {n: [] for n in names}
-        outs: dict[str, list[list[int]]] = {}
-        for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                t0 = time.perf_counter()
-                outs[name] = systems[name](prompts, new)
-                times[name].append(time.perf_counter() - t0)
-                print(f"{wname} round {r}: {name}: {times[name][-1]:.2f} s", flush=True)
+        times, outs = bench_peers.rotated_rounds(
+            {n: partial(run, prompts, new) for n, run in systems.items()},
+            rounds,
+            label=f"{wname} ",
+        )
         ref = outs["transformers"]
         base = statistics.median(times[f"radixkv, {DRAFTS} drafts"])
         for name in names:

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -137,23 +138,13 @@ def llama_cpp_system(gguf: Path) -> System:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py")
-    ap.add_argument("--fetch-converter", action="store_true", help="see bench_peers.py")
-    ap.add_argument("--cache", type=Path, default=bench_peers.CACHE)
+    bench_peers.add_gguf_arguments(ap)
     ap.add_argument("--quick", action="store_true", help="4 prompts, one round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
-    folder = bench_peers.build_checkpoint(args.cache / bench_peers._model_tag())
-    gguf = args.cache / f"{bench_peers._model_tag()}-f32.gguf"
-    if not gguf.is_file():
-        converter = args.converter or (
-            bench_peers.fetch_converter(args.cache) if args.fetch_converter else None
-        )
-        if converter is None:
-            ap.error("the f32 GGUF is not made yet: pass --converter PATH or --fetch-converter")
-        gguf = bench_peers.convert(folder, converter, "f32", args.cache)
+    folder, gguf = bench_peers.f32_checkpoint(args, ap)
     n, rounds = (4, 1) if args.quick else (16, args.rounds)
     ps = prompts(n)
     systems: dict[str, System] = {
@@ -162,14 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "llama.cpp f32 (JSON-schema grammar)": llama_cpp_system(gguf),
     }
     names = list(systems)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    last: dict[str, list[tuple[str, int]]] = {}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            last[name] = systems[name](ps)
-            times[name].append(time.perf_counter() - t0)
-            print(f"round {r}: {name}: {times[name][-1]:.2f} s", flush=True)
+    times, last = bench_peers.rotated_rounds(
+        {name: partial(run, ps) for name, run in systems.items()}, rounds
+    )
     base = statistics.median(times[names[0]])
     rows = []
     for name in names:
