@@ -7,14 +7,44 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 from _model_hf_builders import build_hf_model, save_hf_folder
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.outputs import RequestOutput
+from radixkv.engine.outputs import Logprob, RequestOutput
 from radixkv.engine.params import SamplingParams
 
 VOCAB = 320  # _model_hf_builders.SMALL
 MAX_CONTEXT = 512
+LOGPROB_ATOL = 1e-4
+
+# engine shapes the logprob tests run through: one batch, small prefill chunks, a pool that preempts
+STEP_CONFIGS = [
+    pytest.param(dict(), id="batched"),
+    pytest.param(dict(chunked_prefill_size=7, max_prefill_tokens=12), id="chunked"),
+    pytest.param(dict(num_pages=40, max_prefill_tokens=64), id="preempting"),
+]
+
+
+def check_logprob_entry(entry: dict[int, Logprob], tok: int, ref: torch.Tensor, top: int) -> None:
+    """One position's logprob entry against ``ref [V]``, the reference log_softmax there:
+    ``tok`` first, its logprob and rank, then up to ``top`` alternatives, each with its own
+    logprob and among the ``top`` most likely."""
+    assert next(iter(entry)) == tok  # the position's own token first
+    lp = entry[tok]
+    assert abs(lp.logprob - ref[tok].item()) <= LOGPROB_ATOL, (lp, ref[tok])
+    better = int((ref > ref[tok] + LOGPROB_ATOL).sum())
+    at_least = int((ref >= ref[tok] - LOGPROB_ATOL).sum())
+    assert better + 1 <= lp.rank <= at_least, (lp.rank, better, at_least)
+    alts = [t for t in entry if t != tok]
+    assert len(entry) in (max(top, 1), top + 1) and len(alts) <= top
+    kth = ref.topk(top).values[-1].item() if top else float("inf")
+    for t, v in entry.items():
+        assert abs(v.logprob - ref[t].item()) <= LOGPROB_ATOL
+        assert v.decoded_token is not None
+    for t in alts:
+        assert entry[t].logprob >= kth - LOGPROB_ATOL  # the alternatives are the top ones
 
 
 def make_small_llama(folder: Path) -> tuple[Any, Any]:

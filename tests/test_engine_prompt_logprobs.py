@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 import torch
 from _model_hf_builders import hf_logits
-from engine_helpers import make_small_llama, run_checked, shared_prefix_prompts
+from engine_helpers import (
+    LOGPROB_ATOL,
+    STEP_CONFIGS,
+    check_logprob_entry,
+    make_small_llama,
+    run_checked,
+    shared_prefix_prompts,
+)
 
 from radixkv.engine import logprobs as logprobs_module
 from radixkv.engine.engine import Engine
@@ -19,7 +26,6 @@ from radixkv.engine.outputs import Logprob, RequestOutput
 from radixkv.engine.params import SamplingParams
 from radixkv.model.runner import ModelRunner
 
-ATOL = 1e-4
 TOP = 3
 
 
@@ -33,29 +39,12 @@ def _check(hf: Any, prompt: list[int], entries: list[dict[int, Logprob] | None],
     assert len(entries) == len(prompt) and entries[0] is None
     ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)  # [P, V]
     for j in range(1, len(prompt)):
-        entry, tok, row = entries[j], prompt[j], ref[j - 1]
-        assert entry is not None and next(iter(entry)) == tok  # the prompt's own token first
-        lp = entry[tok]
-        assert abs(lp.logprob - row[tok].item()) <= ATOL, (j, lp, row[tok])
-        better = int((row > row[tok] + ATOL).sum())
-        at_least = int((row >= row[tok] - ATOL).sum())
-        assert better + 1 <= lp.rank <= at_least, (j, lp.rank, better, at_least)
-        alts = [t for t in entry if t != tok]
-        assert len(entry) in (max(top, 1), top + 1) and len(alts) <= top
-        kth = row.topk(top).values[-1].item() if top else float("inf")
-        for t in alts:
-            assert abs(entry[t].logprob - row[t].item()) <= ATOL
-            assert entry[t].logprob >= kth - ATOL  # the alternatives are the top ones
+        entry = entries[j]
+        assert entry is not None
+        check_logprob_entry(entry, prompt[j], ref[j - 1], top)  # the prompt's own token first
 
 
-CONFIGS = [
-    pytest.param(dict(), id="batched"),
-    pytest.param(dict(chunked_prefill_size=7, max_prefill_tokens=12), id="chunked"),
-    pytest.param(dict(num_pages=40, max_prefill_tokens=64), id="preempting"),
-]
-
-
-@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("cfg", STEP_CONFIGS)
 def test_prompt_logprobs_equal_transformers(small: tuple[Any, Any], cfg: dict[str, Any]) -> None:
     """A warm cache (the first wave's prompts, then the same prompts again asking for prompt
     logprobs): values exact, nothing reused by the asking requests, the same greedy tokens."""
@@ -233,7 +222,7 @@ def test_start_scores_a_continuation_on_the_cached_context(small: tuple[Any, Any
         for j, tok in enumerate(a):
             entry = pl[start + j]
             assert entry is not None and next(iter(entry)) == tok
-            assert abs(entry[tok].logprob - ref[start + j - 1, tok].item()) <= ATOL
+            assert abs(entry[tok].logprob - ref[start + j - 1, tok].item()) <= LOGPROB_ATOL
     # submitted together to a cold cache: one computes the context, the others wait for it
     cold = Engine(lm, page_size=4, num_pages=300)
     together = run_checked(cold, [context + a for a in answers], params)
@@ -244,7 +233,7 @@ def test_start_scores_a_continuation_on_the_cached_context(small: tuple[Any, Any
             assert (x is None) == (y is None)
             if x is not None and y is not None:
                 assert x.keys() == y.keys()
-                assert all(abs(x[t].logprob - y[t].logprob) <= ATOL for t in x)
+                assert all(abs(x[t].logprob - y[t].logprob) <= LOGPROB_ATOL for t in x)
     with pytest.raises(ValueError, match="prompt_logprobs_start needs prompt_logprobs"):
         SamplingParams(prompt_logprobs_start=3)
     with pytest.raises(ValueError, match="prompt_logprobs_start must be an integer"):
