@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.platform()}, {threads} CPUs, Python {platform.python_version()}",
         "versions": {"llama_cpp_python": llama_cpp.__version__},
-        "checkpoint": bench_peers._model_tag(),
+        "checkpoint": folder.name,  # the model tag (bench_peers.f32_checkpoint)
         "workload": report["workload"] | {"rounds": repeats, "prompt_format": "text"},
         "llama_cpp_server": " ".join(cmd[3:]).replace(str(gguf), gguf.name),
         "summary": rows,

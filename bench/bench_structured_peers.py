@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "checkpoint": bench_peers._model_tag(),
+        "checkpoint": folder.name,  # the model tag (bench_peers.f32_checkpoint)
         "workload": {"prompts": n, "max_tokens": MAX_TOKENS, "rounds": rounds, "greedy": True},
         "schema": SCHEMA,
         "summary": rows,
