@@ -62,7 +62,10 @@ from radixkv.cache.tokens import (
     key_to_list,
 )
 
-__all__ = ["InsertResult", "MatchResult", "RadixCache"]
+__all__ = ["ALL_NAMESPACES", "InsertResult", "MatchResult", "RadixCache"]
+
+# reset()'s default: every namespace (None already names the default namespace)
+ALL_NAMESPACES: Any = object()
 
 
 # The hot paths build results with tuple.__new__ / object.__new__, skipping the Python-level
@@ -255,6 +258,11 @@ class RadixCache:
     @property
     def num_locked_pages(self) -> int:
         return self._cached - self._evictable
+
+    @property
+    def namespaces(self) -> list[Any]:
+        """The namespaces other than the default (None) that hold cached entries."""
+        return list(self._ns_roots)
 
     @property
     def num_nodes(self) -> int:
@@ -746,25 +754,34 @@ class RadixCache:
             freed += k
         return freed
 
-    def reset(self) -> None:
+    def reset(self, *, namespace: Any = ALL_NAMESPACES) -> None:
         """Drop every unlocked node and free its pages; locked paths stay cached.
 
-        Emits one BlockRemoved per removed node (and tier), or a single AllBlocksCleared when
-        the whole trie went; a reset counts in the stats even when nothing was removed. With a
-        host tier, unlocked nodes go from both tiers; copies in flight lock theirs, which stay.
+        ``namespace``: only that namespace's nodes (None: the shared default namespace's); by
+        default every namespace's. Emits one BlockRemoved per removed node (and tier), or a
+        single AllBlocksCleared when the whole trie went; a reset counts in the stats even when
+        nothing was removed. With a host tier, unlocked nodes go from both tiers; copies in
+        flight lock theirs, which stay.
         """
         self._resets += 1
         if self._copies:
             self.poll()
         root = self.root
+        every_ns = namespace is ALL_NAMESPACES
+        top = root if every_ns or namespace is None else self._ns_roots.get(namespace)
+        if top is None:
+            return
         victims: list[TreeNode] = []  # roots of unlocked subtrees
-        stack = [root]
+        stack = [top]
         while stack:
-            for c in stack.pop().iter_children():
+            n = stack.pop()
+            for c in n.iter_children():
+                if n is root and not every_ns and not c.key:
+                    continue  # another namespace's root
                 (stack if c.lock_ref else victims).append(c)
         if not victims:
             return
-        everything = not any(c.lock_ref for c in root.iter_children())
+        everything = every_ns and not any(c.lock_ref for c in root.iter_children())
         removed: list[TreeNode] = []
         for v in victims:
             sub = [v]
@@ -783,6 +800,8 @@ class RadixCache:
             elif host is not None:
                 parent._ndev -= bool(v._pages)
                 parent._nhost -= v._host_pages is not None
+        if top is not root and not top._children:
+            self._drop_ns_root(top)  # emptied (a locked node below would have kept a child)
         freed: list[int] = []
         on_device: list[TreeNode] = []
         on_host: list[TreeNode] = []

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.intake import Prompt
+from radixkv.engine.lora import LoRAInfo
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace, RequestGroup
@@ -69,12 +70,16 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         namespace: Namespace = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request. Raises ValueError/TypeError at submission on bad input."""
+        """Stream one request (run with the LoRA adapter ``lora``, if given). Raises
+        ValueError/TypeError at submission on bad input."""
         if isinstance(params, SamplingParams) and params.guided is not None:
             # compiling a language can take seconds: off the event loop, before submission
             await asyncio.to_thread(self.engine.compile_guided, params)
-        rid, queue = self.submit(prompt, params, request_id=request_id, namespace=namespace)
+        rid, queue = self.submit(
+            prompt, params, request_id=request_id, namespace=namespace, lora=lora
+        )
         finished = False
         try:
             while True:
@@ -97,6 +102,7 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         namespace: Namespace = None,
+        lora: str | None = None,
     ) -> tuple[str, asyncio.Queue[RequestOutput | BaseException]]:
         """Validate and queue a request; returns its id and the queue its outputs arrive on
         (lower level than ``generate``; the caller must ``abort`` if it stops reading)."""
@@ -109,7 +115,7 @@ class AsyncEngine:
         elif request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         group = self.engine.prepare(
-            prompt, params, request_id=request_id, namespace=namespace, stream=True
+            prompt, params, request_id=request_id, namespace=namespace, stream=True, lora=lora
         )
         rid = group.request_id
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -130,6 +136,17 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> None:
         await self._call(self.engine.reset_prefix_cache)
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """``Engine.load_lora`` on the engine's thread (reading the files included)."""
+        return await self._call(lambda: self.engine.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> LoRAInfo:
+        """``Engine.unload_lora`` on the engine's thread."""
+        return await self._call(lambda: self.engine.unload_lora(name))
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return self.engine.list_loras()
 
     async def wait_idle(self) -> None:
         """Until no request is queued or running."""

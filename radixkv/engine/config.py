@@ -18,6 +18,7 @@ from radixkv.attention.registry import BACKENDS
 from radixkv.cache.eviction import POLICIES
 from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH
 from radixkv.engine.cascade_planner import CASCADE_MODES
+from radixkv.engine.lora import parse_lora_modules
 from radixkv.engine.prefill_cost import PREFILL_BUDGETS
 from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
 from radixkv.units import parse_bytes
@@ -33,12 +34,20 @@ def _cli(
     type: Callable[[str], Any] | None = None,
     flag: str | None = None,
     aliases: Sequence[str] = (),
+    nargs: str | None = None,
 ) -> dict[str, Any]:
     """Field metadata for the field's command-line flag: ``help``, ``choices``, the argparse
     ``type`` (default: the type of the field's default), for a bool that defaults to True the
-    ``flag`` that turns it off (``--disable-...``), and ``aliases``: other spellings of the same
-    flag (vLLM's or SGLang's), accepted and listed in ``--help``."""
-    return {"help": help, "choices": choices, "type": type, "flag": flag, "aliases": tuple(aliases)}
+    ``flag`` that turns it off (``--disable-...``), ``aliases``: other spellings of the same
+    flag (vLLM's or SGLang's), accepted and listed in ``--help``, and argparse's ``nargs``."""
+    return {
+        "help": help,
+        "choices": choices,
+        "type": type,
+        "flag": flag,
+        "aliases": tuple(aliases),
+        "nargs": nargs,
+    }
 
 
 # Keyword spellings of other engines accepted for a field (``Engine(enable_prefix_caching=False)``
@@ -304,6 +313,17 @@ class EngineConfig:
         ),
     )
     seed: int = field(default=0, metadata=_cli("seed of the per-request sampling seeds"))
+    # LoRA adapters loaded at start (more with Engine.load_lora): PEFT adapter folders by name,
+    # as {name: path} or "name=path" strings; normalised to (name, path) pairs
+    lora_modules: Any = field(
+        default=None,
+        metadata=_cli(
+            "LoRA adapters to load, as name=path (a PEFT adapter folder); requests pick one "
+            "by name (the server's 'model' field)",
+            type=str,
+            nargs="+",
+        ),
+    )
 
     def __post_init__(self) -> None:
         _pos_int("page_size", self.page_size)
@@ -363,6 +383,9 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         _check_dtype(self.dtype)
+        if self.lora_modules is not None:
+            pairs = parse_lora_modules(self.lora_modules)
+            object.__setattr__(self, "lora_modules", pairs or None)
         for name in ("revision", "tokenizer", "chat_template"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -409,6 +432,7 @@ class EngineConfig:
                 default=f.default,
                 choices=meta["choices"],
                 help=meta["help"],
+                **({"nargs": meta["nargs"]} if meta["nargs"] else {}),
             )
         return parser
 

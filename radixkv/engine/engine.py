@@ -45,6 +45,7 @@ from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.logit_adjust import adjust_logits
 from radixkv.engine.logprobs import TokenTexts, prompt_logprobs, step_logprobs
+from radixkv.engine.lora import AdapterNamespace, LoRAInfo, LoRARegistry
 from radixkv.engine.outputs import EngineStats, RequestOutput
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.prefill_cost import attention_cost_ratio
@@ -172,6 +173,10 @@ class Engine:
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
         self._kv_bytes_per_token = self.kv_pool.bytes_per_page // cfg.page_size
         self._token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings, memoised
+        # LoRA adapters by name (lora.py); requests name theirs (``lora=``)
+        self.loras = LoRARegistry(self.runner.loras, mc, self.kv_pool.device, self.kv_pool.dtype)
+        for name, path in cfg.lora_modules or ():
+            self.load_lora(name, path)
         self._closed = False
         self._log_startup()
 
@@ -226,10 +231,13 @@ class Engine:
         namespace: Namespace = None,
         stream: bool = True,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> RequestGroup:
         """A checked request, not yet queued: :meth:`submit` queues it. This is the one place
         a request's input is validated (intake.py). Raises ValueError/TypeError on bad input
-        and leaves the engine unchanged. ``request_id`` None: ``req-N``."""
+        and leaves the engine unchanged. ``request_id`` None: ``req-N``. ``lora``: the name of
+        a loaded LoRA adapter to run it with (:meth:`load_lora`; None: the base model)."""
+        adapter = None if lora is None else self.loras.get(lora)
         params, text, ids = self._intake.check(prompt, params, namespace)
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -238,7 +246,9 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self._intake.build(request_id, text, ids, params, namespace, stream, arrival_time)
+        return self._intake.build(
+            request_id, text, ids, params, namespace, stream, arrival_time, adapter
+        )
 
     def compile_guided(self, params: SamplingParams) -> None:
         """Compile ``params.guided`` now (nothing to do without one), so that submitting a
@@ -254,6 +264,9 @@ class Engine:
         rid = request.request_id
         if rid in self._live:
             raise ValueError(f"request_id {rid!r} is already in use")
+        lora = request.lora
+        if lora is not None and lora not in self.loras.infos():  # unloaded since prepare()
+            raise ValueError(f"LoRA adapter {lora.name!r} was unloaded")
         self._live[rid] = request
         self._stats.record_request()
         self.seq_kv.start_prefetch(request)  # storage tier: look the prompt up meanwhile
@@ -270,6 +283,7 @@ class Engine:
         namespace: Namespace = None,
         stream: bool = True,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> str:
         """Queue a request; returns its id. ``step()`` reports it every step it makes progress
         (``stream=True``) or only when finished. Raises ValueError/TypeError on bad input and
@@ -282,6 +296,7 @@ class Engine:
                 namespace=namespace,
                 stream=stream,
                 arrival_time=arrival_time,
+                lora=lora,
             )
         )
 
@@ -611,12 +626,14 @@ class Engine:
         *,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         namespace: Namespace = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. All prompts are validated before
         any is queued. Other queued requests progress too (their outputs are not returned).
         If interrupted, the prompts' requests are aborted. ``sampling_params`` is vLLM's name
         for ``params`` (give one of them). The progress bar (``use_tqdm``) counts finished
-        requests and shows prompt and output tokens per second."""
+        requests and shows prompt and output tokens per second. ``lora``: a loaded adapter's
+        name for every prompt, or one name (or None) per prompt: they run in the same batches."""
         params = _one_params(params, sampling_params)
         plist = as_prompt_list(prompts)
         if isinstance(params, SamplingParams) or params is None:
@@ -625,9 +642,15 @@ class Engine:
             params_list = list(params)
             if len(params_list) != len(plist):
                 raise ValueError(f"{len(plist)} prompts but {len(params_list)} SamplingParams")
+        if lora is None or isinstance(lora, str):
+            loras: list[str | None] = [lora] * len(plist)
+        else:
+            loras = list(lora)
+            if len(loras) != len(plist):
+                raise ValueError(f"{len(plist)} prompts but {len(loras)} LoRA adapter names")
         groups = [
-            self.prepare(p, sp, namespace=namespace, stream=False)
-            for p, sp in zip(plist, params_list)
+            self.prepare(p, sp, namespace=namespace, stream=False, lora=name)
+            for p, sp, name in zip(plist, params_list, loras)
         ]
         return self._run_to_completion(groups, use_tqdm)
 
@@ -641,6 +664,7 @@ class Engine:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         namespace: Namespace = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of message dicts) or a list of them;
         outputs in input order. Each conversation becomes token ids exactly as the HTTP server's
@@ -660,7 +684,7 @@ class Engine:
             )
             for conv in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm, namespace=namespace)
+        return self.generate(prompts, sampling_params, use_tqdm, namespace=namespace, lora=lora)
 
     def _run_to_completion(self, groups: list[RequestGroup], use_tqdm: bool) -> list[RequestOutput]:
         """Queue prepared requests, step until they finish, return their outputs in order."""
@@ -695,12 +719,13 @@ class Engine:
         *,
         sampling_params: SamplingParams | None = None,
         namespace: Namespace = None,
+        lora: str | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield this request's output each step it progresses (``delta_text`` is the news);
         the last one has ``finished=True``. Closing the iterator early aborts the request.
         ``sampling_params`` is another name for ``params``."""
         params = _one_params(params, sampling_params)
-        rid = self.add_request(prompt, params, namespace=namespace, stream=True)
+        rid = self.add_request(prompt, params, namespace=namespace, stream=True, lora=lora)
         yield from self.iter_outputs([rid])
 
     def fork(
@@ -710,12 +735,13 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         namespace: Namespace = None,
+        lora: str | None = None,
     ) -> list[str]:
         """Start ``n`` requests continuing one shared state; returns their ids.
 
         ``source`` is the id of a live request (its current prompt + output so far, in its
-        namespace, is the shared state: its computed full pages are already in the cache) or a
-        prompt. The state is prefilled once: the first branch computes it, the others wait for
+        namespace and with its LoRA adapter, is the shared state: its computed full pages are
+        already in the cache) or a prompt. The state is prefilled once: the first branch computes it, the others wait for
         its pages and then hit them (only the partial last page is recomputed per branch).
         """
         if not isinstance(n, int) or n < 1:
@@ -725,14 +751,49 @@ class Engine:
             parent = self._live[source]
             tokens = parent.seqs[0].token_ids.tolist()
             namespace = parent.namespace
+            lora = None if parent.lora is None else parent.lora.name
         else:
             tokens = source
-        groups = [self.prepare(tokens, params, namespace=namespace) for _ in range(n)]
+        groups = [self.prepare(tokens, params, namespace=namespace, lora=lora) for _ in range(n)]
         return [self.submit(g) for g in groups]
 
-    def session(self, prompt: Prompt, *, namespace: Namespace = None) -> Session:
-        """A :class:`~radixkv.engine.session.Session` holding ``prompt`` as shared state."""
-        return Session(self, prompt, namespace=namespace)
+    def session(
+        self, prompt: Prompt, *, namespace: Namespace = None, lora: str | None = None
+    ) -> Session:
+        """A :class:`~radixkv.engine.session.Session` holding ``prompt`` as shared state (run
+        with the LoRA adapter ``lora``, if given)."""
+        return Session(self, prompt, namespace=namespace, lora=lora)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str | Path) -> LoRAInfo:
+        """Load the PEFT LoRA adapter folder ``path`` under ``name``; requests then pick it with
+        ``lora=name``, in the same batches as the base model's and other adapters'. Its KV is
+        cached apart (engine/lora.py). ValueError (the file and problem) when it cannot be
+        read or does not fit the model, or the name is taken; nothing changes then."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> LoRAInfo:
+        """Detach the adapter ``name`` and drop its unlocked cache entries. ValueError when no
+        adapter has that name or live requests use it (abort or finish them first)."""
+        info = self.loras.get(name)
+        users = [rid for rid, g in self._live.items() if g.lora is not None and g.lora.name == name]
+        if users:
+            more = f" and {len(users) - 1} more" if len(users) > 1 else ""
+            raise ValueError(f"LoRA adapter {name!r} is in use by request {users[0]!r}{more}")
+        stale = self.loras.namespaces_of(info, self.cache.namespaces)
+        self.loras.unload(name)
+        self.seq_kv.reset_cache(stale)
+        return info
+
+    def list_loras(self) -> list[LoRAInfo]:
+        """The loaded LoRA adapters, in load order."""
+        return self.loras.infos()
+
+    def cache_namespace(self, namespace: Namespace, lora: str | None) -> Namespace:
+        """The prefix-cache namespace of requests in ``namespace`` run with ``lora``."""
+        if lora is None:
+            return namespace
+        return AdapterNamespace(self.loras.get(lora).digest, namespace)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:

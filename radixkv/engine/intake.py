@@ -23,6 +23,7 @@ from collections.abc import Sequence as SequenceABC
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.guided import GuideCompiler
+from radixkv.engine.lora import LoRAInfo
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace, RequestGroup, Sequence
 from radixkv.engine.sampler import make_generator
@@ -184,10 +185,12 @@ class RequestIntake:
         namespace: Namespace,
         stream: bool,
         arrival_time: float | None,
+        lora: LoRAInfo | None = None,
     ) -> RequestGroup:
-        """A group of ``params.n`` waiting sequences (inputs already passed ``check``)."""
+        """A group of ``params.n`` waiting sequences (inputs already passed ``check``), run with
+        the LoRA adapter ``lora`` (None: the base model)."""
         now = time.monotonic() if arrival_time is None else arrival_time
-        group = RequestGroup(request_id, text, ids, params, namespace, now, stream)
+        group = RequestGroup(request_id, text, ids, params, namespace, now, stream, lora)
         # without streaming or stop strings, text is decoded once at the end (Engine._finish)
         live_detok = stream or bool(params.stop)
         for i in range(params.n):

@@ -223,12 +223,14 @@ class SeqKV:
         total = (len(ids) - 1) // self.page_size  # whole pages of what acquire() may match
         if total <= 0:
             return
-        hit = self.cache.peek_prefix(ids[: len(ids) - 1], namespace=group.namespace, host=True)
+        hit = self.cache.peek_prefix(
+            ids[: len(ids) - 1], namespace=group.cache_namespace, host=True
+        )
         start = hit // self.page_size
         if (total - start) * self.page_size < max(1, self.prefetch_threshold):
             return
         job = storage.prefetch(
-            group.namespace, ids[: total * self.page_size].tobytes(), start, total
+            group.cache_namespace, ids[: total * self.page_size].tobytes(), start, total
         )
         group.prefetch = job
         self._jobs.append(job)
@@ -342,9 +344,14 @@ class SeqKV:
         """Pages evicted from the cache since it was built."""
         return self.cache.stats.evicted_pages
 
-    def reset_cache(self) -> None:
-        """Drop every unlocked cache entry (running sequences and pins keep theirs)."""
-        self.cache.reset()
+    def reset_cache(self, namespaces: Iterable[Namespace] | None = None) -> None:
+        """Drop every unlocked cache entry (running sequences and pins keep theirs), or only
+        those of ``namespaces``."""
+        if namespaces is None:
+            self.cache.reset()
+        else:
+            for ns in namespaces:
+                self.cache.reset(namespace=ns)
 
     def check_invariants(self, running: Iterable[Sequence], *, idle: bool) -> None:
         """Raise AssertionError unless: the cache's invariants hold; free + cached + private ==

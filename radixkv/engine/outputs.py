@@ -97,6 +97,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finished: bool = False
     namespace: object | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora: str | None = None  # the LoRA adapter it ran with (None: the base model)
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.lora import AdapterNamespace
 from radixkv.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from radixkv.cache import LoadBack, TreeNode
     from radixkv.engine.guided import TokenGuide
+    from radixkv.engine.lora import LoRAInfo
     from radixkv.engine.storage_tier import PrefetchJob
 
 # What partitions the prefix cache (a tenant, a LoRA, a cache salt): any hashable value, None
@@ -131,7 +133,14 @@ class Sequence:
 
     @property
     def namespace(self) -> Namespace:
-        return self.group.namespace
+        """The prefix-cache namespace of its pages (the request's, or its LoRA adapter's)."""
+        return self.group.cache_namespace
+
+    @property
+    def lora_slot(self) -> int:
+        """The model runner's slot of its LoRA adapter (0: the base model)."""
+        lora = self.group.lora
+        return 0 if lora is None else lora.slot
 
     @property
     def reuse_limit(self) -> int:
@@ -174,6 +183,8 @@ class RequestGroup:
 
     __slots__ = (
         "_emitted_tokens",
+        "cache_namespace",
+        "lora",
         "metrics",
         "namespace",
         "params",
@@ -195,12 +206,18 @@ class RequestGroup:
         namespace: Namespace,
         arrival_time: float,
         stream: bool,
+        lora: LoRAInfo | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.namespace = namespace
+        # the LoRA adapter it runs with (None: the base model); its KV is cached apart
+        self.lora = lora
+        self.cache_namespace: Namespace = (
+            namespace if lora is None else AdapterNamespace(lora.digest, namespace)
+        )
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.stream = stream  # emit an output every step (else only when finished)
         self.seqs: list[Sequence] = []
@@ -260,6 +277,7 @@ class RequestGroup:
             outputs=outs,
             finished=done,
             namespace=self.namespace,
+            lora=None if self.lora is None else self.lora.name,
             prompt_logprobs=(
                 list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
             ),

@@ -91,7 +91,12 @@ class ScheduledBatch:
     def model_inputs(self) -> list[SeqInput]:
         """What the model runner computes: each sequence's new tokens over its page table."""
         return [
-            SeqInput(s.token_ids[s.num_computed : s.num_computed + n], s.page_table, s.num_computed)
+            SeqInput(
+                s.token_ids[s.num_computed : s.num_computed + n],
+                s.page_table,
+                s.num_computed,
+                s.lora_slot,
+            )
             for s, n in zip(self.seqs, self.num_new)
         ]
 

@@ -44,7 +44,10 @@ class SessionEngine(Protocol):
         namespace: Namespace = None,
         stream: bool = True,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> RequestGroup: ...
+
+    def cache_namespace(self, namespace: Namespace, lora: str | None) -> Namespace: ...
 
     def submit(self, request: RequestGroup) -> str: ...
 
@@ -56,9 +59,18 @@ class SessionEngine(Protocol):
 class Session:
     """Use ``engine.session(prompt)``. Not thread-safe (like the engine)."""
 
-    def __init__(self, engine: SessionEngine, prompt: Prompt, *, namespace: Namespace = None):
+    def __init__(
+        self,
+        engine: SessionEngine,
+        prompt: Prompt,
+        *,
+        namespace: Namespace = None,
+        lora: str | None = None,
+    ) -> None:
         self.engine = engine
         self.namespace = namespace
+        self.lora = lora  # the LoRA adapter its continuations run with (None: the base model)
+        self._cache_namespace = engine.cache_namespace(namespace, lora)  # raises when unknown
         _, ids = normalise_prompt(prompt, engine.tokenizer, engine.vocab_size)
         self.tokens: list[int] = ids
         self._node: TreeNode | None = None
@@ -90,7 +102,10 @@ class Session:
         self._check_open()
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork: n must be an int >= 1, got {n!r}")
-        return [Session(self.engine, list(self.tokens), namespace=self.namespace) for _ in range(n)]
+        return [
+            Session(self.engine, list(self.tokens), namespace=self.namespace, lora=self.lora)
+            for _ in range(n)
+        ]
 
     def generate(self, params: SamplingParams | None = None) -> RequestOutput:
         """Continue this state; the output is appended to it."""
@@ -114,7 +129,7 @@ class Session:
             if s.engine is not engine:
                 raise ValueError("Session.generate_all: sessions belong to different engines")
         groups = [
-            engine.prepare(list(s.tokens), params, namespace=s.namespace, stream=False)
+            engine.prepare(list(s.tokens), params, namespace=s.namespace, stream=False, lora=s.lora)
             for s in sessions
         ]
         ids = [engine.submit(g) for g in groups]
@@ -148,7 +163,8 @@ class Session:
     def _repin(self) -> None:
         """Move the pin to the deepest cached node of the current tokens."""
         kv = self.engine.seq_kv
-        node = kv.pin(self.tokens, self.namespace)  # pin the new node before unpinning the old
+        # pin the new node before unpinning the old
+        node = kv.pin(self.tokens, self._cache_namespace)
         if self._node is not None:
             kv.unpin(self._node)
         self._node = node

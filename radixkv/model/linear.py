@@ -12,12 +12,19 @@ turns oneDNN off, ``radixkv.onednn.PREPACK = False`` (or ``RADIXKV_PREPACK=0``) 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from radixkv.onednn import linear, pack_weight, packing_available
+
+
+class OutputDelta(Protocol):
+    """What a :class:`Linear` adds to its output after the matmul: LoRA adapters' deltas
+    (radixkv/model/lora.py's ``LoRALayer``)."""
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
 
 class Linear(nn.Linear):
@@ -35,9 +42,14 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_for: tuple[int, int, int, torch.dtype] | None = None  # (id, data_ptr, version, dtype)
+    # LoRA adapters' factors for this layer (radixkv/model/lora.py); None: no adapter has any
+    lora: OutputDelta | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._packed_weight(x))
+        y = linear(x, self.weight, self.bias, self._packed_weight(x))
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of the current weight when ``x``'s call can use one, else None."""

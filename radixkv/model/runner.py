@@ -20,6 +20,7 @@ from radixkv.kv.kv_pool import KVPool
 from radixkv.model.cpu_malloc import keep_freed_memory
 from radixkv.model.linear import pack_linears
 from radixkv.model.llama import LlamaForCausalLM
+from radixkv.model.lora import LoRASet
 
 if TYPE_CHECKING:
     from radixkv.attention.cascade_plan import CascadePlan
@@ -42,11 +43,14 @@ class SeqInput:
     ``page_table`` covers all ``num_past + len(new_token_ids)`` tokens: token ``i`` lives at
     ``(page_table[i // page_size], i % page_size)``. The first ``num_past`` tokens' K/V are already
     in the pool; the new tokens get positions ``num_past ..`` and their K/V are written.
+    ``lora_slot``: the LoRA adapter its tokens run with (a slot of the runner's ``loras``;
+    0: the base model).
     """
 
     new_token_ids: Sequence[int]
     page_table: Sequence[int]
     num_past: int = 0
+    lora_slot: int = 0
 
 
 class ModelRunner:
@@ -102,6 +106,9 @@ class ModelRunner:
         self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
         self.attn.check_layouts = self.check_inputs  # the backend validates each layout
         self._cascade: CascadeDecodeBackend | None = None  # created on the first cascade step
+        # LoRA adapters attached to the model (radixkv/model/lora.py); SeqInput.lora_slot
+        # picks one per sequence
+        self.loras = LoRASet(model)
 
     @property
     def backend_name(self) -> str:
@@ -116,6 +123,8 @@ class ModelRunner:
             for t in s.new_token_ids:
                 if not 0 <= t < vocab:
                     raise ValueError(f"sequence {i}: token id {t} out of range [0, {vocab})")
+            if s.lora_slot and s.lora_slot not in self.loras.adapters:
+                raise ValueError(f"sequence {i}: no LoRA adapter in slot {s.lora_slot}")
             end = s.num_past + len(s.new_token_ids)
             if end > max_ctx:
                 raise ValueError(
@@ -194,6 +203,8 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        if self.loras.adapters:
+            self.loras.set_rows([s.lora_slot for s in seqs], layout.num_new, dev)
         attn = self.attn if cascade is None else self._cascade_attn(cascade, cascade_rows)
         attn.plan(layout)
         return ids_t, pos_t, max(positions), attn

@@ -1,0 +1,324 @@
+"""LoRA adapters: read a PEFT adapter folder, and add many adapters' deltas to one batch.
+
+An adapter (a PEFT ``LoraConfig`` saved with ``save_pretrained``: ``adapter_config.json`` and
+``adapter_model.safetensors``) adds ``scale * B @ A`` to some of the model's linear layers
+(``q/k/v/o_proj``, ``gate/up/down_proj``). The base weights are never changed: a batch mixes
+rows of the base model and of several adapters, and each linear layer adds, per adapter in the
+batch, ``(x[rows] @ A^T) @ (scale * B)^T`` to its output rows (two thin matmuls a group; on a
+CPU, grouping the rows beats gathering per-row factors). The scale (``lora_alpha / r``, or
+``/ sqrt(r)`` with rsLoRA, per module with ``alpha_pattern``) is folded into B when loading.
+
+:class:`LoRASet` owns the adapters of one model: it gives each a slot (0 is the base model),
+puts a :class:`LoRALayer` on every linear layer an adapter touches (the layer calls it after its
+own matmul; layers no adapter touches do nothing), and takes each step's rows per slot. What is
+refused, at load, with an error naming the file and the problem: DoRA, adapters on the
+embeddings or the LM head, ``modules_to_save``, LoRA biases, pickled ``adapter_model.bin``,
+modules or layers the model does not have, and factor shapes that do not fit it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from radixkv.model.config import ModelConfig
+from radixkv.model.errors import ModelLoadError
+from radixkv.model.linear import Linear
+from radixkv.model.llama import LlamaForCausalLM
+
+__all__ = ["LoRAAdapter", "LoRALayer", "LoRASet", "load_lora_adapter"]
+
+# module name in a decoder layer -> its parent module there
+TARGETS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's factors, ready to add: ``factors[(layer, module)] = (A^T [in, r],
+    (scale * B)^T [r, out])`` in the model's dtype and device. ``digest`` names its content
+    (weights and scales): two loads of the same files have the same digest, anything that could
+    change the KV it computes changes it."""
+
+    name: str
+    path: str
+    rank: int  # the largest rank among its modules
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str
+    modules: tuple[str, ...] = field(default=())  # the module names it adapts, sorted
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(a.numel() + b.numel() for a, b in self.factors.values())
+
+
+def load_lora_adapter(
+    path: str | Path,
+    config: ModelConfig,
+    *,
+    name: str | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoRAAdapter:
+    """Read the PEFT adapter folder ``path`` for a model with ``config``. Raises
+    :class:`ModelLoadError` naming the file and the problem (module docstring)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(str(folder), None, "LoRA adapter folder not found")
+    cfg_path = folder / "adapter_config.json"
+    cfg = _read_adapter_config(cfg_path)
+    weights_path = folder / "adapter_model.safetensors"
+    if not weights_path.is_file():
+        problem = "file is missing"
+        if (folder / "adapter_model.bin").is_file():
+            problem += " (adapter_model.bin is a pickle, not loaded: save with safetensors)"
+        raise ModelLoadError(str(weights_path), None, problem)
+    raw = weights_path.read_bytes()
+    tensors = _read_tensors(weights_path, raw)
+
+    alpha = cfg["lora_alpha"]
+    rslora = bool(cfg.get("use_rslora", False))
+    alpha_pattern: dict[str, Any] = cfg.get("alpha_pattern") or {}
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ModelLoadError(str(weights_path), key, _unsupported_key(key))
+        layer, parent, module, ab = int(m[1]), m[2], m[3], m[4]
+        if TARGETS.get(module) != parent:
+            raise ModelLoadError(
+                str(weights_path), key, f"LoRA on {parent}.{module} is not supported "
+                f"(supported: {', '.join(TARGETS)})"
+            )  # fmt: skip
+        if layer >= config.num_layers:
+            raise ModelLoadError(
+                str(weights_path), key, f"layer {layer} does not exist: the model has "
+                f"{config.num_layers} layers"
+            )  # fmt: skip
+        pairs.setdefault((layer, module), {})[ab] = t
+    if not pairs:
+        raise ModelLoadError(str(weights_path), None, "no LoRA weights in the file")
+
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    digest = xxhash.xxh3_128(raw)
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"model.layers.{layer}.{TARGETS[module]}.{module}"
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise ModelLoadError(str(weights_path), f"{where}.{missing}.weight", "missing")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = _shape(config, module)
+        r = a.shape[0] if a.dim() == 2 else -1
+        if a.dim() != 2 or tuple(a.shape) != (r, fan_in) or r < 1:
+            raise ModelLoadError(
+                str(weights_path), f"{where}.lora_A.weight",
+                f"shape {tuple(a.shape)} does not fit the model: expected (r, {fan_in})",
+            )  # fmt: skip
+        if tuple(b.shape) != (fan_out, r):
+            raise ModelLoadError(
+                str(weights_path), f"{where}.lora_B.weight",
+                f"shape {tuple(b.shape)} does not fit the model: expected ({fan_out}, {r})",
+            )  # fmt: skip
+        a_mod = _pattern_value(alpha_pattern, f"{where}", alpha)
+        scale = a_mod / math.sqrt(r) if rslora else a_mod / r
+        digest.update(f"{where}:{scale!r};".encode())
+        a_t = a.to(torch.float32).t().contiguous()  # [in, r]
+        b_t = (b.to(torch.float32) * scale).t().contiguous()  # [r, out]
+        factors[(layer, module)] = (
+            a_t.to(device=device, dtype=dtype),
+            b_t.to(device=device, dtype=dtype),
+        )
+        rank = max(rank, r)
+    return LoRAAdapter(
+        name=name if name is not None else folder.name,
+        path=str(folder),
+        rank=rank,
+        factors=factors,
+        digest=digest.hexdigest(),
+        modules=tuple(sorted({m for _, m in factors})),
+    )
+
+
+def _read_adapter_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(str(path), None, "file is missing (not a PEFT adapter folder?)")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(str(path), None, f"malformed JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(str(path), None, "expected a JSON object")
+    peft_type = cfg.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ModelLoadError(str(path), "peft_type", f"{peft_type!r} adapters are not supported")
+    if cfg.get("use_dora"):
+        raise ModelLoadError(str(path), "use_dora", "DoRA adapters are not supported")
+    if cfg.get("modules_to_save"):
+        raise ModelLoadError(
+            str(path), "modules_to_save",
+            "adapters that replace whole modules are not supported",
+        )  # fmt: skip
+    if cfg.get("bias", "none") != "none":
+        raise ModelLoadError(str(path), "bias", "LoRA biases are not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise ModelLoadError(str(path), "fan_in_fan_out", "only nn.Linear layouts are supported")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+        raise ModelLoadError(str(path), "lora_alpha", f"must be a positive number, got {alpha!r}")
+    cfg["lora_alpha"] = alpha
+    pattern = cfg.get("alpha_pattern")
+    if pattern is not None and not isinstance(pattern, dict):
+        raise ModelLoadError(str(path), "alpha_pattern", "must be an object")
+    return cfg
+
+
+def _read_tensors(path: Path, raw: bytes) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(raw)
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise ModelLoadError(str(path), None, f"cannot read safetensors: {exc}") from exc
+
+
+def _unsupported_key(key: str) -> str:
+    if "lora_magnitude_vector" in key:
+        return "DoRA adapters are not supported"
+    if "lora_embedding" in key or "embed_tokens" in key:
+        return "LoRA on the embeddings is not supported"
+    if "lm_head" in key:
+        return "LoRA on the LM head is not supported"
+    if key.endswith(".bias"):
+        return "LoRA biases are not supported"
+    return "not a LoRA factor of a decoder layer's linear layer"
+
+
+def _shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a decoder layer's linear layer."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }[module]
+
+
+def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's ``alpha_pattern``: the first key that matches the module's name at its end."""
+    for key, value in pattern.items():
+        if re.fullmatch(rf"(.*\.)?{key}", module):
+            return value
+    return default
+
+
+class LoRALayer:
+    """The adapters' factors for one linear layer, and the step's rows per slot (shared by all
+    layers through their :class:`LoRASet`). Called by :class:`~radixkv.model.linear.Linear`
+    after its matmul; adds to the output in place."""
+
+    __slots__ = ("factors", "owner")
+
+    def __init__(self, owner: LoRASet) -> None:
+        self.owner = owner
+        self.factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A^T, B^T)
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``y [T, out] += x @ A^T @ B^T`` row group by row group (``x [T, in]``)."""
+        for slot, rows in self.owner.groups:
+            f = self.factors.get(slot)
+            if f is None:
+                continue
+            a_t, b_t = f
+            if type(rows) is slice:  # one run of rows: views, no gather
+                y[rows].addmm_(x[rows] @ a_t, b_t)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
+
+
+class LoRASet:
+    """The adapters loaded into one model, each in a slot (0 is the base model: no delta).
+
+    ``add`` and ``remove`` change which layers have factors; ``set_rows`` says which rows of the
+    next forward belong to which slot (:class:`~radixkv.model.runner.ModelRunner` calls it for
+    every batch). A model without adapters has no :class:`LoRALayer` at all."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []  # this step's (slot, rows)
+        self.adapters: dict[int, LoRAAdapter] = {}
+        self._next_slot = 1
+
+    def add(self, adapter: LoRAAdapter) -> int:
+        """Attach ``adapter``; returns its slot."""
+        slot = self._next_slot
+        self._next_slot += 1
+        layers = self.model.model.layers
+        for (layer, module), f in adapter.factors.items():
+            lin = getattr(getattr(layers[layer], TARGETS[module]), module)
+            assert isinstance(lin, Linear)
+            if not isinstance(lin.lora, LoRALayer):
+                lin.lora = LoRALayer(self)
+            lin.lora.factors[slot] = f
+        self.adapters[slot] = adapter
+        return slot
+
+    def remove(self, slot: int) -> None:
+        """Detach the adapter in ``slot`` (layers left without factors lose their LoRALayer)."""
+        adapter = self.adapters.pop(slot)
+        layers = self.model.model.layers
+        for layer, module in adapter.factors:
+            lin = getattr(getattr(layers[layer], TARGETS[module]), module)
+            if isinstance(lin.lora, LoRALayer):
+                lin.lora.factors.pop(slot, None)
+                if not lin.lora.factors:
+                    lin.lora = None
+
+    def set_rows(self, slots: Sequence[int], lengths: Sequence[int], device: torch.device) -> None:
+        """Rows of the next forward per slot: sequence ``i`` has ``lengths[i]`` consecutive rows
+        and the adapter in ``slots[i]``. A slot whose rows form one run gets a slice."""
+        runs: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for slot, n in zip(slots, lengths):
+            if slot:
+                r = runs.setdefault(slot, [])
+                if r and r[-1][1] == start:
+                    r[-1] = (r[-1][0], start + n)
+                else:
+                    r.append((start, start + n))
+            start += n
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, r in runs.items():
+            if len(r) == 1:
+                groups.append((slot, slice(*r[0])))
+            else:
+                idx = [i for a, b in r for i in range(a, b)]
+                groups.append((slot, torch.tensor(idx, dtype=torch.int64).to(device)))
+        self.groups = groups
+
+    def clear_rows(self) -> None:
+        self.groups = []
