@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,13 +266,27 @@ class LoRASet:
 
     ``add`` and ``remove`` change which layers have factors; ``set_rows`` says which rows of the
     next forward belong to which slot (:class:`~radixkv.model.runner.ModelRunner` calls it for
-    every batch). A model without adapters has no :class:`LoRALayer` at all."""
+    every batch). A model without adapters has no :class:`LoRALayer` at all. One set per model
+    (:meth:`of`): engines sharing a loaded model share its slots, and the rows of a forward
+    are kept per thread, so forwards in two threads do not see each other's."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []  # this step's (slot, rows)
         self.adapters: dict[int, LoRAAdapter] = {}
         self._next_slot = 1
+        self._rows = threading.local()  # .groups: this thread's next forward's (slot, rows)
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> LoRASet:
+        """The model's set (made on first use)."""
+        found = model.__dict__.get("_radixkv_loras")
+        if found is None:
+            found = model.__dict__["_radixkv_loras"] = cls(model)
+        return found
+
+    @property
+    def groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        return getattr(self._rows, "groups", _NO_GROUPS)
 
     def add(self, adapter: LoRAAdapter) -> int:
         """Attach ``adapter``; returns its slot."""
@@ -318,7 +333,10 @@ class LoRASet:
             else:
                 idx = [i for a, b in r for i in range(a, b)]
                 groups.append((slot, torch.tensor(idx, dtype=torch.int64).to(device)))
-        self.groups = groups
+        self._rows.groups = groups
 
     def clear_rows(self) -> None:
-        self.groups = []
+        self._rows.groups = _NO_GROUPS
+
+
+_NO_GROUPS: list[tuple[int, slice | torch.Tensor]] = []

@@ -108,7 +108,7 @@ class ModelRunner:
         self._cascade: CascadeDecodeBackend | None = None  # created on the first cascade step
         # LoRA adapters attached to the model (radixkv/model/lora.py); SeqInput.lora_slot
         # picks one per sequence
-        self.loras = LoRASet(model)
+        self.loras = LoRASet.of(model)  # shared by the runners of one model
 
     @property
     def backend_name(self) -> str:

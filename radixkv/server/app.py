@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), POST /tokenize,
 POST /detokenize, GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache (admin
-key); GET /openapi.json describes them
+key), and with ``config.allow_runtime_lora_updating`` POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (vLLM's); a request's ``model`` is the served model or a loaded LoRA
+adapter's name. GET /openapi.json describes them
 (server/openapi.py) and GET /docs renders it. Paths are exact: a trailing slash is 404 (no
 redirect, whose Location would echo the request's Host header).
 
@@ -109,14 +111,14 @@ def build_app(
     async def completions(request: Request) -> Response:
         principal = st.auth.authenticate(request.headers.get("authorization"))
         req = st.decode(await read_body(request, config.max_body_bytes), P.CompletionRequest)
-        st.check_model(req.model)
+        lora = st.check_model(req.model)
         max_tokens = req.engine_max_tokens()  # echo's max_tokens=0 runs one token
         prompts = [st.prompt_ids(p) for p in req.prompts()]
         for ids in prompts:
             st.check_length(ids, max_tokens, "prompt")
         st.check_prompt_logprobs_start(req, prompts)
         params = st.sampling_params(req, max_tokens)
-        return await st.run(request, principal, req, prompts, params, chat=False)
+        return await st.run(request, principal, req, prompts, params, chat=False, lora=lora)
 
     @app.post(
         "/v1/chat/completions",
@@ -130,7 +132,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         principal = st.auth.authenticate(request.headers.get("authorization"))
         req = st.decode(await read_body(request, config.max_body_bytes), P.ChatCompletionRequest)
-        st.check_model(req.model)
+        lora = st.check_model(req.model)
         ids = st.chat_ids(req)
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -139,7 +141,7 @@ def build_app(
                 st.check_length(ids, 1, "messages")
         st.check_length(ids, max_tokens, "messages")
         params = st.sampling_params(req, max_tokens)
-        return await st.run(request, principal, req, [ids], params, chat=True)
+        return await st.run(request, principal, req, [ids], params, chat=True, lora=lora)
 
     @app.post(
         "/tokenize",
@@ -171,11 +173,56 @@ def build_app(
         text = st.tokenizer.decode(st.check_ids(req.tokens, "tokens"))
         return Response(P.encode(P.DetokenizeResponse(text)), media_type="application/json")
 
-    @app.get("/v1/models", openapi_extra=OA.simple_route("The served model", "ModelList", 401))
+    @app.get(
+        "/v1/models",
+        openapi_extra=OA.simple_route(
+            "The served model and its loaded LoRA adapters", "ModelList", 401
+        ),
+    )
     async def models(request: Request) -> Response:
         st.auth.authenticate(request.headers.get("authorization"))
-        body = P.ModelList([P.ModelCard(st.model_name, st.created)])
-        return Response(P.encode(body), media_type="application/json")
+        return Response(P.encode(st.model_list()), media_type="application/json")
+
+    if config.allow_runtime_lora_updating:  # off: the routes do not exist (404)
+
+        @app.post(
+            "/v1/load_lora_adapter",
+            openapi_extra=OA.text_route(
+                "LoadLoRAAdapterRequest",
+                "Load a PEFT LoRA adapter folder on the server's machine and serve it as the "
+                "model lora_name (vLLM's; --allow-runtime-lora-updating)",
+                "Success: LoRA adapter '<name>' added successfully.",
+                400,
+                401,
+                413,
+                500,
+            ),
+        )
+        async def load_lora_adapter(request: Request) -> Response:
+            st.auth.authenticate(request.headers.get("authorization"))
+            body = await read_body(request, config.max_body_bytes)
+            message = await st.load_lora(st.decode(body, P.LoadLoRAAdapterRequest))
+            return Response(message, media_type="text/plain")
+
+        @app.post(
+            "/v1/unload_lora_adapter",
+            openapi_extra=OA.text_route(
+                "UnloadLoRAAdapterRequest",
+                "Stop serving a LoRA adapter and drop its cached KV (vLLM's; "
+                "--allow-runtime-lora-updating)",
+                "Success: LoRA adapter '<name>' removed successfully.",
+                400,
+                401,
+                404,
+                413,
+                500,
+            ),
+        )
+        async def unload_lora_adapter(request: Request) -> Response:
+            st.auth.authenticate(request.headers.get("authorization"))
+            body = await read_body(request, config.max_body_bytes)
+            message = await st.unload_lora(st.decode(body, P.UnloadLoRAAdapterRequest))
+            return Response(message, media_type="text/plain")
 
     @app.get("/health", openapi_extra=OA.simple_route("Liveness of the engine loop", "Status", 503))
     async def health() -> Response:

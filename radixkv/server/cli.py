@@ -23,6 +23,13 @@ SINGLE_KEY_TENANT = "default"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO"}
 _LEVELS |= {"debug": "DEBUG", "trace": "DEBUG"}
+# turns --allow-runtime-lora-updating on, as VLLM_ALLOW_RUNTIME_LORA_UPDATING does in vLLM
+RUNTIME_LORA_ENV = "RADIXKV_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to 1 or true (vLLM's reading)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -84,8 +91,10 @@ def server_config_from_args(
     *,
     kv_events: str | None = None,
     kv_events_replay: str | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> ServerConfig:
-    """The ServerConfig of the flags :func:`add_server_arguments` declared (plus KV events)."""
+    """The ServerConfig of the flags :func:`add_server_arguments` declared (plus KV events and
+    runtime LoRA loading, which only ``radixkv serve`` declares)."""
     from radixkv.server.auth import load_api_keys, validate_api_keys
 
     if args.api_key is not None and args.api_keys:
@@ -108,6 +117,7 @@ def server_config_from_args(
         strict_api=args.strict_api,
         metrics_require_key=args.metrics_require_key,
         tool_call_parser=args.tool_call_parser,
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
     )
 
 
@@ -142,6 +152,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="ENDPOINT",
         help="ZMQ ROUTER endpoint for replay",
+    )
+    # radixkv serve only: under serve-ray a load would reach whichever replica the ingress
+    # picked, and the fleet would disagree on what it serves
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=env_flag(RUNTIME_LORA_ENV),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which load "
+        "any adapter folder this process can read for whoever holds an API key (default: off, "
+        f"or ${RUNTIME_LORA_ENV}=1)",
     )
     p.add_argument(
         "--log-level",
@@ -178,7 +198,10 @@ def build_from_args(args: argparse.Namespace) -> tuple[FastAPI, ServerConfig]:
 
     engine_config = EngineConfig.from_cli_args(args)
     config = server_config_from_args(
-        args, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay
+        args,
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     engine = AsyncEngine(args.model, config=engine_config)
     return build_app(engine, config, owns_engine=True), config

@@ -35,6 +35,9 @@ class ServerConfig:
         tool_call_parser: how tool calls are read out of chat replies (``hermes`` or
             ``llama3_json``, server/tool_calls.py) for requests with ``tools``; None: replies
             stay text.
+        allow_runtime_lora_updating: serve vLLM's POST /v1/load_lora_adapter and
+            /v1/unload_lora_adapter. Off by default (the routes do not exist): loading reads
+            any folder the server process can read, named by whoever holds an API key.
     """
 
     model_name: str | None = None
@@ -50,6 +53,7 @@ class ServerConfig:
     strict_api: bool = False
     metrics_require_key: bool = False
     tool_call_parser: str | None = None
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

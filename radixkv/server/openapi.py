@@ -25,6 +25,8 @@ _REQUESTS: list[Any] = [
     P.ChatCompletionRequest,
     P.TokenizeRequest,
     P.DetokenizeRequest,
+    P.LoadLoRAAdapterRequest,
+    P.UnloadLoRAAdapterRequest,
 ]
 _RESPONSES: list[Any] = [
     P.CompletionResponse,
@@ -41,7 +43,7 @@ _ERROR_TEXT = {
     400: "Invalid request: bad JSON, a wrong type or value (param names it), context too long",
     401: "Missing or invalid API key",
     403: "Admin endpoints are disabled (no admin key configured)",
-    404: "Unknown model (code model_not_found)",
+    404: "Unknown model (code model_not_found) or LoRA adapter (code lora_not_found)",
     413: "Request body over the size limit",
     500: "The server failed while serving the request",
     503: "Server at capacity (code queue_full, retry-after), or the engine is unavailable",
@@ -114,6 +116,22 @@ def json_route(request: str, response: str, summary: str) -> dict[str, Any]:
         "responses": {
             "200": {"description": f"A {response}", "content": _json(response)},
             **_errors(400, 401, 404, 413, 500),
+        },
+    }
+
+
+def text_route(request: str, summary: str, ok: str, *errors: int) -> dict[str, Any]:
+    """``openapi_extra`` of a JSON-in route whose success is a plain-text message (vLLM's
+    LoRA adapter routes answer ``ok``'s text)."""
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {
+            "200": {
+                "description": f"Done: the text `{ok}`",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **_errors(*errors),
         },
     }
 

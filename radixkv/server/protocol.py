@@ -383,6 +383,21 @@ class DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /v1/load_lora_adapter``: load the PEFT adapter folder ``lora_path`` (on the
+    server's machine) and serve it as the model ``lora_name``."""
+
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /v1/unload_lora_adapter``: stop serving the adapter ``lora_name``. (vLLM
+    also takes its internal ``lora_int_id``; adapters here are known by name only.)"""
+
+    lora_name: NonEmptyStr
+
+
 def stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -393,7 +408,7 @@ _AT_PATH = re.compile(r"- at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 _FIRST_WORD = re.compile(r"[a-z_]+")
 
-R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 def _unwrap(t: mi.Type) -> mi.Type:
@@ -613,10 +628,18 @@ class ChatCompletionChunk(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """One entry of ``GET /v1/models``, as vLLM writes it: the base model has ``root`` = its
+    own id and no ``parent``; a LoRA adapter has ``root`` = the folder it was loaded from and
+    ``parent`` = the base model's id. ``max_model_len``: the context length (base model only,
+    as in vLLM)."""
+
     id: str
     created: int
     owned_by: str = "radixkv"
     object: str = "model"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(msgspec.Struct):

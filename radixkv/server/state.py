@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from radixkv.engine.async_engine import AsyncEngine, QueueFull
 from radixkv.engine.logprobs import TokenTexts
+from radixkv.engine.lora import check_lora_name
 from radixkv.engine.params import SamplingParams
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
@@ -34,6 +35,8 @@ log = logging.getLogger("radixkv.server")
 # distinct unknown field names logged at most (a client inventing names cannot flood the log
 # or grow the set without bound)
 MAX_WARNED_FIELDS = 64
+# served model names a 404 lists (a server with hundreds of adapters points to /v1/models)
+MAX_LISTED_MODELS = 20
 
 
 class ServerState:
@@ -56,6 +59,14 @@ class ServerState:
         self.in_flight = 0  # sequences admitted and not yet released
         self.publisher: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (set at startup)
+        self._lora_created: dict[str, int] = {}  # adapter name -> when this server loaded it
+        # an adapter named like the base model could never be requested: its name would pick
+        # the base model
+        if self.model_name in self.lora_names():
+            raise ValueError(
+                f"the LoRA adapter name {self.model_name!r} is the served model's name; rename "
+                "the adapter or the model (--served-model-name)"
+            )
 
     # ------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -112,14 +123,101 @@ class ServerState:
                 )
         return req
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
-                param="model",
-                code="model_not_found",
+    # ------------------------------------------------------------ models and LoRA adapters
+    def lora_names(self) -> list[str]:
+        """The loaded LoRA adapters' names, in load order."""
+        return [info.name for info in self.engine.list_loras()]
+
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names, None for the base model; 404
+        ``model_not_found`` naming what is served otherwise."""
+        if model == self.model_name:
+            return None
+        if model in self.lora_names():
+            return model
+        raise self.model_not_found(model)
+
+    def model_not_found(self, model: str) -> APIError:
+        served = [self.model_name, *self.lora_names()]
+        listed = ", ".join(f"`{m}`" for m in served[:MAX_LISTED_MODELS])
+        if len(served) > MAX_LISTED_MODELS:
+            listed += f" and {len(served) - MAX_LISTED_MODELS} more (GET /v1/models lists them)"
+        return APIError(
+            404,
+            f"The model `{model}` does not exist (this server serves {listed})",
+            param="model",
+            code="model_not_found",
+        )
+
+    def model_list(self) -> P.ModelList:
+        """``GET /v1/models``: the base model, then every adapter in load order (vLLM's cards)."""
+        cards = [
+            P.ModelCard(
+                self.model_name, self.created, root=self.model_name, max_model_len=self.max_context
             )
+        ]
+        for info in self.engine.list_loras():
+            created = self._lora_created.get(info.name, self.created)
+            cards.append(P.ModelCard(info.name, created, root=info.path, parent=self.model_name))
+        return P.ModelList(cards)
+
+    async def load_lora(self, req: P.LoadLoRAAdapterRequest) -> str:
+        """``POST /v1/load_lora_adapter``: vLLM's success text, or 400 naming the field at
+        fault (a taken or invalid name; a path that is not a readable adapter of this model,
+        with the file and the problem)."""
+        name, path = req.lora_name, req.lora_path
+        if name == self.model_name:
+            raise bad_request(
+                f"The lora adapter name '{name}' is the served base model's name; choose another",
+                "lora_name",
+            )
+        if name in self.lora_names():
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        try:
+            check_lora_name(name)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_name") from None
+        try:
+            info = await self.engine.load_lora(name, path)
+        except ValueError as e:  # ModelLoadError names the file and the problem
+            # a concurrent load of the same name got there first: the name is at fault
+            param = "lora_name" if name in self.lora_names() else "lora_path"
+            raise bad_request(str(e), param) from None
+        except OSError as e:  # unreadable (permissions, a name too long): the error names it
+            raise bad_request(
+                f"cannot read the LoRA adapter at {path!r}: {e}", "lora_path"
+            ) from None
+        self._lora_created[name] = int(time.time())
+        log.info(
+            "loaded LoRA adapter %r from %s (rank %d, %s)",
+            name,
+            info.path,
+            info.rank,
+            ", ".join(info.modules),
+        )
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora(self, req: P.UnloadLoRAAdapterRequest) -> str:
+        """``POST /v1/unload_lora_adapter``: vLLM's success text; 404 for an adapter that is not
+        loaded, 400 for one that live requests use (they keep running; nothing changes)."""
+        name = req.lora_name
+        if name not in self.lora_names():
+            raise _lora_not_found(name, self.lora_names())
+        try:
+            await self.engine.unload_lora(name)
+        except ValueError:
+            if name not in self.lora_names():  # a concurrent unload got there first
+                raise _lora_not_found(name, self.lora_names()) from None
+            # the engine's message names the requests; other tenants' ids are not this
+            # caller's business, so say what is wrong and what to do
+            raise bad_request(
+                f"The lora adapter '{name}' is in use by requests that are still running; "
+                "unload it once they finish",
+                "lora_name",
+            ) from None
+        self._lora_created.pop(name, None)
+        log.info("unloaded LoRA adapter %r", name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -243,7 +341,9 @@ class ServerState:
         params: SamplingParams,
         *,
         chat: bool,
+        lora: str | None = None,
     ) -> Response:
+        """Run ``prompts`` (with the LoRA adapter ``lora``, if given) and answer ``req``."""
         echo, echo_only = None, False  # before admission: nothing to release if this fails
         if isinstance(req, P.CompletionRequest) and req.echo:
             echo = [self.echo(p, ids, params) for p, ids in zip(req.prompts(), prompts)]
@@ -289,7 +389,7 @@ class ServerState:
                 raise
             if err is not None:
                 self.in_flight -= seqs
-                raise _engine_error(err, guided_param)
+                raise self._submission_error(err, guided_param, lora)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         namespace = principal.namespace(req.cache_salt)
         sub = Submission(
@@ -300,6 +400,7 @@ class ServerState:
             request_id=rid,
             echo=echo,
             echo_only=echo_only,
+            lora=lora,
         )
         released = False
         handed_off = False  # True once an SSEResponse owns the release
@@ -321,7 +422,7 @@ class ServerState:
             if req.stream:
                 err = await wait_or_disconnect(sub.wait_started(), request.receive)
                 if err is not None:
-                    raise _engine_error(err, guided_param)
+                    raise self._submission_error(err, guided_param, lora)
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 body = self._stream(
                     sub,
@@ -343,7 +444,7 @@ class ServerState:
                 return response
             err = await wait_or_disconnect(sub.wait_finished(), request.receive)
             if err is not None:
-                raise _engine_error(err, guided_param)
+                raise self._submission_error(err, guided_param, lora)
             for i in range(len(sub.prompts)):
                 R.take_deltas(sub, i, self.metrics)
             if chat:
@@ -363,6 +464,15 @@ class ServerState:
         finally:
             if not handed_off:
                 await release()
+
+    def _submission_error(
+        self, err: BaseException, guided_param: str | None, lora: str | None
+    ) -> APIError:
+        """The response to ``err``; an adapter unloaded between the model check and the
+        submission makes the request's model unknown (404), as if it had come a moment later."""
+        if lora is not None and isinstance(err, ValueError) and lora not in self.lora_names():
+            return self.model_not_found(lora)
+        return _engine_error(err, guided_param)
 
     async def _compile(self, params: SamplingParams) -> BaseException | None:
         """Compile ``params.guided`` in a worker thread (seconds for a large schema on a large
@@ -412,6 +522,19 @@ class ServerState:
         if include_usage:
             yield R.usage_chunk(sub, rid, model, created, chat)
         yield R.SSE_DONE
+
+
+def _lora_not_found(name: str, loaded: list[str]) -> APIError:
+    """vLLM's 404 for an adapter that is not loaded, naming the loaded ones."""
+    names = ", ".join(f"'{n}'" for n in loaded[:MAX_LISTED_MODELS]) or "none"
+    if len(loaded) > MAX_LISTED_MODELS:
+        names += f" and {len(loaded) - MAX_LISTED_MODELS} more"
+    return APIError(
+        404,
+        f"The lora adapter '{name}' cannot be found (loaded: {names}).",
+        param="lora_name",
+        code="lora_not_found",
+    )
 
 
 def _engine_error(err: BaseException, guided_param: str | None = None) -> APIError:

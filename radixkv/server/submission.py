@@ -64,7 +64,8 @@ class Submission:
 
     ``echo``: per prompt, what its choices start with (completions' ``echo=true``);
     ``echo_only``: the choices show that and nothing the engine generated (``max_tokens=0``,
-    run as one generated token since the engine always generates)."""
+    run as one generated token since the engine always generates); ``lora``: the LoRA adapter
+    every prompt runs with (None: the base model)."""
 
     def __init__(
         self,
@@ -76,6 +77,7 @@ class Submission:
         request_id: str,
         echo: Sequence[Echo] | None = None,
         echo_only: bool = False,
+        lora: str | None = None,
     ) -> None:
         if echo is not None and len(echo) != len(prompts):
             raise ValueError(f"{len(echo)} echoes for {len(prompts)} prompts")
@@ -85,6 +87,7 @@ class Submission:
         self.params = params
         self.request_id = request_id
         self.echo_only = echo_only
+        self.lora = lora  # the LoRA adapter every prompt runs with (None: the base model)
         self.start = time.monotonic()
         self.prompts = [
             PromptState(
@@ -106,7 +109,11 @@ class Submission:
     async def _pump(self, i: int, ids: list[int], namespace: Namespace) -> None:
         try:
             async for out in self.engine.generate(
-                ids, self.params, request_id=f"{self.request_id}-{i}", namespace=namespace
+                ids,
+                self.params,
+                request_id=f"{self.request_id}-{i}",
+                namespace=namespace,
+                lora=self.lora,
             ):
                 self._events.put_nowait((i, out))
         except Exception as e:  # submission error (ValueError, QueueFull) or a failed step
