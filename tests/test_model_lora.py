@@ -105,7 +105,7 @@ def test_mixed_batch_rows_get_their_own_adapter(
 def test_adapter_in_bf16_close_to_peft(base: tuple[Any, Any], adapters: dict[str, Any]) -> None:
     """The factors take the model's dtype: a bf16 model with a bf16 adapter stays within bf16
     rounding of the fp32 reference (the delta is not lost or doubled)."""
-    hf, lm = base
+    _, lm = base
     folder, ref = adapters["all"]
     adapter = load_lora_adapter(folder, lm.config, dtype=torch.bfloat16)
     a_t, b_t = adapter.factors[(0, "q_proj")]
