@@ -98,8 +98,14 @@ def _generate(args: argparse.Namespace) -> int:
     from radixkv.model.tokenizer import encode_chat
 
     engine = Engine(
-        args.model, device=args.device, dtype=args.dtype, revision=args.revision, seed=args.seed
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        revision=args.revision,
+        seed=args.seed,
+        lora_modules={"adapter": args.lora} if args.lora else None,
     )
+    lora = "adapter" if args.lora else None
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -115,12 +121,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:  # the ids Engine.chat and the server's chat completions make (one chat path)
         prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     if args.stream:
-        for out in engine.stream(prompt, params):
+        for out in engine.stream(prompt, params, lora=lora):
             sys.stdout.write(out.outputs[0].delta_text)
             sys.stdout.flush()
         sys.stdout.write("\n")
     else:
-        out = engine.generate(prompt, params, use_tqdm=False)[0]
+        out = engine.generate(prompt, params, use_tqdm=False, lora=lora)[0]
         print(out.text)
         print(
             f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "
@@ -258,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the server's chat completions do)",
     )
     g.add_argument("--stream", action="store_true")
+    g.add_argument(
+        "--lora", default=None, metavar="FOLDER", help="run with this PEFT LoRA adapter folder"
+    )
     g.add_argument("--device", default=None)
     g.add_argument("--seed", type=int, default=0)
 

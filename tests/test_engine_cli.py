@@ -51,6 +51,26 @@ def test_generate_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         main(["no-such-command"])
 
 
+def test_generate_with_lora(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--lora runs the prompt with an adapter folder (greedy: another continuation than the
+    base model's); a folder that is not an adapter exits 2 naming the missing file."""
+    from lora_helpers import write_lora_folder
+
+    from radixkv.model.tiny import tiny_config
+
+    folder = write_lora_folder(tiny_config(), tmp_path / "ad", seed=0, scale=3.0)
+    args = ["generate", "def read(path):\n", "--max-tokens", "12"]
+    assert main(args) == 0
+    base = capsys.readouterr().out
+    assert main([*args, "--lora", str(folder)]) == 0
+    adapted = capsys.readouterr().out
+    assert adapted != base
+    assert main([*args, "--lora", str(folder), "--stream"]) == 0
+    assert capsys.readouterr().out == adapted
+    assert main([*args, "--lora", str(tmp_path)]) == 2
+    assert "adapter_config.json: file is missing" in capsys.readouterr().err
+
+
 def test_generate_guided(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """--json-schema (inline or @file), --json-object, --regex and --choice constrain the
     output; a bad regex or an unreadable schema file exits 2 naming it."""

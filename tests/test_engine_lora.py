@@ -76,7 +76,18 @@ def test_mixed_batches_match_peft(setup: dict[str, Any], cfg: dict[str, Any]) ->
     prompts = shared_prefix_prompts(5, n=6)
     names = [None, "sql", "chat"]
     requests = [(p, names[(i + j) % 3]) for i, p in enumerate(prompts) for j in range(3)]
+    loras = eng.runner.loras
+    set_rows, groups_seen = loras.set_rows, []
+
+    def record(*args: Any) -> None:
+        set_rows(*args)
+        groups_seen.append(loras.groups)
+
+    loras.set_rows = record  # type: ignore[method-assign]
     outs = _run_checked(eng, requests)
+    # the scheduler grouped each batch's rows by adapter: one run (a slice) per adapter
+    assert any(len(g) == 2 for g in groups_seen)
+    assert all(type(rows) is slice for g in groups_seen for _, rows in g)
     for (p, name), o in zip(requests, outs):
         assert o.token_ids == _expected(setup, name, p), (name, p)
         assert o.lora == name

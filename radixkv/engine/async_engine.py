@@ -138,8 +138,10 @@ class AsyncEngine:
         await self._call(self.engine.reset_prefix_cache)
 
     async def load_lora(self, name: str, path: str) -> LoRAInfo:
-        """``Engine.load_lora`` on the engine's thread (reading the files included)."""
-        return await self._call(lambda: self.engine.load_lora(name, path))
+        """``Engine.load_lora``: the files are read in a worker thread (steps go on), then the
+        adapter is attached between steps."""
+        adapter = await asyncio.to_thread(self.engine.loras.read, name, path)
+        return await self._call(lambda: self.engine.loras.attach(adapter))
 
     async def unload_lora(self, name: str) -> LoRAInfo:
         """``Engine.unload_lora`` on the engine's thread."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.model.config import ModelConfig
-from radixkv.model.lora import LoRASet, load_lora_adapter
+from radixkv.model.lora import LoRAAdapter, LoRASet, load_lora_adapter
 
 __all__ = ["AdapterNamespace", "LoRAInfo", "LoRARegistry", "parse_lora_modules"]
 
@@ -100,12 +100,24 @@ class LoRARegistry:
         """Read the PEFT adapter folder ``path`` and attach it under ``name``. ValueError when
         the name is taken; ModelLoadError (a ValueError) naming the file and problem when the
         adapter cannot be read or does not fit the model. Nothing changes on an error."""
+        return self.attach(self.read(name, path))
+
+    def read(self, name: str, path: str | Path) -> LoRAAdapter:
+        """``load``'s reading half: the adapter, not attached. Changes nothing, so it may run
+        in another thread (AsyncEngine reads files off the event loop). Raises as ``load``."""
         check_lora_name(name)
         if name in self._by_name:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        adapter = load_lora_adapter(
+        return load_lora_adapter(
             path, self._config, name=name, device=self._device, dtype=self._dtype
         )
+
+    def attach(self, adapter: LoRAAdapter) -> LoRAInfo:
+        """``load``'s second half: attach an adapter from :meth:`read` under its name
+        (ValueError when the name was taken meanwhile)."""
+        name = adapter.name
+        if name in self._by_name:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
         slot = self._loras.add(adapter)
         info = LoRAInfo(
             name=name,

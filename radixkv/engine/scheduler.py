@@ -88,6 +88,14 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def group_by_adapter(self) -> None:
+        """Reorder the rows so each LoRA adapter's sequences are adjacent (stable: the base
+        model's first, then by adapter slot): each linear layer then adds an adapter's delta
+        to one run of rows, a view, instead of gathering and scattering rows."""
+        order = sorted(range(len(self.seqs)), key=lambda i: self.seqs[i].lora_slot)
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_new = [self.num_new[i] for i in order]
+
     def model_inputs(self) -> list[SeqInput]:
         """What the model runner computes: each sequence's new tokens over its page table."""
         return [
@@ -170,6 +178,8 @@ class Scheduler:
         held_back = self._schedule_running(batch)
         if not self._admit(batch, self.step_budget - batch.prefill_cost):
             self._top_up(batch, held_back)
+        if any(s.lora_slot for s in batch.seqs):
+            batch.group_by_adapter()
         return batch
 
     def _preempt_for_priority(self, batch: ScheduledBatch) -> None:

@@ -4,8 +4,10 @@ An adapter (a PEFT ``LoraConfig`` saved with ``save_pretrained``: ``adapter_conf
 ``adapter_model.safetensors``) adds ``scale * B @ A`` to some of the model's linear layers
 (``q/k/v/o_proj``, ``gate/up/down_proj``). The base weights are never changed: a batch mixes
 rows of the base model and of several adapters, and each linear layer adds, per adapter in the
-batch, ``(x[rows] @ A^T) @ (scale * B)^T`` to its output rows (two thin matmuls a group; on a
-CPU, grouping the rows beats gathering per-row factors). The scale (``lora_alpha / r``, or
+batch, ``(x[rows] @ A^T) @ (scale * B)^T`` to its output rows: two thin matmuls a group, each a
+:class:`~radixkv.model.linear.Linear` of its own, so a CPU runs them through oneDNN with packed
+weights as it does the model's (PyTorch's BLAS takes several times as long there for these
+shapes); grouping the rows beats gathering per-row factors. The scale (``lora_alpha / r``, or
 ``/ sqrt(r)`` with rsLoRA, per module with ``alpha_pattern``) is folded into B when loading.
 
 :class:`LoRASet` owns the adapters of one model: it gives each a slot (0 is the base model),
@@ -54,21 +56,21 @@ _KEY = re.compile(
 
 @dataclass
 class LoRAAdapter:
-    """One adapter's factors, ready to add: ``factors[(layer, module)] = (A^T [in, r],
-    (scale * B)^T [r, out])`` in the model's dtype and device. ``digest`` names its content
+    """One adapter's factors, ready to add: ``factors[(layer, module)] = (a, b)``, Linear layers
+    with weights ``A [r, in]`` and ``scale * B [out, r]`` in the model's dtype and device. ``digest`` names its content
     (weights and scales): two loads of the same files have the same digest, anything that could
     change the KV it computes changes it."""
 
     name: str
     path: str
     rank: int  # the largest rank among its modules
-    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    factors: dict[tuple[int, str], tuple[Linear, Linear]]
     digest: str
     modules: tuple[str, ...] = field(default=())  # the module names it adapts, sorted
 
     @property
     def num_parameters(self) -> int:
-        return sum(a.numel() + b.numel() for a, b in self.factors.values())
+        return sum(a.weight.numel() + b.weight.numel() for a, b in self.factors.values())
 
 
 def load_lora_adapter(
@@ -118,7 +120,7 @@ def load_lora_adapter(
     if not pairs:
         raise ModelLoadError(str(weights_path), None, "no LoRA weights in the file")
 
-    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    factors: dict[tuple[int, str], tuple[Linear, Linear]] = {}
     digest = xxhash.xxh3_128(raw)
     rank = 0
     for (layer, module), ab in sorted(pairs.items()):
@@ -142,11 +144,9 @@ def load_lora_adapter(
         a_mod = _pattern_value(alpha_pattern, f"{where}", alpha)
         scale = a_mod / math.sqrt(r) if rslora else a_mod / r
         digest.update(f"{where}:{scale!r};".encode())
-        a_t = a.to(torch.float32).t().contiguous()  # [in, r]
-        b_t = (b.to(torch.float32) * scale).t().contiguous()  # [r, out]
         factors[(layer, module)] = (
-            a_t.to(device=device, dtype=dtype),
-            b_t.to(device=device, dtype=dtype),
+            _factor(a.to(torch.float32), device, dtype),
+            _factor(b.to(torch.float32) * scale, device, dtype),
         )
         rank = max(rank, r)
     return LoRAAdapter(
@@ -157,6 +157,16 @@ def load_lora_adapter(
         digest=digest.hexdigest(),
         modules=tuple(sorted({m for _, m in factors})),
     )
+
+
+def _factor(weight: torch.Tensor, device: Any, dtype: torch.dtype) -> Linear:
+    """A bias-free Linear holding ``weight [out, in]``, packed for oneDNN where that applies."""
+    lin = Linear(weight.shape[1], weight.shape[0], bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+    lin.requires_grad_(False)
+    lin.pack()
+    return lin
 
 
 def _read_adapter_config(path: Path) -> dict[str, Any]:
@@ -246,19 +256,21 @@ class LoRALayer:
 
     def __init__(self, owner: LoRASet) -> None:
         self.owner = owner
-        self.factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A^T, B^T)
+        self.factors: dict[int, tuple[Linear, Linear]] = {}  # slot -> (A, scale * B)
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``y [T, out] += x @ A^T @ B^T`` row group by row group (``x [T, in]``)."""
+        """``y [T, out] += b(a(x))`` row group by row group (``x [T, in]``)."""
         for slot, rows in self.owner.groups:
             f = self.factors.get(slot)
             if f is None:
                 continue
-            a_t, b_t = f
+            a, b = f
             if type(rows) is slice:  # one run of rows: views, no gather
-                y[rows].addmm_(x[rows] @ a_t, b_t)
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
+                y[rows].add_(b(a(x[rows])))
+            else:  # (the engine's batches are grouped by adapter: they never come here)
+                # index_put_ rather than index_add_: on a CPU the latter has been measured
+                # taking tens of milliseconds now and then for a few hundred rows
+                y.index_put_((rows,), b(a(x.index_select(0, rows))), accumulate=True)
 
 
 class LoRASet:
