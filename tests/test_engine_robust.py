@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import MAX_CONTEXT, VOCAB, make_small_llama
+from lora_helpers import write_lora_folder
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.engine import Engine
@@ -20,6 +21,15 @@ from radixkv.engine.params import SamplingParams
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return make_small_llama(tmp_path_factory.mktemp("small-llama"))[1]
+
+
+@pytest.fixture(scope="module")
+def adapters(lm: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "a": str(write_lora_folder(lm.config, root / "a", seed=1)),
+        "b": str(write_lora_folder(lm.config, root / "b", seed=2, modules=["q_proj", "v_proj"])),
+    }
 
 
 def _drain(eng: Engine) -> None:
@@ -111,9 +121,10 @@ def _check_extras(out: Any, params: SamplingParams) -> None:
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
+def test_random_interleaving_keeps_invariants(lm: Any, adapters: dict[str, str], seed: int) -> None:
     rng = random.Random(seed)
     ps = rng.choice([1, 4, 8])
+    with_lora = rng.random() < 0.5
     eng = Engine(
         lm,
         page_size=ps,
@@ -125,11 +136,13 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
         seed=seed,
         num_speculative_tokens=rng.choice([0, 3]),
         guided_jump_forward=rng.random() < 0.5,
+        lora_modules=adapters if with_lora else None,
     )
     stems = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 60))] for _ in range(4)]
     stems.append([rng.randrange(3, VOCAB) for _ in range(5)] * 8)  # repeats: drafts to verify
     live: list[str] = []
     sent: dict[str, SamplingParams] = {}
+    adapter_of: dict[str, str | None] = {}
     finished = 0
     for _ in range(250):
         op = rng.random()
@@ -151,9 +164,22 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
                 start = rng.randrange(0, len(prompt))
                 params = dataclasses.replace(params, prompt_logprobs_start=start)
             ns = rng.choice([None, None, "t1"])
-            rid = eng.add_request(prompt, params, namespace=ns, stream=rng.random() < 0.5)
+            loaded = [i.name for i in eng.list_loras()]
+            lora = rng.choice([None, None, *loaded])
+            rid = eng.add_request(
+                prompt, params, namespace=ns, stream=rng.random() < 0.5, lora=lora
+            )
             live.append(rid)
             sent[rid] = params
+            adapter_of[rid] = lora
+        elif op < 0.33 and with_lora:  # unload "b" (refused while in use), or load it again
+            if "b" in eng.loras:
+                try:
+                    eng.unload_lora("b")
+                except ValueError as e:
+                    assert "'b' is in use by request" in str(e)
+            else:
+                eng.load_lora("b", adapters["b"])
         elif op < 0.4 and live:
             rid = live.pop(rng.randrange(len(live)))
             if eng.has_request(rid):
@@ -163,6 +189,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, seed: int) -> None:
                 if o.finished:
                     finished += 1
                     assert all(c.finish_reason for c in o.outputs)
+                    assert o.lora == adapter_of[o.request_id]
                     _check_extras(o, sent[o.request_id])
         eng.check_invariants()
     _drain(eng)
