@@ -8,7 +8,6 @@ the base model, given random factors large enough to change greedy outputs, and 
 from __future__ import annotations
 
 import copy
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -86,27 +85,6 @@ def write_lora_folder(
 ) -> Path:
     """A random adapter for a radixkv ``ModelConfig`` in PEFT's file layout, without PEFT (for
     models with no transformers twin, such as radixkv-tiny); returns the folder."""
-    from safetensors.torch import save_file
+    from radixkv.model.lora import save_random_adapter
 
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    }  # fmt: skip
-    parent = {m: "self_attn" if m in ATTN else "mlp" for m in shapes}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for m in modules:
-            fan_in, fan_out = shapes[m]
-            key = f"base_model.model.model.layers.{layer}.{parent[m]}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=gen) / fan_in**0.5
-            tensors[f"{key}.lora_B.weight"] = (
-                scale * torch.randn(fan_out, r, generator=gen) / r**0.5
-            )
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": modules}
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return folder
+    return save_random_adapter(config, folder, seed=seed, rank=r, modules=modules, scale=scale)

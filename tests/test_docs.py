@@ -215,6 +215,28 @@ def test_embedding_scoring_snippet_runs(capsys: pytest.CaptureFixture[str]) -> N
     assert len(capsys.readouterr().out.splitlines()) == len(outs)
 
 
+def test_embedding_lora_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The LoRA example of docs/embedding.md runs: three continuations of one prompt in one
+    batch, each with its adapter (the random adapters change the greedy text), and the unload
+    leaves one adapter."""
+    import re
+
+    text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
+    blocks = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+        if "save_random_adapter" in b
+    ]
+    assert len(blocks) == 1, "docs/embedding.md lost its LoRA example"
+    scope: dict[str, Any] = {}
+    exec(compile(blocks[0], "docs/embedding.md", "exec"), scope)
+    outs = scope["outs"]
+    assert [o.lora for o in outs] == [None, "sql", "docs"]
+    assert len({o.text for o in outs}) == 3
+    assert [i.name for i in scope["eng"].list_loras()] == ["sql"]
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
 def test_make_report_dates_a_committed_result_by_its_commit(tmp_path: Path) -> None:
     """A fresh checkout stamps every file with the checkout time: a result without a date of
     its own is dated by the commit of its content, and by its file time once changed."""

@@ -37,7 +37,7 @@ from radixkv.model.errors import ModelLoadError
 from radixkv.model.linear import Linear
 from radixkv.model.llama import LlamaForCausalLM
 
-__all__ = ["LoRAAdapter", "LoRALayer", "LoRASet", "load_lora_adapter"]
+__all__ = ["LoRAAdapter", "LoRALayer", "LoRASet", "load_lora_adapter", "save_random_adapter"]
 
 # module name in a decoder layer -> its parent module there
 TARGETS = {
@@ -157,6 +157,40 @@ def load_lora_adapter(
         digest=digest.hexdigest(),
         modules=tuple(sorted({m for _, m in factors})),
     )
+
+
+def save_random_adapter(
+    config: ModelConfig,
+    folder: str | Path,
+    *,
+    seed: int = 0,
+    rank: int = 8,
+    modules: Sequence[str] = tuple(TARGETS),
+    scale: float = 1.0,
+) -> Path:
+    """Write a random LoRA adapter for a model with ``config`` into ``folder`` in PEFT's layout
+    (for tests, demos and benchmarks: it changes outputs, it has learned nothing). Its deltas
+    are about ``scale`` times as large as a random layer's output. Returns the folder."""
+    from safetensors.torch import save_file
+
+    unknown = sorted(set(modules) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"save_random_adapter: unknown modules {unknown}")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for m in modules:
+            fan_in, fan_out = _shape(config, m)
+            key = f"base_model.model.model.layers.{layer}.{TARGETS[m]}.{m}"
+            a = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
+            b = torch.randn(fan_out, rank, generator=gen) * (scale / math.sqrt(rank))
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(modules)}
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out
 
 
 def _factor(weight: torch.Tensor, device: Any, dtype: torch.dtype) -> Linear:
