@@ -193,6 +193,24 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Medians over rounds in rotated order; `time_vs_radixkv` is the system's time over "
         "radixkv's with jump-forward.",
     ),
+    (
+        "bench_lora_peers",
+        "Multi-LoRA serving against transformers + PEFT",
+        "`bench/bench_lora_peers.py` (`nox -s bench`): the same checkpoint in float32 and four "
+        "random PEFT LoRA adapters of it (rank 16 on all seven linear layers, made with PEFT's "
+        "`get_peft_model` and saved with `save_pretrained`). A multi-tenant fine-tune service: "
+        "32 requests, 8 per adapter, adapters interleaved, each adapter's requests sharing its "
+        "own 1,024-token system prompt plus 48-80 unique tokens each, 32 greedy new tokens. "
+        "radixkv with all 32 submitted at once, each naming its adapter (`lora=`: mixed "
+        "continuous batches, prefix cache on), and the same prompts on the base model (a second "
+        "engine without adapters: the LoRA overhead), against one `PeftModel` holding the four "
+        "adapters: one left-padded mixed batch (`generate(..., adapter_names=[...])`) and the "
+        "usual `set_adapter` + one batch of 8 per adapter, and plain transformers on the base "
+        "model (sdpa attention; transformers shares no prefixes). `identical`: requests whose "
+        "greedy tokens all agree with those of `compared_with`; `lora_overhead`: the time over "
+        "the same library's base-model run; `time_vs_radixkv`: the time over radixkv's with "
+        "adapters. Medians over rounds in rotated order.",
+    ),
 ]
 
 HEADER = """# Benchmarks
@@ -551,6 +569,32 @@ def plot_speculative_peers(data: Any, fig: Any) -> None:
     fig.suptitle("Prompt-lookup speculative decoding, the same weights, greedy")
 
 
+def _lora_tick(system: str) -> str:
+    lib, _, how = system.partition(", ")
+    how = how.replace(" (no adapters)", "").replace(" (one mixed batch)", ", mixed")
+    how = how.replace("one mixed batch (adapter_names)", "mixed batch")
+    how = how.replace("set_adapter + one batch per adapter", "batch per adapter")
+    return lib.replace("transformers + PEFT", "PEFT") + "\n" + how
+
+
+def plot_lora_peers(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    names = [r["system"] for r in rows]
+    over = [r for r in rows if r.get("lora_overhead") is not None]
+    left, right = fig.subplots(1, 2, width_ratios=[len(rows), max(len(over), 1)])
+    _peer_bars(left, names, [r["seconds"] for r in rows],
+               [_lora_tick(n) for n in names], "seconds (lower is better)", size=6)  # fmt: skip
+    _peer_bars(right, [r["system"] for r in over], [r["lora_overhead"] for r in over],
+               [_lora_tick(r["system"]) for r in over],
+               "LoRA overhead: time / base model's", size=6)  # fmt: skip
+    right.axhline(1.0, color="0.3", lw=0.8)
+    w = data.get("workload", {})
+    fig.suptitle(
+        f"{data.get('adapters', {}).get('count', '?')} LoRA adapters, {w.get('requests', '?')} "
+        f"requests x {w.get('new_tokens', '?')} greedy tokens, one checkpoint (float32)"
+    )
+
+
 # file stem -> [(image name suffix, plotter)]
 PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_tuning": [("", plot_tuning), ("_chunk", plot_chunk)],
@@ -562,6 +606,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_serving_peers": [("", plot_serving_peers)],
     "bench_structured_peers": [("", plot_structured_peers)],
     "bench_speculative_peers": [("", plot_speculative_peers)],
+    "bench_lora_peers": [("", plot_lora_peers)],
 }
 
 
