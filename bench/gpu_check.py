@@ -24,7 +24,9 @@ recorded and the others still run):
   host tier (CUDA side-stream copies, pinned host memory) against an unbounded device pool:
   the same hit rate and token-identical greedy outputs, host loads seen, invariants and locks
   clean; a file storage tier across an engine restart (outputs equal, prefix from storage);
-  ``dtype="auto"`` gives bf16 on the GPU for the float32 tiny checkpoint.
+  ``dtype="auto"`` gives bf16 on the GPU for the float32 tiny checkpoint;
+* ``sampling``, ``prompt_logprobs``, ``speculative``, ``lora``: those engine features on the GPU
+  (each function's docstring says what it compares).
 
 Results: ``$OUT/gpu_check.json`` and a short table ``$OUT/gpu_check.md`` (``bench/results/``
 when OUT is unset). The attention shapes it runs are :func:`kernel_variants`; bench/gpu_kit.py
@@ -451,6 +453,59 @@ def check_speculative(device: str = DEV) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def check_lora(device: str = DEV) -> dict[str, Any]:
+    """LoRA adapters on the GPU: one forward of a batch mixing the base model and two random
+    adapters (radixkv-tiny, bf16, FlashInfer) against the same forward on the torch backend,
+    per row; each adapter must move its rows' logits well past that tolerance. Then the engine
+    serves the mix: greedy outputs against each request run alone (bf16 near-ties may flip:
+    most tokens must agree), invariants and locks clean after."""
+    import tempfile
+
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+    from radixkv.model.lora import save_random_adapter
+    from radixkv.model.runner import ModelRunner, SeqInput
+
+    eng = Engine("radixkv-tiny", device=device, dtype=TINY_DTYPE, num_pages=512)
+    folder = tempfile.mkdtemp()
+    for i, name in enumerate(("a", "b")):
+        eng.load_lora(name, save_random_adapter(eng.model.config, f"{folder}/{name}", seed=i))
+    slots = {None: 0} | {i.name: i.slot for i in eng.list_loras()}
+    c = eng.model.config
+    kv = KVPool(c.num_layers, 64, 16, c.num_kv_heads, c.head_dim, TINY_DTYPE, device)
+    ref_runner = ModelRunner(eng.model.model, kv, backend="torch")  # same model: same slots
+    ids = eng.tokenizer.encode("def read_lines(path):\n    with open(path) as f:\n")
+    plan = [None, "a", "b", "a", None]
+    seqs, page = [], 0
+    for name in plan:
+        n = (len(ids) + 15) // 16
+        seqs.append(SeqInput(ids, list(range(page, page + n)), 0, slots[name]))
+        page += n
+    got = eng.runner.forward(seqs).float()  # flashinfer; pages 0.. of the engine's own pool
+    ref = ref_runner.forward(seqs).float()
+    diff = (got - ref).abs().max().item()
+    moved = min((ref[i] - ref[0]).abs().max().item() for i, n in enumerate(plan) if n)
+    prompts = ["import os\n" * 2 + "def f(x):\n", "class A:\n    def g(self):\n"] * 3
+    loras = [None, "a", "b", "a", None, "b"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    eng.reset_prefix_cache()
+    mixed = eng.generate(prompts, params, use_tqdm=False, lora=loras)
+    alone = [eng.generate([p], params, use_tqdm=False, lora=n)[0] for p, n in zip(prompts, loras)]
+    common = total = 0
+    for m, a in zip(mixed, alone):
+        x, y = m.token_ids, a.token_ids
+        common += next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        total += len(y)
+    eng.check_invariants()
+    locks = sum(n.lock_ref for n in eng.cache.iter_nodes() if n.parent is not None)
+    return {
+        "max_abs_diff": diff, "adapter_moves_logits_by": moved,
+        "common_prefix_fraction": common / total, "namespaces": len(eng.cache.namespaces),
+        "ok": diff <= 0.1 and moved > 1.0 and common >= 0.9 * total and locks == 0
+        and [o.lora for o in mixed] == loras,
+    }  # fmt: skip
+
+
 def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[str, Any]:
     """See the module doc; ``device``/``backend`` let the same check run on a CPU (torch)."""
     import tempfile
@@ -646,11 +701,12 @@ def main() -> int:
         _section(result, "sampling", check_sampling)
         _section(result, "prompt_logprobs", check_prompt_logprobs)
         _section(result, "speculative", check_speculative)
+        _section(result, "lora", check_lora)
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
     sections = (
         "paged", "cascade", "tiny_model", "engine_tiers", "sampling", "prompt_logprobs",
-        "speculative", "timings", "cascade_timing",
+        "speculative", "lora", "timings", "cascade_timing",
     )  # fmt: skip
     result["ok"] = "error" not in result and all(
         _rows_ok(result.get(s, {"ok": False})) for s in sections

@@ -92,6 +92,13 @@ def test_speculative_section(fake: FakeFlashInfer) -> None:
     assert row["common_prefix_fraction"] > 0.9
 
 
+def test_lora_section(fake: FakeFlashInfer) -> None:
+    row = gpu_check.check_lora("cpu")
+    assert row["ok"], row
+    assert row["max_abs_diff"] == 0.0 and row["adapter_moves_logits_by"] > 1.0
+    assert row["namespaces"] == 2
+
+
 def test_table_renders() -> None:
     result = {"ok": False, "device": "x", "paged": [{"ok": True, "max_abs_diff": 1e-3}],
               "cascade": {"ok": False, "error": "boom"}, "timings": {"error": "boom"}}  # fmt: skip
