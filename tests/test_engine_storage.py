@@ -340,3 +340,26 @@ def test_config_cli_and_metrics(tiny: LoadedModel, tmp_path: Path) -> None:
         'radixkv_storage_available{model_name="radixkv"} 1.0',
     ):
         assert name in text, name
+
+
+def test_an_adapters_pages_are_stored_for_that_adapter_only(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """An adapter's requests store their pages under its content digest: a new engine that loads
+    the same files (under another name, even) hits them; the base model, with the same tokens
+    and the same store, does not (its KV differs)."""
+    from radixkv.model.lora import save_random_adapter
+
+    url = f"file://{tmp_path}/kv"
+    folder = save_random_adapter(tiny.config, tmp_path / "ad", seed=3)
+    ps = prompts(4)
+    with Engine(tiny, kv_storage=url, lora_modules={"ad": str(folder)}, **OPTS) as eng:
+        outs = [o.token_ids for o in eng.generate(ps, GREEDY, use_tqdm=False, lora="ad")]
+    with Engine(tiny, kv_storage=url, **OPTS) as eng:
+        run(eng, ps)
+        assert eng.stats().prefix_cache_storage_hit_tokens == 0
+        eng.load_lora("same-files", folder)
+        again = eng.generate(ps, GREEDY, use_tqdm=False, lora="same-files")
+        assert [o.token_ids for o in again] == outs
+        assert eng.stats().prefix_cache_storage_hit_tokens >= 96
+        eng.check_invariants()
