@@ -220,6 +220,7 @@ def test_missing_folder_and_foreign_model(base: tuple[Any, Any], tmp_path: Path)
     make_peft_adapter(other, tmp_path / "other", seed=0)
     with pytest.raises(
         ModelLoadError,
-        match=r"down_proj.lora_A.weight'?: shape \(8, 48\) does not fit the model: expected \(r, 96\)",
+        match=r"down_proj.lora_A.weight'?: shape \(8, 48\) does not fit the model: "
+        r"expected \(r, 96\)",
     ):
         load_lora_adapter(tmp_path / "other", lm.config)

@@ -741,8 +741,9 @@ class Engine:
 
         ``source`` is the id of a live request (its current prompt + output so far, in its
         namespace and with its LoRA adapter, is the shared state: its computed full pages are
-        already in the cache) or a prompt. The state is prefilled once: the first branch computes it, the others wait for
-        its pages and then hit them (only the partial last page is recomputed per branch).
+        already in the cache) or a prompt. The state is prefilled once: the first branch
+        computes it, the others wait for its pages and then hit them (only the partial last
+        page is recomputed per branch).
         """
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork: n must be an int >= 1, got {n!r}")

@@ -57,9 +57,9 @@ _KEY = re.compile(
 @dataclass
 class LoRAAdapter:
     """One adapter's factors, ready to add: ``factors[(layer, module)] = (a, b)``, Linear layers
-    with weights ``A [r, in]`` and ``scale * B [out, r]`` in the model's dtype and device. ``digest`` names its content
-    (weights and scales): two loads of the same files have the same digest, anything that could
-    change the KV it computes changes it."""
+    with weights ``A [r, in]`` and ``scale * B [out, r]`` in the model's dtype and device.
+    ``digest`` names its content (weights and scales): two loads of the same files have the
+    same digest, anything that could change the KV it computes changes it."""
 
     name: str
     path: str
