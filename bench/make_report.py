@@ -586,7 +586,7 @@ def plot_lora_peers(data: Any, fig: Any) -> None:
                [_lora_tick(n) for n in names], "seconds (lower is better)", size=6)  # fmt: skip
     _peer_bars(right, [r["system"] for r in over], [r["lora_overhead"] for r in over],
                [_lora_tick(r["system"]) for r in over],
-               "LoRA overhead: time / base model's", size=6)  # fmt: skip
+               "LoRA overhead (x base)", size=6)  # fmt: skip
     right.axhline(1.0, color="0.3", lw=0.8)
     w = data.get("workload", {})
     fig.suptitle(
