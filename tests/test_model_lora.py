@@ -97,6 +97,8 @@ def test_mixed_batch_rows_get_their_own_adapter(
     nxt = [[(p[-1] * 5 + 1) % 300 + 3] for p in prompts]
     dec = [SeqInput(t, s.page_table, len(s.new_token_ids), s.lora_slot) for s, t in zip(seqs, nxt)]
     logits = runner.forward(dec)
+    # several adapters on a layer: their factors were multiplied stacked (LoRALayer's docstring)
+    assert lm.model.model.layers[0].self_attn.q_proj.lora._stack is not None
     for i, ((name, _), p) in enumerate(zip(plan, prompts)):
         want = peft_logits(refs[name], p + nxt[i])[-1]
         assert (logits[i] - want).abs().max().item() < ATOL, (i, name)
