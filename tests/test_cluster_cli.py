@@ -71,6 +71,10 @@ def _non_default_engine_argv() -> tuple[list[str], EngineConfig]:
             argv.append(meta["flag"])
             want[f.name] = not f.default
             continue
+        if meta.get("nargs"):  # a list flag (lora_modules): one item
+            argv += ["--" + f.name.replace("_", "-"), "name=/x"]
+            want[f.name] = ["name=/x"]
+            continue
         if meta["choices"]:
             value: object = next(c for c in meta["choices"] if c != f.default)
         elif meta["type"] is parse_bytes:

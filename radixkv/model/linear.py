@@ -98,6 +98,7 @@ class Linear(nn.Linear):
         state = self.__dict__.copy()
         state.pop("_packed", None)
         state.pop("_packed_for", None)
+        state.pop("lora", None)  # adapters belong to an engine's LoRASet, not to the weights
         return state
 
     def extra_repr(self) -> str:
