@@ -162,7 +162,7 @@ def test_load_errors_change_nothing(setup: dict[str, Any], tmp_path: Path) -> No
     eng = _engine(setup)
     with pytest.raises(ValueError, match="'sql' is already loaded"):
         eng.load_lora("sql", setup["folders"]["chat"])
-    with pytest.raises(ModelLoadError, match="LoRA adapter folder not found"):
+    with pytest.raises(ModelLoadError, match=r"not a LoRA adapter folder \(no such directory\)"):
         eng.load_lora("new", tmp_path / "missing")
     with pytest.raises(ValueError, match="non-empty string"):
         eng.load_lora(" ", setup["folders"]["sql"])

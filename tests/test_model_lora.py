@@ -213,7 +213,7 @@ def test_bad_adapters_are_refused_naming_the_problem(
 
 def test_missing_folder_and_foreign_model(base: tuple[Any, Any], tmp_path: Path) -> None:
     _, lm = base
-    with pytest.raises(ModelLoadError, match="LoRA adapter folder not found"):
+    with pytest.raises(ModelLoadError, match=r"not a LoRA adapter folder \(no such directory\)"):
         load_lora_adapter(tmp_path / "nowhere", lm.config)
     # an adapter of a model with another hidden size does not fit this one
     from _model_hf_builders import build_hf_model
@@ -226,3 +226,22 @@ def test_missing_folder_and_foreign_model(base: tuple[Any, Any], tmp_path: Path)
         r"expected \(r, 96\)",
     ):
         load_lora_adapter(tmp_path / "other", lm.config)
+
+
+def test_adapter_from_a_hub_repo_id(
+    base: tuple[Any, Any], adapters: dict[str, Any], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A Hugging Face repo id is fetched through the Hub cache (here one laid out on disk, used
+    offline): the same adapter as from its folder; an id the cache lacks names the repo."""
+    from _model_hf_builders import write_hub_snapshot
+
+    _, lm = base
+    folder, _ = adapters["all"]
+    write_hub_snapshot(tmp_path / "hub", "org/sql-lora", folder, "a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from_hub = load_lora_adapter("org/sql-lora", lm.config)
+    assert from_hub.digest == load_lora_adapter(folder, lm.config).digest
+    assert from_hub.path == from_hub.name == "org/sql-lora"
+    with pytest.raises(ModelLoadError, match=r"org/other.*cannot get the LoRA adapter"):
+        load_lora_adapter("org/other", lm.config)

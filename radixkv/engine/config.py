@@ -318,8 +318,8 @@ class EngineConfig:
     lora_modules: Any = field(
         default=None,
         metadata=_cli(
-            "LoRA adapters to load, as name=path (a PEFT adapter folder); requests pick one "
-            "by name (the server's 'model' field)",
+            "LoRA adapters to load, as name=path (a PEFT adapter folder or Hugging Face repo "
+            "id); requests pick one by name (the server's 'model' field)",
             type=str,
             nargs="+",
         ),

@@ -34,6 +34,7 @@ import xxhash
 
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
+from radixkv.model.hub import folder_display_name, resolve_model_folder
 from radixkv.model.linear import Linear
 from radixkv.model.llama import LlamaForCausalLM
 
@@ -49,6 +50,7 @@ TARGETS = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what is read (or fetched)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
@@ -81,11 +83,11 @@ def load_lora_adapter(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoRAAdapter:
-    """Read the PEFT adapter folder ``path`` for a model with ``config``. Raises
-    :class:`ModelLoadError` naming the file and the problem (module docstring)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ModelLoadError(str(folder), None, "LoRA adapter folder not found")
+    """Read the PEFT adapter folder ``path`` for a model with ``config``: a local folder, or a
+    Hugging Face repo id whose adapter files are fetched through the Hub cache (as vLLM's
+    ``--lora-modules`` takes them; model/hub.py). Raises :class:`ModelLoadError` naming the
+    file and the problem (module docstring)."""
+    folder = resolve_model_folder(path, files=ADAPTER_FILES, what="LoRA adapter").folder
     cfg_path = folder / "adapter_config.json"
     cfg = _read_adapter_config(cfg_path)
     weights_path = folder / "adapter_model.safetensors"
@@ -150,8 +152,8 @@ def load_lora_adapter(
         )
         rank = max(rank, r)
     return LoRAAdapter(
-        name=name if name is not None else folder.name,
-        path=str(folder),
+        name=name if name is not None else folder_display_name(folder),
+        path=str(path),
         rank=rank,
         factors=factors,
         digest=digest.hexdigest(),
