@@ -293,6 +293,33 @@ def test_prompt_hasher_follows_the_key_file(tmp_path: Path) -> None:
     )
 
 
+def test_prompt_hasher_hashes_an_adapters_requests_as_the_engine_caches_them(
+    tmp_path: Path,
+) -> None:
+    """A request whose model is a LoRA adapter is hashed in the adapter's namespace, keyed by the
+    digest of its files: the hashes equal those the engine publishes when it caches the prompt
+    with that adapter (so the router finds the replica holding it), and differ from the base
+    model's for the same tokens."""
+    from radixkv.engine.engine import Engine
+    from radixkv.model.lora import adapter_digest, save_random_adapter
+    from radixkv.model.tiny import tiny_config
+
+    folder = save_random_adapter(tiny_config(), tmp_path / "ad", seed=0)
+    tok = load_tokenizer("radixkv-tiny")
+    hasher = PromptHasher(tok, 16, lora_digests={"ad": adapter_digest(folder)})
+    ids = list(range(3, 60))
+    hint = hasher.hint(
+        "/v1/completions", None, b'{"model": "ad", "prompt": %s}' % str(ids).encode()
+    )
+    base = hasher.hint("/v1/completions", None, b'{"model": "m", "prompt": %s}' % str(ids).encode())
+    assert len(hint.hashes) == 3 and set(hint.hashes).isdisjoint(base.hashes)
+    eng = Engine("radixkv-tiny", page_size=16, num_pages=64, lora_modules={"ad": str(folder)})
+    stored: list[int] = []
+    eng.cache.add_listener(lambda e: stored.extend(getattr(e, "block_hashes", [])))
+    eng.generate([ids], use_tqdm=False, lora="ad")
+    assert stored[:3] == hint.hashes
+
+
 def test_reset_forgets_a_replicas_prefixes_and_ignores_stale_stats() -> None:
     s = AffinityState()
     h = page_hashes(list(range(32)), PS)

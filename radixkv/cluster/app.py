@@ -131,6 +131,7 @@ def build_cluster_app(config: ClusterConfig | None = None) -> Any:
         cfg.page_size,
         dict(cfg.server_kwargs),
         tokenizer_source=cfg.tokenizer_source,
+        lora_modules=cfg.engine_kwargs.get("lora_modules"),
     )
 
 

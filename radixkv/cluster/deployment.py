@@ -46,6 +46,8 @@ from radixkv.cluster.asgi_bridge import ForwardedRequest, Lifespan, call_app  # 
 from radixkv.cluster.fanout import RESET_PATH, reset_fleet  # noqa: E402
 from radixkv.cluster.hinting import PromptHasher, load_tokenizer  # noqa: E402
 from radixkv.cluster.summary import CacheSummary  # noqa: E402
+from radixkv.engine.lora import parse_lora_modules  # noqa: E402
+from radixkv.model.lora import adapter_digest  # noqa: E402
 from radixkv.server.errors import APIError  # noqa: E402
 
 log = logging.getLogger("radixkv.cluster")
@@ -152,6 +154,7 @@ class RadixKVIngress:
         *,
         max_attempts: int = 3,
         tokenizer_source: dict[str, Any] | None = None,
+        lora_modules: Any = None,  # the replicas' EngineConfig.lora_modules (routing hints)
     ) -> None:
         server_kwargs = server_kwargs or {}
         self.replicas = replicas
@@ -161,6 +164,9 @@ class RadixKVIngress:
             api_keys=server_kwargs.get("api_keys"),
             admin_key=server_kwargs.get("admin_key"),
             keys_file=server_kwargs.get("api_keys_file"),
+            lora_digests={
+                name: adapter_digest(path) for name, path in parse_lora_modules(lora_modules)
+            },
         )
         self.max_body_bytes = int(server_kwargs.get("max_body_bytes", 4 * 1024 * 1024))
         self.max_attempts = max_attempts

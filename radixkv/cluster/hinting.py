@@ -4,7 +4,9 @@ The ingress holds the *same tokenizer* as the engine replicas (loaded from the s
 or folder) and computes, for each request, exactly the token ids the replica's server app will
 compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat:
 :func:`~radixkv.model.tokenizer.encode_chat`, the one chat path) and the namespace it will use (the
-authenticated tenant plus ``cache_salt``). Their chained page hashes
+authenticated tenant plus ``cache_salt``; for a request naming a LoRA adapter as its ``model``,
+that namespace inside the adapter's, ``AdapterNamespace``, keyed by the digest of the adapter's
+files, which the ingress computes from the same ``lora_modules``). Their chained page hashes
 (:func:`radixkv.cache.hashing.page_hashes`, Dynamo-compatible) travel with the forwarded
 request as the router's hint. The replica tokenizes again for its engine (the request is
 forwarded unchanged); tokenizing is microseconds per kilobyte, far below a prefill.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.cache.hashing import page_hashes
+from radixkv.engine.lora import AdapterNamespace
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.auth import Authenticator
@@ -53,11 +56,15 @@ class PromptHasher:
         api_keys: dict[str, str] | None = None,
         admin_key: str | None = None,
         keys_file: str | None = None,
+        lora_digests: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.tokenizer = tokenizer
         self.page_size = page_size
+        # adapter name -> content digest (radixkv.model.lora.adapter_digest) of the adapters
+        # the replicas load: requests naming one are hashed in its namespace, as cached
+        self.lora_digests = dict(lora_digests or {})
         # with ``keys_file`` the tenants follow the file as the replicas' servers do, so a new
         # key's requests are hashed in its tenant's namespace without a restart
         self.auth = Authenticator(api_keys, admin_key, keys_file=keys_file)
@@ -96,6 +103,9 @@ class PromptHasher:
             namespace = self.auth.authenticate(authorization).namespace(req.cache_salt)
         except APIError:
             return RoutingHint(stream=bool(req.stream))
+        digest = self.lora_digests.get(req.model)
+        if digest is not None:
+            namespace = AdapterNamespace(digest, namespace)
         return RoutingHint(
             hashes=page_hashes(ids, self.page_size, namespace),
             num_tokens=len(ids),

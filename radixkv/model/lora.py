@@ -38,7 +38,14 @@ from radixkv.model.hub import folder_display_name, resolve_model_folder
 from radixkv.model.linear import Linear
 from radixkv.model.llama import LlamaForCausalLM
 
-__all__ = ["LoRAAdapter", "LoRALayer", "LoRASet", "load_lora_adapter", "save_random_adapter"]
+__all__ = [
+    "LoRAAdapter",
+    "LoRALayer",
+    "LoRASet",
+    "adapter_digest",
+    "load_lora_adapter",
+    "save_random_adapter",
+]
 
 # module name in a decoder layer -> its parent module there
 TARGETS = {
@@ -60,8 +67,8 @@ _KEY = re.compile(
 class LoRAAdapter:
     """One adapter's factors, ready to add: ``factors[(layer, module)] = (a, b)``, Linear layers
     with weights ``A [r, in]`` and ``scale * B [out, r]`` in the model's dtype and device.
-    ``digest`` names its content (weights and scales): two loads of the same files have the
-    same digest, anything that could change the KV it computes changes it."""
+    ``digest`` names its content (:func:`adapter_digest`: its two files): two loads of the same
+    files have the same digest, anything that could change the KV it computes changes it."""
 
     name: str
     path: str
@@ -123,7 +130,7 @@ def load_lora_adapter(
         raise ModelLoadError(str(weights_path), None, "no LoRA weights in the file")
 
     factors: dict[tuple[int, str], tuple[Linear, Linear]] = {}
-    digest = xxhash.xxh3_128(raw)
+    digest = _digest(raw, cfg_path.read_bytes())
     rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         where = f"model.layers.{layer}.{TARGETS[module]}.{module}"
@@ -145,7 +152,6 @@ def load_lora_adapter(
             )  # fmt: skip
         a_mod = _pattern_value(alpha_pattern, f"{where}", alpha)
         scale = a_mod / math.sqrt(r) if rslora else a_mod / r
-        digest.update(f"{where}:{scale!r};".encode())
         factors[(layer, module)] = (
             _factor(a.to(torch.float32), device, dtype),
             _factor(b.to(torch.float32) * scale, device, dtype),
@@ -156,7 +162,7 @@ def load_lora_adapter(
         path=str(path),
         rank=rank,
         factors=factors,
-        digest=digest.hexdigest(),
+        digest=digest,
         modules=tuple(sorted({m for _, m in factors})),
     )
 
@@ -208,6 +214,27 @@ def _weight_linear(weight: torch.Tensor) -> Linear:
     lin.requires_grad_(False)
     lin.pack()
     return lin
+
+
+def adapter_digest(path: str | Path) -> str:
+    """The content digest of an adapter (a folder or Hub repo id, as :func:`load_lora_adapter`
+    takes it) without loading it or knowing the model: what the engine's cache namespace of its
+    requests is keyed by, so a router can hash prompts the way the engine will cache them."""
+    folder = resolve_model_folder(path, files=ADAPTER_FILES, what="LoRA adapter").folder
+    weights, config = (folder / f for f in ("adapter_model.safetensors", "adapter_config.json"))
+    for f in (weights, config):
+        if not f.is_file():
+            raise ModelLoadError(str(f), None, "file is missing")
+    return _digest(weights.read_bytes(), config.read_bytes())
+
+
+def _digest(weights: bytes, config: bytes) -> str:
+    """Both files' bytes: the weights and everything that scales them (alpha, rsLoRA, patterns),
+    so equal digests mean equal deltas (a changed comment in the config only costs sharing)."""
+    h = xxhash.xxh3_128(weights)
+    h.update(len(weights).to_bytes(8, "little"))
+    h.update(config)
+    return h.hexdigest()
 
 
 def _read_adapter_config(path: Path) -> dict[str, Any]:
