@@ -132,7 +132,17 @@ def test_unload_drops_entries_and_refuses_while_in_use(setup: dict[str, Any]) ->
     eng.generate([prompt], GREEDY, use_tqdm=False)
     cached = eng.cache.num_cached_pages
     rid = eng.add_request(prompt, GREEDY, lora="sql")
+    waiting = eng.add_request(prompt, GREEDY, lora="chat")
+    st = eng.stats()
+    assert (st.num_lora_adapters, st.running_lora_adapters, st.waiting_lora_adapters) == (
+        2,
+        [],
+        ["chat", "sql"],
+    )
     eng.step()
+    assert eng.stats().running_lora_adapters == ["chat", "sql"]
+    eng.abort(waiting)
+    assert eng.stats().running_lora_adapters == ["sql"]
     with pytest.raises(ValueError, match=f"'sql' is in use by request '{rid}'"):
         eng.unload_lora("sql")
     eng.abort(rid)

@@ -413,6 +413,10 @@ def test_unload_while_in_use_is_400_and_serving_goes_on(
         r = http.post("/v1/unload_lora_adapter", json={"lora_name": "extra"})
         assert r.status_code == 400, r.text
         assert _err(r)["param"] == "lora_name" and "'extra' is in use" in _err(r)["message"]
+        # vLLM's lora_requests_info names the adapter in use
+        text = http.get("/metrics").text
+        info = next(ln for ln in text.splitlines() if ln.startswith("radixkv_lora_requests_info{"))
+        assert 'running_lora_adapters="extra"' in info, info
         # everyone else is served meanwhile, the adapter included
         short = _complete(http, "extra", prompt)
         assert _completion_tokens(short) == peft_greedy(ref, prompt, NEW, EOS_ID)

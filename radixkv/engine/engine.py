@@ -800,7 +800,12 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters and gauges."""
         kv = self.seq_kv
-        running = len({id(s.group) for s in self.scheduler.running})
+        groups = {id(s.group) for s in self.scheduler.running}
+        running = len(groups)
+        run_loras, wait_loras = set(), set()
+        for g in self._live.values():
+            if g.lora is not None:
+                (run_loras if id(g) in groups else wait_loras).add(g.lora.name)
         return self._stats.snapshot(
             cached_pages=kv.num_cached_pages,
             evicted_pages=kv.num_evicted_pages,
@@ -812,6 +817,7 @@ class Engine:
             cache=self.cache.stats if kv.tiered else None,
             load_back_seconds=kv.load_back_seconds,
             storage=None if self.storage is None else self.storage.stats(),
+            loras=(len(self.loras.infos()), sorted(run_loras), sorted(wait_loras)),
         )
 
     def check_invariants(self) -> None:

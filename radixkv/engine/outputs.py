@@ -133,6 +133,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # request gauges and counters
     num_running: int = 0
     num_waiting: int = 0
+    # LoRA adapters: loaded, and those that running / waiting requests use (names, sorted)
+    num_lora_adapters: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
     num_requests: int = 0
     num_finished: int = 0
     num_aborted: int = 0
@@ -259,6 +263,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
         cache: CacheStats | None = None,
         load_back_seconds: float = 0.0,
         storage: StorageStats | None = None,
+        loras: tuple[int, list[str], list[str]] = (0, [], []),
     ) -> EngineStats:
         """An independent copy with the gauges set from the engine's current state (the host
         tier's from the cache's ``cache`` stats)."""
@@ -295,6 +300,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
             prefix_cache_hit_rate=self.prefix_cache_hit_tokens
             / max(1, self.prefix_cache_query_tokens),
             prompt_tokens=self.prefix_cache_query_tokens,
+            num_lora_adapters=loras[0],
+            running_lora_adapters=loras[1],
+            waiting_lora_adapters=loras[2],
             evicted_pages=evicted_pages,
             cached_pages=cached_pages,
             kv_pages_free=kv_pages_free,

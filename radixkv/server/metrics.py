@@ -17,6 +17,7 @@ series with its vLLM / SGLang counterpart.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -245,6 +246,24 @@ class EngineStatsCollector(Collector):
             metric = family(f"{PREFIX}_{suffix}", doc, labels=["model_name"])
             metric.add_metric(self._labels, value)
             yield metric
+        running = getattr(stats, "running_lora_adapters", None)
+        if running is not None:  # vLLM's lora_requests_info: the adapters in use, as labels
+            info = GaugeMetricFamily(
+                f"{PREFIX}_lora_requests_info",
+                "LoRA adapters used by running and waiting requests (comma-separated labels; "
+                "max_lora: adapters loaded); the value is the scrape's Unix time",
+                labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            info.add_metric(
+                [
+                    *self._labels,
+                    ",".join(running),
+                    ",".join(stats.waiting_lora_adapters),
+                    str(stats.num_lora_adapters),
+                ],
+                time.time(),
+            )
+            yield info
 
 
 class ServerMetrics:
