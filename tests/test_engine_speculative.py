@@ -86,10 +86,45 @@ def test_a_loop_takes_a_fraction_of_the_steps() -> None:
     assert steps[8] * 4 < steps[0]
 
 
+def test_stop_strings_end_inside_a_run_of_drafts() -> None:
+    """A stop string completed by a kept draft ends the output at that draft, as it would
+    without speculation: same tokens, text and finish; the drafts after it are dropped and the
+    engine's pages stay consistent."""
+    prompts = ["for i in range(9):\n" * 3, "import os\n" * 3 + "def f(x):\n    return x\n" * 4]
+    plain = Engine("radixkv-tiny", num_pages=256)
+    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    texts = [o.outputs[0].text for o in run_checked(plain, prompts, greedy)]
+    # stops cut from the text the model writes: somewhere inside its repetitions
+    stops = [[t[40:46]] for t in texts] + [[t[75:79], "zzz"] for t in texts]
+    cases = [(p, stop) for p in prompts for stop in stops if stop[0] in texts[prompts.index(p)]]
+    assert len(cases) >= 4
+    results = {}
+    for k in (0, 8):
+        eng = Engine("radixkv-tiny", num_pages=256, num_speculative_tokens=k)
+        ids = [
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=120, stop=stop))
+            for p, stop in cases
+        ]
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            eng.check_invariants()
+        results[k] = [
+            (done[r].outputs[0].token_ids, done[r].outputs[0].text, done[r].outputs[0].stop_reason)
+            for r in ids
+        ]
+        if k:
+            assert eng.stats().speculative_accepted_tokens > 0
+        assert eng.seq_kv.num_private_pages == 0
+        assert all(n.lock_ref == 0 for n in eng.cache.iter_nodes() if n.parent is not None)
+    assert results[8] == results[0]
+    assert all(reason in stop for (_, _, reason), (_, stop) in zip(results[8], cases))
+
+
 def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) -> None:
-    """One batch: greedy requests (drafted), and requests whose next token depends on more than
-    the step's logits (penalties, logprobs, stop strings, guided): each output is what it is
-    without speculation."""
+    """One batch: greedy requests (drafted, one with a stop string), and requests whose next
+    token depends on more than the step's logits (penalties, logprobs, guided): each output is
+    what it is without speculation."""
     _, lm = small
     prompts = _prompts(2)
     kinds = [

@@ -545,13 +545,18 @@ class Engine:
                 group.metrics.ttft = now - group.metrics.arrival_time
             self._news[group.request_id] = group
             ahead = drafted.get(seq)
-            if ahead:  # no draft can finish the output (speculative.py): no reason to check
+            reason = None
+            if ahead:  # only a stop string can end the output inside them (speculative.py)
                 del seq.token_ids[-len(ahead) :]
                 for d in ahead:
-                    self._accept(seq, d)
-                appended += len(ahead)
-            reason = self._accept(seq, tok)
-            appended += 1
+                    reason = self._accept(seq, d)
+                    appended += 1
+                    if reason is not None:  # the drafts past it were computed, not output
+                        seq.num_computed = min(seq.num_computed, len(seq.token_ids))
+                        break
+            if reason is None:
+                reason = self._accept(seq, tok)
+                appended += 1
             guide = seq.guide
             if jump and guide is not None and seq.logprobs is None:
                 while reason is None and (forced := guide.forced()) is not None:

@@ -18,9 +18,12 @@ no drafts when the pool cannot supply them), cut back to the accepted run before
 records the step (so only real tokens are computed, committed and published), and their
 slots past the accepted run freed after. A draft that is a stop token (EOS unless
 ``ignore_eos``, ``stop_token_ids``) is never accepted: the model's own choice there ends the
-output through the normal path. Only requests whose next token depends on nothing but the
-step's logits take part: no penalties or bias, no guided decoding, no logprobs, no stop strings
-(their text is matched as it is produced); the others decode as before in the same batch. A
+output through the normal path. Stop strings are matched as the engine appends the kept drafts
+one by one, as it appends decoded tokens: one completed inside the run ends the output there,
+and the rest of the run is dropped (its KV stays only where a page was already published).
+Only requests whose next token depends on nothing but the step's logits take part: no
+penalties or bias, no guided decoding, no logprobs; the others decode as before in the same
+batch. A
 sequence whose drafts keep being refused backs off (exponentially, up to ``MAX_BACKOFF`` steps
 between lookups), so text that does not repeat costs few wide forwards.
 """
@@ -128,7 +131,6 @@ class Speculator:
             not p.adjusts_logits
             and p.guided is None
             and p.logprobs is None
-            and not p.stop
             and seq.num_computed == len(seq.token_ids) - 1
         )
 
