@@ -72,19 +72,3 @@ def peft_greedy(model: Any, ids: list[int], max_new_tokens: int, eos: int) -> li
         if tok == eos:
             break
     return out[len(ids) :]
-
-
-def write_lora_folder(
-    config: Any,
-    folder: Path,
-    *,
-    seed: int,
-    r: int = 4,
-    modules: list[str] = ALL,
-    scale: float = 1.0,
-) -> Path:
-    """A random adapter for a radixkv ``ModelConfig`` in PEFT's file layout, without PEFT (for
-    models with no transformers twin, such as radixkv-tiny); returns the folder."""
-    from radixkv.model.lora import save_random_adapter
-
-    return save_random_adapter(config, folder, seed=seed, rank=r, modules=modules, scale=scale)

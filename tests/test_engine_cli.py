@@ -54,11 +54,10 @@ def test_generate_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
 def test_generate_with_lora(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """--lora runs the prompt with an adapter folder (greedy: another continuation than the
     base model's); a folder that is not an adapter exits 2 naming the missing file."""
-    from lora_helpers import write_lora_folder
-
+    from radixkv.model.lora import save_random_adapter
     from radixkv.model.tiny import tiny_config
 
-    folder = write_lora_folder(tiny_config(), tmp_path / "ad", seed=0, scale=3.0)
+    folder = save_random_adapter(tiny_config(), tmp_path / "ad", seed=0, rank=4, scale=3.0)
     args = ["generate", "def read(path):\n", "--max-tokens", "12"]
     assert main(args) == 0
     base = capsys.readouterr().out

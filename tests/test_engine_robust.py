@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from engine_helpers import MAX_CONTEXT, VOCAB, make_small_llama
-from lora_helpers import write_lora_folder
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
+from radixkv.model.lora import save_random_adapter
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,10 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def adapters(lm: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "a": str(write_lora_folder(lm.config, root / "a", seed=1)),
-        "b": str(write_lora_folder(lm.config, root / "b", seed=2, modules=["q_proj", "v_proj"])),
+        "a": str(save_random_adapter(lm.config, root / "a", seed=1, rank=4)),
+        "b": str(
+            save_random_adapter(lm.config, root / "b", seed=2, rank=4, modules=["q_proj", "v_proj"])
+        ),
     }
 
 

@@ -265,7 +265,7 @@ class Engine:
         if rid in self._live:
             raise ValueError(f"request_id {rid!r} is already in use")
         lora = request.lora
-        if lora is not None and lora not in self.loras.infos():  # unloaded since prepare()
+        if lora is not None and not self.loras.is_loaded(lora):  # unloaded since prepare()
             raise ValueError(f"LoRA adapter {lora.name!r} was unloaded")
         self._live[rid] = request
         self._stats.record_request()

@@ -148,6 +148,10 @@ class LoRARegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
+    def is_loaded(self, info: LoRAInfo) -> bool:
+        """``info`` is the adapter loaded under its name now (not one unloaded since)."""
+        return self._by_name.get(info.name) is info
+
     def infos(self) -> list[LoRAInfo]:
         return list(self._by_name.values())
 

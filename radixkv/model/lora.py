@@ -153,8 +153,8 @@ def load_lora_adapter(
         a_mod = _pattern_value(alpha_pattern, f"{where}", alpha)
         scale = a_mod / math.sqrt(r) if rslora else a_mod / r
         factors[(layer, module)] = (
-            _factor(a.to(torch.float32), device, dtype),
-            _factor(b.to(torch.float32) * scale, device, dtype),
+            _weight_linear(a.to(device=device, dtype=dtype)),
+            _weight_linear((b.to(torch.float32) * scale).to(device=device, dtype=dtype)),
         )
         rank = max(rank, r)
     return LoRAAdapter(
@@ -201,12 +201,9 @@ def save_random_adapter(
     return out
 
 
-def _factor(weight: torch.Tensor, device: Any, dtype: torch.dtype) -> Linear:
-    """A bias-free Linear holding ``weight [out, in]``, packed for oneDNN where that applies."""
-    return _weight_linear(weight.to(device=device, dtype=dtype))
-
-
 def _weight_linear(weight: torch.Tensor) -> Linear:
+    """A bias-free Linear holding ``weight [out, in]`` (its device and dtype), packed for
+    oneDNN where that applies."""
     lin = Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
                  dtype=weight.dtype)  # fmt: skip
     with torch.no_grad():
@@ -477,10 +474,6 @@ class LoRASet:
                 step.row_slots = torch.tensor(per_row, dtype=torch.int64).to(step.device)
             m = step.masks[key] = (step.row_slots[:, None] == stack.col_slot[None, :]).to(dtype)
         return m
-
-    def clear_rows(self) -> None:
-        self._rows.groups = _NO_GROUPS
-        self._rows.masks = {}
 
 
 _NO_GROUPS: list[tuple[int, slice | torch.Tensor]] = []
