@@ -78,8 +78,8 @@ PAD = 0  # <unk>: never in a prompt (prompts use ids from bench_peers.FIRST_ID o
 
 
 # ---- the adapters --------------------------------------------------------------------------------
-def _adapter_tag(i: int) -> str:
-    return f"{bench_peers._model_tag()}-lora-r{RANK}-a{ALPHA}-all-s{bench_peers.SEED + i}"
+def _adapter_tag(checkpoint: Path, i: int) -> str:
+    return f"{checkpoint.name}-lora-r{RANK}-a{ALPHA}-all-s{bench_peers.SEED + i}"
 
 
 @torch.no_grad()
@@ -88,7 +88,7 @@ def make_adapters(checkpoint: Path, cache: Path, n: int) -> list[Path]:
     under ``cache`` (reused when there already): rank 16 on all seven linear layers, factors
     ``A, B ~ N(0, 1 / fan_in)`` so that each delta is about as large as the layer's own output
     (enough to change greedy outputs)."""
-    folders = [cache / _adapter_tag(i) for i in range(n)]
+    folders = [cache / _adapter_tag(checkpoint, i) for i in range(n)]
     if all((f / "radixkv_bench.json").is_file() for f in folders):
         return folders
     from peft import LoraConfig, get_peft_model
@@ -115,7 +115,8 @@ def make_adapters(checkpoint: Path, cache: Path, n: int) -> list[Path]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.save_pretrained(folder)
-        (folder / "radixkv_bench.json").write_text(json.dumps({"tag": _adapter_tag(i)}))
+        tag = _adapter_tag(checkpoint, i)
+        (folder / "radixkv_bench.json").write_text(json.dumps({"tag": tag}))
     return folders
 
 
@@ -269,16 +270,14 @@ def hf_base_system(model: Any) -> Run:
     return run
 
 
-def lora_delta_seconds(run: Run, w: Workload) -> dict[str, Any] | None:
+def lora_delta_seconds(run: Run, w: Workload) -> dict[str, Any]:
     """Where radixkv's LoRA time goes: one more (untimed) run of ``run`` with the adapters'
-    per-layer deltas (``LoRALayer.add_delta``, two thin matmuls and an add per adapter group)
-    timed; calls of more than 64 rows counted as prefill, the rest as decode. None when the
-    method is not there to wrap."""
+    per-layer deltas (``LoRALayer.add_delta``: two thin products per adapter group, or for
+    several adapters two stacked products) timed; calls of more than 64 rows counted as
+    prefill, the rest as decode."""
     from radixkv.model import lora
 
-    inner = getattr(lora.LoRALayer, "add_delta", None)
-    if inner is None:
-        return None
+    inner = lora.LoRALayer.add_delta
     acc = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_calls": 0, "decode_calls": 0}
 
     def timed(self: Any, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -328,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
 
-    checkpoint = bench_peers.build_checkpoint(args.cache / bench_peers._model_tag())
+    checkpoint = bench_peers.checkpoint(args.cache)
     folders = make_adapters(checkpoint, args.cache, ADAPTERS)
     loras = {f"tenant{i}": f for i, f in enumerate(folders)}
     w = make_workload(args.quick, list(loras))
@@ -372,11 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     changed = sum(a != b for a, b in zip(outs[RADIX_LORA], outs[RADIX_BASE], strict=True))
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{bench_peers._cpu_name()}, {os.cpu_count()} CPUs, "
+        "machine": f"{bench_peers.cpu_name()}, {os.cpu_count()} CPUs, "
         f"load average at start {os.getloadavg()[0]:.1f}",
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
-        "versions": _versions(),
+        "versions": bench_peers.versions("torch", "transformers", "peft", "radixkv"),
         "checkpoint": checkpoint.name,  # the model tag (bench_peers.build_checkpoint)
         "adapters": {
             "count": ADAPTERS,
@@ -414,18 +413,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"radixkv's LoRA deltas in one more run: {delta}")
     print(f"wrote {args.out}")
     return 0
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "peft", "radixkv"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            continue
-    return out
 
 
 if __name__ == "__main__":

@@ -96,6 +96,12 @@ def _model_tag() -> str:
     return f"llama-h512-l4-v32000-s{SEED}"
 
 
+def checkpoint(cache: Path) -> Path:
+    """This benchmark's checkpoint folder under ``cache`` (built when missing), named by the
+    model tag: the other peer scripts share it."""
+    return build_checkpoint(cache / _model_tag())
+
+
 def build_checkpoint(folder: Path) -> Path:
     """The random Llama saved as a HF folder (fp32 safetensors + tokenizer files); reused when
     ``folder`` already holds it."""
@@ -493,7 +499,7 @@ def add_gguf_arguments(ap: argparse.ArgumentParser) -> None:
 def f32_checkpoint(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[Path, Path]:
     """This benchmark's checkpoint folder and its f32 GGUF under ``args.cache``; the GGUF is
     converted only when missing (a usage error then without a converter)."""
-    folder = build_checkpoint(args.cache / _model_tag())
+    folder = checkpoint(args.cache)
     gguf = args.cache / f"{_model_tag()}-f32.gguf"
     if not gguf.is_file():
         converter = args.converter or (
@@ -548,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engines = set(args.systems.split(","))
     precisions = set(args.precisions.split(","))
-    folder = build_checkpoint(args.cache / _model_tag())
+    folder = checkpoint(args.cache)
     workloads = {k: v for k, v in make_workloads(args.quick, MODEL["vocab_size"]).items()
                  if k in args.workloads.split(",")}  # fmt: skip
     longest = max(len(p) for w in workloads.values() for p in w.prompts)
@@ -613,13 +619,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bf16 = cpu_bf16()
     data: dict[str, Any] = {
-        "machine": f"{_cpu_name()}, {os.cpu_count()} CPUs, "
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, "
         f"load average at start {os.getloadavg()[0]:.1f}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "checkpoint": {**MODEL, "saved_dtype": "float32", "seed": SEED},
         "cpu_native_bf16": {"native": bf16.native, "evidence": bf16.evidence},
         "torch_threads": torch.get_num_threads(),
-        "versions": _versions(),
+        "versions": versions("torch", "transformers", "llama-cpp-python", "gguf", "radixkv"),
         "runs": args.runs,
         "quick": args.quick,
         "workloads": {w.name: _describe(w) for w in workloads.values()},
@@ -634,7 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (for the result files' machine line)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -653,11 +660,12 @@ def _describe(w: Workload) -> dict[str, int]:
     }
 
 
-def _versions() -> dict[str, str]:
+def versions(*packages: str) -> dict[str, str]:
+    """Python's version and each installed package's (missing ones left out)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "llama-cpp-python", "gguf", "radixkv"):
+    for pkg in packages:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
