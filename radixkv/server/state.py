@@ -139,9 +139,7 @@ class ServerState:
 
     def model_not_found(self, model: str) -> APIError:
         served = [self.model_name, *self.lora_names()]
-        listed = ", ".join(f"`{m}`" for m in served[:MAX_LISTED_MODELS])
-        if len(served) > MAX_LISTED_MODELS:
-            listed += f" and {len(served) - MAX_LISTED_MODELS} more (GET /v1/models lists them)"
+        listed = _listed(served, "`", " (GET /v1/models lists them)")
         return APIError(
             404,
             f"The model `{model}` does not exist (this server serves {listed})",
@@ -526,9 +524,7 @@ class ServerState:
 
 def _lora_not_found(name: str, loaded: list[str]) -> APIError:
     """vLLM's 404 for an adapter that is not loaded, naming the loaded ones."""
-    names = ", ".join(f"'{n}'" for n in loaded[:MAX_LISTED_MODELS]) or "none"
-    if len(loaded) > MAX_LISTED_MODELS:
-        names += f" and {len(loaded) - MAX_LISTED_MODELS} more"
+    names = _listed(loaded, "'") or "none"
     return APIError(
         404,
         f"The lora adapter '{name}' cannot be found (loaded: {names}).",
@@ -553,3 +549,12 @@ def _engine_error(err: BaseException, guided_param: str | None = None) -> APIErr
         return bad_request(message, param)
     log.error("request failed in the engine: %r", err)
     return APIError(500, f"The engine failed while serving the request: {err}")
+
+
+def _listed(names: list[str], quote: str, more_hint: str = "") -> str:
+    """Up to MAX_LISTED_MODELS names, quoted and comma-separated, then how many more (and
+    ``more_hint``) when there are more: an error message names what is served, not thousands."""
+    text = ", ".join(f"{quote}{n}{quote}" for n in names[:MAX_LISTED_MODELS])
+    if len(names) > MAX_LISTED_MODELS:
+        text += f" and {len(names) - MAX_LISTED_MODELS} more{more_hint}"
+    return text
