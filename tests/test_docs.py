@@ -157,16 +157,22 @@ def test_index_cache_snippet_runs() -> None:
         exec(compile(block, "docs/index.md", "exec"), {})
 
 
-def test_embedding_sampling_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """The sampling example of docs/embedding.md runs, and its logit bias holds."""
+def run_embedding_example(marker: str, what: str) -> dict[str, Any]:
+    """Run the one python block of docs/embedding.md containing ``marker`` (the ``what``
+    example); returns the names it defined."""
     import re
 
     text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "logit_bias" in b]
-    assert len(blocks) == 1, "docs/embedding.md lost its sampling example"
-    scope: dict[str, object] = {}
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if marker in b]
+    assert len(blocks) == 1, f"docs/embedding.md lost its {what} example"
+    scope: dict[str, Any] = {}
     exec(compile(blocks[0], "docs/embedding.md", "exec"), scope)
-    out = scope["out"]
+    return scope
+
+
+def test_embedding_sampling_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The sampling example of docs/embedding.md runs, and its logit bias holds."""
+    out = run_embedding_example("logit_bias", "sampling")["out"]
     assert "#" not in out.text  # the logit bias
     assert capsys.readouterr().out
 
@@ -174,16 +180,7 @@ def test_embedding_sampling_snippet_runs(capsys: pytest.CaptureFixture[str]) -> 
 def test_embedding_structured_output_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The structured-output example of docs/embedding.md runs: each sample is JSON with the
     schema's required keys, and the label is one of the choices."""
-    import re
-
-    text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
-    blocks = [
-        b
-        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
-        if "GuidedDecodingParams" in b
-    ]
-    assert len(blocks) == 1, "docs/embedding.md lost its structured-output example"
-    exec(compile(blocks[0], "docs/embedding.md", "exec"), {})
+    run_embedding_example("GuidedDecodingParams", "structured-output")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and lines[-1] in ("spam", "ham")
     for line in lines[:3]:
@@ -195,17 +192,7 @@ def test_embedding_structured_output_snippet_runs(capsys: pytest.CaptureFixture[
 def test_embedding_scoring_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The scoring example of docs/embedding.md runs: every answer token scored, nothing before
     the start, and the answers after the first served the context from the cache."""
-    import re
-
-    text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
-    blocks = [
-        b
-        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
-        if "prompt_logprobs_start" in b
-    ]
-    assert len(blocks) == 1, "docs/embedding.md lost its scoring example"
-    scope: dict[str, Any] = {}
-    exec(compile(blocks[0], "docs/embedding.md", "exec"), scope)
+    scope = run_embedding_example("prompt_logprobs_start", "scoring")
     n, outs = scope["ctx_len"], scope["outs"]
     for a, o in zip(scope["answers"], outs):
         assert o.prompt_logprobs[:n] == [None] * n
@@ -219,17 +206,7 @@ def test_embedding_lora_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None
     """The LoRA example of docs/embedding.md runs: three continuations of one prompt in one
     batch, each with its adapter (the random adapters change the greedy text), and the unload
     leaves one adapter."""
-    import re
-
-    text = (ROOT / "docs" / "embedding.md").read_text(encoding="utf-8")
-    blocks = [
-        b
-        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
-        if "save_random_adapter" in b
-    ]
-    assert len(blocks) == 1, "docs/embedding.md lost its LoRA example"
-    scope: dict[str, Any] = {}
-    exec(compile(blocks[0], "docs/embedding.md", "exec"), scope)
+    scope = run_embedding_example("save_random_adapter", "LoRA")
     outs = scope["outs"]
     assert [o.lora for o in outs] == [None, "sql", "docs"]
     assert len({o.text for o in outs}) == 3
