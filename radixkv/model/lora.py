@@ -96,7 +96,7 @@ def load_lora_adapter(
     file and the problem (module docstring)."""
     folder = resolve_model_folder(path, files=ADAPTER_FILES, what="LoRA adapter").folder
     cfg_path = folder / "adapter_config.json"
-    cfg = _read_adapter_config(cfg_path)
+    cfg, cfg_raw = _read_adapter_config(cfg_path)
     weights_path = folder / "adapter_model.safetensors"
     if not weights_path.is_file():
         problem = "file is missing"
@@ -130,7 +130,7 @@ def load_lora_adapter(
         raise ModelLoadError(str(weights_path), None, "no LoRA weights in the file")
 
     factors: dict[tuple[int, str], tuple[Linear, Linear]] = {}
-    digest = _digest(raw, cfg_path.read_bytes())
+    digest = _digest(raw, cfg_raw)
     rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         where = f"model.layers.{layer}.{TARGETS[module]}.{module}"
@@ -234,11 +234,13 @@ def _digest(weights: bytes, config: bytes) -> str:
     return h.hexdigest()
 
 
-def _read_adapter_config(path: Path) -> dict[str, Any]:
+def _read_adapter_config(path: Path) -> tuple[dict[str, Any], bytes]:
+    """The checked config, and the file's bytes (part of the adapter's digest)."""
     if not path.is_file():
         raise ModelLoadError(str(path), None, "file is missing (not a PEFT adapter folder?)")
+    raw = path.read_bytes()
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
+        cfg = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(str(path), None, f"malformed JSON: {exc}") from exc
     if not isinstance(cfg, dict):
@@ -264,7 +266,7 @@ def _read_adapter_config(path: Path) -> dict[str, Any]:
     pattern = cfg.get("alpha_pattern")
     if pattern is not None and not isinstance(pattern, dict):
         raise ModelLoadError(str(path), "alpha_pattern", "must be an object")
-    return cfg
+    return cfg, raw
 
 
 def _read_tensors(path: Path, raw: bytes) -> dict[str, torch.Tensor]:
