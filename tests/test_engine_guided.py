@@ -11,9 +11,12 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from engine_helpers import make_small_llama, run_checked
 
+import radixkv.engine.engine as engine_mod
 from radixkv.engine.engine import Engine
+from radixkv.engine.guided import GuideCompiler
 from radixkv.engine.params import GuidedDecodingParams, SamplingParams
 from radixkv.model.tokenizer import HFTokenizer
 
@@ -378,3 +381,62 @@ def test_forced_spelling_shared_by_several_tokens() -> None:
     assert guide.forced() is None  # "a", <0x61> or "ab": not one spelling
     guide = compiler.guide(GuidedDecodingParams(regex="(c|d)"))
     assert guide.forced() is None
+
+
+def _scripted(script: list[int]) -> Any:
+    """A sampler that writes ``script`` where the mask allows its next token and the best
+    allowed token where it does not (one token per step: jump-forward must be off)."""
+    pos = [0]
+
+    def sample(logits: torch.Tensor, params: Any, generators: Any) -> list[int]:
+        out = []
+        for row in logits:
+            tok = script[pos[0]] if pos[0] < len(script) else int(row.argmax())
+            out.append(tok if torch.isfinite(row[tok]) else int(row.argmax()))
+        pos[0] += 1
+        return out
+
+    return sample
+
+
+def test_start_after_leaves_the_output_free_up_to_its_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``start_after``: the tokens up to and including the text (eight byte tokens here) are
+    free, even ones the language forbids; the language holds from the next token on and ends
+    the output. Without it, the same script is held to the language from its first token."""
+    regex = r'\{"a": [0-9]\}'
+    eng = Engine("radixkv-tiny", num_pages=256, guided_jump_forward=False)
+    script = eng.tokenizer.encode(
+        'Hmm, {x} </thin </think>{"a": 7} and on', add_special_tokens=False
+    )
+    texts = {}
+    for start_after in (None, "</think>"):
+        monkeypatch.setattr(engine_mod, "sample", _scripted(script))
+        guided = GuidedDecodingParams(regex=regex, start_after=start_after)
+        params = SamplingParams(max_tokens=60, guided=guided)
+        (out,) = run_checked(eng, [eng.tokenizer.encode("Reason, then answer: ")], params)
+        texts[start_after] = (out.outputs[0].text, out.outputs[0].finish_reason)
+    assert texts["</think>"] == ('Hmm, {x} </thin </think>{"a": 7}', "stop")
+    text, finish = texts[None]
+    assert re.fullmatch(regex, text) and finish == "stop"
+    # one index for both: start_after is not part of the language
+    compiler = GuideCompiler(eng.tokenizer, eng.vocab_size, eng.eos_token_ids)
+    index = compiler.compile(GuidedDecodingParams(regex=regex))
+    assert compiler.compile(GuidedDecodingParams(regex=regex, start_after="x")) is index
+
+
+def test_a_waiting_guide_masks_forces_and_walks_nothing(tiny: Engine) -> None:
+    compiler = GuideCompiler(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)
+    g = compiler.guide(GuidedDecodingParams(choice=("yes",), start_after="]]"))
+    assert g.waiting and g.allowed().all() and g.forced() is None and not g.only_end
+    row = torch.zeros(tiny.vocab_size)
+    g.mask(row)
+    assert torch.isfinite(row).all()
+    for tok in tiny.tokenizer.encode("a]b]", add_special_tokens=False):  # no "]]" yet
+        g.advance(tok)
+    assert g.waiting
+    g.advance(tiny.tokenizer.encode("]", add_special_tokens=False)[0])
+    assert not g.waiting and g.allowed().sum() == 1  # "y" and nothing else
+    with pytest.raises(ValueError, match="start_after must be a non-empty string"):
+        GuidedDecodingParams(choice=("yes",), start_after="")

@@ -101,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "strict_api": server.strict_api or None,
         "metrics_require_key": server.metrics_require_key or None,
         "tool_call_parser": server.tool_call_parser,
+        "reasoning_parser": server.reasoning_parser,
     }
     return ClusterConfig(
         model=args.model,

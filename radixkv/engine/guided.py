@@ -32,6 +32,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -117,6 +118,7 @@ class GuideCompiler:
         self._vocabulary: Any = None
         self._index_size = 0  # ids the index's bitmask covers (its vocabulary's largest + 1)
         self._same: dict[int, list[int]] = {}  # token -> all tokens spelling its bytes (>= 2)
+        self._spelling: dict[int, bytes] = {}  # token -> its bytes (start_after's matching)
         self._cache: OrderedDict[GuidedDecodingParams, Any] = OrderedDict()
         self._lock = threading.Lock()  # the cache and the vocabulary's construction
 
@@ -139,7 +141,8 @@ class GuideCompiler:
             raise ValueError("guided decoding needs an EOS token: the model has none")
         eos = self.eos_token_ids[0]
         by_bytes: dict[bytes, list[int]] = {}
-        for i, b in spell().items():
+        self._spelling = dict(spell())
+        for i, b in self._spelling.items():
             if i < self.vocab_size and i not in self.eos_token_ids and b:
                 by_bytes.setdefault(b, []).append(i)
         self._index_size = max([eos, *(i for ids in by_bytes.values() for i in ids)]) + 1
@@ -152,6 +155,9 @@ class GuideCompiler:
     def compile(self, g: GuidedDecodingParams) -> Any:
         """The compiled index for ``g`` (ValueError naming the problem when it cannot be)."""
         from outlines_core import Index
+
+        if g.start_after is not None:  # the language is the same: one index for both
+            g = replace(g, start_after=None)
 
         with self._lock:
             index = self._cache.get(g)
@@ -178,9 +184,12 @@ class GuideCompiler:
         """A fresh walk for one sequence; ``allow_eos=False`` (``ignore_eos``) never offers an
         EOS token, where the language may end or go on (it still ends where it must)."""
         index = self.compile(g)
-        return TokenGuide(
+        guide = TokenGuide(
             index, self.vocab_size, self._index_size, self.eos_token_ids, allow_eos, self._same
         )
+        if g.start_after is not None:
+            guide.wait_for(g.start_after.encode(), self._spelling)
+        return guide
 
 
 def _what(g: GuidedDecodingParams) -> str:
@@ -192,9 +201,21 @@ def _what(g: GuidedDecodingParams) -> str:
 
 
 class TokenGuide:
-    """One sequence's position in a compiled index."""
+    """One sequence's position in a compiled index; while it waits for a ``start_after`` text
+    (:meth:`wait_for`) it masks nothing, forces nothing and walks nothing."""
 
-    __slots__ = ("_eos", "_eos_ok", "_guide", "_index_size", "_same", "_vocab_size", "_words")
+    __slots__ = (
+        "_eos",
+        "_eos_ok",
+        "_guide",
+        "_index_size",
+        "_same",
+        "_seen",
+        "_spelling",
+        "_trigger",
+        "_vocab_size",
+        "_words",
+    )
 
     def __init__(
         self,
@@ -214,9 +235,25 @@ class TokenGuide:
         self._index_size = index_size
         self._eos = eos
         self._words = np.zeros((index_size + 31) // 32, dtype=np.int32)  # the bitmask
+        self._trigger: bytes | None = None  # start_after's bytes while still waiting for them
+        self._seen = b""  # the output's last bytes while waiting (shorter than the trigger)
+        self._spelling: dict[int, bytes] = {}
+
+    def wait_for(self, trigger: bytes, spelling: dict[int, bytes]) -> None:
+        """Stay free until the sampled tokens (``spelling``: token -> bytes) have spelled
+        ``trigger``; the constraint starts with the token after the one that completes it."""
+        self._trigger, self._seen, self._spelling = trigger, b"", spelling
+
+    @property
+    def waiting(self) -> bool:
+        """Still free: the ``start_after`` text has not been generated yet."""
+        return self._trigger is not None
 
     def allowed(self) -> np.ndarray:
-        """``[vocab_size]`` bool: the tokens that may come next (all EOS ids where it may end)."""
+        """``[vocab_size]`` bool: the tokens that may come next (all EOS ids where it may end;
+        every token while waiting for ``start_after``)."""
+        if self._trigger is not None:
+            return np.ones(self._vocab_size, dtype=bool)
         w = self._words
         self._guide.write_mask_into(w.ctypes.data, w.size, 4)
         # bit k of little-endian word j is token 32 j + k: the bytes' bits in little order
@@ -229,6 +266,8 @@ class TokenGuide:
 
     def mask(self, row: torch.Tensor) -> None:
         """Set the disallowed entries of one row of logits ``[vocab_size]`` to -inf, in place."""
+        if self._trigger is not None:
+            return
         allowed = self.allowed()
         ids = np.flatnonzero(allowed)
         if len(ids) * 8 < len(allowed):  # few allowed (a number, a keyword): keep just those
@@ -242,6 +281,14 @@ class TokenGuide:
 
     def advance(self, token: int) -> None:
         """Move past ``token`` (which must have been allowed; an EOS id is not walked)."""
+        trigger = self._trigger
+        if trigger is not None:
+            seen = self._seen + self._spelling.get(token, b"")
+            if trigger in seen:
+                self._trigger = None
+            else:
+                self._seen = seen[-(len(trigger) - 1) :] if len(trigger) > 1 else b""
+            return
         if token not in self._eos:
             self._guide.advance(token)
 
@@ -250,6 +297,8 @@ class TokenGuide:
         not the end): the one token, or the highest id of tokens that all spell the same bytes;
         else None. Reads the bitmask's few set bits, not the token list, which can hold most
         of a large vocabulary."""
+        if self._trigger is not None:
+            return None
         w = self._words
         self._guide.write_mask_into(w.ctypes.data, w.size, 4)
         nz = np.flatnonzero(w)
@@ -270,6 +319,8 @@ class TokenGuide:
     @property
     def only_end(self) -> bool:
         """Nothing but the end may follow (the output is complete)."""
+        if self._trigger is not None:
+            return False
         g = self._guide
         return g.is_finished() and g.get_tokens() == [self._eos[0]]
 

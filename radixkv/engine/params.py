@@ -27,6 +27,12 @@ class GuidedDecodingParams:
         whitespace_pattern: for ``json`` and ``json_object`` only, the regex of the whitespace
             allowed between JSON tokens; None: at most one space (outlines-core's default,
             which keeps small models from rambling in blank space).
+        start_after: None: the whole output is constrained. Else the output is free up to
+            and including the first occurrence of this text (a thinking model's end tag,
+            ``"</think>"``: the server sets it for a prompt that opens a reasoning block), and
+            the constraint holds from the next token on. The text is matched on the sampled
+            tokens' bytes; a token that spells the text and more (``"</think>{"``) puts
+            that more in the free part.
 
     The engine compiles it against the tokenizer's vocabulary when the request is added
     (engine/guided.py); an unsupported schema or a language no token sequence can spell raises
@@ -38,6 +44,7 @@ class GuidedDecodingParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     whitespace_pattern: str | None = None
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -75,6 +82,9 @@ class GuidedDecodingParams:
             raise ValueError(
                 f"whitespace_pattern applies to json and json_object, not to {given[0]}"
             )
+        a = self.start_after
+        if a is not None and (not isinstance(a, str) or not a):
+            raise ValueError(f"start_after must be a non-empty string, got {a!r}")
 
 
 def _normalise_schema(schema: object) -> str:

@@ -141,7 +141,10 @@ def build_app(
                 st.check_length(ids, 1, "messages")
         st.check_length(ids, max_tokens, "messages")
         params = st.sampling_params(req, max_tokens)
-        return await st.run(request, principal, req, [ids], params, chat=True, lora=lora)
+        reasoning = st.reasoning_mode(req, ids)
+        return await st.run(
+            request, principal, req, [ids], params, chat=True, lora=lora, reasoning=reasoning
+        )
 
     @app.post(
         "/tokenize",

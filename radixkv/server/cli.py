@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from radixkv.engine.config import EngineConfig
 from radixkv.server.config import ServerConfig
+from radixkv.server.reasoning import REASONING_PARSERS
 from radixkv.server.tool_calls import TOOL_CALL_PARSERS
 
 # tenant of the one key --api-key sets (its requests share one cache namespace)
@@ -79,6 +80,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "and Hermes models; llama3_json: Llama 3.1/3.2); default: replies stay text",
     )
     p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="return a thinking model's reasoning (<think>...</think>) as message.reasoning, "
+        "apart from the content (qwen3: Qwen3 and QwQ; deepseek_r1: DeepSeek-R1 and its "
+        "distills); default: replies stay text",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM compatibility: --tool-call-parser alone turns parsing on",
@@ -117,6 +126,7 @@ def server_config_from_args(
         strict_api=args.strict_api,
         metrics_require_key=args.metrics_require_key,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         allow_runtime_lora_updating=allow_runtime_lora_updating,
     )
 

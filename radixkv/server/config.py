@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from radixkv.server.reasoning import REASONING_PARSERS
 from radixkv.server.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -35,6 +36,10 @@ class ServerConfig:
         tool_call_parser: how tool calls are read out of chat replies (``hermes`` or
             ``llama3_json``, server/tool_calls.py) for requests with ``tools``; None: replies
             stay text.
+        reasoning_parser: how a thinking model's reasoning is read out of chat replies
+            (``qwen3`` or ``deepseek_r1``, server/reasoning.py) into ``message.reasoning``;
+            None: replies stay text. With it, a structured-output constraint on a reply whose
+            prompt opens a reasoning block applies from the block's end on.
         allow_runtime_lora_updating: serve vLLM's POST /v1/load_lora_adapter and
             /v1/unload_lora_adapter. Off by default (the routes do not exist): loading reads
             any folder the server process can read, named by whoever holds an API key.
@@ -53,12 +58,17 @@ class ServerConfig:
     strict_api: bool = False
     metrics_require_key: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
             )
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")

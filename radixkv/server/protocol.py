@@ -265,6 +265,17 @@ class ChatMessage(msgspec.Struct):
     # an agent loop's turns: the assistant's calls, and a tool's result answering one of them
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's reasoning, as a reasoning parser returned it (vLLM's field, and
+    # DeepSeek's and SGLang's older name): given to the template, which may show it or not
+    # (templates read it on assistant turns; on others it is passed and left unread)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    def __post_init__(self) -> None:
+        if None not in (self.reasoning, self.reasoning_content) and (
+            self.reasoning != self.reasoning_content
+        ):
+            raise ValueError("reasoning and reasoning_content disagree (send one of them)")
 
     def text(self) -> str:
         if self.content is None:
@@ -289,6 +300,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the response (the
+    # model still reasons: the tokens are generated and counted)
+    include_reasoning: bool = True
 
     def __post_init__(self) -> None:
         if self.max_completion_tokens is not None:
@@ -337,6 +351,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None and role == "tool":
             msg["name"] = m.name
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:  # templates read either name (Qwen3's: reasoning_content)
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         out.append(msg)
     return out
 
@@ -586,6 +603,8 @@ class ChatResponseMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+    # with a --reasoning-parser: the reply's reasoning (server/reasoning.py); vLLM's name
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -608,6 +627,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

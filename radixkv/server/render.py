@@ -27,8 +27,9 @@ from dataclasses import dataclass, field, replace
 from radixkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from radixkv.server import protocol as P
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server.reasoning import ReasoningMode, ReasoningStream
 from radixkv.server.submission import ChoiceState, PromptState, Submission
-from radixkv.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from radixkv.server.tool_calls import ToolCall, ToolCallStream, ToolParser, parse_tool_calls
 
 _MIN_LOGPROB = -9999.0
 
@@ -66,6 +67,27 @@ class Delta:
     finish_reason: str | None  # set once, on the choice's last delta
     logprobs: list[TokenLogprob] | None = field(default=None)  # None: not requested
     tool_calls: list[ToolCall] | None = None  # parsed out of the text (--tool-call-parser)
+    reasoning: str | None = None  # read out of the text (--reasoning-parser); text: the rest
+
+
+def with_reasoning(
+    deltas: list[Delta], streams: dict[int, ReasoningStream], include: bool
+) -> list[Delta]:
+    """Stream deltas with each choice's text through its ReasoningStream (``streams`` by choice
+    index): ``reasoning`` and the content (``text``) as each settles; ``include=False`` drops
+    the reasoning (vLLM's ``include_reasoning``)."""
+    out = []
+    for d in deltas:
+        s = streams[d.index]
+        reasoning, text = s.feed(d.text)
+        if d.finish_reason is not None:
+            more_reasoning, more_text = s.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        if not include:
+            reasoning = ""
+        if reasoning or text or d.finish_reason is not None or d.logprobs:
+            out.append(replace(d, text=text, reasoning=reasoning or None))
+    return out
 
 
 def with_tool_calls(deltas: list[Delta], streams: dict[int, ToolCallStream]) -> list[Delta]:
@@ -81,7 +103,7 @@ def with_tool_calls(deltas: list[Delta], streams: dict[int, ToolCallStream]) -> 
             text += rest
             if found:
                 calls, finish = found, "tool_calls"
-        if text or finish is not None or d.logprobs or calls:
+        if text or finish is not None or d.logprobs or calls or d.reasoning:
             out.append(replace(d, text=text, finish_reason=finish, tool_calls=calls))
     return out
 
@@ -355,19 +377,27 @@ def chat_response(
     model: str,
     created: int,
     fmt: LogprobFormat | None = None,
-    tool_parser: str | None = None,
+    tool_parser: ToolParser | None = None,
     num_prompt_logprobs: int | None = None,
+    reasoning: ReasoningMode | None = None,
 ) -> P.ChatCompletionResponse:
-    """The whole chat response; with ``tool_parser`` each reply's tool calls are read out of
-    its text (server/tool_calls.py) and its choice finishes with "tool_calls";
+    """The whole chat response; with ``reasoning`` each reply's reasoning is read out of its
+    text first (server/reasoning.py), then with ``tool_parser`` the tool calls out of the rest
+    (server/tool_calls.py), and its choice finishes with "tool_calls";
     ``num_prompt_logprobs``: the request's ``prompt_logprobs`` (of the rendered messages)."""
     choices = []
     for d in _all_deltas(sub, fmt):
-        message, finish = P.ChatResponseMessage(d.text), d.finish_reason
-        if tool_parser is not None:
-            content, calls = parse_tool_calls(d.text, tool_parser)
+        thought, text = None, d.text
+        if reasoning is not None:
+            thought, text = reasoning.parser.split(d.text, reasoning.opened)
+            thought = thought if reasoning.include else None
+        message, finish = P.ChatResponseMessage(text, reasoning=thought), d.finish_reason
+        if tool_parser is not None and text is not None:
+            content, calls = parse_tool_calls(text, tool_parser)
             if calls:
-                message = P.ChatResponseMessage(content, tool_calls=_tool_calls_out(calls))
+                message = P.ChatResponseMessage(
+                    content, tool_calls=_tool_calls_out(calls), reasoning=thought
+                )
                 finish = "tool_calls"
         choices.append(P.ChatChoice(d.index, message, finish, chat_logprobs(d.logprobs)))
     plp = None
@@ -397,12 +427,14 @@ def chat_chunk(rid: str, model: str, created: int, deltas: list[Delta]) -> bytes
     choices = []
     for d in deltas:
         delta = P.ChatDelta(content=d.text)
+        if d.reasoning:  # content only where there is some (as vLLM sends reasoning deltas)
+            delta = P.ChatDelta(content=d.text or None, reasoning=d.reasoning)
         if d.tool_calls:
             calls = [
                 P.ToolCallDelta(k, c.id, P.FunctionCall(c.name, c.arguments))
                 for k, c in enumerate(d.tool_calls)
             ]
-            delta = P.ChatDelta(content=d.text or None, tool_calls=calls)
+            delta = P.ChatDelta(content=d.text or None, reasoning=d.reasoning, tool_calls=calls)
         choices.append(
             P.ChatChunkChoice(d.index, delta, d.finish_reason, chat_logprobs(d.logprobs))
         )

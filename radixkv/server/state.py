@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -25,6 +26,7 @@ from radixkv.server.auth import Authenticator, Principal
 from radixkv.server.config import ServerConfig
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.metrics import ServerMetrics
+from radixkv.server.reasoning import ReasoningMode, ReasoningParser
 from radixkv.server.structured import request_constraint
 from radixkv.server.submission import Echo, Submission
 from radixkv.server.tool_calls import ToolCallStream, ToolParser
@@ -37,6 +39,9 @@ log = logging.getLogger("radixkv.server")
 MAX_WARNED_FIELDS = 64
 # served model names a 404 lists (a server with hundreds of adapters points to /v1/models)
 MAX_LISTED_MODELS = 20
+# prompt tokens decoded to see whether the generation prompt opens a reasoning block: the tag
+# and what a template writes after it (a newline) fit in a few
+_PROMPT_TAIL_TOKENS = 16
 
 
 class ServerState:
@@ -60,6 +65,9 @@ class ServerState:
         self.publisher: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (set at startup)
         self._lora_created: dict[str, int] = {}  # adapter name -> when this server loaded it
+        self.reasoning_parser = (
+            None if config.reasoning_parser is None else ReasoningParser.of(config.reasoning_parser)
+        )
         # an adapter named like the base model could never be requested: its name would pick
         # the base model
         if self.model_name in self.lora_names():
@@ -247,6 +255,17 @@ class ServerState:
         except ValueError as e:  # ChatTemplateError is a ValueError
             raise bad_request(f"chat template rejected the messages: {e}", "messages") from None
 
+    def reasoning_mode(self, req: P.ChatCompletionRequest, ids: list[int]) -> ReasoningMode | None:
+        """How the replies to chat ``req`` (rendered as ``ids``) are read for reasoning; None
+        without a ``--reasoning-parser``. Whether the prompt opens a block is read from the
+        text of its last tokens, special tokens kept (the tags sit in the generation prompt)."""
+        if self.reasoning_parser is None:
+            return None
+        tail = self.tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return ReasoningMode(
+            self.reasoning_parser, self.reasoning_parser.prompt_opens(tail), req.include_reasoning
+        )
+
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
         total = len(ids) + max_tokens
         if total > self.max_context:
@@ -340,9 +359,15 @@ class ServerState:
         *,
         chat: bool,
         lora: str | None = None,
+        reasoning: ReasoningMode | None = None,
     ) -> Response:
-        """Run ``prompts`` (with the LoRA adapter ``lora``, if given) and answer ``req``."""
+        """Run ``prompts`` (with the LoRA adapter ``lora``, if given) and answer ``req``;
+        ``reasoning``: how chat replies are read for reasoning (:meth:`reasoning_mode`)."""
         echo, echo_only = None, False  # before admission: nothing to release if this fails
+        if reasoning is not None and reasoning.opened and params.guided is not None:
+            # the reply reasons first: its structured output is what follows the block
+            guided = replace(params.guided, start_after=reasoning.parser.end)
+            params = replace(params, guided=guided)
         if isinstance(req, P.CompletionRequest) and req.echo:
             echo = [self.echo(p, ids, params) for p, ids in zip(req.prompts(), prompts)]
             echo_only = req.max_tokens == 0
@@ -431,6 +456,7 @@ class ServerState:
                     include_usage=include_usage,
                     fmt=fmt,
                     tool_parser=tool_parser,
+                    reasoning=reasoning,
                 )
                 response: Response = SSEResponse(
                     body,
@@ -447,7 +473,7 @@ class ServerState:
                 R.take_deltas(sub, i, self.metrics)
             if chat:
                 payload: Any = R.chat_response(
-                    sub, rid, req.model, created, fmt, tool_parser, req.prompt_logprobs
+                    sub, rid, req.model, created, fmt, tool_parser, req.prompt_logprobs, reasoning
                 )
             else:
                 payload = R.completion_response(
@@ -492,18 +518,22 @@ class ServerState:
         include_usage: bool,
         fmt: R.LogprobFormat | None,
         tool_parser: ToolParser | None = None,
+        reasoning: ReasoningMode | None = None,
     ) -> AsyncIterator[bytes]:
         chunk = R.chat_chunk if chat else R.completion_chunk
         if chat:
             yield R.chat_role_chunk(rid, model, created, sub.params.n)
-        streams = None  # per choice, when tool calls are read out of the replies
-        if tool_parser is not None:
-            n = len(sub.prompts) * sub.params.n
-            streams = {k: ToolCallStream(tool_parser) for k in range(n)}
+        choices = range(len(sub.prompts) * sub.params.n)
+        # per choice, when reasoning and then tool calls are read out of the replies
+        thinking = None if reasoning is None else {k: reasoning.stream() for k in choices}
+        calling = None if tool_parser is None else {k: ToolCallStream(tool_parser) for k in choices}
 
         def take(i: int) -> list[R.Delta]:
             deltas = R.take_deltas(sub, i, self.metrics, fmt)
-            return deltas if streams is None else R.with_tool_calls(deltas, streams)
+            if thinking is not None:
+                assert reasoning is not None
+                deltas = R.with_reasoning(deltas, thinking, reasoning.include)
+            return deltas if calling is None else R.with_tool_calls(deltas, calling)
 
         for i in range(len(sub.prompts)):
             deltas = take(i)
