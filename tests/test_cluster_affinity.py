@@ -262,6 +262,12 @@ def test_prompt_hasher_matches_the_server_tokenization() -> None:
     text = tok.apply_chat_template(msgs, add_generation_prompt=True)
     want = page_hashes(tok.encode(text, add_special_tokens=False), 16)
     assert hasher.hint("/v1/chat/completions", None, body).hashes == want and want
+    # a response runs as that chat: the same hashes; a continuation's history is not known
+    body = b'{"model": "m", "input": "%s", "stream": true}' % (b"x" * 50)
+    h = hasher.hint("/v1/responses", None, body)
+    assert h.hashes == want and h.stream
+    cont = b'{"model": "m", "input": "y", "previous_response_id": "resp_1"}'
+    assert hasher.hint("/v1/responses", None, cont).hashes == []
     # unparsable or non-generation requests: no hint, never an exception
     assert hasher.hint("/v1/completions", None, b"{bad").hashes == []
     assert hasher.hint("/v1/models", None, b"").hashes == []

@@ -28,6 +28,9 @@ ADMIN = "admin-key-0123"
 ROUTES = {
     ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"),
+    ("post", "/v1/responses"),
+    ("get", "/v1/responses/{response_id}"),
+    ("delete", "/v1/responses/{response_id}"),
     ("post", "/tokenize"),
     ("post", "/detokenize"),
     ("get", "/v1/models"),
@@ -163,7 +166,7 @@ def _bounded(case: Any) -> None:
     if isinstance(body, dict):
         if isinstance(body.get("model"), str) and len(body["model"]) % 4:
             body["model"] = MODEL
-        for k in ("max_tokens", "max_completion_tokens"):
+        for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(k), int) and body[k] > 4:
                 body[k] = 4
         messages = body.get("messages")

@@ -154,6 +154,7 @@ def test_the_flag_and_the_config() -> None:
 
     assert config("--reasoning-parser", "deepseek_r1").reasoning_parser == "deepseek_r1"
     assert config().reasoning_parser is None
+    assert config("--responses-store-size", "7").responses_store_size == 7
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="granite")
 

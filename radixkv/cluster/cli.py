@@ -102,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "metrics_require_key": server.metrics_require_key or None,
         "tool_call_parser": server.tool_call_parser,
         "reasoning_parser": server.reasoning_parser,
+        "responses_store_size": server.responses_store_size,
     }
     return ClusterConfig(
         model=args.model,

@@ -2,8 +2,9 @@
 
 The ingress holds the *same tokenizer* as the engine replicas (loaded from the same model name
 or folder) and computes, for each request, exactly the token ids the replica's server app will
-compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat:
-:func:`~radixkv.model.tokenizer.encode_chat`, the one chat path) and the namespace it will use (the
+compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat, and responses
+without ``previous_response_id``: :func:`~radixkv.model.tokenizer.encode_chat`, the one chat
+path) and the namespace it will use (the
 authenticated tenant plus ``cache_salt``; for a request naming a LoRA adapter as its ``model``,
 that namespace inside the adapter's, ``AdapterNamespace``, keyed by the digest of the adapter's
 files, which the ingress computes from the same ``lora_modules``). Their chained page hashes
@@ -26,6 +27,7 @@ from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.auth import Authenticator
 from radixkv.server.errors import APIError
+from radixkv.server.responses import ResponsesRequest
 
 
 def load_tokenizer(model: str, **source: Any) -> Any:
@@ -80,6 +82,18 @@ class PromptHasher:
                     return None
                 first = prompts[0]  # a batch is routed by its first prompt
                 ids = list(self.tokenizer.encode(first)) if isinstance(first, str) else first
+                return ids, req
+            if path == "/v1/responses":
+                rreq = P.decode_request(body, ResponsesRequest)
+                if rreq.previous_response_id is not None:
+                    return None  # its conversation is stored on a replica, not known here
+                req = rreq.chat_request([])
+                ids = encode_chat(
+                    self.tokenizer,
+                    req.template_messages(),
+                    tools=req.tools,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                )
                 return ids, req
             if path == "/v1/chat/completions":
                 req = P.decode_request(body, P.ChatCompletionRequest)

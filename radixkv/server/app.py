@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, config) -> FastAPI``.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), POST /tokenize,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (OpenAI's
+Responses API, server/responses.py; all three with SSE streaming), GET and DELETE
+/v1/responses/{id} (stored responses, per tenant), POST /tokenize,
 POST /detokenize, GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache (admin
 key), and with ``config.allow_runtime_lora_updating`` POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (vLLM's); a request's ``model`` is the served model or a loaded LoRA
@@ -48,6 +50,7 @@ from radixkv.server.errors import (
     unauthorized,
     unhandled_exception_handler,
 )
+from radixkv.server.responses import DeletedResponse, ResponsesRequest
 from radixkv.server.state import ServerState
 from radixkv.server.transport import ClientGone, read_body
 
@@ -145,6 +148,33 @@ def build_app(
         return await st.run(
             request, principal, req, [ids], params, chat=True, lora=lora, reasoning=reasoning
         )
+
+    @app.post("/v1/responses", openapi_extra=OA.responses_route())
+    async def create_response(request: Request) -> Response:
+        principal = st.auth.authenticate(request.headers.get("authorization"))
+        body = await read_body(request, config.max_body_bytes)
+        return await st.respond(request, principal, st.decode(body, ResponsesRequest))
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        openapi_extra=OA.simple_route("A stored response", "ResponseObject", 401, 404),
+    )
+    async def get_response(request: Request, response_id: str) -> Response:
+        principal = st.auth.authenticate(request.headers.get("authorization"))
+        stored = st.responses.get(principal.tenant, response_id)
+        if stored is None:
+            raise _response_not_found(response_id)
+        return Response(P.encode(stored.response), media_type="application/json")
+
+    @app.delete(
+        "/v1/responses/{response_id}",
+        openapi_extra=OA.simple_route("Forget a stored response", "DeletedResponse", 401, 404),
+    )
+    async def delete_response(request: Request, response_id: str) -> Response:
+        principal = st.auth.authenticate(request.headers.get("authorization"))
+        if not st.responses.delete(principal.tenant, response_id):
+            raise _response_not_found(response_id)
+        return Response(P.encode(DeletedResponse(response_id)), media_type="application/json")
 
     @app.post(
         "/tokenize",
@@ -261,6 +291,15 @@ def build_app(
         return Response(_OK, media_type="application/json")
 
     return app
+
+
+def _response_not_found(response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"Response with id '{response_id}' not found",
+        param="response_id",
+        code="response_not_found",
+    )
 
 
 def _counting(st: ServerState, handler: Callable[[Request, Exception], Awaitable[Response]]) -> Any:

@@ -88,6 +88,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "distills); default: replies stay text",
     )
     p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="responses kept in memory for previous_response_id and GET /v1/responses/{id} "
+        "(least recently used dropped first; 0 keeps none)",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM compatibility: --tool-call-parser alone turns parsing on",
@@ -127,6 +134,7 @@ def server_config_from_args(
         metrics_require_key=args.metrics_require_key,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        responses_store_size=args.responses_store_size,
         allow_runtime_lora_updating=allow_runtime_lora_updating,
     )
 

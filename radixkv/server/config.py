@@ -40,6 +40,9 @@ class ServerConfig:
             (``qwen3`` or ``deepseek_r1``, server/reasoning.py) into ``message.reasoning``;
             None: replies stay text. With it, a structured-output constraint on a reply whose
             prompt opens a reasoning block applies from the block's end on.
+        responses_store_size: responses kept for ``previous_response_id`` and ``GET
+            /v1/responses/{id}`` (in memory, all tenants together, least recently used dropped
+            first; server/response_store.py); 0 keeps none.
         allow_runtime_lora_updating: serve vLLM's POST /v1/load_lora_adapter and
             /v1/unload_lora_adapter. Off by default (the routes do not exist): loading reads
             any folder the server process can read, named by whoever holds an API key.
@@ -59,6 +62,7 @@ class ServerConfig:
     metrics_require_key: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    responses_store_size: int = 1024
     allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
@@ -70,6 +74,8 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
             )
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_body_bytes < 1024:

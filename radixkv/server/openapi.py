@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from radixkv.server import protocol as P
+from radixkv.server import responses as RS
 from radixkv.server.errors import ErrorResponse
 
 REF = "#/components/schemas/{name}"
@@ -27,6 +28,7 @@ _REQUESTS: list[Any] = [
     P.DetokenizeRequest,
     P.LoadLoRAAdapterRequest,
     P.UnloadLoRAAdapterRequest,
+    RS.ResponsesRequest,
 ]
 _RESPONSES: list[Any] = [
     P.CompletionResponse,
@@ -36,6 +38,8 @@ _RESPONSES: list[Any] = [
     P.DetokenizeResponse,
     P.ModelList,
     P.Status,
+    RS.ResponseObject,
+    RS.DeletedResponse,
     ErrorResponse,
 ]
 
@@ -43,7 +47,10 @@ _ERROR_TEXT = {
     400: "Invalid request: bad JSON, a wrong type or value (param names it), context too long",
     401: "Missing or invalid API key",
     403: "Admin endpoints are disabled (no admin key configured)",
-    404: "Unknown model (code model_not_found) or LoRA adapter (code lora_not_found)",
+    404: (
+        "Unknown model (code model_not_found), LoRA adapter (code lora_not_found) or stored "
+        "response (code previous_response_not_found, response_not_found)"
+    ),
     413: "Request body over the size limit",
     500: "The server failed while serving the request",
     503: "Server at capacity (code queue_full, retry-after), or the engine is unavailable",
@@ -102,6 +109,42 @@ def generation_route(request: str, response: str, chunk: str, summary: str) -> d
                     **_json(response),
                     "text/event-stream": {"schema": sse_event(chunk)},
                 },
+            },
+            **_errors(400, 401, 404, 413, 500, 503),
+        },
+    }
+
+
+def responses_route() -> dict[str, Any]:
+    """``openapi_extra`` of POST /v1/responses: a response, or with stream=true its typed
+    events (``event:`` the type, ``data:`` the event as JSON; the last one carries the whole
+    response; no ``[DONE]``)."""
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {
+                    "type": "object",
+                    "required": ["type", "sequence_number"],
+                    "properties": {
+                        "type": {"type": "string"},
+                        "sequence_number": {"type": "integer"},
+                    },
+                },
+            },
+        },
+    }
+    return {
+        "summary": "A response (OpenAI's Responses API), run as a chat completion",
+        "requestBody": {"required": True, "content": _json("ResponsesRequest")},
+        "responses": {
+            "200": {
+                "description": "A ResponseObject; with stream=true, its events",
+                "content": {**_json("ResponseObject"), "text/event-stream": {"schema": event}},
             },
             **_errors(400, 401, 404, 413, 500, 503),
         },

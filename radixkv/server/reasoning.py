@@ -27,6 +27,7 @@ chunking (tests/test_server_reasoning.py checks this for random chunkings).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # --reasoning-parser name -> (start tag, end tag); both names take <think>, as their models do
@@ -95,6 +96,26 @@ class ReasoningParser:
         if final:
             return Split(True, body.rstrip(), "")
         return Split(True, body[: len(body) - self._end_prefix(body)].rstrip(), "")
+
+    def reasoning_tokens(
+        self, decode: Callable[[list[int]], str], token_ids: list[int], opened: bool
+    ) -> int:
+        """How many of a reply's tokens are reasoning: those up to and including the end tag
+        (all of them when the block never closes; 0 without a block). ``decode``: the text of
+        a token list, as the reply's text was decoded."""
+        text = decode(token_ids)
+        if not self.settled(text, opened, final=True).reasoned:
+            return 0
+        if self.end not in text:
+            return len(token_ids)
+        lo, hi = 1, len(token_ids)  # the shortest prefix whose text holds the end tag
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.end in decode(token_ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _end_prefix(self, text: str) -> int:
         """The length of the longest tail of ``text`` that begins the end tag (0: none)."""

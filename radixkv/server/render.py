@@ -415,6 +415,11 @@ def sse(obj: object) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def sse_event(event: dict[str, object]) -> bytes:
+    """A Responses API stream event: named by its ``type``, as OpenAI sends them (no [DONE])."""
+    return f"event: {event['type']}\n".encode() + sse(event)
+
+
 def completion_chunk(rid: str, model: str, created: int, deltas: list[Delta]) -> bytes:
     choices = [
         P.CompletionChoice(d.index, d.text, d.finish_reason, completion_logprobs(d.logprobs))

@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -27,9 +27,23 @@ from radixkv.server.config import ServerConfig
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.reasoning import ReasoningMode, ReasoningParser
+from radixkv.server.response_store import ResponseStore, Stored
+from radixkv.server.responses import (
+    RESPONSES_PARAMS,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    ResponseWriter,
+    error_param,
+    new_id,
+)
+from radixkv.server.responses import history as responses_history
+from radixkv.server.responses import shell as responses_shell
 from radixkv.server.structured import request_constraint
 from radixkv.server.submission import Echo, Submission
-from radixkv.server.tool_calls import ToolCallStream, ToolParser
+from radixkv.server.tool_calls import ToolCall, ToolCallStream, ToolParser
 from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
 log = logging.getLogger("radixkv.server")
@@ -65,6 +79,7 @@ class ServerState:
         self.publisher: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (set at startup)
         self._lora_created: dict[str, int] = {}  # adapter name -> when this server loaded it
+        self.responses = ResponseStore(config.responses_store_size)  # POST /v1/responses
         self.reasoning_parser = (
             None if config.reasoning_parser is None else ReasoningParser.of(config.reasoning_parser)
         )
@@ -360,9 +375,11 @@ class ServerState:
         chat: bool,
         lora: str | None = None,
         reasoning: ReasoningMode | None = None,
+        responses: ResponsesCall | None = None,
     ) -> Response:
         """Run ``prompts`` (with the LoRA adapter ``lora``, if given) and answer ``req``;
-        ``reasoning``: how chat replies are read for reasoning (:meth:`reasoning_mode`)."""
+        ``reasoning``: how chat replies are read for reasoning (:meth:`reasoning_mode`);
+        ``responses``: answer as the Responses API (:meth:`respond`)."""
         echo, echo_only = None, False  # before admission: nothing to release if this fails
         if reasoning is not None and reasoning.opened and params.guided is not None:
             # the reply reasons first: its structured output is what follows the block
@@ -413,7 +430,7 @@ class ServerState:
             if err is not None:
                 self.in_flight -= seqs
                 raise self._submission_error(err, guided_param, lora)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = responses.id if responses else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         namespace = principal.namespace(req.cache_salt)
         sub = Submission(
             self.engine,
@@ -447,17 +464,23 @@ class ServerState:
                 if err is not None:
                     raise self._submission_error(err, guided_param, lora)
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                body = self._stream(
-                    sub,
-                    rid,
-                    req.model,
-                    created,
-                    chat=chat,
-                    include_usage=include_usage,
-                    fmt=fmt,
-                    tool_parser=tool_parser,
-                    reasoning=reasoning,
-                )
+                body: AsyncIterator[bytes]
+                if responses is not None:
+                    body = self._response_events(
+                        sub, responses, created, fmt, tool_parser, reasoning
+                    )
+                else:
+                    body = self._stream(
+                        sub,
+                        rid,
+                        req.model,
+                        created,
+                        chat=chat,
+                        include_usage=include_usage,
+                        fmt=fmt,
+                        tool_parser=tool_parser,
+                        reasoning=reasoning,
+                    )
                 response: Response = SSEResponse(
                     body,
                     headers=R.cache_headers(sub, rid),
@@ -475,6 +498,8 @@ class ServerState:
                 payload: Any = R.chat_response(
                     sub, rid, req.model, created, fmt, tool_parser, req.prompt_logprobs, reasoning
                 )
+                if responses is not None:
+                    payload = self._whole_response(sub, responses, payload, reasoning)
             else:
                 payload = R.completion_response(
                     sub, rid, req.model, created, fmt, req.prompt_logprobs
@@ -507,6 +532,40 @@ class ServerState:
             return e
         return None
 
+    async def _deltas(
+        self,
+        sub: Submission,
+        fmt: R.LogprobFormat | None,
+        tool_parser: ToolParser | None,
+        reasoning: ReasoningMode | None,
+    ) -> AsyncIterator[list[R.Delta] | BaseException]:
+        """The submission's deltas as they come (reasoning, then tool calls, read out of the
+        replies when asked), until it finishes, or an engine error (then nothing more)."""
+        choices = range(len(sub.prompts) * sub.params.n)
+        # per choice, when reasoning and then tool calls are read out of the replies
+        thinking = None if reasoning is None else {k: reasoning.stream() for k in choices}
+        calling = None if tool_parser is None else {k: ToolCallStream(tool_parser) for k in choices}
+
+        def take(i: int) -> list[R.Delta]:
+            deltas = R.take_deltas(sub, i, self.metrics, fmt)
+            if thinking is not None:
+                assert reasoning is not None
+                deltas = R.with_reasoning(deltas, thinking, reasoning.include)
+            return deltas if calling is None else R.with_tool_calls(deltas, calling)
+
+        for i in range(len(sub.prompts)):
+            deltas = take(i)
+            if deltas:
+                yield deltas
+        while not sub.finished:
+            i, item = await sub.next_event()
+            if isinstance(item, BaseException):
+                yield item
+                return
+            deltas = take(i)
+            if deltas:
+                yield deltas
+
     async def _stream(
         self,
         sub: Submission,
@@ -523,33 +582,149 @@ class ServerState:
         chunk = R.chat_chunk if chat else R.completion_chunk
         if chat:
             yield R.chat_role_chunk(rid, model, created, sub.params.n)
-        choices = range(len(sub.prompts) * sub.params.n)
-        # per choice, when reasoning and then tool calls are read out of the replies
-        thinking = None if reasoning is None else {k: reasoning.stream() for k in choices}
-        calling = None if tool_parser is None else {k: ToolCallStream(tool_parser) for k in choices}
-
-        def take(i: int) -> list[R.Delta]:
-            deltas = R.take_deltas(sub, i, self.metrics, fmt)
-            if thinking is not None:
-                assert reasoning is not None
-                deltas = R.with_reasoning(deltas, thinking, reasoning.include)
-            return deltas if calling is None else R.with_tool_calls(deltas, calling)
-
-        for i in range(len(sub.prompts)):
-            deltas = take(i)
-            if deltas:
-                yield chunk(rid, model, created, deltas)
-        while not sub.finished:
-            i, item = await sub.next_event()
-            if isinstance(item, BaseException):
-                yield R.sse(_engine_error(item).body_struct())
+        async for deltas in self._deltas(sub, fmt, tool_parser, reasoning):
+            if isinstance(deltas, BaseException):
+                yield R.sse(_engine_error(deltas).body_struct())
                 break
-            deltas = take(i)
-            if deltas:
-                yield chunk(rid, model, created, deltas)
+            yield chunk(rid, model, created, deltas)
         if include_usage:
             yield R.usage_chunk(sub, rid, model, created, chat)
         yield R.SSE_DONE
+
+    # ------------------------------------------------------------ the Responses API
+    async def respond(
+        self, request: Request, principal: Principal, rreq: ResponsesRequest
+    ) -> Response:
+        """``POST /v1/responses``: ``rreq`` run as the chat request it maps to
+        (server/responses.py); errors name the Responses API's fields."""
+        try:
+            prior: list[P.ChatMessage] = []
+            if rreq.previous_response_id is not None:
+                stored = self.responses.get(principal.tenant, rreq.previous_response_id)
+                if stored is None:
+                    raise APIError(
+                        404,
+                        f"Previous response with id '{rreq.previous_response_id}' not found "
+                        "(responses are kept in this server's memory, per tenant, while "
+                        "store=true and until it restarts)",
+                        param="previous_response_id",
+                        code="previous_response_not_found",
+                    )
+                prior = stored.history
+            try:
+                req = rreq.chat_request(prior)
+            except ValueError as e:  # msgspec's ValidationError is one
+                raise bad_request(str(e), error_param(str(e))) from None
+            lora = self.check_model(req.model)
+            ids = self.chat_ids(req)
+            max_tokens = req.max_tokens
+            if max_tokens is None:
+                max_tokens = min(self.config.default_max_tokens, self.max_context - len(ids))
+                if max_tokens < 1:
+                    self.check_length(ids, 1, "messages")
+            self.check_length(ids, max_tokens, "messages")
+            params = self.sampling_params(req, max_tokens)
+            call = ResponsesCall(rreq, req.messages, principal.tenant, new_id("resp"))
+            return await self.run(
+                request,
+                principal,
+                req,
+                [ids],
+                params,
+                chat=True,
+                lora=lora,
+                reasoning=self.reasoning_mode(req, ids),
+                responses=call,
+            )
+        except APIError as e:
+            e.param = RESPONSES_PARAMS.get(e.param or "", e.param)
+            raise
+
+    def _response_usage(self, sub: Submission, reasoning: ReasoningMode | None) -> ResponseUsage:
+        u = R.usage(sub)
+        thought = 0
+        out = sub.prompts[0].latest
+        if reasoning is not None and out is not None:
+            skip = sub.params.skip_special_tokens
+            thought = reasoning.parser.reasoning_tokens(
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip),
+                out.outputs[0].token_ids,
+                reasoning.opened,
+            )
+        return ResponseUsage(
+            input_tokens=u.prompt_tokens,
+            input_tokens_details=InputTokensDetails(u.prompt_tokens_details.cached_tokens),
+            output_tokens=u.completion_tokens,
+            output_tokens_details=OutputTokensDetails(thought),
+            total_tokens=u.total_tokens,
+        )
+
+    def _keep(self, call: ResponsesCall, response: ResponseObject) -> None:
+        if call.request.store:
+            self.responses.put(
+                call.tenant, Stored(response, responses_history(response, call.conversation))
+            )
+
+    def _whole_response(
+        self,
+        sub: Submission,
+        call: ResponsesCall,
+        chat: P.ChatCompletionResponse,
+        reasoning: ReasoningMode | None,
+    ) -> ResponseObject:
+        """The finished submission's chat response as a Responses API response."""
+        writer = ResponseWriter(responses_shell(call.request, call.id, chat.created))
+        choice = chat.choices[0]
+        msg = choice.message
+        writer.reasoning(msg.reasoning or "")
+        writer.content(msg.content or "")
+        calls = [
+            ToolCall(c.function.name, c.function.arguments, c.id) for c in msg.tool_calls or []
+        ]
+        if calls:
+            writer.calls(calls)
+        writer.finish(choice.finish_reason, self._response_usage(sub, reasoning))
+        self._keep(call, writer.response)
+        return writer.response
+
+    async def _response_events(
+        self,
+        sub: Submission,
+        call: ResponsesCall,
+        created: int,
+        fmt: R.LogprobFormat | None,
+        tool_parser: ToolParser | None,
+        reasoning: ReasoningMode | None,
+    ) -> AsyncIterator[bytes]:
+        """The Responses API's stream: typed events, the last one the whole response."""
+        writer = ResponseWriter(responses_shell(call.request, call.id, created))
+        for event in writer.started():
+            yield R.sse_event(event)
+        async for deltas in self._deltas(sub, fmt, tool_parser, reasoning):
+            if isinstance(deltas, BaseException):
+                err = _engine_error(deltas)
+                yield R.sse_event({"type": "error", "code": err.code, "message": err.message})
+                return
+            for d in deltas:
+                events = writer.reasoning(d.reasoning or "") + writer.content(d.text)
+                if d.tool_calls:
+                    events += writer.calls(d.tool_calls)
+                if d.finish_reason is not None:
+                    events += writer.finish(d.finish_reason, self._response_usage(sub, reasoning))
+                for event in events:
+                    yield R.sse_event(event)
+        self._keep(call, writer.response)
+
+
+@dataclass(frozen=True)
+class ResponsesCall:
+    """A chat request run for ``POST /v1/responses``: the request, the conversation it ran
+    (for a continuation), whose it is (the store is per tenant) and the response id."""
+
+    request: ResponsesRequest
+    conversation: list[P.ChatMessage]
+    tenant: str
+    id: str
 
 
 def _lora_not_found(name: str, loaded: list[str]) -> APIError:
