@@ -99,3 +99,17 @@ def run_checked(
         assert steps < 10_000, "engine did not drain"
     engine.check_invariants()
     return [done[i] for i in ids]
+
+
+def scripted_sampler(script: list[int]) -> Any:
+    """A stand-in for ``radixkv.engine.engine.sample`` (monkeypatch it) that writes ``script``,
+    one token per sampling call (jump-forward off), each where the step's mask allows it and
+    the best allowed token where it does not; past the script's end, its last token."""
+    pos = [0]
+
+    def sample(logits: torch.Tensor, params: Any, generators: Any) -> list[int]:
+        tok = script[min(pos[0], len(script) - 1)]
+        pos[0] += 1
+        return [tok if torch.isfinite(row[tok]) else int(row.argmax()) for row in logits]
+
+    return sample

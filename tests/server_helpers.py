@@ -8,6 +8,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
+from engine_helpers import scripted_sampler
+
+import radixkv.engine.engine as engine_mod
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.server.app import build_app
 from radixkv.server.background import BackgroundServer
@@ -75,3 +79,12 @@ def metric_values(text: str, model_name: str | None = None) -> dict[str, float]:
             inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
             out[sample.name + (f"{{{inner}}}" if inner else "")] = sample.value
     return out
+
+
+def script_reply(st: ServerState, monkeypatch: pytest.MonkeyPatch, reply: str) -> list[int]:
+    """The server's model scripted to write ``reply`` and then EOS (radixkv-tiny would not
+    write tags or calls by itself), one request at a time; returns the reply's tokens."""
+    core = st.engine.engine
+    ids = core.tokenizer.encode(reply, add_special_tokens=False)
+    monkeypatch.setattr(engine_mod, "sample", scripted_sampler([*ids, min(core.eos_token_ids)]))
+    return ids

@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from engine_helpers import make_small_llama, run_checked
+from engine_helpers import make_small_llama, run_checked, scripted_sampler
 
 import radixkv.engine.engine as engine_mod
 from radixkv.engine.engine import Engine
@@ -383,22 +383,6 @@ def test_forced_spelling_shared_by_several_tokens() -> None:
     assert guide.forced() is None
 
 
-def _scripted(script: list[int]) -> Any:
-    """A sampler that writes ``script`` where the mask allows its next token and the best
-    allowed token where it does not (one token per step: jump-forward must be off)."""
-    pos = [0]
-
-    def sample(logits: torch.Tensor, params: Any, generators: Any) -> list[int]:
-        out = []
-        for row in logits:
-            tok = script[pos[0]] if pos[0] < len(script) else int(row.argmax())
-            out.append(tok if torch.isfinite(row[tok]) else int(row.argmax()))
-        pos[0] += 1
-        return out
-
-    return sample
-
-
 def test_start_after_leaves_the_output_free_up_to_its_text(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -412,7 +396,7 @@ def test_start_after_leaves_the_output_free_up_to_its_text(
     )
     texts = {}
     for start_after in (None, "</think>"):
-        monkeypatch.setattr(engine_mod, "sample", _scripted(script))
+        monkeypatch.setattr(engine_mod, "sample", scripted_sampler(script))
         guided = GuidedDecodingParams(regex=regex, start_after=start_after)
         params = SamplingParams(max_tokens=60, guided=guided)
         (out,) = run_checked(eng, [eng.tokenizer.encode("Reason, then answer: ")], params)

@@ -15,12 +15,10 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_helpers import MODEL, assert_clean, live_server
+from server_helpers import MODEL, assert_clean, live_server, script_reply
 
-import radixkv.engine.engine as engine_mod
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.background import BackgroundServer
@@ -193,21 +191,6 @@ def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
         yield s
 
 
-def _script(st: ServerState, monkeypatch: pytest.MonkeyPatch, reply: str) -> None:
-    """The engine's sampler replaced by a script: the tokens of ``reply`` and then EOS, each
-    where the step's mask allows it (else the best allowed token); one request at a time."""
-    core = st.engine.engine
-    tokens = [*core.tokenizer.encode(reply, add_special_tokens=False), min(core.eos_token_ids)]
-    pos = [0]
-
-    def sample(logits: torch.Tensor, params: Any, generators: Any) -> list[int]:
-        tok = tokens[min(pos[0], len(tokens) - 1)]
-        pos[0] += 1
-        return [tok if torch.isfinite(row[tok]) else int(row.argmax()) for row in logits]
-
-    monkeypatch.setattr(engine_mod, "sample", sample)
-
-
 @pytest.fixture
 def client(server: tuple[BackgroundServer, ServerState]) -> Iterator[openai.OpenAI]:
     srv, st = server
@@ -234,7 +217,7 @@ def test_reasoning_then_content_and_tool_calls(
 ) -> None:
     _, st = server
     reply = f"<think>\nThe user wants weather. <tool_call> comes next.\n</think>\n\nChecking.<tool_call>{CALL}</tool_call>"
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=300)
     msg = r.choices[0].message
     # the tag inside the reasoning is not a call: calls are read from the content only
@@ -244,13 +227,13 @@ def test_reasoning_then_content_and_tool_calls(
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     reasoning, content, calls, finish = _stream(client, messages=USER, tools=TOOLS, max_tokens=300)
     assert (reasoning, content, finish) == (msg.reasoning, "Checking.", "tool_calls")  # type: ignore[attr-defined]
     assert [c.function.name for c in calls] == ["get_weather"]
 
     # include_reasoning=false: the reasoning is generated and counted, not shown
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     r2 = client.chat.completions.create(
         model=MODEL, messages=USER, max_tokens=300, extra_body={"include_reasoning": False}
     )
@@ -265,11 +248,11 @@ def test_a_reply_without_a_block_is_unchanged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, st = server
-    _script(st, monkeypatch, "  Just an answer, <think> and all.\n")
+    script_reply(st, monkeypatch, "  Just an answer, <think> and all.\n")
     r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=100)
     assert r.choices[0].message.content == "  Just an answer, <think> and all.\n"
     assert getattr(r.choices[0].message, "reasoning", None) is None
-    _script(st, monkeypatch, "  Just an answer, <think> and all.\n")
+    script_reply(st, monkeypatch, "  Just an answer, <think> and all.\n")
     reasoning, content, _, _ = _stream(client, messages=USER, max_tokens=100)
     assert (reasoning, content) == ("", "  Just an answer, <think> and all.\n")
 
@@ -284,21 +267,21 @@ def test_a_prompt_that_opens_the_block(
     _, st = server
     think = {"chat_template_kwargs": {"think": True}}
     reply = "Two and two.\n</think>\n\nFour."
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=100, extra_body=think)
     assert r.choices[0].message.reasoning == "Two and two."  # type: ignore[attr-defined]
     assert r.choices[0].message.content == "Four."
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     assert _stream(client, messages=USER, max_tokens=100, extra_body=think)[:2] == (
         "Two and two.",
         "Four.",
     )
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     cut = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, extra_body=think)
     assert cut.choices[0].message.reasoning == "Two a"  # type: ignore[attr-defined]
     assert cut.choices[0].message.content is None and cut.choices[0].finish_reason == "length"
     # the same reply to a prompt that opens nothing is content
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=100)
     assert plain.choices[0].message.content == reply
 
@@ -318,7 +301,7 @@ def test_structured_output_starts_after_the_block(
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
     extra = {"chat_template_kwargs": {"think": True}}
-    _script(st, monkeypatch, 'It says Paris!\n</think>{"city": "Paris"} and more')
+    script_reply(st, monkeypatch, 'It says Paris!\n</think>{"city": "Paris"} and more')
     r = client.chat.completions.create(
         model=MODEL,
         messages=USER,
@@ -331,7 +314,7 @@ def test_structured_output_starts_after_the_block(
     assert json.loads(msg.content or "") == {"city": "Paris"}
     assert r.choices[0].finish_reason == "stop"
     # without the block the schema holds from the first token: the script cannot write
-    _script(st, monkeypatch, 'It says Paris!\n</think>\n{"city": "Paris"}')
+    script_reply(st, monkeypatch, 'It says Paris!\n</think>\n{"city": "Paris"}')
     r2 = client.chat.completions.create(
         model=MODEL,
         messages=USER,
@@ -348,7 +331,7 @@ def test_a_turns_reasoning_goes_back_into_the_template(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, st = server
-    _script(st, monkeypatch, "Fine.")
+    script_reply(st, monkeypatch, "Fine.")
     turns = [*USER, {"role": "assistant", "content": "Sunny.", "reasoning": "Look it up."}]
     follow = [*turns, {"role": "user", "content": "And tomorrow?"}]
     r = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=10)

@@ -13,10 +13,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
-from server_helpers import MODEL, assert_clean, live_server
+from server_helpers import MODEL, assert_clean, live_server, script_reply
 
-import radixkv.engine.engine as engine_mod
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.background import BackgroundServer
@@ -65,23 +63,6 @@ def client(server: tuple[BackgroundServer, ServerState]) -> Iterator[openai.Open
     assert_clean(st)
 
 
-def _script(st: ServerState, monkeypatch: pytest.MonkeyPatch, reply: str) -> list[int]:
-    """The sampler replaced by a script: ``reply``'s tokens then EOS, each where the mask
-    allows it (one request at a time); returns the reply's tokens."""
-    core = st.engine.engine
-    reply_ids = core.tokenizer.encode(reply, add_special_tokens=False)
-    tokens = [*reply_ids, min(core.eos_token_ids)]
-    pos = [0]
-
-    def sample(logits: torch.Tensor, params: Any, generators: Any) -> list[int]:
-        tok = tokens[min(pos[0], len(tokens) - 1)]
-        pos[0] += 1
-        return [tok if torch.isfinite(row[tok]) else int(row.argmax()) for row in logits]
-
-    monkeypatch.setattr(engine_mod, "sample", sample)
-    return reply_ids
-
-
 def test_same_tokens_as_chat_completions(client: openai.OpenAI) -> None:
     r = client.responses.create(
         model=MODEL, instructions="Be brief.", input="Name a colour.", max_output_tokens=12,
@@ -113,7 +94,7 @@ def test_reasoning_message_and_function_call_items(
 ) -> None:
     _, st = server
     reply = THOUGHT + "Checking." + CALL
-    ids = _script(st, monkeypatch, reply)
+    ids = script_reply(st, monkeypatch, reply)
     r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS)
     assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
     reasoning, _, call = r.output
@@ -126,7 +107,7 @@ def test_reasoning_message_and_function_call_items(
     assert r.usage.output_tokens_details.reasoning_tokens == thought
 
     # streamed: the client's accumulator takes the events and ends with the same items
-    _script(st, monkeypatch, reply)
+    script_reply(st, monkeypatch, reply)
     with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=TOOLS) as s:
         events = list(s)
         final = s.get_final_response()
@@ -163,12 +144,12 @@ def test_continuations_run_the_conversation_and_hit_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, st = server
-    _script(st, monkeypatch, THOUGHT + CALL)
+    script_reply(st, monkeypatch, THOUGHT + CALL)
     first = client.responses.create(
         model=MODEL, instructions="Use tools.", input="Weather in Paris?", tools=TOOLS
     )
     (call,) = [o for o in first.output if o.type == "function_call"]
-    _script(st, monkeypatch, "Sunny.")
+    script_reply(st, monkeypatch, "Sunny.")
     second = client.responses.create(
         model=MODEL,
         previous_response_id=first.id,
@@ -198,7 +179,7 @@ def test_continuations_run_the_conversation_and_hit_the_cache(
     assert second.usage is not None and second.usage.input_tokens == len(ids)
     assert second.usage.input_tokens_details.cached_tokens > 0
     # the same from the whole conversation as input items
-    _script(st, monkeypatch, "Sunny.")
+    script_reply(st, monkeypatch, "Sunny.")
     items: list[Any] = [
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "reasoning", "id": "rs_1", "summary": [],
@@ -217,7 +198,7 @@ def test_stored_responses_read_deleted_and_not_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, st = server
-    _script(st, monkeypatch, "Hi.")
+    script_reply(st, monkeypatch, "Hi.")
     r = client.responses.create(model=MODEL, input="Hello", metadata={"run": "7"})
     got = client.responses.retrieve(r.id)
     assert got.output_text == "Hi." and got.metadata == {"run": "7"} and got.id == r.id
@@ -225,7 +206,7 @@ def test_stored_responses_read_deleted_and_not_kept(
     with pytest.raises(openai.NotFoundError, match="not found") as missing:
         client.responses.retrieve(r.id)
     assert missing.value.code == "response_not_found"
-    _script(st, monkeypatch, "Hi.")
+    script_reply(st, monkeypatch, "Hi.")
     gone = client.responses.create(model=MODEL, input="Hello", store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(gone.id)

@@ -87,23 +87,18 @@ class PromptHasher:
                 rreq = P.decode_request(body, ResponsesRequest)
                 if rreq.previous_response_id is not None:
                     return None  # its conversation is stored on a replica, not known here
-                req = rreq.chat_request([])
-                ids = encode_chat(
-                    self.tokenizer,
-                    req.template_messages(),
-                    tools=req.tools,
-                    chat_template_kwargs=req.chat_template_kwargs,
-                )
-                return ids, req
-            if path == "/v1/chat/completions":
+                req = rreq.chat_request([])  # a response runs as this chat
+            elif path == "/v1/chat/completions":
                 req = P.decode_request(body, P.ChatCompletionRequest)
-                ids = encode_chat(
-                    self.tokenizer,
-                    req.template_messages(),
-                    tools=req.tools,
-                    chat_template_kwargs=req.chat_template_kwargs,
-                )
-                return ids, req
+            else:
+                return None
+            ids = encode_chat(
+                self.tokenizer,
+                req.template_messages(),
+                tools=req.tools,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+            return ids, req
         except (P.ProtocolError, ValueError, TypeError):
             return None
         return None
