@@ -223,6 +223,9 @@ def test_reasoning_then_content_and_tool_calls(
     # the tag inside the reasoning is not a call: calls are read from the content only
     assert msg.reasoning == "The user wants weather. <tool_call> comes next."  # type: ignore[attr-defined]
     assert msg.content == "Checking." and r.choices[0].finish_reason == "tool_calls"
+    thought = reply[: reply.index("</think>") + len("</think>")]  # one token per byte
+    assert r.usage is not None and r.usage.completion_tokens_details is not None
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(thought)
     (call,) = msg.tool_calls or []
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
@@ -231,6 +234,19 @@ def test_reasoning_then_content_and_tool_calls(
     reasoning, content, calls, finish = _stream(client, messages=USER, tools=TOOLS, max_tokens=300)
     assert (reasoning, content, finish) == (msg.reasoning, "Checking.", "tool_calls")  # type: ignore[attr-defined]
     assert [c.function.name for c in calls] == ["get_weather"]
+    script_reply(st, monkeypatch, reply)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=300,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == len(thought)
 
     # include_reasoning=false: the reasoning is generated and counted, not shown
     script_reply(st, monkeypatch, reply)

@@ -506,11 +506,17 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # with a --reasoning-parser, on chat: the replies' tokens up to the end of their reasoning
+    completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:

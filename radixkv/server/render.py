@@ -259,9 +259,14 @@ def take_deltas(
     return deltas
 
 
-def usage(sub: Submission) -> P.Usage:
+def usage(sub: Submission, reasoning_tokens: int | None = None) -> P.Usage:
+    """The submission's usage; ``reasoning_tokens`` (with a reasoning parser) adds
+    ``completion_tokens_details``."""
     completion = sum(c.completion_tokens for p in sub.prompts for c in p.choices)
-    return P.make_usage(sub.prompt_tokens, completion, sub.cached_tokens)
+    u = P.make_usage(sub.prompt_tokens, completion, sub.cached_tokens)
+    if reasoning_tokens is not None:
+        u.completion_tokens_details = P.CompletionTokensDetails(reasoning_tokens)
+    return u
 
 
 def cache_headers(sub: Submission, request_id: str) -> dict[str, str]:
@@ -380,6 +385,7 @@ def chat_response(
     tool_parser: ToolParser | None = None,
     num_prompt_logprobs: int | None = None,
     reasoning: ReasoningMode | None = None,
+    reasoning_tokens: int | None = None,
 ) -> P.ChatCompletionResponse:
     """The whole chat response; with ``reasoning`` each reply's reasoning is read out of its
     text first (server/reasoning.py), then with ``tool_parser`` the tool calls out of the rest
@@ -405,7 +411,8 @@ def chat_response(
         out = sub.prompts[0].latest
         assert out is not None
         plp = prompt_logprobs(out, num_prompt_logprobs)
-    return P.ChatCompletionResponse(rid, created, model, choices, usage(sub), prompt_logprobs=plp)
+    u = usage(sub, reasoning_tokens)
+    return P.ChatCompletionResponse(rid, created, model, choices, u, prompt_logprobs=plp)
 
 
 def sse(obj: object) -> bytes:
@@ -453,7 +460,14 @@ def chat_role_chunk(rid: str, model: str, created: int, n: int) -> bytes:
     return sse(P.ChatCompletionChunk(rid, created, model, choices))
 
 
-def usage_chunk(sub: Submission, rid: str, model: str, created: int, chat: bool) -> bytes:
+def usage_chunk(
+    sub: Submission,
+    rid: str,
+    model: str,
+    created: int,
+    chat: bool,
+    reasoning_tokens: int | None = None,
+) -> bytes:
     if chat:
-        return sse(P.ChatCompletionChunk(rid, created, model, [], usage(sub)))
+        return sse(P.ChatCompletionChunk(rid, created, model, [], usage(sub, reasoning_tokens)))
     return sse(P.CompletionResponse(rid, created, model, [], usage(sub)))

@@ -496,7 +496,15 @@ class ServerState:
                 R.take_deltas(sub, i, self.metrics)
             if chat:
                 payload: Any = R.chat_response(
-                    sub, rid, req.model, created, fmt, tool_parser, req.prompt_logprobs, reasoning
+                    sub,
+                    rid,
+                    req.model,
+                    created,
+                    fmt,
+                    tool_parser,
+                    req.prompt_logprobs,
+                    reasoning,
+                    self._reasoning_tokens(sub, reasoning),
                 )
                 if responses is not None:
                     payload = self._whole_response(sub, responses, payload, reasoning)
@@ -588,7 +596,9 @@ class ServerState:
                 break
             yield chunk(rid, model, created, deltas)
         if include_usage:
-            yield R.usage_chunk(sub, rid, model, created, chat)
+            yield R.usage_chunk(
+                sub, rid, model, created, chat, self._reasoning_tokens(sub, reasoning)
+            )
         yield R.SSE_DONE
 
     # ------------------------------------------------------------ the Responses API
@@ -640,17 +650,25 @@ class ServerState:
             e.param = RESPONSES_PARAMS.get(e.param or "", e.param)
             raise
 
+    def _reasoning_tokens(self, sub: Submission, reasoning: ReasoningMode | None) -> int | None:
+        """The replies' reasoning tokens, all choices together; None without a parser."""
+        if reasoning is None:
+            return None
+        skip = sub.params.skip_special_tokens
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+        return sum(
+            reasoning.parser.reasoning_tokens(decode, c.token_ids, reasoning.opened)
+            for p in sub.prompts
+            if p.latest is not None
+            for c in p.latest.outputs
+        )
+
     def _response_usage(self, sub: Submission, reasoning: ReasoningMode | None) -> ResponseUsage:
         u = R.usage(sub)
-        thought = 0
-        out = sub.prompts[0].latest
-        if reasoning is not None and out is not None:
-            skip = sub.params.skip_special_tokens
-            thought = reasoning.parser.reasoning_tokens(
-                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip),
-                out.outputs[0].token_ids,
-                reasoning.opened,
-            )
+        thought = self._reasoning_tokens(sub, reasoning) or 0
         return ResponseUsage(
             input_tokens=u.prompt_tokens,
             input_tokens_details=InputTokensDetails(u.prompt_tokens_details.cached_tokens),
