@@ -160,6 +160,9 @@ def test_random_interleaving_keeps_invariants(lm: Any, adapters: dict[str, str],
                 seed=rng.choice([None, 7]),
                 prompt_logprobs=rng.choice([None, None, 1]),
                 guided=rng.choice([None, None, {"regex": "[a-z]{2,9}"}, {"choice": ["ab", "cd"]}]),
+                # history-dependent logits, drafted too (speculation judges them per position)
+                repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+                frequency_penalty=rng.choice([0.0, 0.0, 0.4]),
                 priority=rng.choice([0, 1, -1]) if eng.config.schedule_policy == "priority" else 0,
             )
             if params.prompt_logprobs is not None and rng.random() < 0.5:

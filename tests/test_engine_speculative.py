@@ -122,14 +122,14 @@ def test_stop_strings_end_inside_a_run_of_drafts() -> None:
 
 
 def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) -> None:
-    """One batch: greedy requests (drafted, one with a stop string), and requests whose next
-    token depends on more than the step's logits (penalties, logprobs, guided): each output is
-    what it is without speculation."""
+    """One batch: greedy requests (drafted, one with a stop string, some with penalties whose
+    drafts are judged position by position), and requests that do not take part (logprobs,
+    guided): each output is what it is without speculation."""
     _, lm = small
     prompts = _prompts(2)
     kinds = [
         SamplingParams(temperature=0, max_tokens=20),
-        SamplingParams(temperature=0.9, seed=4, max_tokens=20, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.5, logit_bias={7: 2.0}),
         SamplingParams(temperature=0, max_tokens=20, logprobs=1),
         SamplingParams(temperature=0, max_tokens=20, stop=["ab"]),
         SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
@@ -149,6 +149,32 @@ def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) ->
         if k:
             assert eng.stats().speculative_draft_tokens > 0
     assert results[4] == results[0]
+
+
+@pytest.mark.parametrize(
+    "adjust",
+    [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.3, presence_penalty=0.2),
+        dict(logit_bias={ord("e"): -100.0, ord("x"): 1.0}),  # no "e" at all
+        dict(min_tokens=200, stop_token_ids=[ord(":")]),
+    ],
+)
+def test_penalties_bias_and_min_tokens_take_part(adjust: dict[str, Any]) -> None:
+    """Drafts of requests whose logits depend on their history are judged with each position's
+    own history (the drafts before it included): greedy outputs equal those without drafts,
+    and drafts are proposed and kept. Judging every position by the first one's history
+    (``adjust_logits`` of the row's state before the step) fails this."""
+    prompts = ["import os\n" * 3 + "def f(x):\n    return x\n" * 4, "for i in range(9):\n" * 3]
+    params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True, **adjust)
+    outs, stats = {}, {}
+    for k in (0, 8):
+        eng = Engine("radixkv-tiny", num_pages=256, num_speculative_tokens=k)
+        outs[k] = [o.outputs[0].token_ids for o in run_checked(eng, prompts, params)]
+        stats[k] = eng.stats()
+    assert outs[8] == outs[0]
+    assert stats[8].speculative_accepted_tokens > 0
+    assert stats[8].num_steps < stats[0].num_steps
 
 
 def test_eos_and_max_tokens_end_where_they_would(small: tuple[Any, Any]) -> None:

@@ -21,9 +21,10 @@ slots past the accepted run freed after. A draft that is a stop token (EOS unles
 output through the normal path. Stop strings are matched as the engine appends the kept drafts
 one by one, as it appends decoded tokens: one completed inside the run ends the output there,
 and the rest of the run is dropped (its KV stays only where a page was already published).
-Only requests whose next token depends on nothing but the step's logits take part: no
-penalties or bias, no guided decoding, no logprobs; the others decode as before in the same
-batch. A
+Penalties, bias and ``min_tokens`` depend on the tokens before each position: a drafted row's
+logits are adjusted position by position, each with its own history (the drafts before it
+included), so the drafts are judged by what sampling would see at each position. Requests with
+guided decoding or logprobs do not take part; they decode as before in the same batch. A
 sequence whose drafts keep being refused backs off (exponentially, up to ``MAX_BACKOFF`` steps
 between lookups), so text that does not repeat costs few wide forwards.
 """
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixkv.cache import OutOfPages
+from radixkv.engine.logit_adjust import adjust_logits
 from radixkv.engine.request import Sequence
 from radixkv.engine.sampler import sampling_probs
 
@@ -128,10 +130,7 @@ class Speculator:
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
         return (
-            not p.adjusts_logits
-            and p.guided is None
-            and p.logprobs is None
-            and seq.num_computed == len(seq.token_ids) - 1
+            p.guided is None and p.logprobs is None and seq.num_computed == len(seq.token_ids) - 1
         )
 
     def propose(self, batch: ScheduledBatch) -> dict[int, list[int]]:
@@ -191,21 +190,30 @@ class Speculator:
             seq = batch.seqs[i]
             p = seq.params
             row_logits = head(h)  # [1 + k, V]: position j predicts the token after it
+            judged = row_logits  # what the drafts are judged by: the logits sampling would see
+            if p.adjusts_logits:  # penalties, bias, min_tokens: each position's own history
+                base = len(seq.token_ids) - len(d)
+                history = [seq.token_ids[: base + j] for j in range(len(d) + 1)]
+                judged = adjust_logits(
+                    row_logits,
+                    [p] * len(history),
+                    history,
+                    [seq.num_prompt_tokens] * len(history),
+                    self.eos_token_ids,
+                )
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned |= self.eos_token_ids
             if p.temperature > 0.0:
                 assert seq.generator is not None
-                a, drawn[i] = accept_sampled(
-                    sampling_probs(row_logits, p), d, banned, seq.generator
-                )
+                a, drawn[i] = accept_sampled(sampling_probs(judged, p), d, banned, seq.generator)
             else:
-                choice = row_logits.argmax(dim=-1).tolist()
+                choice = judged.argmax(dim=-1).tolist()
                 a = 0
                 while a < len(d) and choice[a] == d[a] and d[a] not in banned:
                     a += 1
                 with torch.inference_mode():  # the runner's logits are inference tensors
-                    logits[i] = row_logits[a]
+                    logits[i] = row_logits[a]  # raw: the step adjusts them as any row's
             if a < len(d):
                 del seq.token_ids[a - len(d) :]
             batch.num_new[i] = 1 + a
