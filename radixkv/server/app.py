@@ -135,19 +135,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         principal = st.auth.authenticate(request.headers.get("authorization"))
         req = st.decode(await read_body(request, config.max_body_bytes), P.ChatCompletionRequest)
-        lora = st.check_model(req.model)
-        ids = st.chat_ids(req)
-        max_tokens = req.max_tokens
-        if max_tokens is None:
-            max_tokens = min(config.default_max_tokens, st.max_context - len(ids))
-            if max_tokens < 1:
-                st.check_length(ids, 1, "messages")
-        st.check_length(ids, max_tokens, "messages")
-        params = st.sampling_params(req, max_tokens)
-        reasoning = st.reasoning_mode(req, ids)
-        return await st.run(
-            request, principal, req, [ids], params, chat=True, lora=lora, reasoning=reasoning
-        )
+        return await st.run_chat(request, principal, req)
 
     @app.post("/v1/responses", openapi_extra=OA.responses_route())
     async def create_response(request: Request) -> Response:

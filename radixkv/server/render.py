@@ -439,14 +439,14 @@ def chat_chunk(rid: str, model: str, created: int, deltas: list[Delta]) -> bytes
     choices = []
     for d in deltas:
         delta = P.ChatDelta(content=d.text)
-        if d.reasoning:  # content only where there is some (as vLLM sends reasoning deltas)
-            delta = P.ChatDelta(content=d.text or None, reasoning=d.reasoning)
-        if d.tool_calls:
+        if d.reasoning or d.tool_calls:  # content only where there is some (as vLLM sends)
             calls = [
                 P.ToolCallDelta(k, c.id, P.FunctionCall(c.name, c.arguments))
-                for k, c in enumerate(d.tool_calls)
+                for k, c in enumerate(d.tool_calls or ())
             ]
-            delta = P.ChatDelta(content=d.text or None, reasoning=d.reasoning, tool_calls=calls)
+            delta = P.ChatDelta(
+                content=d.text or None, reasoning=d.reasoning, tool_calls=calls or None
+            )
         choices.append(
             P.ChatChunkChoice(d.index, delta, d.finish_reason, chat_logprobs(d.logprobs))
         )

@@ -315,6 +315,19 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
 
+def response_usage(u: P.Usage) -> ResponseUsage:
+    """A chat usage in the Responses API's names (reasoning tokens 0 where it counted none)."""
+    details = u.completion_tokens_details
+    reasoning = 0 if isinstance(details, msgspec.UnsetType) else details.reasoning_tokens
+    return ResponseUsage(
+        input_tokens=u.prompt_tokens,
+        input_tokens_details=InputTokensDetails(u.prompt_tokens_details.cached_tokens),
+        output_tokens=u.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning),
+        total_tokens=u.total_tokens,
+    )
+
+
 class IncompleteDetails(msgspec.Struct):
     reason: str
 
@@ -419,37 +432,35 @@ class ResponseWriter:
         }
 
     def reasoning(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        events = []
-        if not isinstance(self._open, ReasoningItem):
-            events += self._close()
-            item = ReasoningItem(id=new_id("rs"), content=[], status="in_progress")
-            events.append(self._add(item))
-            self._open = item
-            part = ReasoningText(text="")
-            item.content.append(part)
-            events.append(self._event("response.content_part.added", **self._where(), part=part))
-        self._open.content[0].text += text
-        events.append(self._event("response.reasoning_text.delta", **self._where(), delta=text))
-        return events
+        return self._text(text, ReasoningItem, ReasoningText, "rs", "reasoning_text")
 
     def content(self, text: str) -> list[dict[str, Any]]:
+        return self._text(text, MessageItem, OutputText, "msg", "output_text", logprobs=[])
+
+    def _text(
+        self,
+        text: str,
+        item_type: type[ReasoningItem] | type[MessageItem],
+        part_type: type[ReasoningText] | type[OutputText],
+        prefix: str,
+        kind: str,
+        **extra: Any,
+    ) -> list[dict[str, Any]]:
+        """``text`` appended to the open item of ``item_type`` (one opened, with its one part,
+        after closing another); ``kind``: the part's event name (``response.<kind>.delta``)."""
         if not text:
             return []
         events = []
-        if not isinstance(self._open, MessageItem):
+        if not isinstance(self._open, item_type):
             events += self._close()
-            item = MessageItem(id=new_id("msg"), content=[], status="in_progress")
+            item = item_type(id=new_id(prefix), content=[], status="in_progress")
             events.append(self._add(item))
             self._open = item
-            part = OutputText(text="")
-            item.content.append(part)
+            part = part_type(text="")
+            item.content.append(part)  # type: ignore[arg-type]
             events.append(self._event("response.content_part.added", **self._where(), part=part))
         self._open.content[0].text += text
-        events.append(
-            self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
-        )
+        events.append(self._event(f"response.{kind}.delta", **self._where(), delta=text, **extra))
         return events
 
     def calls(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -478,14 +489,11 @@ class ResponseWriter:
         return events
 
     def _close(self) -> list[dict[str, Any]]:
-        item, self._open = self._open, None
+        item = self._open
         if item is None:
             return []
-        where = {
-            "item_id": item.id,
-            "output_index": len(self.response.output) - 1,
-            "content_index": 0,
-        }
+        where = self._where()
+        self._open = None
         part = item.content[0]
         if isinstance(item, ReasoningItem):
             done = self._event("response.reasoning_text.done", **where, text=part.text)

@@ -30,14 +30,12 @@ from radixkv.server.reasoning import ReasoningMode, ReasoningParser
 from radixkv.server.response_store import ResponseStore, Stored
 from radixkv.server.responses import (
     RESPONSES_PARAMS,
-    InputTokensDetails,
-    OutputTokensDetails,
     ResponseObject,
     ResponsesRequest,
-    ResponseUsage,
     ResponseWriter,
     error_param,
     new_id,
+    response_usage,
 )
 from radixkv.server.responses import history as responses_history
 from radixkv.server.responses import shell as responses_shell
@@ -364,6 +362,37 @@ class ServerState:
         return Echo(text, self.token_texts(ids[0]), tuple(self.token_texts(t) for t in unscored))
 
     # ------------------------------------------------------------ running a request
+    async def run_chat(
+        self,
+        request: Request,
+        principal: Principal,
+        req: P.ChatCompletionRequest,
+        responses: ResponsesCall | None = None,
+    ) -> Response:
+        """Run chat ``req`` (its model, rendered conversation, length and sampling checked;
+        without ``max_tokens`` up to ``default_max_tokens`` of the context left) and answer
+        it, as the Responses API when ``responses`` is given (:meth:`respond`)."""
+        lora = self.check_model(req.model)
+        ids = self.chat_ids(req)
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, self.max_context - len(ids))
+            if max_tokens < 1:
+                self.check_length(ids, 1, "messages")
+        self.check_length(ids, max_tokens, "messages")
+        params = self.sampling_params(req, max_tokens)
+        return await self.run(
+            request,
+            principal,
+            req,
+            [ids],
+            params,
+            chat=True,
+            lora=lora,
+            reasoning=self.reasoning_mode(req, ids),
+            responses=responses,
+        )
+
     async def run(
         self,
         request: Request,
@@ -507,7 +536,7 @@ class ServerState:
                     self._reasoning_tokens(sub, reasoning),
                 )
                 if responses is not None:
-                    payload = self._whole_response(sub, responses, payload, reasoning)
+                    payload = self._whole_response(responses, payload)
             else:
                 payload = R.completion_response(
                     sub, rid, req.model, created, fmt, req.prompt_logprobs
@@ -625,27 +654,8 @@ class ServerState:
                 req = rreq.chat_request(prior)
             except ValueError as e:  # msgspec's ValidationError is one
                 raise bad_request(str(e), error_param(str(e))) from None
-            lora = self.check_model(req.model)
-            ids = self.chat_ids(req)
-            max_tokens = req.max_tokens
-            if max_tokens is None:
-                max_tokens = min(self.config.default_max_tokens, self.max_context - len(ids))
-                if max_tokens < 1:
-                    self.check_length(ids, 1, "messages")
-            self.check_length(ids, max_tokens, "messages")
-            params = self.sampling_params(req, max_tokens)
             call = ResponsesCall(rreq, req.messages, principal.tenant, new_id("resp"))
-            return await self.run(
-                request,
-                principal,
-                req,
-                [ids],
-                params,
-                chat=True,
-                lora=lora,
-                reasoning=self.reasoning_mode(req, ids),
-                responses=call,
-            )
+            return await self.run_chat(request, principal, req, responses=call)
         except APIError as e:
             e.param = RESPONSES_PARAMS.get(e.param or "", e.param)
             raise
@@ -666,17 +676,6 @@ class ServerState:
             for c in p.latest.outputs
         )
 
-    def _response_usage(self, sub: Submission, reasoning: ReasoningMode | None) -> ResponseUsage:
-        u = R.usage(sub)
-        thought = self._reasoning_tokens(sub, reasoning) or 0
-        return ResponseUsage(
-            input_tokens=u.prompt_tokens,
-            input_tokens_details=InputTokensDetails(u.prompt_tokens_details.cached_tokens),
-            output_tokens=u.completion_tokens,
-            output_tokens_details=OutputTokensDetails(thought),
-            total_tokens=u.total_tokens,
-        )
-
     def _keep(self, call: ResponsesCall, response: ResponseObject) -> None:
         if call.request.store:
             self.responses.put(
@@ -684,13 +683,10 @@ class ServerState:
             )
 
     def _whole_response(
-        self,
-        sub: Submission,
-        call: ResponsesCall,
-        chat: P.ChatCompletionResponse,
-        reasoning: ReasoningMode | None,
+        self, call: ResponsesCall, chat: P.ChatCompletionResponse
     ) -> ResponseObject:
-        """The finished submission's chat response as a Responses API response."""
+        """A finished chat response as the Responses API's response (its usage with the
+        reasoning tokens the chat response counted)."""
         writer = ResponseWriter(responses_shell(call.request, call.id, chat.created))
         choice = chat.choices[0]
         msg = choice.message
@@ -701,7 +697,7 @@ class ServerState:
         ]
         if calls:
             writer.calls(calls)
-        writer.finish(choice.finish_reason, self._response_usage(sub, reasoning))
+        writer.finish(choice.finish_reason, response_usage(chat.usage))
         self._keep(call, writer.response)
         return writer.response
 
@@ -728,7 +724,8 @@ class ServerState:
                 if d.tool_calls:
                     events += writer.calls(d.tool_calls)
                 if d.finish_reason is not None:
-                    events += writer.finish(d.finish_reason, self._response_usage(sub, reasoning))
+                    usage = R.usage(sub, self._reasoning_tokens(sub, reasoning))
+                    events += writer.finish(d.finish_reason, response_usage(usage))
                 for event in events:
                     yield R.sse_event(event)
         self._keep(call, writer.response)
