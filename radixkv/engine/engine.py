@@ -38,6 +38,7 @@ import torch
 from radixkv.attention.registry import BackendChoice, choose_backend
 from radixkv.cache import PagePool, RadixCache
 from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
+from radixkv.engine.beam_search import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
 from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.guided import GuideCompiler, mask_logits
@@ -159,6 +160,14 @@ class Engine:
                 max_context=self.max_context,
                 eos_token_ids=self.eos_token_ids,
             )
+        # beam search requests (SamplingParams.beam_width): their beams' forks and steps
+        self.beams = BeamRunner(
+            self.scheduler,
+            self.seq_kv,
+            self.kv_pool.copy_pages,
+            self.tokenizer,
+            self.eos_token_ids,
+        )
         self._intake = RequestIntake(
             cfg,
             self.tokenizer,
@@ -246,9 +255,12 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self._intake.build(
+        group = self._intake.build(
             request_id, text, ids, params, namespace, stream, arrival_time, adapter
         )
+        if params.beam_width:
+            self.beams.start(group)
+        return group
 
     def compile_guided(self, params: SamplingParams) -> None:
         """Compile ``params.guided`` now (nothing to do without one), so that submitting a
@@ -340,6 +352,10 @@ class Engine:
             self._stats.record_speculation(
                 sum(map(len, drafts.values())), sum(map(len, accepted.values()))
             )
+        beam_rows = [i for i in rows if batch.seqs[i].group.beam is not None]
+        if beam_rows:  # beam search: the rows wait for their requests' other beams
+            self.beams.observe([batch.seqs[i] for i in beam_rows], logits[beam_rows])
+            rows = [i for i in rows if batch.seqs[i].group.beam is None]
         seqs = [batch.seqs[i] for i in rows]
         params = [s.params for s in seqs]
         picked = logits[rows]
@@ -361,6 +377,8 @@ class Engine:
             self._record_logprobs(logits, rows, seqs, tokens)
         t3 = time.perf_counter()
         self._append_tokens(seqs, tokens, accepted)
+        if beam_rows:
+            self._advance_beams()
         outs = self.drain()
         self._stats.record_step(t0, t1, t2, t3)
         return outs
@@ -566,6 +584,28 @@ class Engine:
                 self._finish(seq, reason)
         self._stats.record_generated(appended)
 
+    def _advance_beams(self) -> None:
+        """Take the step of each beam search request whose beams all have their logits now,
+        and end the searches that are over."""
+        ended, appended = self.beams.advance()
+        self._stats.record_generated(appended)
+        for group in ended:
+            self._end_beam_search(group, None)
+
+    def _end_beam_search(self, group: RequestGroup, reason: str | None) -> None:
+        """End a beam search request (``reason`` None: the search is over; "abort"/"error":
+        cut short, its live beams compete as they are): its beams' pages are released
+        (published), its outputs set, and it leaves the live table."""
+        outs = self.beams.finish(group, reason)
+        now = time.monotonic()
+        group.metrics.finish_time = now
+        group.metrics.latency = now - group.metrics.arrival_time
+        self._live.pop(group.request_id, None)
+        reasons = [o.finish_reason or "stop" for o in outs] or [reason or "stop"]
+        for i, r in enumerate(reasons):
+            self._stats.record_finish(r, request_finished=i == len(reasons) - 1)
+        self._news[group.request_id] = group
+
     def _accept(self, seq: Seq, tok: int) -> str | None:
         """Append ``tok`` to ``seq``; the finish reason it brings, or None."""
         seq.token_ids.append(tok)
@@ -588,7 +628,13 @@ class Engine:
     def _finish(self, seq: Seq, reason: str, *, insert: bool = True) -> None:
         """The one place a sequence ends (stop, length, abort, error): the scheduler releases
         its KV (publishing its pages unless ``insert=False``), the detokenizer hands over the
-        text, and a request whose last sequence this was leaves the live table."""
+        text, and a request whose last sequence this was leaves the live table. A beam of a
+        beam search ends its whole request with ``reason``."""
+        if seq.group.beam is not None:
+            if not insert:  # its KV is not to be published; the other beams' is
+                self.scheduler.finish(seq, reason, insert=False)
+            self._end_beam_search(seq.group, reason)
+            return
         self.scheduler.finish(seq, reason, insert=insert)
         d = seq.detok
         if seq.live_detok:

@@ -187,13 +187,14 @@ class RequestIntake:
         arrival_time: float | None,
         lora: LoRAInfo | None = None,
     ) -> RequestGroup:
-        """A group of ``params.n`` waiting sequences (inputs already passed ``check``), run with
+        """A group of ``params.n`` waiting sequences (one for beam search: its beams branch
+        from it, beam_search.py; inputs already passed ``check``), run with
         the LoRA adapter ``lora`` (None: the base model)."""
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, text, ids, params, namespace, now, stream, lora)
         # without streaming or stop strings, text is decoded once at the end (Engine._finish)
         live_detok = stream or bool(params.stop)
-        for i in range(params.n):
+        for i in range(params.num_initial_seqs):
             gen = None
             if params.temperature > 0:
                 seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)

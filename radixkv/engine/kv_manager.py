@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from radixkv.cache import OutOfPages, RadixCache, TreeNode
 from radixkv.engine.request import Namespace, RequestGroup, Sequence
@@ -164,6 +164,35 @@ class SeqKV:
         seq.page_table[:k] = r.pages
         self.num_private_pages -= k - seq.num_shared_pages
         seq.num_shared_pages = k
+
+    def fork(
+        self,
+        parent: Sequence,
+        child: Sequence,
+        copy_pages: Callable[[list[int], list[int]], None],
+    ) -> bool:
+        """Give ``child`` (holding nothing) the KV of ``parent``'s computed tokens: the same
+        shared pages under one more lock on the parent's node, and a copy of each private page
+        (``copy_pages(src, dst)`` copies page contents; with the prefix cache on, only the
+        partial tail page is private once ``commit`` ran). Sets the child's page fields and
+        ``num_computed``. False, changing nothing, when the pool cannot supply the copies."""
+        assert not child.page_table and child.locked_node is None, child
+        private = parent.page_table[parent.num_shared_pages :]
+        try:
+            pages = self.cache.alloc(len(private)) if private else []
+        except OutOfPages:
+            return False
+        if pages:
+            copy_pages(private, pages)
+            self.num_private_pages += len(pages)
+        node = parent.locked_node
+        if node is not None:
+            self.cache.lock(node)
+        child.locked_node = node
+        child.page_table = parent.page_table[: parent.num_shared_pages] + pages
+        child.num_shared_pages = parent.num_shared_pages
+        child.num_computed = parent.num_computed
+        return True
 
     # ------------------------------------------------------------------ release
     def release(self, seq: Sequence, *, insert: bool = True) -> None:

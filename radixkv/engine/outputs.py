@@ -56,7 +56,9 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
 
     ``logprobs`` (only with ``SamplingParams.logprobs`` set, else None) has one entry per
     token of ``token_ids`` (cumulative, like ``token_ids``); ``cumulative_logprob`` is the sum
-    of the sampled tokens' log probabilities.
+    of the sampled tokens' log probabilities. With beam search (``SamplingParams.beam_width``)
+    each output is a finished hypothesis, best first: ``cumulative_logprob`` is its total log
+    probability (set without ``logprobs``) and ``score`` what it was ranked by.
     """
 
     index: int
@@ -68,6 +70,8 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    # beam search: the hypothesis's score, cumulative_logprob / len(token_ids) ** length_penalty
+    score: float | None = None
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):

@@ -172,6 +172,23 @@ class SamplingParams:
             strings (tokens that cannot continue a match get no probability; penalties and
             bias apply first; logprobs stay raw). The output ends ("stop") as soon as nothing
             but the end can follow. None (default): free text.
+        beam_width: 0 (default) samples as above. W >= 1 runs beam search instead, with
+            Hugging Face's ``generate(num_beams=W, do_sample=False)`` semantics
+            (engine/beam_search.py): W beams are kept, each step every beam's continuations
+            are ranked by total log probability, and the request returns the ``n`` best
+            finished hypotheses (``n`` <= W), best first, with their scores in
+            ``CompletionOutput.cumulative_logprob`` and ``.score``. The beams share the
+            prompt's and each other's pages through the prefix cache. The search is
+            deterministic: temperature, top-k/top-p/min-p and seed are not used. Stop strings,
+            guided decoding, logprobs, penalties and ``logit_bias`` cannot be combined with it
+            (ValueError); ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` apply.
+        length_penalty: beam search only: a finished hypothesis scores its total log
+            probability divided by (its output length ** length_penalty) (Hugging Face's);
+            above 0 favours longer outputs, below 0 shorter ones.
+        early_stopping: beam search only (Hugging Face's): False (default) stops when no beam
+            can still beat the W best finished hypotheses at its current length; True stops
+            as soon as W hypotheses are finished; "never" only when no beam could beat them
+            even at ``max_tokens`` (with ``length_penalty`` > 0).
 
     Raises:
         ValueError: on any out-of-range value or wrongly typed field (the message names it).
@@ -199,6 +216,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     priority: int = 0
     guided: GuidedDecodingParams | None = None
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -288,6 +308,36 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", float(self.min_p))
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        w, lp, es = self.beam_width, self.length_penalty, self.early_stopping
+        if not _is_int(w) or w < 0:
+            raise ValueError(f"beam_width must be an integer >= 0 (0: no beam search), got {w!r}")
+        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
+        object.__setattr__(self, "length_penalty", float(lp))
+        if not isinstance(es, bool) and es != "never":
+            raise ValueError(f"early_stopping must be true, false or 'never', got {es!r}")
+        if not w:
+            if lp != 1.0 or es is not False:
+                raise ValueError("length_penalty and early_stopping apply to beam search only")
+            return
+        if self.n > w:
+            raise ValueError(f"n={self.n} exceeds beam_width={w}: beam search returns at most W")
+        refused = [
+            name
+            for name, on in (
+                ("stop strings", bool(self.stop)),
+                ("guided decoding", self.guided is not None),
+                ("logprobs", self.logprobs is not None),
+                ("penalties", self.has_penalties),
+                ("logit_bias", bool(self.logit_bias)),
+            )
+            if on
+        ]
+        if refused:
+            raise ValueError(f"beam search cannot be combined with {', '.join(refused)}")
 
     @property
     def greedy(self) -> bool:
@@ -304,6 +354,12 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+
+    @property
+    def num_initial_seqs(self) -> int:
+        """Sequences the request starts with: ``n`` samples, or beam search's one beam (it
+        branches into ``beam_width`` after the prompt)."""
+        return 1 if self.beam_width else self.n
 
     @property
     def max_stop_len(self) -> int:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixkv.cache import LoadBack, TreeNode
+    from radixkv.engine.beam_search import BeamSearch
     from radixkv.engine.guided import TokenGuide
     from radixkv.engine.lora import LoRAInfo
     from radixkv.engine.storage_tier import PrefetchJob
@@ -92,7 +93,8 @@ class Sequence:
     ) -> None:
         self.group = group
         self.index = index
-        self.seq_id = group.request_id if group.params.n == 1 else f"{group.request_id}#{index}"
+        one = group.params.n == 1 and not group.params.beam_width
+        self.seq_id = group.request_id if one else f"{group.request_id}#{index}"
         # array('q'): the cache's fast path for keys (slices are one memcpy)
         self.token_ids: array[int] = array("q", prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
@@ -179,10 +181,12 @@ class Sequence:
 
 
 class RequestGroup:
-    """What one ``add_request`` submitted: a prompt, its params and ``params.n`` sequences."""
+    """What one ``add_request`` submitted: a prompt, its params and ``params.n`` sequences (with
+    beam search, its live beams: ``beam`` holds the search, beam_search.py)."""
 
     __slots__ = (
         "_emitted_tokens",
+        "beam",
         "cache_namespace",
         "lora",
         "metrics",
@@ -224,6 +228,7 @@ class RequestGroup:
         self._emitted_tokens: list[int] = []
         # the storage tier's lookup of the prompt (kv_manager.py), or None
         self.prefetch: PrefetchJob | None = None
+        self.beam: BeamSearch | None = None  # SamplingParams.beam_width > 0 (beam_search.py)
         # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first
         # token has none), appended in order by the engine as sample 0's prefill goes
         # (None up to prompt_logprobs_start: those tokens get none)
@@ -241,8 +246,30 @@ class RequestGroup:
         """Snapshot for the user; advances each sequence's emitted-delta cursor."""
         if len(self._emitted_tokens) != len(self.seqs):
             self._emitted_tokens = [0] * len(self.seqs)
-        outs = []
         done = self.finished
+        outs = self._sample_outputs() if self.beam is None else list(self.beam.outputs or ())
+        first = outs[0] if outs else CompletionOutput(index=0, text="", token_ids=[])
+        pl = self.prompt_logprobs
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
+            metrics=self.metrics,
+            outputs=outs,
+            finished=done,
+            namespace=self.namespace,
+            lora=None if self.lora is None else self.lora.name,
+            prompt_logprobs=(
+                list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
+            ),
+        )
+
+    def _sample_outputs(self) -> list[CompletionOutput]:
+        outs = []
         for s in self.seqs:
             out_ids = s.output_ids
             fin = s.finished
@@ -263,22 +290,4 @@ class RequestGroup:
                     cumulative_logprob=None if s.logprobs is None else s.cumulative_logprob,
                 )
             )
-        first = outs[0]
-        pl = self.prompt_logprobs
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            text=first.text,
-            token_ids=first.token_ids,
-            finish_reason=first.finish_reason,
-            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
-            metrics=self.metrics,
-            outputs=outs,
-            finished=done,
-            namespace=self.namespace,
-            lora=None if self.lora is None else self.lora.name,
-            prompt_logprobs=(
-                list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
-            ),
-        )
+        return outs

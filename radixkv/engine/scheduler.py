@@ -146,12 +146,24 @@ class Scheduler:
         self._inflight = InflightPages(self.page_size, enabled=kv.enabled)  # see inflight.py
 
     # ------------------------------------------------------------------ queue ops
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, *, front: bool = False) -> None:
+        """Queue a sequence holding no pages (``front``: ahead of the others, as a preempted
+        one goes)."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str, *, insert: bool = True) -> None:
-        """End a sequence however it ends: release its pages and locks, drop it from the queues."""
+    def add_running(self, seq: Sequence) -> None:
+        """Run a sequence that already holds the pages of its computed tokens (a beam forked
+        from a running one, beam_search.py): it decodes from the next step on."""
+        seq.status = SeqStatus.RUNNING
+        self._start_running(seq)
+
+    def detach(self, seq: Sequence, *, insert: bool = True) -> None:
+        """Take a sequence out of the queues and release its pages and locks (publishing its
+        computed full pages unless ``insert=False``); its status is left to the caller."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -159,6 +171,10 @@ class Scheduler:
                 self.waiting.remove(seq)
         self._inflight.drop(seq)
         self.kv.release(seq, insert=insert)
+
+    def finish(self, seq: Sequence, reason: str, *, insert: bool = True) -> None:
+        """End a sequence however it ends: release its pages and locks, drop it from the queues."""
+        self.detach(seq, insert=insert)
         seq.status = SeqStatus.FINISHED
         if seq.finish_reason is None:
             seq.finish_reason = reason
@@ -178,6 +194,8 @@ class Scheduler:
         held_back = self._schedule_running(batch)
         if not self._admit(batch, self.step_budget - batch.prefill_cost):
             self._top_up(batch, held_back)
+        if not batch.seqs and self.waiting:
+            self._unpark(batch)
         if any(s.lora_slot for s in batch.seqs):
             batch.group_by_adapter()
         return batch
@@ -253,6 +271,17 @@ class Scheduler:
         batch.num_prefill_tokens += tokens
         batch.prefill_cost += used
         return held_back
+
+    def _unpark(self, batch: ScheduledBatch) -> None:
+        """Nothing could run: if running sequences are parked (computed to their end, a beam
+        waiting for its request's other beams, beam_search.py) while a queued one lacks the
+        pages to start, preempt them (they keep their tokens) and admit again."""
+        parked = [s for s in self.running if s.num_computed == len(s.token_ids)]
+        for seq in reversed(parked):
+            self.preempt(seq)
+            batch.preempted.append(seq)
+        if parked:
+            self._admit(batch, self.step_budget)
 
     def _top_up(self, batch: ScheduledBatch, rows: list[int]) -> None:
         """Give the budget the admissions left over back to running prefills held back to half

@@ -130,7 +130,10 @@ class Speculator:
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
         return (
-            p.guided is None and p.logprobs is None and seq.num_computed == len(seq.token_ids) - 1
+            p.guided is None
+            and p.logprobs is None
+            and not p.beam_width
+            and seq.num_computed == len(seq.token_ids) - 1
         )
 
     def propose(self, batch: ScheduledBatch) -> dict[int, list[int]]:

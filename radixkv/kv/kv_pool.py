@@ -145,6 +145,18 @@ class KVPool:
         self.k_flat(layer).index_copy_(0, slots, k.to(self.dtype))
         self.v_flat(layer).index_copy_(0, slots, v.to(self.dtype))
 
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the K/V of pages ``src[i]`` to pages ``dst[i]`` in every layer (a forked beam's
+        tail page). ``dst`` must be distinct from each other and from ``src``."""
+        if len(src) != len(dst):
+            raise ValueError(f"KVPool.copy_pages: {len(src)} source pages, {len(dst)} targets")
+        if not src:
+            return
+        s = torch.tensor(list(src), device=self.device)
+        d = torch.tensor(list(dst), device=self.device)
+        self.k.index_copy_(1, d, self.k.index_select(1, s))
+        self.v.index_copy_(1, d, self.v.index_select(1, s))
+
     def __repr__(self) -> str:
         return (
             f"KVPool(num_layers={self.num_layers}, num_pages={self.num_pages}, "
