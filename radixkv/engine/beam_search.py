@@ -48,7 +48,7 @@ from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.outputs import CompletionOutput
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.request import RequestGroup, Sequence, SeqStatus
+from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
 from radixkv.engine.scheduler import Scheduler
 from radixkv.model.tokenizer import Tokenizer
 
@@ -124,7 +124,7 @@ class BeamSearch:
                     stop = t in self.stop_ids
                     self.finished.append(
                         Hypothesis(
-                            output_of(parents[j]) + [t],
+                            [*output_of(parents[j]), t],
                             totals[j],
                             norm[j],
                             "stop" if stop else "length",
@@ -217,7 +217,7 @@ class BeamRunner:
                 [s.cumulative_logprob for s in beams],
                 torch.stack([rows[s] for s in beams]).cpu(),
                 num_generated,
-                lambda i: beams[i].output_ids,
+                lambda i, b=beams: b[i].output_ids,  # type: ignore[misc]
             )
             if search.done:
                 ended.append(group)
