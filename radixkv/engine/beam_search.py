@@ -194,6 +194,7 @@ class BeamRunner:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         for seq, row in zip(seqs, logprobs):
             self._rows.setdefault(seq.group, {})[seq] = row
+            seq.parked = True
 
     def forget(self, group: RequestGroup) -> None:
         self._rows.pop(group, None)
@@ -217,7 +218,7 @@ class BeamRunner:
                 [s.cumulative_logprob for s in beams],
                 torch.stack([rows[s] for s in beams]).cpu(),
                 num_generated,
-                lambda i, b=beams: b[i].output_ids,  # type: ignore[misc]
+                lambda i, b=beams: b[i].output_ids,
             )
             if search.done:
                 ended.append(group)
@@ -241,12 +242,15 @@ class BeamRunner:
         outs = []
         for i, h in enumerate(hyps):
             ids = h.token_ids[:-1] if h.stop_reason is not None else h.token_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip)
             outs.append(
                 CompletionOutput(
                     index=i,
-                    text=self.tokenizer.decode(ids, skip_special_tokens=skip),
+                    text=text,
                     token_ids=h.token_ids,
                     finish_reason=h.finish_reason,
+                    delta_text=text,  # reported once, whole
+                    delta_token_ids=h.token_ids,
                     stop_reason=h.stop_reason,
                     cumulative_logprob=h.cumulative_logprob,
                     score=h.score,
@@ -278,6 +282,7 @@ class BeamRunner:
         for seq, c in zip(order, nxt):  # after every fork: a fork copies its parent's tokens
             seq.token_ids.append(c.token)
             seq.cumulative_logprob = c.cumulative_logprob
+            seq.parked = False
         for s in spare:  # fewer continuations than beams: these are no longer needed
             s.status = SeqStatus.FINISHED
             s.finish_reason = "pruned"

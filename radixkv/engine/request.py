@@ -74,6 +74,7 @@ class Sequence:
         "num_shared_pages",
         "page_keys",
         "page_table",
+        "parked",
         "seq_id",
         "skip_host",
         "spec_misses",
@@ -128,6 +129,9 @@ class Sequence:
         # steps left before the next lookup
         self.spec_misses = 0
         self.spec_wait = 0
+        # beam search (beam_search.py): its logits are in, it waits for its request's other
+        # beams; the scheduler neither computes nor admits it meanwhile
+        self.parked = False
 
     @property
     def params(self) -> SamplingParams:

@@ -273,15 +273,16 @@ class Scheduler:
         return held_back
 
     def _unpark(self, batch: ScheduledBatch) -> None:
-        """Nothing could run: if running sequences are parked (computed to their end, a beam
-        waiting for its request's other beams, beam_search.py) while a queued one lacks the
-        pages to start, preempt them (they keep their tokens) and admit again."""
-        parked = [s for s in self.running if s.num_computed == len(s.token_ids)]
-        for seq in reversed(parked):
+        """Nothing could run: if running sequences are parked (a beam waiting for its request's
+        other beams, beam_search.py) while a queued one lacks the pages to start, preempt them
+        (they keep their tokens) and admit again."""
+        parked = [s for s in self.running if s.parked]
+        if not parked:
+            return
+        for seq in parked:
             self.preempt(seq)
             batch.preempted.append(seq)
-        if parked:
-            self._admit(batch, self.step_budget)
+        self._admit(batch, self.step_budget)
 
     def _top_up(self, batch: ScheduledBatch, rows: list[int]) -> None:
         """Give the budget the admissions left over back to running prefills held back to half
@@ -331,6 +332,8 @@ class Scheduler:
                 capped = True
                 break
             if self.kv.prefetch_pending(seq):  # its prefix is on its way from storage
+                continue
+            if seq.parked:  # a beam whose logits are in: nothing to compute until its step
                 continue
             hit = self.kv.acquire(seq)
             if self._inflight.computed_elsewhere(seq):

@@ -19,7 +19,9 @@ name; a Struct that exists is a valid one. Responses are Structs too, encoded wi
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
 sharing within the caller's tenant), ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``chat_template_kwargs``, ``return_tokens_as_token_ids`` (vLLM's: logprob tokens as
+``chat_template_kwargs``, ``use_beam_search`` with ``length_penalty`` and ``early_stopping``
+(vLLM's: ``n`` beams, on completions ``best_of`` beams with the ``n`` best returned; the
+response comes whole, or as one chunk per choice when streamed), ``return_tokens_as_token_ids`` (vLLM's: logprob tokens as
 ``"token_id:N"``), ``prompt_logprobs`` (vLLM's: every prompt token's logprob and the k most
 likely tokens at its position, non-streamed only), on /v1/completions ``"max_tokens": 0``
 with ``echo`` (vLLM's: the prompt scored, nothing generated) and ``prompt_logprobs_start``
@@ -100,6 +102,11 @@ def _check_sampling(req: _SamplingFields) -> None:
         raise ValueError("stop strings must be non-empty")
     if req.stream_options is not None and not req.stream:
         raise ValueError("stream_options is only allowed with stream=true")
+    if not req.use_beam_search:
+        if req.length_penalty != 1.0:
+            raise ValueError("length_penalty applies to beam search only (use_beam_search)")
+        if req.early_stopping is not False:
+            raise ValueError("early_stopping applies to beam search only (use_beam_search)")
     if req.prompt_logprobs is not None and req.stream:
         # as vLLM: they come whole with the response, which a stream does not have
         raise ValueError("prompt_logprobs is not supported with stream=true")
@@ -154,6 +161,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None  # rejected: a context-free grammar
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's beam search (engine/beam_search.py): n beams (completions: best_of beams, the n
+    # best returned), Hugging Face's length_penalty and early_stopping
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, msgspec.Meta(ge=-10.0, le=10.0)] = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    def beam_width(self) -> int:
+        """``SamplingParams.beam_width`` (0: sampling)."""
+        return self.n if self.use_beam_search else 0
 
 
 # the request fields a SamplingParams error can name (its message starts with the name)
@@ -196,7 +212,10 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (must equal n)")
+            if not self.use_beam_search:
+                raise ValueError("best_of is supported with use_beam_search only (else = n)")
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
         prompts = self.prompts()  # validates the shape
         if not prompts:
             raise ValueError("prompt must not be empty")
@@ -229,6 +248,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     def engine_logprobs(self) -> int | None:
         """``SamplingParams.logprobs`` for this request."""
         return self.logprobs
+
+    def beam_width(self) -> int:
+        """With beam search, ``best_of`` beams (default ``n``), the ``n`` best returned."""
+        if not self.use_beam_search:
+            return 0
+        return self.n if self.best_of is None else self.best_of
 
     def engine_max_tokens(self) -> int:
         """``SamplingParams.max_tokens``: the engine always generates (at least one token), so

@@ -341,9 +341,14 @@ class ServerState:
                 repetition_penalty=req.repetition_penalty,
                 priority=req.priority,
                 guided=None if constraint is None else constraint.guided,
+                beam_width=req.beam_width(),
+                length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping,
             )
         except (ValueError, TypeError) as e:  # the message starts with the field's name
             name = str(e).split(" ", 1)[0]
+            if req.use_beam_search and str(e).startswith("beam search"):
+                name = "use_beam_search"
             raise bad_request(str(e), name if name in P.SAMPLING_FIELDS else None) from None
 
     def echo(self, prompt: str | list[int], ids: list[int], params: SamplingParams) -> Echo:
