@@ -119,6 +119,11 @@ def test_completion_defaults_and_prompt_shapes() -> None:
         (_cmpl(logit_bias={"5": 101}), "logit_bias"),
         (_cmpl(min_tokens=-1), "min_tokens"),
         (_cmpl(best_of=2), "best_of"),
+        (_cmpl(use_beam_search=True, n=3, best_of=2), "best_of"),
+        (_cmpl(length_penalty=2.0), "length_penalty"),  # without use_beam_search
+        (_cmpl(early_stopping=True), "early_stopping"),
+        (_cmpl(use_beam_search=True, early_stopping="sometimes"), "early_stopping"),
+        (_cmpl(use_beam_search=True, length_penalty=11), "length_penalty"),
         (_cmpl(min_p=1.5), "min_p"),
         (_cmpl(temperature=None, top_p=None, model=None), "model"),
         (_cmpl(seed=2**70), None),

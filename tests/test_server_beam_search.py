@@ -1,0 +1,117 @@
+"""Beam search over HTTP (vLLM's ``use_beam_search``): the server returns the engine's best
+hypotheses, whole or as one chunk per choice when streamed, on completions (``n`` of
+``best_of`` beams) and chat; combinations the engine refuses are a 400 naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+from server_helpers import MODEL, assert_clean, live_server
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+from radixkv.server.background import BackgroundServer
+from radixkv.server.state import ServerState
+
+PROMPT = "def read_lines(path):\n"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
+    with live_server() as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: tuple[BackgroundServer, ServerState]) -> Iterator[openai.OpenAI]:
+    srv, st = server
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    yield c
+    c.close()
+    assert_clean(st)
+
+
+@pytest.fixture(scope="module")
+def beams() -> list[tuple[str, int]]:
+    """The engine's 2 best of 4 beams for PROMPT, 10 tokens: (text, token count)."""
+    with Engine(MODEL) as engine:
+        out = engine.generate(
+            [PROMPT], SamplingParams(beam_width=4, n=2, max_tokens=10), use_tqdm=False
+        )
+    return [(o.text, len(o.token_ids)) for o in out[0].outputs]
+
+
+@pytest.fixture(scope="module")
+def expected(beams: list[tuple[str, int]]) -> list[str]:
+    return [text for text, _ in beams]
+
+
+def test_completions_return_the_best_of_the_beams(
+    client: openai.OpenAI, beams: list[tuple[str, int]], expected: list[str]
+) -> None:
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        n=2,
+        best_of=4,
+        temperature=0.7,  # not used by beam search
+        extra_body={"use_beam_search": True},
+    )
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == expected
+    assert len(set(expected)) == 2
+    assert {c.finish_reason for c in r.choices} <= {"length", "stop"}
+    assert r.usage.completion_tokens == sum(n for _, n in beams)
+
+
+def test_a_streamed_beam_search_sends_each_choice_whole(
+    client: openai.OpenAI, expected: list[str]
+) -> None:
+    texts = {0: "", 1: ""}
+    chunks = 0
+    for chunk in client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        n=2,
+        best_of=4,
+        stream=True,
+        extra_body={"use_beam_search": True},
+    ):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            chunks += bool(c.text)
+    assert [texts[0], texts[1]] == expected
+    assert chunks == 2
+
+
+def test_chat_takes_n_beams(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        max_tokens=8,
+        n=3,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "early_stopping": "never"},
+    )
+    texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(texts) == 3 and len(set(texts)) == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"use_beam_search": True, "stop": ["x"]}, "use_beam_search"),
+        ({"use_beam_search": True, "logprobs": 2}, "use_beam_search"),
+        ({"use_beam_search": True, "presence_penalty": 1.0}, "use_beam_search"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"use_beam_search": True, "n": 2, "best_of": 1}, "best_of"),
+    ],
+)
+def test_refused_combinations_name_the_field(
+    client: openai.OpenAI, extra: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param  # type: ignore[index]
