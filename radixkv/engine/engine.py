@@ -38,7 +38,7 @@ import torch
 from radixkv.attention.registry import BackendChoice, choose_backend
 from radixkv.cache import PagePool, RadixCache
 from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
-from radixkv.engine.beam_search import BeamRunner
+from radixkv.engine.beam_runner import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
 from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.guided import GuideCompiler, mask_logits

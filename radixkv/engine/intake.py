@@ -188,7 +188,7 @@ class RequestIntake:
         lora: LoRAInfo | None = None,
     ) -> RequestGroup:
         """A group of ``params.n`` waiting sequences (one for beam search: its beams branch
-        from it, beam_search.py; inputs already passed ``check``), run with
+        from it, beam_runner.py; inputs already passed ``check``), run with
         the LoRA adapter ``lora`` (None: the base model)."""
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, text, ids, params, namespace, now, stream, lora)

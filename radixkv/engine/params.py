@@ -174,7 +174,7 @@ class SamplingParams:
             but the end can follow. None (default): free text.
         beam_width: 0 (default) samples as above. W >= 1 runs beam search instead, with
             Hugging Face's ``generate(num_beams=W, do_sample=False)`` semantics
-            (engine/beam_search.py): W beams are kept, each step every beam's continuations
+            (engine/beam_search.py, run by beam_runner.py): W beams are kept, each step every beam's continuations
             are ranked by total log probability, and the request returns the ``n`` best
             finished hypotheses (``n`` <= W), best first, with their scores in
             ``CompletionOutput.cumulative_logprob`` and ``.score``. The beams share the

@@ -129,7 +129,7 @@ class Sequence:
         # steps left before the next lookup
         self.spec_misses = 0
         self.spec_wait = 0
-        # beam search (beam_search.py): its logits are in, it waits for its request's other
+        # beam search (beam_runner.py): its logits are in, it waits for its request's other
         # beams; the scheduler neither computes nor admits it meanwhile
         self.parked = False
 

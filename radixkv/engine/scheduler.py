@@ -157,7 +157,7 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """Run a sequence that already holds the pages of its computed tokens (a beam forked
-        from a running one, beam_search.py): it decodes from the next step on."""
+        from a running one, beam_runner.py): it decodes from the next step on."""
         seq.status = SeqStatus.RUNNING
         self._start_running(seq)
 
@@ -274,7 +274,7 @@ class Scheduler:
 
     def _unpark(self, batch: ScheduledBatch) -> None:
         """Nothing could run: if running sequences are parked (a beam waiting for its request's
-        other beams, beam_search.py) while a queued one lacks the pages to start, preempt them
+        other beams, beam_runner.py) while a queued one lacks the pages to start, preempt them
         (they keep their tokens) and admit again."""
         parked = [s for s in self.running if s.parked]
         if not parked:

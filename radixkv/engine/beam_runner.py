@@ -1,0 +1,194 @@
+"""Beam search requests in the engine: beams are sequences that fork by sharing pages.
+
+The search itself (which continuations go on) is beam_search.py's. A beam is a ``Sequence``
+of the request; after each forward the scheduler has published every full page of it to the
+radix cache (``SeqKV.commit``), so its KV is its locked node's path plus at most one private tail
+page. A beam's logits row is kept until every live beam of its request has one (a preempted
+beam first recomputes its tail), then the request's step is taken:
+
+- a beam with one continuation appends its token and goes on;
+- a beam with c > 1 continuations forks c - 1 children (``SeqKV.fork``: one more lock on its
+  node and a copy of its tail page; no prefix is copied or recomputed), each on a sequence of a
+  beam that got none (its full pages stay cached for whoever matches them) or a new one;
+- a child whose tail page the pool cannot supply is queued with its tokens instead, and later
+  hits the shared pages and recomputes only its tail, like a preempted sequence.
+
+A beam search request's ``n`` outputs are its best hypotheses, best first; it reports only when
+finished (no streaming: beams are reordered and pruned as they go). Forked beams join the
+running list directly, so a request holds up to W running slots even where that exceeds
+``max_running_requests``.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+
+import torch
+
+from radixkv.engine.beam_search import BeamSearch, Continuation
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.outputs import CompletionOutput
+from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
+from radixkv.engine.scheduler import Scheduler
+from radixkv.model.tokenizer import Tokenizer
+
+
+class BeamRunner:
+    """Runs the engine's beam search requests: keeps their beams' logits rows until a request's
+    step can be taken, then forks, advances and prunes its sequences (module docstring)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: SeqKV,
+        copy_pages: Callable[[list[int], list[int]], None],
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        """``copy_pages(src, dst)`` copies KV pages (all layers) in the device pool."""
+        self.scheduler = scheduler
+        self.kv = kv
+        self.copy_pages = copy_pages
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._rows: dict[RequestGroup, dict[Sequence, torch.Tensor]] = {}
+
+    def start(self, group: RequestGroup) -> None:
+        """Give a beam search request (``params.beam_width`` > 0) its search state."""
+        p = group.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        group.beam = BeamSearch(p, stops)
+        group.stream = False  # reported once finished
+        for seq in group.seqs:
+            seq.live_detok = False
+
+    def observe(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Keep each beam's next-token log probabilities (``logits`` ``[B, V]``, its rows)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for seq, row in zip(seqs, logprobs):
+            self._rows.setdefault(seq.group, {})[seq] = row
+            seq.parked = True
+
+    def forget(self, group: RequestGroup) -> None:
+        self._rows.pop(group, None)
+
+    def advance(self) -> tuple[list[RequestGroup], int]:
+        """Take the step of every request whose live beams all have a row. Returns the
+        requests whose search ended (their sequences are still live: the engine ends them,
+        ``finish``) and the number of tokens appended."""
+        ended: list[RequestGroup] = []
+        appended = 0
+        for group in list(self._rows):
+            rows = self._rows[group]
+            beams = [s for s in group.seqs if not s.finished]
+            if any(s not in rows for s in beams):
+                continue  # a beam is still recomputing its tail
+            del self._rows[group]
+            search = group.beam
+            assert search is not None
+            num_generated = beams[0].num_output_tokens
+            nxt = search.step(
+                [s.cumulative_logprob for s in beams],
+                torch.stack([rows[s] for s in beams]).cpu(),
+                num_generated,
+                lambda i, b=beams: b[i].output_ids,
+            )
+            if search.done:
+                ended.append(group)
+            else:
+                self._branch(group, beams, nxt)
+                appended += len(nxt)
+        return ended, appended
+
+    def finish(self, group: RequestGroup, reason: str | None) -> list[CompletionOutput]:
+        """End a search (``reason`` None: it ended; "abort"/"error": cut short): release every
+        live beam (its computed full pages are published, so the cache keeps what the search
+        computed) and return the request's outputs, best first."""
+        self.forget(group)
+        search = group.beam
+        assert search is not None
+        live = [s for s in group.seqs if not s.finished]
+        hyps = search.results([(s.output_ids, s.cumulative_logprob) for s in live], reason)
+        for s in live:
+            self.scheduler.finish(s, reason or "stop")
+        skip = group.params.skip_special_tokens
+        outs = []
+        for i, h in enumerate(hyps):
+            ids = h.token_ids[:-1] if h.stop_reason is not None else h.token_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=h.token_ids,
+                    finish_reason=h.finish_reason,
+                    delta_text=text,  # reported once, whole
+                    delta_token_ids=h.token_ids,
+                    stop_reason=h.stop_reason,
+                    cumulative_logprob=h.cumulative_logprob,
+                    score=h.score,
+                )
+            )
+        search.outputs = outs
+        return outs
+
+    # ------------------------------------------------------------------ inside advance
+    def _branch(self, group: RequestGroup, beams: list[Sequence], nxt: list[Continuation]) -> None:
+        """Make ``nxt`` the request's beams, in that order: each parent's first continuation
+        goes on in the parent's sequence, the others fork it into sequences of beams that got
+        no continuation (released first) or new ones; unused sequences are dropped."""
+        firsts: dict[int, int] = {}  # parent -> its first continuation
+        for j, c in enumerate(nxt):
+            firsts.setdefault(c.parent, j)
+        spare = [s for i, s in enumerate(beams) if i not in firsts]
+        for s in spare:
+            self.scheduler.detach(s)
+        order: list[Sequence] = []
+        for j, c in enumerate(nxt):
+            parent = beams[c.parent]
+            if firsts[c.parent] == j:
+                seq = parent
+            else:
+                seq = spare.pop() if spare else self._new_sequence(group)
+                self._fork(parent, seq)
+            order.append(seq)
+        for seq, c in zip(order, nxt):  # after every fork: a fork copies its parent's tokens
+            seq.token_ids.append(c.token)
+            seq.cumulative_logprob = c.cumulative_logprob
+            seq.parked = False
+        for s in spare:  # fewer continuations than beams: these are no longer needed
+            s.status = SeqStatus.FINISHED
+            s.finish_reason = "pruned"
+        for i, s in enumerate(order):
+            s.index = i
+        group.seqs = order
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = time.monotonic()
+            m.ttft = m.first_token_time - m.arrival_time
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (holding nothing) becomes a copy of ``parent``: its tokens and score, and
+        its KV through ``SeqKV.fork`` (running) or, when the pool is short or the parent is
+        queued, nothing (queued, to recompute its tail)."""
+        child.token_ids = array("q", parent.token_ids)
+        child.page_keys = list(parent.page_keys)  # the in-batch sharing memo of its pages
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.finish_reason = child.stop_reason = None
+        if parent.status is SeqStatus.RUNNING and self.kv.fork(parent, child, self.copy_pages):
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child, front=True)
+
+    def _new_sequence(self, group: RequestGroup) -> Sequence:
+        p = group.params
+        detok = IncrementalDetokenizer(
+            self.tokenizer, group.prompt_token_ids, (), p.skip_special_tokens
+        )
+        seq = Sequence(group, len(group.seqs), group.prompt_token_ids, None, detok)
+        seq.live_detok = False
+        return seq
