@@ -76,7 +76,7 @@ def workloads(quick: bool) -> dict[str, tuple[list[str], int]]:
 
 
 def radixkv_system() -> Run:
-    engine = Engine("radixkv-tiny", dtype="float32", num_pages=2048, cascade="off")
+    engine = Engine("radixkv-tiny", dtype="float32", num_pages=2048)
 
     def run(prompts: list[list[int]], new: int) -> list[list[list[int]]]:
         engine.reset_prefix_cache()
@@ -90,7 +90,7 @@ def radixkv_system() -> Run:
 def vllm_algorithm_system() -> Run:
     """vLLM's ``LLM.beam_search`` loop over radixkv's engine: a one-token request per beam per
     step; the same selection (BeamSearch) from each request's top 2W logprobs."""
-    engine = Engine("radixkv-tiny", dtype="float32", num_pages=2048, cascade="off")
+    engine = Engine("radixkv-tiny", dtype="float32", num_pages=2048)
     vocab = engine.vocab_size
 
     def run(prompts: list[list[int]], new: int) -> list[list[list[int]]]:

@@ -182,6 +182,21 @@ SECTIONS: list[tuple[str, str, str]] = [
         "over radixkv's with drafts on the same workload.",
     ),
     (
+        "bench_beam_peers",
+        "Beam search against transformers' num_beams",
+        "`bench/bench_beam_peers.py` (`nox -s bench`): radixkv-tiny's trained weights in float32, "
+        "in radixkv and in transformers' `LlamaForCausalLM`; beam width 4, all 4 hypotheses "
+        "returned, a fixed number of new tokens (EOS held back). `shared_prefix`: 8 prompts "
+        "sharing ~1,000 tokens of code; `one_prompt`: one ~1,500-token prompt. radixkv "
+        "(`beam_width=4`, all prompts together: beams fork by sharing pages) against "
+        "transformers' `generate(num_beams=4)` (one prompt at a time) and against vLLM's "
+        "algorithm (`LLM.beam_search`: a one-token request per beam per step, `logprobs=2W`, "
+        "the prefix cache serving whole pages) replayed on radixkv's own engine. "
+        "`same_as_transformers`: prompts whose 4 hypotheses equal transformers' token for "
+        "token. Medians over rotated rounds; `time_vs_radixkv` is the system's time over "
+        "radixkv's on the same workload.",
+    ),
+    (
         "bench_structured_peers",
         "Structured output against llama.cpp's JSON-schema grammar",
         "`bench/bench_structured_peers.py` (`nox -s bench_peers`): the same checkpoint, 16 "
@@ -569,6 +584,19 @@ def plot_speculative_peers(data: Any, fig: Any) -> None:
     fig.suptitle("Prompt-lookup speculative decoding, the same weights, greedy")
 
 
+def plot_beam_peers(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    for ax, w in zip(fig.subplots(1, len(workloads)), workloads, strict=True):
+        sub = [r for r in rows if r["workload"] == w]
+        names = [r["system"] for r in sub]
+        ticks = [n.replace(", ", "\n") for n in names]
+        _peer_bars(
+            ax, names, [r["seconds"] for r in sub], ticks, f"{w}: seconds (lower is better)", size=6
+        )
+    fig.suptitle(f"Beam search (width {data.get('beam_width', '?')}), the same weights")
+
+
 def _lora_tick(system: str) -> str:
     lib, _, how = system.partition(", ")
     how = how.replace(" (no adapters)", "").replace(" (one mixed batch)", ", mixed")
@@ -607,6 +635,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_structured_peers": [("", plot_structured_peers)],
     "bench_speculative_peers": [("", plot_speculative_peers)],
     "bench_lora_peers": [("", plot_lora_peers)],
+    "bench_beam_peers": [("", plot_beam_peers)],
 }
 
 

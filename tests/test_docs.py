@@ -241,3 +241,11 @@ def test_make_report_dates_a_committed_result_by_its_commit(tmp_path: Path) -> N
     f.write_text(json.dumps({"x": 2}))  # rerun, not committed yet
     text = make_report.build_report(results, out, tmp_path / "docs" / "img")
     assert "(committed)" not in text and "(file time)" in text
+
+
+def test_embedding_beam_search_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The beam search example of docs/embedding.md runs: the 2 best of 4 beams, best first."""
+    out = run_embedding_example("beam_width", "beam search")["out"]
+    assert len(out.outputs) == 2 and out.outputs[0].score >= out.outputs[1].score
+    assert out.outputs[0].text != out.outputs[1].text
+    assert len(capsys.readouterr().out.splitlines()) == 2
