@@ -168,6 +168,20 @@ def test_random_interleaving_keeps_invariants(lm: Any, adapters: dict[str, str],
             if params.prompt_logprobs is not None and rng.random() < 0.5:
                 start = rng.randrange(0, len(prompt))
                 params = dataclasses.replace(params, prompt_logprobs_start=start)
+            if rng.random() < 0.15:  # a beam search: beams fork, park, get preempted, pruned
+                width = rng.choice([2, 3])
+                params = dataclasses.replace(
+                    params,
+                    beam_width=width,
+                    n=rng.randrange(1, width + 1),
+                    stop=(),
+                    guided=None,
+                    repetition_penalty=1.0,
+                    frequency_penalty=0.0,
+                    min_tokens=rng.choice([0, min(2, params.max_tokens)]),
+                    length_penalty=rng.choice([1.0, 0.0, 2.0]),
+                    early_stopping=rng.choice([False, True, "never"]),
+                )
             ns = rng.choice([None, None, "t1"])
             loaded = [i.name for i in eng.list_loras()]
             lora = rng.choice([None, None, *loaded])
