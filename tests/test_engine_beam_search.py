@@ -117,6 +117,8 @@ def test_beams_are_hugging_faces(
             stops += ended
         assert [o.index for o in out.outputs] == [0, 1, 2]
         assert out.finished and out.token_ids == out.outputs[0].token_ids
+        m = out.metrics
+        assert m.ttft is not None and 0 < m.ttft <= m.latency
     assert stops, "no hypothesis ended with EOS: the test would not exercise it"
     if shape.get("num_pages"):
         assert engine.stats().num_preemptions > 0

@@ -89,6 +89,10 @@ class BeamRunner:
             del self._rows[group]
             search = group.beam
             assert search is not None
+            m = group.metrics
+            if m.first_token_time is None:  # its first step: the first tokens are chosen
+                m.first_token_time = time.monotonic()
+                m.ttft = m.first_token_time - m.arrival_time
             num_generated = beams[0].num_output_tokens
             nxt = search.step(
                 [s.cumulative_logprob for s in beams],
@@ -165,10 +169,6 @@ class BeamRunner:
         for i, s in enumerate(order):
             s.index = i
         group.seqs = order
-        m = group.metrics
-        if m.first_token_time is None:
-            m.first_token_time = time.monotonic()
-            m.ttft = m.first_token_time - m.arrival_time
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` (holding nothing) becomes a copy of ``parent``: its tokens and score, and
