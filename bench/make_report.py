@@ -572,28 +572,23 @@ def plot_structured_peers(data: Any, fig: Any) -> None:
     fig.suptitle("Schema-constrained JSON, one checkpoint, the same prompts")
 
 
-def plot_speculative_peers(data: Any, fig: Any) -> None:
-    rows = data["summary"]
+def _bars_per_workload(fig: Any, rows: list[dict[str, Any]], key: str, what: str) -> None:
+    """One bar chart per workload of ``rows``: each system's ``key`` (``what`` titles it)."""
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     for ax, w in zip(fig.subplots(1, len(workloads)), workloads, strict=True):
         sub = [r for r in rows if r["workload"] == w]
         names = [r["system"] for r in sub]
         ticks = [n.replace(", ", "\n") for n in names]
-        title = f"{w}: output tokens / s (higher is better)"
-        _peer_bars(ax, names, [r["tok_per_s"] for r in sub], ticks, title, size=6)
+        _peer_bars(ax, names, [r[key] for r in sub], ticks, f"{w}: {what}", size=6)
+
+
+def plot_speculative_peers(data: Any, fig: Any) -> None:
+    _bars_per_workload(fig, data["summary"], "tok_per_s", "output tokens / s (higher is better)")
     fig.suptitle("Prompt-lookup speculative decoding, the same weights, greedy")
 
 
 def plot_beam_peers(data: Any, fig: Any) -> None:
-    rows = data["summary"]
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    for ax, w in zip(fig.subplots(1, len(workloads)), workloads, strict=True):
-        sub = [r for r in rows if r["workload"] == w]
-        names = [r["system"] for r in sub]
-        ticks = [n.replace(", ", "\n") for n in names]
-        _peer_bars(
-            ax, names, [r["seconds"] for r in sub], ticks, f"{w}: seconds (lower is better)", size=6
-        )
+    _bars_per_workload(fig, data["summary"], "seconds", "seconds (lower is better)")
     fig.suptitle(f"Beam search (width {data.get('beam_width', '?')}), the same weights")
 
 
