@@ -178,7 +178,8 @@ class SamplingParams:
             are ranked by total log probability, and the request returns the ``n`` best
             finished hypotheses (``n`` <= W), best first, with their scores in
             ``CompletionOutput.cumulative_logprob`` and ``.score``. The beams share the
-            prompt's and each other's pages through the prefix cache. The search is
+            prompt's and each other's pages through the prefix cache (with the cache off, a
+            fork copies its beam's pages). The search is
             deterministic: temperature, top-k/top-p/min-p and seed are not used. Stop strings,
             guided decoding, logprobs, penalties and ``logit_bias`` cannot be combined with it
             (ValueError); ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` apply.
