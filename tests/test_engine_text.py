@@ -42,6 +42,22 @@ def test_special_tokens_skipped_in_text_by_default(engine: Engine) -> None:
     assert engine.tokenizer.decode([sid], skip_special_tokens=True) == ""
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_an_output_decoded_at_once_reads_as_one_decoded_as_it_goes(
+    engine: Engine, skip: bool
+) -> None:
+    """Without streaming or stop strings an output is decoded once, when it ends; its text
+    must be the streamed one, special tokens left out (or kept) alike."""
+    sid = _special_ids(engine)[0]
+    params = SamplingParams(
+        temperature=0, max_tokens=3, logit_bias={sid: 100}, skip_special_tokens=skip
+    )
+    whole = engine.generate([list(b"x = ")], params, use_tqdm=False)[0]
+    streamed = "".join(o.outputs[0].delta_text for o in engine.stream(list(b"x = "), params))
+    assert whole.token_ids == [sid] * 3
+    assert whole.text == streamed == ("" if skip else engine.tokenizer.decode([sid] * 3))
+
+
 def test_skip_special_tokens_is_validated() -> None:
     with pytest.raises(ValueError, match="skip_special_tokens"):
         SamplingParams(skip_special_tokens="yes")  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from radixkv.engine.beam_search import BeamSearch, Continuation
-from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.detokenizer import IncrementalDetokenizer, decode_output
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.outputs import CompletionOutput
 from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
@@ -118,11 +118,14 @@ class BeamRunner:
         hyps = search.results([(s.output_ids, s.cumulative_logprob) for s in live], reason)
         for s in live:
             self.scheduler.finish(s, reason or "stop")
-        skip = group.params.skip_special_tokens
         outs = []
         for i, h in enumerate(hyps):
-            ids = h.token_ids[:-1] if h.stop_reason is not None else h.token_ids
-            text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+            text = decode_output(
+                self.tokenizer,
+                h.token_ids,
+                ends_with_stop_token=h.stop_reason is not None,
+                skip_special_tokens=group.params.skip_special_tokens,
+            )
             outs.append(
                 CompletionOutput(
                     index=i,

@@ -114,3 +114,17 @@ class IncrementalDetokenizer:
     @property
     def emitted_text(self) -> str:
         return self.text[: self._emitted]
+
+
+def decode_output(
+    tokenizer: _Decoder,
+    output_ids: Sequence[int],
+    *,
+    ends_with_stop_token: bool,
+    skip_special_tokens: bool,
+) -> str:
+    """An output's whole text at once, for outputs not decoded as they were generated: the
+    stop token that ended it is left out and special tokens follow ``skip_special_tokens``,
+    as in the text :class:`IncrementalDetokenizer` builds token by token."""
+    ids = output_ids[:-1] if ends_with_stop_token else output_ids
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -41,6 +41,7 @@ from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
 from radixkv.engine.beam_runner import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
 from radixkv.engine.config import EngineConfig, canonical_options
+from radixkv.engine.detokenizer import decode_output
 from radixkv.engine.guided import GuideCompiler, mask_logits
 from radixkv.engine.intake import Prompt, RequestIntake, as_prompt_list
 from radixkv.engine.kv_manager import SeqKV
@@ -640,10 +641,12 @@ class Engine:
         if seq.live_detok:
             d.flush()
         else:  # decode once at the end instead of every step
-            ids = seq.output_ids
-            if isinstance(seq.stop_reason, int):
-                ids = ids[:-1]
-            d.text = self.tokenizer.decode(ids)
+            d.text = decode_output(
+                self.tokenizer,
+                seq.output_ids,
+                ends_with_stop_token=isinstance(seq.stop_reason, int),
+                skip_special_tokens=seq.params.skip_special_tokens,
+            )
         group = seq.group
         done = group.finished
         if done:
