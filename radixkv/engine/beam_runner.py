@@ -181,7 +181,6 @@ class BeamRunner:
         child.page_keys = list(parent.page_keys)  # the in-batch sharing memo of its pages
         child.cumulative_logprob = parent.cumulative_logprob
         child.num_cached_tokens = parent.num_cached_tokens
-        child.finish_reason = child.stop_reason = None
         if parent.status is SeqStatus.RUNNING and self.kv.fork(parent, child, self.copy_pages):
             self.scheduler.add_running(child)
         else:

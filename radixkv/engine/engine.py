@@ -598,10 +598,7 @@ class Engine:
         cut short, its live beams compete as they are): its beams' pages are released
         (published), its outputs set, and it leaves the live table."""
         outs = self.beams.finish(group, reason)
-        now = time.monotonic()
-        group.metrics.finish_time = now
-        group.metrics.latency = now - group.metrics.arrival_time
-        self._live.pop(group.request_id, None)
+        self._retire(group)
         reasons = [o.finish_reason or "stop" for o in outs] or [reason or "stop"]
         for i, r in enumerate(reasons):
             self._stats.record_finish(r, request_finished=i == len(reasons) - 1)
@@ -650,12 +647,16 @@ class Engine:
         group = seq.group
         done = group.finished
         if done:
-            now = time.monotonic()
-            group.metrics.finish_time = now
-            group.metrics.latency = now - group.metrics.arrival_time
-            self._live.pop(group.request_id, None)
+            self._retire(group)
         self._stats.record_finish(reason, request_finished=done)
         self._news[group.request_id] = group
+
+    def _retire(self, group: RequestGroup) -> None:
+        """A request is over: its latency is recorded and it leaves the live table."""
+        now = time.monotonic()
+        group.metrics.finish_time = now
+        group.metrics.latency = now - group.metrics.arrival_time
+        self._live.pop(group.request_id, None)
 
     def _fail_batch(self, batch: ScheduledBatch) -> None:
         """A forward raised: every sequence in the batch ends with "error" (its KV of this step
