@@ -64,6 +64,21 @@ def assert_clean(st: ServerState) -> None:
     assert core.pool.num_free + core.cache.num_cached_pages == core.pool.num_pages
 
 
+@contextmanager
+def checked_client(server: tuple[BackgroundServer, ServerState]) -> Iterator[Any]:
+    """An ``openai`` client of the live server (no retries); on exit, after the test's
+    requests, the server must be clean (:func:`assert_clean`)."""
+    import openai
+
+    srv, st = server
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        yield c
+    finally:
+        c.close()
+    assert_clean(st)
+
+
 def metric_values(text: str, model_name: str | None = None) -> dict[str, float]:
     """A Prometheus text page as ``{'name{label="v",...}': value}`` with the ``model_name`` label
     left out of the key (every sample must carry it, equal to ``model_name`` when given)."""

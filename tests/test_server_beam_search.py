@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from server_helpers import MODEL, assert_clean, live_server
+from server_helpers import MODEL, checked_client, live_server
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
@@ -26,11 +26,8 @@ def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
 
 @pytest.fixture
 def client(server: tuple[BackgroundServer, ServerState]) -> Iterator[openai.OpenAI]:
-    srv, st = server
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    yield c
-    c.close()
-    assert_clean(st)
+    with checked_client(server) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

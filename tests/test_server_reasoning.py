@@ -17,7 +17,7 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_helpers import MODEL, assert_clean, live_server, script_reply
+from server_helpers import MODEL, checked_client, live_server, script_reply
 
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
@@ -193,11 +193,8 @@ def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
 
 @pytest.fixture
 def client(server: tuple[BackgroundServer, ServerState]) -> Iterator[openai.OpenAI]:
-    srv, st = server
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    yield c
-    c.close()
-    assert_clean(st)
+    with checked_client(server) as c:
+        yield c
 
 
 def _stream(client: openai.OpenAI, **kw: Any) -> tuple[str, str, list[Any], Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, assert_clean, live_server, script_reply
+from server_helpers import MODEL, assert_clean, checked_client, live_server, script_reply
 
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
@@ -56,11 +56,8 @@ def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
 
 @pytest.fixture
 def client(server: tuple[BackgroundServer, ServerState]) -> Iterator[openai.OpenAI]:
-    srv, st = server
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    yield c
-    c.close()
-    assert_clean(st)
+    with checked_client(server) as c:
+        yield c
 
 
 def test_same_tokens_as_chat_completions(client: openai.OpenAI) -> None:
