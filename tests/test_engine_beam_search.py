@@ -259,13 +259,94 @@ def test_a_failed_forward_ends_the_search_with_error_and_others_go_on(
     engine.check_invariants()
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1]])
+@pytest.mark.parametrize("top", [0, 3])
+def test_logprobs_are_each_tokens_under_the_beam_that_chose_it(
+    models: tuple[Any, Any], shape: dict[str, Any], top: int
+) -> None:
+    """With ``logprobs``, every token of every hypothesis has its entry, checked against
+    Hugging Face's log_softmax of the hypothesis re-read in one forward: the token's own log
+    probability and rank and the ``top`` most likely tokens there; the entries add up to the
+    hypothesis's total; the hypotheses are the ones without logprobs."""
+    hf, lm = models
+    engine = Engine(lm, max_model_len=256, **shape)
+    plain = SamplingParams(beam_width=W, n=3, max_tokens=MAX_TOKENS, min_tokens=2)
+    params = SamplingParams(beam_width=W, n=3, max_tokens=MAX_TOKENS, min_tokens=2, logprobs=top)
+    prompts = _prompts(7)
+    without = run_checked(engine, prompts, plain)
+    outs = run_checked(engine, prompts, params)
+    for prompt, out, ref in zip(prompts, outs, without):
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ref.outputs]
+        for o in out.outputs:
+            assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids)
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + o.token_ids])).logits[0].float()
+            want = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]  # [T, V]
+            total = 0.0
+            for pos, (tok, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+                row = want[pos]
+                first = next(iter(entry))
+                assert first == tok  # the chosen token comes first
+                assert entry[tok].logprob == pytest.approx(row[tok].item(), abs=1e-4)
+                assert entry[tok].rank == int((row > row[tok] + 1e-5).sum()) + 1
+                assert entry[tok].decoded_token == engine.tokenizer.decode(
+                    [tok], skip_special_tokens=False
+                )
+                top_ids = row.topk(top).indices.tolist() if top else []
+                assert set(entry) == {tok, *top_ids}
+                for rank, alt in enumerate(top_ids, 1):
+                    assert entry[alt].rank == rank
+                    assert entry[alt].logprob == pytest.approx(row[alt].item(), abs=1e-4)
+                total += entry[tok].logprob
+            assert total == pytest.approx(o.cumulative_logprob, abs=1e-3)
+
+
+def test_logprobs_of_width_one_are_greedy_samplings(models: tuple[Any, Any]) -> None:
+    """Beam search of width 1 is greedy decoding, logprobs included."""
+    _, lm = models
+    engine = Engine(lm, page_size=4, max_model_len=256)
+    prompts = _prompts(8)
+    greedy = engine.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False
+    )
+    beams = engine.generate(
+        prompts, SamplingParams(beam_width=1, max_tokens=8, logprobs=2), use_tqdm=False
+    )
+    for g, b in zip(greedy, beams):
+        go, bo = g.outputs[0], b.outputs[0]
+        assert bo.token_ids == go.token_ids
+        assert bo.logprobs is not None and go.logprobs is not None
+        for eb, eg in zip(bo.logprobs, go.logprobs):
+            assert list(eb) == list(eg)
+            for tok in eg:
+                assert eb[tok].rank == eg[tok].rank
+                assert eb[tok].logprob == pytest.approx(eg[tok].logprob, abs=1e-5)
+
+
+def test_an_aborted_search_returns_its_live_beams_logprobs(models: tuple[Any, Any]) -> None:
+    _, lm = models
+    engine = Engine(lm, page_size=4, max_model_len=256)
+    params = SamplingParams(beam_width=W, n=W, max_tokens=40, ignore_eos=True, logprobs=1)
+    rid = engine.add_request(_prompts(9)[0], params)
+    for _ in range(6):
+        engine.step()
+    final = engine.abort(rid)
+    engine.check_invariants()
+    assert final.finished and len(final.outputs) == W
+    for o in final.outputs:
+        assert o.finish_reason == "abort"
+        assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids) > 0
+        assert sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs)) == pytest.approx(
+            o.cumulative_logprob, abs=1e-3
+        )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(beam_width=2, n=3), "n=3 exceeds beam_width=2"),
         (dict(beam_width=-1), "beam_width must be an integer >= 0"),
         (dict(beam_width=2, stop=["x"]), "beam search cannot be combined with stop strings"),
-        (dict(beam_width=2, logprobs=1), "cannot be combined with logprobs"),
         (dict(beam_width=2, repetition_penalty=1.2), "cannot be combined with penalties"),
         (dict(beam_width=2, logit_bias={3: 1.0}), "cannot be combined with logit_bias"),
         (dict(beam_width=2, guided=GuidedDecodingParams(regex="a+")), "guided decoding"),

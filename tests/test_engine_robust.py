@@ -105,8 +105,13 @@ def test_namespaces_never_share(lm: Any) -> None:
 
 
 def _check_extras(out: Any, params: SamplingParams) -> None:
-    """Prompt logprobs whole (None before the start) when the prefill finished; a guided output
-    that ended without a stop string matches its language."""
+    """Prompt logprobs whole (None before the start) when the prefill finished; sample
+    logprobs one entry per output token, the token first; a guided output that ended without a
+    stop string matches its language."""
+    if params.logprobs is not None:
+        for c in out.outputs:
+            assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+            assert all(next(iter(e)) == t for e, t in zip(c.logprobs, c.token_ids))
     pl = out.prompt_logprobs
     if pl is not None:
         ids = out.prompt_token_ids
@@ -159,6 +164,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, adapters: dict[str, str],
                 ignore_eos=rng.random() < 0.5,
                 seed=rng.choice([None, 7]),
                 prompt_logprobs=rng.choice([None, None, 1]),
+                logprobs=rng.choice([None, None, 0, 2]),
                 guided=rng.choice([None, None, {"regex": "[a-z]{2,9}"}, {"choice": ["ab", "cd"]}]),
                 # history-dependent logits, drafted too (speculation judges them per position)
                 repetition_penalty=rng.choice([1.0, 1.0, 1.2]),

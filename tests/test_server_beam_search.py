@@ -1,6 +1,7 @@
 """Beam search over HTTP (vLLM's ``use_beam_search``): the server returns the engine's best
 hypotheses, whole or as one chunk per choice when streamed, on completions (``n`` of
-``best_of`` beams) and chat; combinations the engine refuses are a 400 naming the field."""
+``best_of`` beams) and chat, with their logprobs when asked; combinations the engine refuses
+are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -38,6 +39,24 @@ def beams() -> list[tuple[str, int]]:
             [PROMPT], SamplingParams(beam_width=4, n=2, max_tokens=10), use_tqdm=False
         )
     return [(o.text, len(o.token_ids)) for o in out[0].outputs]
+
+
+@pytest.fixture(scope="module")
+def beam_logprobs() -> list[list[tuple[str, float, dict[str, float]]]]:
+    """The same search with logprobs=2: per choice, per token (text, logprob, top 2)."""
+    with Engine(MODEL) as engine:
+        out = engine.generate(
+            [PROMPT], SamplingParams(beam_width=4, n=2, max_tokens=10, logprobs=2), use_tqdm=False
+        )
+    choices = []
+    for o in out[0].outputs:
+        assert o.logprobs is not None
+        rows = []
+        for tok, entry in zip(o.token_ids, o.logprobs):
+            top = {e.decoded_token: e.logprob for t, e in entry.items() if e.rank <= 2}
+            rows.append((entry[tok].decoded_token, entry[tok].logprob, top))
+        choices.append(rows)
+    return choices
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +115,60 @@ def test_chat_takes_n_beams(client: openai.OpenAI) -> None:
     assert len(texts) == 3 and len(set(texts)) == 3
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_beams_carry_their_logprobs(
+    client: openai.OpenAI,
+    beam_logprobs: list[list[tuple[str, float, dict[str, float]]]],
+    stream: bool,
+) -> None:
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=10, n=2, best_of=4, logprobs=2)
+    got: dict[int, tuple[list[str], list[float], list[dict[str, float]]]] = {}
+    if stream:
+        for chunk in client.completions.create(
+            **kwargs, stream=True, extra_body={"use_beam_search": True}
+        ):
+            for c in chunk.choices:
+                if c.logprobs is not None and c.logprobs.tokens:
+                    assert c.index not in got  # each choice comes whole, once
+                    lp = c.logprobs
+                    got[c.index] = (lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    else:
+        r = client.completions.create(**kwargs, extra_body={"use_beam_search": True})
+        for c in r.choices:
+            lp = c.logprobs
+            got[c.index] = (lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    assert sorted(got) == [0, 1]
+    for i, rows in enumerate(beam_logprobs):
+        tokens, values, tops = got[i]
+        assert tokens == [t for t, _, _ in rows]
+        assert values == pytest.approx([v for _, v, _ in rows], abs=1e-5)
+        for top, (_, _, want) in zip(tops, rows):
+            assert top.keys() >= want.keys()
+            assert [top[k] for k in want] == pytest.approx(list(want.values()), abs=1e-5)
+
+
+def test_chat_beams_carry_their_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        max_tokens=6,
+        n=2,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"use_beam_search": True},
+    )
+    for c in r.choices:
+        content = c.logprobs.content
+        assert "".join(t.token for t in content) == c.message.content
+        for t in content:
+            assert len(t.top_logprobs) == 3
+            assert t.logprob <= 0 and t.logprob >= t.top_logprobs[-1].logprob - 1e-6
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"use_beam_search": True, "stop": ["x"]}, "use_beam_search"),
-        ({"use_beam_search": True, "logprobs": 2}, "use_beam_search"),
         ({"use_beam_search": True, "presence_penalty": 1.0}, "use_beam_search"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"use_beam_search": True, "n": 2, "best_of": 1}, "best_of"),

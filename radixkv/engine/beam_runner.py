@@ -30,6 +30,7 @@ import torch
 from radixkv.engine.beam_search import BeamSearch, Continuation
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode_output
 from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.logprobs import TokenTexts
 from radixkv.engine.outputs import CompletionOutput
 from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
 from radixkv.engine.scheduler import Scheduler
@@ -47,12 +48,15 @@ class BeamRunner:
         copy_pages: Callable[[list[int], list[int]], None],
         tokenizer: Tokenizer,
         eos_token_ids: frozenset[int],
+        token_text: TokenTexts,
     ) -> None:
-        """``copy_pages(src, dst)`` copies KV pages (all layers) in the device pool."""
+        """``copy_pages(src, dst)`` copies KV pages (all layers) in the device pool;
+        ``token_text`` decodes the token ids of logprobs entries (the engine's memo)."""
         self.scheduler = scheduler
         self.kv = kv
         self.copy_pages = copy_pages
         self.tokenizer = tokenizer
+        self.token_text = token_text
         self.eos_token_ids = eos_token_ids
         self._rows: dict[RequestGroup, dict[Sequence, torch.Tensor]] = {}
 
@@ -94,11 +98,15 @@ class BeamRunner:
                 m.first_token_time = time.monotonic()
                 m.ttft = m.first_token_time - m.arrival_time
             num_generated = beams[0].num_output_tokens
+            history = None
+            if group.params.logprobs is not None:
+                history = ([s.logprobs or [] for s in beams], self.token_text)
             nxt = search.step(
                 [s.cumulative_logprob for s in beams],
                 torch.stack([rows[s] for s in beams]).cpu(),
                 num_generated,
                 lambda i, b=beams: b[i].output_ids,
+                history,
             )
             if search.done:
                 ended.append(group)
@@ -115,7 +123,9 @@ class BeamRunner:
         search = group.beam
         assert search is not None
         live = [s for s in group.seqs if not s.finished]
-        hyps = search.results([(s.output_ids, s.cumulative_logprob) for s in live], reason)
+        hyps = search.results(
+            [(s.output_ids, s.cumulative_logprob, s.logprobs) for s in live], reason
+        )
         for s in live:
             self.scheduler.finish(s, reason or "stop")
         outs = []
@@ -135,6 +145,7 @@ class BeamRunner:
                     delta_text=text,  # reported once, whole
                     delta_token_ids=h.token_ids,
                     stop_reason=h.stop_reason,
+                    logprobs=h.logprobs,
                     cumulative_logprob=h.cumulative_logprob,
                     score=h.score,
                 )
@@ -165,6 +176,9 @@ class BeamRunner:
         for seq, c in zip(order, nxt):  # after every fork: a fork copies its parent's tokens
             seq.token_ids.append(c.token)
             seq.cumulative_logprob = c.cumulative_logprob
+            if c.entry is not None:
+                assert seq.logprobs is not None
+                seq.logprobs.append(c.entry)
             seq.parked = False
         for s in spare:  # fewer continuations than beams: these are no longer needed
             s.status = SeqStatus.FINISHED
@@ -180,6 +194,8 @@ class BeamRunner:
         child.token_ids = array("q", parent.token_ids)
         child.page_keys = list(parent.page_keys)  # the in-batch sharing memo of its pages
         child.cumulative_logprob = parent.cumulative_logprob
+        if parent.logprobs is not None:
+            child.logprobs = list(parent.logprobs)
         child.num_cached_tokens = parent.num_cached_tokens
         if parent.status is SeqStatus.RUNNING and self.kv.fork(parent, child, self.copy_pages):
             self.scheduler.add_running(child)

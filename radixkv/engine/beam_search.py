@@ -15,6 +15,11 @@ do_sample=False)`` step for step, so both return the same hypotheses from the sa
   length, or at ``max_tokens`` with ``early_stopping="never"`` and a positive length penalty),
   when W are finished and ``early_stopping`` is True, or when every candidate ended.
 
+With ``SamplingParams.logprobs`` each output token gets its entry as sampling gives it (the
+token's log probability under its beam's distribution, its rank and the ``logprobs`` most likely
+tokens there; logprobs.py), so a hypothesis's entries add up to its ``cumulative_logprob``
+(up to float32 rounding).
+
 The engine runs it over sequences that share pages: beam_runner.py.
 """
 
@@ -26,8 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from radixkv.engine.outputs import CompletionOutput
+from radixkv.engine.logprobs import logprob_entries
+from radixkv.engine.outputs import CompletionOutput, SampleLogprobs
 from radixkv.engine.params import SamplingParams
+
+# what step() needs to give continuations their logprobs entries: each live beam's entries so
+# far (by beam number) and the decoder of one token id (logprobs.TokenTexts)
+LogprobHistory = tuple[list[SampleLogprobs], Callable[[int], str]]
 
 
 @dataclass(slots=True)
@@ -39,6 +49,7 @@ class Hypothesis:
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None
+    logprobs: SampleLogprobs | None = None  # one entry per token, with SamplingParams.logprobs
 
 
 @dataclass(slots=True)
@@ -48,6 +59,7 @@ class Continuation:
     parent: int
     token: int
     cumulative_logprob: float
+    entry: dict | None = None  # the token's logprobs entry, with SamplingParams.logprobs
 
 
 class BeamSearch:
@@ -73,12 +85,15 @@ class BeamSearch:
         logprobs: torch.Tensor,
         num_generated: int,
         output_of: Callable[[int], list[int]],
+        history: LogprobHistory | None = None,
     ) -> list[Continuation]:
         """One step over the live beams (best first): ``cumulative[i]`` is beam i's score,
         ``logprobs`` ``[P, V]`` fp32 its next-token ``log_softmax``, every beam has
-        ``num_generated`` output tokens and ``output_of(i)`` lists them. Updates ``finished``
-        and ``done``; returns the next beams, best first (empty when done)."""
+        ``num_generated`` output tokens and ``output_of(i)`` lists them; ``history`` (needed
+        with ``params.logprobs``) their logprobs entries. Updates ``finished`` and ``done``;
+        returns the next beams, best first (empty when done)."""
         p = self.params
+        raw = logprobs  # what entries report: the stops' hold below only steers the choice
         if num_generated < p.min_tokens and self._stop_index:  # the stops are held back
             logprobs = logprobs.clone()
             logprobs[:, self._stop_index] = -math.inf
@@ -93,6 +108,11 @@ class BeamSearch:
         totals = vals.tolist()
         at_max = gen >= p.max_tokens
         ends = [at_max or t in self.stop_ids for t in tokens]
+        entries: list[dict | None] = [None] * k
+        if p.logprobs is not None:
+            if history is None:
+                raise ValueError("BeamSearch.step: params.logprobs needs the beams' history")
+            entries = list(logprob_entries(raw[parents], tokens, [p.logprobs] * k, history[1]))
         full = len(self.finished) == self.width
         if self._improvable and not (p.early_stopping is True and full):
             for j in range(min(self.width, k)):  # only the first W may finish
@@ -106,11 +126,16 @@ class BeamSearch:
                             norm[j],
                             "stop" if stop else "length",
                             t if stop else None,
+                            None if history is None else [*history[0][parents[j]], entries[j]],
                         )
                     )
             self.finished.sort(key=lambda h: -h.score)  # stable: earlier ones first on ties
             del self.finished[self.width :]
-        nxt = [Continuation(parents[j], tokens[j], totals[j]) for j in range(k) if not ends[j]]
+        nxt = [
+            Continuation(parents[j], tokens[j], totals[j], entries[j])
+            for j in range(k)
+            if not ends[j]
+        ]
         del nxt[self.width :]
         if not nxt:
             self.done = True
@@ -123,15 +148,17 @@ class BeamSearch:
         self.done = not self._improvable or (p.early_stopping is True and full)
         return [] if self.done else nxt
 
-    def results(self, live: list[tuple[list[int], float]], reason: str | None) -> list[Hypothesis]:
+    def results(
+        self, live: list[tuple[list[int], float, SampleLogprobs | None]], reason: str | None
+    ) -> list[Hypothesis]:
         """The request's ``n`` best hypotheses. ``reason`` None: the search ended. Else it was
-        cut short ("abort", "error"): the live beams (output tokens, score) compete too, ended
-        with that reason."""
+        cut short ("abort", "error"): the live beams (output tokens, score, logprobs entries or
+        None) compete too, ended with that reason."""
         hyps = list(self.finished)
         if reason is not None:
             lp = self.params.length_penalty
-            for ids, cum in live:
+            for ids, cum, entries in live:
                 score = cum / max(len(ids), 1) ** lp
-                hyps.append(Hypothesis(ids, cum, score, reason))
+                hyps.append(Hypothesis(ids, cum, score, reason, None, entries))
             hyps.sort(key=lambda h: -h.score)
         return hyps[: self.params.n]

@@ -161,6 +161,7 @@ class Engine:
                 max_context=self.max_context,
                 eos_token_ids=self.eos_token_ids,
             )
+        self._token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings, memoised
         # beam search requests (SamplingParams.beam_width): their beams' forks and steps
         self.beams = BeamRunner(
             self.scheduler,
@@ -168,6 +169,7 @@ class Engine:
             self.kv_pool.copy_pages,
             self.tokenizer,
             self.eos_token_ids,
+            self._token_texts,
         )
         self._intake = RequestIntake(
             cfg,
@@ -182,7 +184,6 @@ class Engine:
         self._next_id = 0
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
         self._kv_bytes_per_token = self.kv_pool.bytes_per_page // cfg.page_size
-        self._token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings, memoised
         # LoRA adapters by name (lora.py); requests name theirs (``lora=``)
         self.loras = LoRARegistry(self.runner.loras, mc, self.kv_pool.device, self.kv_pool.dtype)
         for name, path in cfg.lora_modules or ():

@@ -46,7 +46,18 @@ def step_logprobs(
         num_top: S counts of alternatives (0: the sampled token only).
         token_text: decodes one token id.
     """
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
+    return logprob_entries(torch.log_softmax(logits.float(), dim=-1), tokens, num_top, token_text)
+
+
+def logprob_entries(
+    lp: torch.Tensor,
+    tokens: Sequence[int],
+    num_top: Sequence[int],
+    token_text: Callable[[int], str],
+) -> list[dict[int, Logprob]]:
+    """``step_logprobs`` from rows that are log probabilities already (``lp`` ``[S, V]`` fp32,
+    ``log_softmax`` of each row's logits): beam search has them, and a second ``log_softmax``
+    would move the values by rounding."""
     chosen_ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, chosen_ids[:, None]).squeeze(1)  # [S]
     ranks = (lp > chosen[:, None]).sum(dim=-1) + 1  # [S]

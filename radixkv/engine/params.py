@@ -181,8 +181,9 @@ class SamplingParams:
             prompt's and each other's pages through the prefix cache (with the cache off, a
             fork copies its beam's pages). The search is
             deterministic: temperature, top-k/top-p/min-p and seed are not used. Stop strings,
-            guided decoding, logprobs, penalties and ``logit_bias`` cannot be combined with it
-            (ValueError); ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` apply.
+            guided decoding, penalties and ``logit_bias`` cannot be combined with it
+            (ValueError); ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and ``logprobs``
+            apply (each hypothesis's tokens get their entries, under the beam that chose them).
         length_penalty: beam search only: a finished hypothesis scores its total log
             probability divided by (its output length ** length_penalty) (Hugging Face's);
             above 0 favours longer outputs, below 0 shorter ones.
@@ -331,7 +332,6 @@ class SamplingParams:
             for name, on in (
                 ("stop strings", bool(self.stop)),
                 ("guided decoding", self.guided is not None),
-                ("logprobs", self.logprobs is not None),
                 ("penalties", self.has_penalties),
                 ("logit_bias", bool(self.logit_bias)),
             )
