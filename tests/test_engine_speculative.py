@@ -1,8 +1,9 @@
 """Speculative decoding by prompt lookup (``num_speculative_tokens``): greedy outputs equal
 transformers' and the engine's own without it, token for token, through mixed batches, a tiny
 pool that preempts, EOS and ``max_tokens``; a loop is generated in a fraction of the steps;
-requests that cannot take part (sampling, logprobs, stop strings, penalties, guided) are
-unchanged; a failed forward leaves no draft behind; every page is accounted for after every
+requests with logprobs take part and get the entries they would get without drafts (and,
+sampled, the entries the model gives their tokens); requests that cannot take part (guided)
+are unchanged; a failed forward leaves no draft behind; every page is accounted for after every
 step."""
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ def test_stop_strings_end_inside_a_run_of_drafts() -> None:
 
 
 def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) -> None:
-    """One batch: greedy requests (drafted, one with a stop string, some with penalties whose
-    drafts are judged position by position), and requests that do not take part (logprobs,
-    guided): each output is what it is without speculation."""
+    """One batch: greedy requests (drafted, one with a stop string, one with logprobs, some
+    with penalties whose drafts are judged position by position), and requests that do not
+    take part (guided): each output is what it is without speculation."""
     _, lm = small
     prompts = _prompts(2)
     kinds = [
@@ -149,6 +150,58 @@ def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) ->
         if k:
             assert eng.stats().speculative_draft_tokens > 0
     assert results[4] == results[0]
+
+
+def test_logprobs_take_part() -> None:
+    """Greedy requests with logprobs draft, and every token (kept draft or sampled) gets the
+    entry it gets without drafts: same ids in the same order, same ranks, the same values up
+    to the batch shape's rounding; a stop string inside a run of drafts cuts the entries with
+    the tokens."""
+    prompts = ["import os\n" * 3 + "def f(x):\n    return x\n" * 4, "for i in range(9):\n" * 3]
+    outs, stats = {}, {}
+    for k in (0, 8):
+        eng = Engine("radixkv-tiny", num_pages=256, num_speculative_tokens=k)
+        params = [
+            SamplingParams(temperature=0, max_tokens=160, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0, max_tokens=160, logprobs=0, stop=[" " * 37]),
+        ]
+        outs[k] = [o.outputs[0] for p in params for o in run_checked(eng, prompts, p)]
+        stats[k] = eng.stats()
+    assert stats[8].speculative_accepted_tokens > 0
+    assert stats[8].num_steps < stats[0].num_steps
+    assert [o.finish_reason for o in outs[8]] == ["length", "length", "stop", "stop"]
+    for a, b in zip(outs[0], outs[8]):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+        assert a.logprobs is not None and b.logprobs is not None
+        assert len(b.logprobs) == len(b.token_ids)
+        for ea, eb in zip(a.logprobs, b.logprobs):
+            assert list(eb) == list(ea)
+            assert [e.rank for e in eb.values()] == [e.rank for e in ea.values()]
+            got = [e.logprob for e in eb.values()]
+            assert got == pytest.approx([e.logprob for e in ea.values()], abs=1e-4)
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+
+
+def test_sampled_drafts_logprobs_are_the_models() -> None:
+    """Sampled requests with logprobs draft too; each output token's entry is the model's log
+    probability of it there, as scoring the whole output with prompt logprobs gives it."""
+    prompt = "import os\n" * 3 + "def f(x):\n    return x\n" * 4
+    eng = Engine("radixkv-tiny", num_pages=256, num_speculative_tokens=8)
+    params = SamplingParams(temperature=0.3, seed=5, max_tokens=120, ignore_eos=True, logprobs=2)
+    out = run_checked(eng, [prompt], params)[0]
+    assert eng.stats().speculative_accepted_tokens > 0
+    o = out.outputs[0]
+    assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids)
+    ids = list(out.prompt_token_ids) + o.token_ids
+    score = SamplingParams(
+        max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=len(out.prompt_token_ids)
+    )
+    ref = eng.generate([ids], score, use_tqdm=False)[0].prompt_logprobs
+    assert ref is not None
+    for tok, entry, want in zip(o.token_ids, o.logprobs, ref[len(out.prompt_token_ids) :]):
+        assert next(iter(entry)) == tok and want is not None
+        assert entry[tok].logprob == pytest.approx(want[tok].logprob, abs=1e-4)
+        assert entry[tok].rank == want[tok].rank
 
 
 @pytest.mark.parametrize(

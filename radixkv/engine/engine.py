@@ -48,7 +48,7 @@ from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.logit_adjust import adjust_logits
 from radixkv.engine.logprobs import TokenTexts, prompt_logprobs, step_logprobs
 from radixkv.engine.lora import AdapterNamespace, LoRAInfo, LoRARegistry
-from radixkv.engine.outputs import EngineStats, RequestOutput
+from radixkv.engine.outputs import EngineStats, Logprob, RequestOutput
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.prefill_cost import attention_cost_ratio
 from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
@@ -344,8 +344,9 @@ class Engine:
             self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
         accepted: dict[Seq, list[int]] = {}  # drafted sequences: the drafts they keep
         drawn: dict[int, int] = {}  # drafted sampled rows: the token verification drew
+        kept_logits: dict[Seq, torch.Tensor] = {}  # ... wanting logprobs: the drafts' logits
         if spec is not None and drafts:  # cut rejected drafts before the step is recorded
-            accepted, drawn = spec.verify(
+            accepted, drawn, kept_logits = spec.verify(
                 batch, drafts, hidden[len(owing) :], logits, self.runner.logits
             )
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
@@ -375,10 +376,11 @@ class Engine:
         tokens = sample(picked, params, [s.generator for s in seqs])
         if drawn:  # drafted sampled rows: verification drew their token
             tokens = [drawn.get(i, t) for i, t in zip(rows, tokens)]
+        entries: dict[Seq, list[dict[int, Logprob]]] = {}
         if any(s.logprobs is not None for s in seqs):
-            self._record_logprobs(logits, rows, seqs, tokens)
+            entries = self._step_logprobs(logits, rows, seqs, tokens, accepted, kept_logits)
         t3 = time.perf_counter()
-        self._append_tokens(seqs, tokens, accepted)
+        self._append_tokens(seqs, tokens, accepted, entries)
         if beam_rows:
             self._advance_beams()
         outs = self.drain()
@@ -505,24 +507,46 @@ class Engine:
         )
         return decision, (None if whole or decision is None else rows)
 
-    def _record_logprobs(
-        self, logits: torch.Tensor, rows: list[int], seqs: list[Seq], tokens: list[int]
-    ) -> None:
-        """Log probabilities of this step's tokens, for the sequences that asked for them (the
-        others' rows are not touched)."""
+    def _step_logprobs(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        seqs: list[Seq],
+        tokens: list[int],
+        drafted: dict[Seq, list[int]],
+        draft_logits: dict[Seq, torch.Tensor],
+    ) -> dict[Seq, list[dict[int, Logprob]]]:
+        """The logprobs entries of this step's tokens for the sequences that asked for them
+        (the others' rows are not touched): per sequence, one for each kept draft (from
+        ``draft_logits``, speculative.py) and then one for the sampled token, the order
+        ``_append_tokens`` appends them in."""
         want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         idx = torch.tensor([rows[i] for i in want], device=logits.device)
-        entries = step_logprobs(
-            logits.index_select(0, idx),
-            [tokens[i] for i in want],
-            [seqs[i].params.logprobs or 0 for i in want],
+        parts = [logits.index_select(0, idx)]
+        ids: list[int] = []
+        top: list[int] = []
+        counts: list[int] = []
+        for i in want:
+            seq = seqs[i]
+            ahead = drafted.get(seq, [])
+            if ahead:
+                parts.append(draft_logits[seq].to(logits.device))
+            ids += ahead
+            top += [seq.params.logprobs or 0] * len(ahead)
+            counts.append(len(ahead))
+        # rows: the sampled tokens' (want order), then each sequence's kept drafts'
+        flat = step_logprobs(
+            torch.cat(parts) if len(parts) > 1 else parts[0],
+            [tokens[i] for i in want] + ids,
+            [seqs[i].params.logprobs or 0 for i in want] + top,
             self._token_texts,
         )
-        for i, entry in zip(want, entries):
-            seq = seqs[i]
-            assert seq.logprobs is not None
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += entry[tokens[i]].logprob
+        out: dict[Seq, list[dict[int, Logprob]]] = {}
+        at = len(want)
+        for j, (i, n) in enumerate(zip(want, counts)):
+            out[seqs[i]] = [*flat[at : at + n], flat[j]]
+            at += n
+        return out
 
     def _record_prompt_logprobs(
         self, seqs: list[Seq], past: list[int], hidden: list[torch.Tensor]
@@ -549,12 +573,17 @@ class Engine:
             )
 
     def _append_tokens(
-        self, seqs: list[Seq], tokens: list[int], drafted: dict[Seq, list[int]]
+        self,
+        seqs: list[Seq],
+        tokens: list[int],
+        drafted: dict[Seq, list[int]],
+        entries: dict[Seq, list[dict[int, Logprob]]],
     ) -> None:
         """Append each sequence's accepted drafts (speculative decoding: already in its tokens
-        and computed, taken through the same checks here) and one sampled token, then (guided
-        decoding, jump-forward) the tokens its language forces; finish those that hit a stop
-        token, a stop string, the end of their guided language or ``max_tokens``."""
+        and computed, taken through the same checks here) and one sampled token, with their
+        logprobs ``entries`` when it wants them, then (guided decoding, jump-forward) the
+        tokens its language forces; finish those that hit a stop token, a stop string, the
+        end of their guided language or ``max_tokens``."""
         now = time.monotonic()
         jump = self.config.guided_jump_forward
         appended = 0
@@ -565,17 +594,18 @@ class Engine:
                 group.metrics.ttft = now - group.metrics.arrival_time
             self._news[group.request_id] = group
             ahead = drafted.get(seq)
+            logged = iter(entries.get(seq, ()))
             reason = None
             if ahead:  # only a stop string can end the output inside them (speculative.py)
                 del seq.token_ids[-len(ahead) :]
                 for d in ahead:
-                    reason = self._accept(seq, d)
+                    reason = self._accept(seq, d, next(logged, None))
                     appended += 1
                     if reason is not None:  # the drafts past it were computed, not output
                         seq.num_computed = min(seq.num_computed, len(seq.token_ids))
                         break
             if reason is None:
-                reason = self._accept(seq, tok)
+                reason = self._accept(seq, tok, next(logged, None))
                 appended += 1
             guide = seq.guide
             if jump and guide is not None and seq.logprobs is None:
@@ -605,9 +635,14 @@ class Engine:
             self._stats.record_finish(r, request_finished=i == len(reasons) - 1)
         self._news[group.request_id] = group
 
-    def _accept(self, seq: Seq, tok: int) -> str | None:
-        """Append ``tok`` to ``seq``; the finish reason it brings, or None."""
+    def _accept(self, seq: Seq, tok: int, entry: dict[int, Logprob] | None = None) -> str | None:
+        """Append ``tok`` to ``seq`` (and its logprobs ``entry``); the finish reason it brings,
+        or None."""
         seq.token_ids.append(tok)
+        if entry is not None:
+            assert seq.logprobs is not None
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[tok].logprob
         p = seq.params
         guide = seq.guide
         if guide is not None and tok not in self.eos_token_ids:

@@ -24,7 +24,9 @@ and the rest of the run is dropped (its KV stays only where a page was already p
 Penalties, bias and ``min_tokens`` depend on the tokens before each position: a drafted row's
 logits are adjusted position by position, each with its own history (the drafts before it
 included), so the drafts are judged by what sampling would see at each position. Requests with
-guided decoding or logprobs do not take part; they decode as before in the same batch. A
+guided decoding do not take part; they decode as before in the same batch. Requests with
+logprobs do: each kept draft's entry comes from the row's logits at the position before it (raw,
+as any step's), and the step's own token's from the position after the run. A
 sequence whose drafts keep being refused backs off (exponentially, up to ``MAX_BACKOFF`` steps
 between lookups), so text that does not repeat costs few wide forwards.
 """
@@ -129,12 +131,7 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
-        return (
-            p.guided is None
-            and p.logprobs is None
-            and not p.beam_width
-            and seq.num_computed == len(seq.token_ids) - 1
-        )
+        return p.guided is None and not p.beam_width and seq.num_computed == len(seq.token_ids) - 1
 
     def propose(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         """Drafts for the batch's eligible decode rows, appended to their sequences (slots
@@ -179,16 +176,18 @@ class Speculator:
         hidden: list[torch.Tensor],
         logits: torch.Tensor,
         head: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[dict[Sequence, list[int]], dict[int, int]]:
+    ) -> tuple[dict[Sequence, list[int]], dict[int, int], dict[Sequence, torch.Tensor]]:
         """Keep each row's drafts as far as the model agrees (greedy: its argmax; sampled:
         :func:`accept_sampled`); cut the rest from the sequence and the row. A greedy row's
         logits after its run go into ``logits`` (the row's sampling logits: its argmax is the
-        step's token); a sampled row's token is drawn here. ``hidden``: the rows' trunk states
-        ``[1 + k, hidden]``, in ``drafts`` order; ``head``: hidden -> logits
-        (``ModelRunner.logits``). Returns ({sequence: kept drafts}, {row: its drawn token}),
-        the second to replace what sampling the row's logits gives."""
+        step's token), and a sampled row's too when it wants logprobs; a sampled row's token is
+        drawn here. ``hidden``: the rows' trunk states ``[1 + k, hidden]``, in ``drafts``
+        order; ``head``: hidden -> logits (``ModelRunner.logits``). Returns ({sequence: kept
+        drafts}, {row: its drawn token}, {sequence wanting logprobs: its kept drafts' raw
+        logits ``[a, V]``}); the second replaces what sampling the row's logits gives."""
         accepted: dict[Sequence, list[int]] = {}
         drawn: dict[int, int] = {}
+        kept_logits: dict[Sequence, torch.Tensor] = {}
         for (i, d), h in zip(drafts.items(), hidden):
             seq = batch.seqs[i]
             p = seq.params
@@ -215,8 +214,11 @@ class Speculator:
                 a = 0
                 while a < len(d) and choice[a] == d[a] and d[a] not in banned:
                     a += 1
+            if p.temperature == 0.0 or seq.logprobs is not None:
                 with torch.inference_mode():  # the runner's logits are inference tensors
                     logits[i] = row_logits[a]  # raw: the step adjusts them as any row's
+            if seq.logprobs is not None:
+                kept_logits[seq] = row_logits[:a]
             if a < len(d):
                 del seq.token_ids[a - len(d) :]
             batch.num_new[i] = 1 + a
@@ -225,7 +227,7 @@ class Speculator:
             # nothing, skip the next 2**m - 1 lookups (at most MAX_BACKOFF); one kept resets it
             seq.spec_misses = 0 if a else seq.spec_misses + 1
             seq.spec_wait = min(MAX_BACKOFF, 2**seq.spec_misses - 1)
-        return accepted, drawn
+        return accepted, drawn, kept_logits
 
     def release_rejected(self, accepted: dict[Sequence, list[int]]) -> None:
         """After the scheduler recorded the step: free the slots reserved for rejected drafts."""
