@@ -70,7 +70,7 @@ def test_llama3_json_calls() -> None:
     for text in ("Paris is sunny.", "{not json", '{"city": "Paris"}'):
         assert parse_tool_calls(text, "llama3_json") == (text, [])
     with pytest.raises(ValueError, match="unknown tool call parser"):
-        parse_tool_calls("x", "mistral")
+        parse_tool_calls("x", "gorilla")
 
 
 def _stream(parser: str, text: str, step: int) -> tuple[list[str], str, list[Any]]:
@@ -158,7 +158,7 @@ def test_agent_turns_render_for_the_template() -> None:
 
 def test_config_checks_the_parser_name() -> None:
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerConfig(tool_call_parser="mistral")
+        ServerConfig(tool_call_parser="gorilla")
 
 
 # ------------------------------------------------------------------ end to end

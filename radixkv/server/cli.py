@@ -77,7 +77,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         choices=TOOL_CALL_PARSERS,
         help="read tool calls out of chat replies to requests with tools (hermes: Qwen2.5/3 "
-        "and Hermes models; llama3_json: Llama 3.1/3.2); default: replies stay text",
+        "and Hermes models; llama3_json: Llama 3.1/3.2; mistral: Mistral/Mixtral; pythonic: "
+        "Llama 3.2/4 and others; qwen3_coder: Qwen3-Coder); default: replies stay text",
     )
     p.add_argument(
         "--reasoning-parser",

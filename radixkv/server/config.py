@@ -33,9 +33,9 @@ class ServerConfig:
             may not know.
         metrics_require_key: GET /metrics needs a configured key (a tenant's or the admin
             key); needs keys or an admin key to be configured.
-        tool_call_parser: how tool calls are read out of chat replies (``hermes`` or
-            ``llama3_json``, server/tool_calls.py) for requests with ``tools``; None: replies
-            stay text.
+        tool_call_parser: how tool calls are read out of chat replies (``hermes``,
+            ``llama3_json``, ``mistral``, ``pythonic`` or ``qwen3_coder``, server/tool_calls.py)
+            for requests with ``tools``; None: replies stay text.
         reasoning_parser: how a thinking model's reasoning is read out of chat replies
             (``qwen3`` or ``deepseek_r1``, server/reasoning.py) into ``message.reasoning``;
             None: replies stay text. With it, a structured-output constraint on a reply whose

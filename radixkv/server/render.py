@@ -399,11 +399,12 @@ def chat_response(
             thought = thought if reasoning.include else None
         message, finish = P.ChatResponseMessage(text, reasoning=thought), d.finish_reason
         if tool_parser is not None and text is not None:
+            # no calls: the text as content (mistral's: without its markers, module doc)
             content, calls = parse_tool_calls(text, tool_parser)
+            message = P.ChatResponseMessage(
+                content, tool_calls=_tool_calls_out(calls) if calls else None, reasoning=thought
+            )
             if calls:
-                message = P.ChatResponseMessage(
-                    content, tool_calls=_tool_calls_out(calls), reasoning=thought
-                )
                 finish = "tool_calls"
         choices.append(P.ChatChoice(d.index, message, finish, chat_logprobs(d.logprobs)))
     plp = None

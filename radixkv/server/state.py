@@ -41,7 +41,7 @@ from radixkv.server.responses import history as responses_history
 from radixkv.server.responses import shell as responses_shell
 from radixkv.server.structured import request_constraint
 from radixkv.server.submission import Echo, Submission
-from radixkv.server.tool_calls import ToolCall, ToolCallStream, ToolParser
+from radixkv.server.tool_calls import NativeParser, ToolCall, ToolCallStream, ToolParser
 from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
 log = logging.getLogger("radixkv.server")
@@ -318,6 +318,7 @@ class ServerState:
             constraint = request_constraint(req)
         except ValueError as e:  # the decoder checked it already: only a changed request
             raise bad_request(str(e)) from None
+        native = self.native_tool_parser(req, constraint is not None)
         try:
             return SamplingParams(
                 n=req.n,
@@ -344,12 +345,27 @@ class ServerState:
                 beam_width=req.beam_width(),
                 length_penalty=req.length_penalty,
                 early_stopping=req.early_stopping,
+                # a parser whose call marker is a special token reads the reply with it kept
+                # (mistral's [TOOL_CALLS], as vLLM does); it leaves it out of the content
+                skip_special_tokens=native is None or not native.keeps_special_tokens,
             )
         except (ValueError, TypeError) as e:  # the message starts with the field's name
             name = str(e).split(" ", 1)[0]
             if req.use_beam_search and str(e).startswith("beam search"):
                 name = "use_beam_search"
             raise bad_request(str(e), name if name in P.SAMPLING_FIELDS else None) from None
+
+    def native_tool_parser(
+        self, req: P.CompletionRequest | P.ChatCompletionRequest, constrained: bool
+    ) -> NativeParser | None:
+        """The ``--tool-call-parser`` reading the replies to ``req``, with its tools; None when
+        they stay text: no parser, not a chat request with tools and ``tool_choice`` "auto",
+        or ``constrained`` replies (a client's format is content; forced calls are read
+        without a parser)."""
+        name = self.config.tool_call_parser
+        if name is None or constrained or not isinstance(req, P.ChatCompletionRequest):
+            return None
+        return NativeParser(name, req.tools) if req.wants_tool_calls() else None
 
     def echo(self, prompt: str | list[int], ids: list[int], params: SamplingParams) -> Echo:
         """What a choice echoes of ``prompt`` (which runs as ``ids``): a text prompt as given;
@@ -441,12 +457,8 @@ class ServerState:
         constraint = request_constraint(req)  # the decoder checked it: cannot raise here
         if constraint is not None and constraint.tool_choice is not None:
             tool_parser = constraint.tool_choice  # forced calls: the reply is their JSON
-        elif (
-            constraint is None  # a reply constrained to the client's format is content
-            and isinstance(req, P.ChatCompletionRequest)
-            and req.wants_tool_calls()
-        ):
-            tool_parser = self.config.tool_call_parser
+        else:  # a reply constrained to the client's format is content
+            tool_parser = self.native_tool_parser(req, constraint is not None)
         guided_param = None if constraint is None else constraint.param
         self.in_flight += seqs
         if params.guided is not None:
