@@ -189,6 +189,25 @@ def test_embedding_structured_output_snippet_runs(capsys: pytest.CaptureFixture[
             assert "'name'" in value and "'year'" in value
 
 
+def test_embedding_grammar_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The grammar example of docs/embedding.md runs: three samples, each a nested list (whole
+    when it stopped, a prefix of one when cut)."""
+    import re
+
+    run_embedding_example('guided={"grammar"', "grammar")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        reason, text = line.split(" ", 1)
+        flat, folded = "", text
+        while folded != flat:  # innermost lists of words, folded to a word, until none is left
+            flat, folded = folded, re.sub(r"\[(?:[a-z]{1,4}(?:,[a-z]{1,4})*)?\]", "w", folded)
+        if reason == "stop":
+            assert flat == "w", text
+        else:
+            assert reason == "length" and text.startswith("[")
+
+
 def test_embedding_scoring_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The scoring example of docs/embedding.md runs: every answer token scored, nothing before
     the start, and the answers after the first served the context from the cache."""

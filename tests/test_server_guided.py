@@ -535,7 +535,9 @@ BAD_SCHEMA = {"type": "object", "properties": {"x": {"type": "fraction"}}}
         ({"guided_regex": "^anchored$"}, "guided_regex", ["anchored"]),
         ({"structured_outputs": {"regex": r"\bword"}}, "structured_outputs", []),
         ({"guided_json": {"$ref": "#/$defs/missing"}}, "guided_json", ["reference"]),
-        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", ["grammar"]),
+        # a grammar is compiled by the engine too (single quotes are not GBNF)
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", ["grammar", "GBNF"]),
+        ({"structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs", ["nothing"]),
         ({"guided_choice": ["a", ""]}, "guided_choice", []),
     ],
 )

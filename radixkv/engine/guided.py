@@ -1,22 +1,33 @@
 """Guided decoding: each step, a guided sequence may only sample tokens that keep its output a
-prefix of some string in a regular language (a JSON schema's, any JSON object's, a regex's or a
-list of choices').
+prefix of some string in its language: a regular one (a JSON schema's, any JSON object's, a
+regex's or a list of choices') or a context-free grammar's.
 
-outlines-core does the automata work: ``Index`` compiles the language's regex against the
-vocabulary (token id -> the bytes it spells, from the tokenizer's ``token_bytes``) into a DFA
-whose transitions are token ids; a ``Guide`` walks one sequence through it and writes the set
-of allowed tokens as a bitmask. Here:
+outlines-core does the automata work for the regular languages: ``Index`` compiles the
+language's regex against the vocabulary (token id -> the bytes it spells, from the tokenizer's
+``token_bytes``) into a DFA whose transitions are token ids; a ``Guide`` walks one sequence
+through it and writes the set of allowed tokens as a bitmask. llguidance does it for grammars
+(``GuidedDecodingParams.grammar``: Lark, or GBNF converted to Lark): an ``LLTokenizer`` built
+from the same vocabulary facts (token bytes, EOS ids), an ``LLMatcher`` per grammar (its lexer
+and Earley parser, compiled once) and a copy of it per sequence, which writes the same kind of
+bitmask (bit t of word t // 32: token t). Here:
 
-* :class:`GuideCompiler` (one per engine) turns ``GuidedDecodingParams`` into a compiled index,
-  memoising the last ``CACHE_SIZE``: compiling is the costly part (milliseconds on a
-  byte vocabulary, up to seconds for a large schema on a 150k one), a walk is microseconds.
+* :class:`GuideCompiler` (one per engine) turns ``GuidedDecodingParams`` into a compiled index
+  (or matcher), memoising the last ``CACHE_SIZE``: compiling is the costly part (milliseconds
+  on a byte vocabulary, up to seconds for a large schema on a 150k one), a walk is
+  microseconds.
 * :class:`TokenGuide` (one per guided sequence) masks that sequence's logits and advances on the
-  token it sampled.
+  token it sampled, whichever library walks it (:class:`_RegexWalk`, :class:`_GrammarWalk`).
 
 The vocabulary's end-of-sequence token stands for all of the model's EOS ids: they are allowed
 where the language may end (and only there), so a guided output can only finish in the language
 (or at ``max_tokens``). Once nothing but the end may follow, the engine finishes the sequence
 with "stop" without spending a step on an EOS token.
+
+A grammar's output is checked as llguidance parses it: terminals (Lark's upper-case rules,
+strings and regexes) are lexed greedily, longest match first, so ``A: /a+/`` followed by
+``"a"`` accepts nothing; write grammars whose tokens do not run into each other (as for any
+lexer). Where a grammar forces some bytes, llguidance offers the tokens that spell them as the
+tokenizer would (:meth:`GuideCompiler._spell`), which jump-forward then appends.
 
 A JSON schema becomes a regex (outlines-core's ``build_regex_from_schema``), so what a regular
 language cannot express is not checked: numeric ranges (``UNENFORCED``: accepted, with a
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -52,6 +64,8 @@ UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "mul
 # digits an integer may have unless its schema sets maxDigits: JSON readers lose integers past
 # 2**53 (16 digits) anyway
 MAX_INTEGER_DIGITS = 16
+# a GBNF/EBNF grammar (llama.cpp's, xgrammar's) defines its rules with "::="; Lark with ":"
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
 
 
 def _literal(text: str) -> str:
@@ -62,6 +76,8 @@ def guide_regex(g: GuidedDecodingParams) -> str:
     """The regular expression the output must match (ValueError for an unsupported schema)."""
     from outlines_core.json_schema import build_regex_from_schema
 
+    if g.grammar is not None:
+        raise ValueError("guided grammar: a context-free grammar has no regex")
     if g.regex is not None:
         return g.regex
     if g.choice is not None:
@@ -93,6 +109,19 @@ def _bound_integers(node: Any) -> Any:
     return out
 
 
+def grammar_lark(grammar: str) -> str:
+    """``grammar`` in llguidance's Lark: as it is, or converted from GBNF/EBNF (a rule defined
+    with ``::=``, ``root`` the start). ValueError naming the problem when it cannot be read."""
+    if not _GBNF_RULE.search(grammar):
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as e:  # its own error type, with the line and the place
+        raise ValueError(f"guided decoding cannot use the grammar (GBNF): {e}") from None
+
+
 def _keywords(node: object) -> set[str]:
     """Every key used anywhere in a JSON value."""
     if isinstance(node, dict):
@@ -104,7 +133,7 @@ def _keywords(node: object) -> set[str]:
 
 class GuideCompiler:
     """Compiles guided-decoding params against one tokenizer's vocabulary (lazily built on the
-    first guided request, then shared), with a small LRU of compiled indexes.
+    first guided request, then shared), with a small LRU of compiled indexes and grammars.
 
     Thread-safe: an asyncio front end compiles in a worker thread (a large schema on a large
     vocabulary takes seconds) while the engine's own thread submits requests, whose compile is
@@ -115,22 +144,55 @@ class GuideCompiler:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's: the width of a row of logits
         self.eos_token_ids = sorted(set(eos_token_ids))
-        self._vocabulary: Any = None
+        self._vocabulary: Any = None  # outlines-core's
+        self._ll_tokenizer: Any = None  # llguidance's
+        self._by_bytes: dict[bytes, list[int]] | None = None  # the ordinary tokens' spellings
         self._index_size = 0  # ids the index's bitmask covers (its vocabulary's largest + 1)
         self._same: dict[int, list[int]] = {}  # token -> all tokens spelling its bytes (>= 2)
         self._spelling: dict[int, bytes] = {}  # token -> its bytes (start_after's matching)
+        self._piece: dict[bytes, int] = {}  # bytes -> the token spelling them (highest id)
+        self._ordinary: set[int] = set()  # the tokens that spell bytes
+        self._longest = 0  # bytes of the longest token
         self._cache: OrderedDict[GuidedDecodingParams, Any] = OrderedDict()
-        self._lock = threading.Lock()  # the cache and the vocabulary's construction
+        self._lock = threading.Lock()  # the cache and the vocabularies' construction
 
     def _vocab(self) -> Any:
         with self._lock:
             if self._vocabulary is None:
-                self._vocabulary = self._build_vocab()
+                from outlines_core import Vocabulary
+
+                by_bytes = self._facts()
+                self._vocabulary = Vocabulary(self.eos_token_ids[0], by_bytes)
             return self._vocabulary
 
-    def _build_vocab(self) -> Any:
-        from outlines_core import Vocabulary
+    def _ll_vocab(self) -> Any:
+        """llguidance's tokenizer over the same vocabulary: token t spells ``tokens[t]``; the
+        EOS ids and the tokens that spell nothing (specials, padding) are special tokens, which
+        no grammar string matches."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance
 
+                by_bytes = self._facts()
+                n = max(self.vocab_size, self.eos_token_ids[-1] + 1)
+                tokens = [b""] * n
+                for b, ids in by_bytes.items():
+                    for i in ids:
+                        tokens[i] = b
+                special = [i for i, b in enumerate(tokens) if not b]
+                for i in special:  # llguidance's mark of a special token: a leading 0xff
+                    tokens[i] = b"\xff<[%d]>" % i
+                wrapper = llguidance.TokenizerWrapper(_Spell(self, tokens, special))
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    wrapper, n_vocab=n, eos_token=self.eos_token_ids
+                )
+            return self._ll_tokenizer
+
+    def _facts(self) -> dict[bytes, list[int]]:
+        """The vocabulary facts both libraries are built from (under the lock): bytes -> the
+        ordinary tokens spelling them (not EOS, not past the model's vocabulary, not empty)."""
+        if self._by_bytes is not None:
+            return self._by_bytes
         spell = getattr(self._tokenizer, "token_bytes", None)
         if spell is None:
             raise ValueError(
@@ -150,12 +212,44 @@ class GuideCompiler:
         # stands for all of them where the language forces those bytes (jump-forward), the
         # highest id (a vocabulary's byte-fallback tokens come first, its own pieces after)
         self._same = {i: ids for ids in by_bytes.values() if len(ids) > 1 for i in ids}
-        return Vocabulary(eos, by_bytes)
+        self._piece = {b: max(ids) for b, ids in by_bytes.items()}
+        self._ordinary = {i for ids in by_bytes.values() for i in ids}
+        self._longest = max(map(len, by_bytes), default=0)
+        self._by_bytes = by_bytes
+        return by_bytes
+
+    def _spell(self, data: bytes) -> list[int]:
+        """Tokens spelling exactly ``data``: the tokenizer's own encoding where it does (no BOS,
+        no SentencePiece prefix space, no special token read out of the text), else the
+        longest tokens first. llguidance tokenizes the bytes a grammar forces with it and
+        offers only that tokenization's first token there."""
+        try:
+            ids = self._tokenizer.encode(data.decode("utf-8"), add_special_tokens=False)
+        except (UnicodeDecodeError, ValueError):
+            ids = None
+        ordinary, spelling, piece = self._ordinary, self._spelling, self._piece
+        if (
+            ids is not None
+            and all(i in ordinary for i in ids)
+            and b"".join(spelling[i] for i in ids) == data
+        ):
+            return list(ids)
+        out: list[int] = []
+        pos = 0
+        while pos < len(data):
+            for end in range(min(len(data), pos + self._longest), pos, -1):
+                token = piece.get(data[pos:end])
+                if token is not None:
+                    out.append(token)
+                    pos = end
+                    break
+            else:  # a byte no token spells: the tokens that spell the part before it
+                return out
+        return out
 
     def compile(self, g: GuidedDecodingParams) -> Any:
-        """The compiled index for ``g`` (ValueError naming the problem when it cannot be)."""
-        from outlines_core import Index
-
+        """The compiled index (a grammar's matcher) for ``g`` (ValueError naming the problem
+        when it cannot be)."""
         if g.start_after is not None:  # the language is the same: one index for both
             g = replace(g, start_after=None)
 
@@ -164,6 +258,16 @@ class GuideCompiler:
             if index is not None:
                 self._cache.move_to_end(g)
                 return index
+        index = self._compile_grammar(g.grammar) if g.grammar is not None else self._index(g)
+        with self._lock:
+            self._cache[g] = index
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return index
+
+    def _index(self, g: GuidedDecodingParams) -> Any:
+        from outlines_core import Index
+
         # Anchored at the end: without the anchor outlines-core drops a final state's
         # transitions into non-final ones (``a(bc)?`` would never offer "b" after "a", nor a
         # JSON number its fraction); with it the walks are exactly the regex's prefixes
@@ -171,25 +275,57 @@ class GuideCompiler:
         regex = f"(?:{guide_regex(g)})$"
         vocab = self._vocab()
         try:
-            index = Index(regex, vocab)
+            return Index(regex, vocab)
         except Exception as e:  # a bad regex, or one no token sequence can spell
             raise ValueError(f"guided decoding cannot use {_what(g)}: {e}") from None
-        with self._lock:
-            self._cache[g] = index
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return index
+
+    def _compile_grammar(self, grammar: str) -> Any:
+        """A fresh matcher of ``grammar`` (never walked: each sequence walks a copy)."""
+        import llguidance
+
+        lark = grammar_lark(grammar)
+        tokenizer = self._ll_vocab()
+        matcher = llguidance.LLMatcher(
+            tokenizer,
+            llguidance.LLMatcher.grammar_from_lark(lark),
+            log_level=0,  # errors are read here and raised, not printed
+            limits=llguidance.LLParserLimits(verbose_errors=False),  # no parser dumps
+        )
+        if matcher.is_error():  # a syntax error, an unknown rule, a bad regex, no start
+            raise ValueError(f"guided decoding cannot use the grammar: {matcher.get_error()}")
+        for warning in matcher.get_grammar_warnings():
+            log.warning("guided grammar: %s", warning)
+        return matcher
 
     def guide(self, g: GuidedDecodingParams, *, allow_eos: bool = True) -> TokenGuide:
         """A fresh walk for one sequence; ``allow_eos=False`` (``ignore_eos``) never offers an
         EOS token, where the language may end or go on (it still ends where it must)."""
-        index = self.compile(g)
-        guide = TokenGuide(
-            index, self.vocab_size, self._index_size, self.eos_token_ids, allow_eos, self._same
-        )
+        compiled = self.compile(g)
+        if g.grammar is not None:
+            walk: _RegexWalk | _GrammarWalk = _GrammarWalk(compiled.deep_copy())
+            size = self._ll_vocab().vocab_size
+        else:
+            walk = _RegexWalk(compiled, self.eos_token_ids[0])
+            size = self._index_size
+        guide = TokenGuide(walk, self.vocab_size, size, self.eos_token_ids, allow_eos, self._same)
         if g.start_after is not None:
             guide.wait_for(g.start_after.encode(), self._spelling)
         return guide
+
+
+class _Spell:
+    """What llguidance's ``TokenizerWrapper`` reads: the tokens' bytes, the EOS and special
+    ids, and a call that tokenizes bytes (the compiler's exact spelling)."""
+
+    def __init__(self, compiler: GuideCompiler, tokens: list[bytes], special: list[int]) -> None:
+        self.tokens = tokens
+        self.eos_token_id = compiler.eos_token_ids[0]
+        self.bos_token_id = None
+        self.special_token_ids = special
+        self._compiler = compiler
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._compiler._spell(data)
 
 
 def _what(g: GuidedDecodingParams) -> str:
@@ -200,41 +336,92 @@ def _what(g: GuidedDecodingParams) -> str:
     return "the JSON schema" if g.json is not None else "json_object"
 
 
+class _RegexWalk:
+    """One sequence's walk through an outlines-core index."""
+
+    __slots__ = ("_eos", "_guide")
+
+    def __init__(self, index: Any, eos: int) -> None:
+        from outlines_core import Guide
+
+        self._guide = Guide(index)
+        self._eos = eos
+
+    def write_mask(self, words: np.ndarray) -> None:
+        self._guide.write_mask_into(words.ctypes.data, words.size, 4)
+
+    def advance(self, token: int) -> None:
+        self._guide.advance(token)
+
+    def done(self) -> bool:
+        g = self._guide
+        return g.is_finished() and g.get_tokens() == [self._eos]
+
+
+class _GrammarWalk:
+    """One sequence's walk through a grammar: its own copy of the compiled llguidance matcher
+    (the Earley parser's state; the compiled lexer and grammar are shared)."""
+
+    __slots__ = ("_matcher", "_warned")
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+        self._warned = False
+
+    def write_mask(self, words: np.ndarray) -> None:
+        m = self._matcher
+        m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if m.is_error() and not self._warned:  # a parser limit: the mask is empty, it ends
+            self._warned = True
+            log.warning("guided grammar: the parser stopped: %s", m.get_error())
+
+    def advance(self, token: int) -> None:
+        m = self._matcher
+        if not m.consume_token(token):
+            raise ValueError(f"guided grammar: token {token} is not allowed: {m.get_error()}")
+
+    def done(self) -> bool:
+        # nothing but EOS may follow (also after a parser error: the output ends there)
+        return self._matcher.is_stopped()
+
+
 class TokenGuide:
-    """One sequence's position in a compiled index; while it waits for a ``start_after`` text
-    (:meth:`wait_for`) it masks nothing, forces nothing and walks nothing."""
+    """One sequence's position in a compiled index or grammar (its walk); while it waits for a
+    ``start_after`` text (:meth:`wait_for`) it masks nothing, forces nothing and walks
+    nothing. The walk's bitmask is written once per position and read by :meth:`allowed`,
+    :meth:`mask` and :meth:`forced` until the next :meth:`advance`."""
 
     __slots__ = (
         "_eos",
         "_eos_ok",
-        "_guide",
+        "_fresh",
         "_index_size",
         "_same",
         "_seen",
         "_spelling",
         "_trigger",
         "_vocab_size",
+        "_walk",
         "_words",
     )
 
     def __init__(
         self,
-        index: Any,
+        walk: _RegexWalk | _GrammarWalk,
         vocab_size: int,
         index_size: int,
         eos: list[int],
         allow_eos: bool,
         same: dict[int, list[int]],
     ) -> None:
-        from outlines_core import Guide
-
-        self._guide = Guide(index)
+        self._walk = walk
         self._eos_ok = allow_eos
         self._same = same  # the compiler's: tokens spelling the same bytes
         self._vocab_size = vocab_size
         self._index_size = index_size
         self._eos = eos
         self._words = np.zeros((index_size + 31) // 32, dtype=np.int32)  # the bitmask
+        self._fresh = False  # whether _words holds the current position's mask
         self._trigger: bytes | None = None  # start_after's bytes while still waiting for them
         self._seen = b""  # the output's last bytes while waiting (shorter than the trigger)
         self._spelling: dict[int, bytes] = {}
@@ -249,19 +436,26 @@ class TokenGuide:
         """Still free: the ``start_after`` text has not been generated yet."""
         return self._trigger is not None
 
+    def _mask_words(self) -> np.ndarray:
+        if not self._fresh:
+            self._walk.write_mask(self._words)
+            self._fresh = True
+        return self._words
+
     def allowed(self) -> np.ndarray:
         """``[vocab_size]`` bool: the tokens that may come next (all EOS ids where it may end;
         every token while waiting for ``start_after``)."""
         if self._trigger is not None:
             return np.ones(self._vocab_size, dtype=bool)
-        w = self._words
-        self._guide.write_mask_into(w.ctypes.data, w.size, 4)
+        w = self._mask_words()
         # bit k of little-endian word j is token 32 j + k: the bytes' bits in little order
         bits = np.unpackbits(w.view(np.uint8), bitorder="little").view(bool)  # [32 W]
         out = np.zeros(self._vocab_size, dtype=bool)
         n = min(self._index_size, self._vocab_size)
         out[:n] = bits[:n]
         out[self._eos] = self._eos_ok and bool(bits[self._eos[0]])
+        if not out.any():  # nothing can follow (a grammar parser's limit): end, not NaN
+            out[self._eos] = True
         return out
 
     def mask(self, row: torch.Tensor) -> None:
@@ -290,7 +484,8 @@ class TokenGuide:
                 self._seen = seen[-(len(trigger) - 1) :] if len(trigger) > 1 else b""
             return
         if token not in self._eos:
-            self._guide.advance(token)
+            self._fresh = False
+            self._walk.advance(token)
 
     def forced(self) -> int | None:
         """The token to append when the language allows exactly one next spelling (and it is
@@ -299,8 +494,7 @@ class TokenGuide:
         of a large vocabulary."""
         if self._trigger is not None:
             return None
-        w = self._words
-        self._guide.write_mask_into(w.ctypes.data, w.size, 4)
+        w = self._mask_words()
         nz = np.flatnonzero(w)
         if not 0 < len(nz) <= 4:
             return None
@@ -321,8 +515,7 @@ class TokenGuide:
         """Nothing but the end may follow (the output is complete)."""
         if self._trigger is not None:
             return False
-        g = self._guide
-        return g.is_finished() and g.get_tokens() == [self._eos[0]]
+        return self._walk.done()
 
 
 def mask_logits(logits: torch.Tensor, guides: list[TokenGuide | None]) -> torch.Tensor:

@@ -24,6 +24,11 @@ class GuidedDecodingParams:
         regex: a regular expression the whole output matches (Rust ``regex`` syntax, as
             outlines-core reads it: no lookaround, no backreferences).
         choice: the output is exactly one of these strings.
+        grammar: a context-free grammar the whole output is a sentence of (vLLM's
+            ``guided_grammar``): Lark as llguidance reads it (``start: ...``, what vLLM's
+            ``guidance`` backend takes), or GBNF/EBNF as llama.cpp and xgrammar write it
+            (``root ::= ...``; told apart by a rule defined with ``::=``). llguidance compiles
+            it: terminals are matched greedily (longest first), as its lexer does.
         whitespace_pattern: for ``json`` and ``json_object`` only, the regex of the whitespace
             allowed between JSON tokens; None: at most one space (outlines-core's default,
             which keeps small models from rambling in blank space).
@@ -35,14 +40,15 @@ class GuidedDecodingParams:
             that more in the free part.
 
     The engine compiles it against the tokenizer's vocabulary when the request is added
-    (engine/guided.py); an unsupported schema or a language no token sequence can spell raises
-    ValueError there.
+    (engine/guided.py); an unsupported schema, a grammar with an error or a language no token
+    sequence can spell raises ValueError there.
     """
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
     whitespace_pattern: str | None = None
     start_after: str | None = None
 
@@ -54,13 +60,14 @@ class GuidedDecodingParams:
                 ("json_object", self.json_object or None),
                 ("regex", self.regex),
                 ("choice", self.choice),
+                ("grammar", self.grammar),
             )
             if v is not None
         ]
         if len(given) != 1:
             raise ValueError(
-                "guided decoding takes exactly one of json, json_object, regex and choice, "
-                f"got {given or 'none'}"
+                "guided decoding takes exactly one of json, json_object, regex, choice and "
+                f"grammar, got {given or 'none'}"
             )
         if self.json is not None:
             object.__setattr__(self, "json", _normalise_schema(self.json))
@@ -75,6 +82,10 @@ class GuidedDecodingParams:
             if not all(isinstance(x, str) and x for x in c):
                 raise ValueError(f"choice must hold non-empty strings, got {list(c)!r}")
             object.__setattr__(self, "choice", tuple(c))
+        if self.grammar is not None and (
+            not isinstance(self.grammar, str) or not self.grammar.strip()
+        ):
+            raise ValueError(f"grammar must be a non-empty string, got {self.grammar!r}")
         w = self.whitespace_pattern
         if w is not None and (not isinstance(w, str) or not w):
             raise ValueError(f"whitespace_pattern must be a non-empty string, got {w!r}")
@@ -168,10 +179,10 @@ class SamplingParams:
             request may preempt running ones of a lower priority (higher value) to get in.
             Must stay 0 under the other policies (checked at submission).
         guided: a :class:`GuidedDecodingParams` (or a dict of its fields): the output is
-            constrained to match it, a JSON schema, any JSON object, a regex or one of some
-            strings (tokens that cannot continue a match get no probability; penalties and
-            bias apply first; logprobs stay raw). The output ends ("stop") as soon as nothing
-            but the end can follow. None (default): free text.
+            constrained to match it, a JSON schema, any JSON object, a regex, one of some
+            strings or a context-free grammar (tokens that cannot continue a match get no
+            probability; penalties and bias apply first; logprobs stay raw). The output ends
+            ("stop") as soon as nothing but the end can follow. None (default): free text.
         beam_width: 0 (default) samples as above. W >= 1 runs beam search instead, with
             Hugging Face's ``generate(num_beams=W, do_sample=False)`` semantics
             (engine/beam_search.py, run by beam_runner.py): W beams are kept, each step every beam's continuations

@@ -30,7 +30,7 @@ served from the prefix cache).
 
 Structured outputs (server/structured.py): OpenAI's ``response_format`` (``text``,
 ``json_object``, ``json_schema``), vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_whitespace_pattern`` and ``structured_outputs``, and chat's ``tool_choice``
+``guided_grammar``, ``guided_whitespace_pattern`` and ``structured_outputs``, and chat's ``tool_choice``
 ``"required"`` or naming a function (the reply constrained to the tools' schemas and returned as
 tool calls, without a ``--tool-call-parser``); at most one source of constraint per request.
 """
@@ -86,8 +86,8 @@ class ResponseFormat(msgspec.Struct):
 
 class StructuredOutputs(msgspec.Struct, kw_only=True):
     """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema or its JSON text),
-    ``regex``, ``choice`` and ``json_object``; ``whitespace_pattern`` for the JSON ones;
-    ``grammar`` is rejected (not a regular language)."""
+    ``regex``, ``choice``, ``grammar`` (Lark, or GBNF/EBNF) and ``json_object``;
+    ``whitespace_pattern`` for the JSON ones."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -158,7 +158,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    guided_grammar: str | None = None  # rejected: a context-free grammar
+    guided_grammar: str | None = None  # a context-free grammar: Lark, or GBNF/EBNF
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's beam search (engine/beam_search.py): n beams (completions: best_of beams, the n

@@ -7,18 +7,16 @@ The sources, at most one per request:
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (a value the schema
   accepts; ``strict`` changes nothing: the schema is always enforced); ``{"type": "text"}`` is
   the default, no constraint;
-- vLLM's ``guided_json`` (a schema, or its JSON text), ``guided_regex``, ``guided_choice``, with
+- vLLM's ``guided_json`` (a schema, or its JSON text), ``guided_regex``, ``guided_choice``,
+  ``guided_grammar`` (a context-free grammar: Lark, or GBNF/EBNF with ``root ::= ...``), with
   ``guided_whitespace_pattern`` for the JSON ones (also with ``response_format`` or forced tool
   calls);
 - vLLM's ``structured_outputs`` object: exactly one of ``json``, ``regex``, ``choice``,
-  ``json_object``, and ``whitespace_pattern``;
+  ``grammar``, ``json_object``, and ``whitespace_pattern``;
 - chat's ``tool_choice`` forcing a call (vLLM's way): a named function constrains the reply to
   its ``parameters`` schema; ``"required"`` to a JSON array (at least one element, at most one
   with ``parallel_tool_calls: false``) of ``{"name": <a tool's name>, "parameters": <its
   schema>}`` objects. The reply is returned as tool calls (server/tool_calls.py).
-
-Grammars (vLLM's ``guided_grammar``, ``structured_outputs.grammar``) are rejected: the engine
-takes regular languages only.
 
 Every error here is a ValueError whose message starts with the request field it is about, so
 the decoder names it as the 400's ``param``.
@@ -34,8 +32,8 @@ from radixkv.server.tool_calls import ForcedToolChoice
 
 # what a conflict error lists as the possible sources
 _SOURCES = (
-    "response_format (json_object, json_schema), guided_json / guided_regex / guided_choice, "
-    "structured_outputs, and tool_choice forcing a call"
+    "response_format (json_object, json_schema), guided_json / guided_regex / guided_choice / "
+    "guided_grammar, structured_outputs, and tool_choice forcing a call"
 )
 _NO_OBJECT_ARGS: dict[str, Any] = {"type": "object", "properties": {}}  # vLLM's, for no parameters
 
@@ -148,17 +146,13 @@ def forced_tool_schema(
 
 def _structured_outputs(so: Any) -> dict[str, Any]:
     """``structured_outputs`` as GuidedDecodingParams keyword arguments."""
-    if so.grammar is not None:
-        raise ValueError(
-            "structured_outputs.grammar is not supported: radixkv's guided decoding takes "
-            "regular languages (json, regex, choice, json_object), not context-free grammars"
-        )
     given = {
         k: v
         for k, v in (
             ("json", so.json),
             ("regex", so.regex),
             ("choice", so.choice),
+            ("grammar", so.grammar),
             ("json_object", so.json_object or None),
             ("whitespace_pattern", so.whitespace_pattern),
         )
@@ -191,15 +185,11 @@ def request_constraint(req: Any) -> Constraint | None:
                 f"response_format type {rf.type!r} is not supported: "
                 "text, json_object or json_schema"[:300]
             )
-    if req.guided_grammar is not None:
-        raise ValueError(
-            "guided_grammar is not supported: radixkv's guided decoding takes regular "
-            "languages (guided_json, guided_regex, guided_choice), not context-free grammars"
-        )
     for field, key in (
         ("guided_json", "json"),
         ("guided_regex", "regex"),
         ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
     ):
         value = getattr(req, field)
         if value is not None:
