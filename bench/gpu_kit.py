@@ -48,8 +48,9 @@ BUILD_DIR = ROOT / ".gpu-kit-build"  # wheel cache, nvcc scratch; never carried
 FLASHINFER_VERSION = "0.7.4"
 TVM_FFI_VERSION = "0.1.15.post2"  # flashinfer 0.7.4 needs apache-tvm-ffi>=0.1.11,<0.2
 # radixkv's dependencies that the H200 image (library/device/KINDS.md's package list) does not
-# hold, carried as cp312 wheels: msgspec (configs, outputs) and outlines-core (guided decoding)
-RUNTIME_WHEELS = ("msgspec==0.23.0", "outlines-core==0.2.14")
+# hold, carried as wheels for cp312 (or abi3): msgspec (configs, outputs), outlines-core (guided
+# decoding) and llguidance (grammars; imported only when a grammar is used, but a dependency)
+RUNTIME_WHEELS = ("msgspec==0.23.0", "outlines-core==0.2.14", "llguidance==1.9.1")
 CURAND_VERSION = "10.4.4.72"  # headers only: FA3's CUTLASS includes curand_kernel.h
 CUDA_ARCH = "9.0a"  # H100/H200 (Hopper); FA3 kernels need the "a" features
 TARGET_PYTHON = "3.12"  # the lent machine's python3
@@ -59,6 +60,7 @@ PLATFORMS = (
     "manylinux_2_27_x86_64",
     "manylinux_2_24_x86_64",
     "manylinux_2_17_x86_64",
+    "manylinux_2_31_x86_64",  # llguidance's wheels (the image's Python 3.12 has a newer glibc)
     "manylinux2014_x86_64",
 )
 
@@ -199,11 +201,17 @@ def runtime_data_files() -> list[str]:
 
 # ------------------------------------------------------------------------------------------------
 # Building
+def _runs_on_312(wheel: Path) -> bool:
+    """A wheel the lent machine's CPython 3.12 installs: built for cp312, or for the stable ABI
+    (``abi3``, from an older CPython on)."""
+    return "-cp312-" in wheel.name or "-abi3-" in wheel.name
+
+
 def _pip_download(dest: Path, requirement: str, *, target: bool) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     name = requirement.split("==")[0].replace("-", "_")
     version = requirement.split("==")[1]
-    found = [p for p in dest.glob(f"{name}-{version}-*.whl") if not target or "cp312" in p.name]
+    found = [p for p in dest.glob(f"{name}-{version}-*.whl") if not target or _runs_on_312(p)]
     if found:
         return found[0]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest)]
@@ -212,7 +220,7 @@ def _pip_download(dest: Path, requirement: str, *, target: bool) -> Path:
         for plat in PLATFORMS:
             cmd += ["--platform", plat]
     subprocess.run([*cmd, requirement], check=True)
-    found = [p for p in dest.glob(f"{name}-{version}-*.whl") if not target or "cp312" in p.name]
+    found = [p for p in dest.glob(f"{name}-{version}-*.whl") if not target or _runs_on_312(p)]
     if not found:
         raise RuntimeError(f"pip download {requirement} left no wheel in {dest}")
     return found[0]
@@ -497,7 +505,7 @@ def check(kit: Path) -> list[str]:
         problems.append("the cp312 apache-tvm-ffi wheel is missing")
     for req in RUNTIME_WHEELS:
         name, version = req.replace("-", "_").split("==")
-        if not list(kit.glob(f"{name}-{version}-cp312-*.whl")):
+        if not [w for w in kit.glob(f"{name}-{version}-*.whl") if _runs_on_312(w)]:
             problems.append(f"the cp312 {req} wheel is missing")
     size = _dir_bytes(kit)
     if size > KIT_LIMIT_BYTES:
