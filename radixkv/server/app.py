@@ -6,7 +6,9 @@ Responses API, server/responses.py; all three with SSE streaming), GET and DELET
 POST /detokenize, GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_cache (admin
 key), and with ``config.allow_runtime_lora_updating`` POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (vLLM's); a request's ``model`` is the served model or a loaded LoRA
-adapter's name. GET /openapi.json describes them
+adapter's name. SGLang's native API (POST /generate, GET /get_model_info, /get_server_info,
+/health_generate, POST /flush_cache) is served too (server/native.py). GET /openapi.json
+describes the OpenAI-style routes
 (server/openapi.py) and GET /docs renders it. Paths are exact: a trailing slash is 404 (no
 redirect, whose Location would echo the request's Host header).
 
@@ -50,6 +52,7 @@ from radixkv.server.errors import (
     unauthorized,
     unhandled_exception_handler,
 )
+from radixkv.server.native import add_native_routes
 from radixkv.server.responses import DeletedResponse, ResponsesRequest
 from radixkv.server.state import ServerState
 from radixkv.server.transport import ClientGone, read_body
@@ -278,6 +281,7 @@ def build_app(
         await engine.reset_prefix_cache()
         return Response(_OK, media_type="application/json")
 
+    add_native_routes(app, st)  # SGLang's /generate, /get_model_info, ... (server/native.py)
     return app
 
 

@@ -465,7 +465,7 @@ class ServerState:
             # compiled (off the event loop) before anything is submitted: a language the
             # engine cannot use is a 400 naming its field, and no prompt of the request runs
             try:
-                err = await wait_or_disconnect(self._compile(params), request.receive)
+                err = await wait_or_disconnect(self.compile_guided(params), request.receive)
             except ClientGone:
                 self.in_flight -= seqs
                 self.metrics.count_client_closed("waiting")
@@ -575,9 +575,9 @@ class ServerState:
         submission makes the request's model unknown (404), as if it had come a moment later."""
         if lora is not None and isinstance(err, ValueError) and lora not in self.lora_names():
             return self.model_not_found(lora)
-        return _engine_error(err, guided_param)
+        return engine_error(err, guided_param)
 
-    async def _compile(self, params: SamplingParams) -> BaseException | None:
+    async def compile_guided(self, params: SamplingParams) -> BaseException | None:
         """Compile ``params.guided`` in a worker thread (seconds for a large schema on a large
         vocabulary); the ValueError when the engine cannot use it."""
         try:
@@ -638,7 +638,7 @@ class ServerState:
             yield R.chat_role_chunk(rid, model, created, sub.params.n)
         async for deltas in self._deltas(sub, fmt, tool_parser, reasoning):
             if isinstance(deltas, BaseException):
-                yield R.sse(_engine_error(deltas).body_struct())
+                yield R.sse(engine_error(deltas).body_struct())
                 break
             yield chunk(rid, model, created, deltas)
         if include_usage:
@@ -733,7 +733,7 @@ class ServerState:
             yield R.sse_event(event)
         async for deltas in self._deltas(sub, fmt, tool_parser, reasoning):
             if isinstance(deltas, BaseException):
-                err = _engine_error(deltas)
+                err = engine_error(deltas)
                 yield R.sse_event({"type": "error", "code": err.code, "message": err.message})
                 return
             for d in deltas:
@@ -770,7 +770,7 @@ def _lora_not_found(name: str, loaded: list[str]) -> APIError:
     )
 
 
-def _engine_error(err: BaseException, guided_param: str | None = None) -> APIError:
+def engine_error(err: BaseException, guided_param: str | None = None) -> APIError:
     """The response to an engine error; a ValueError at submission is the request's fault (400):
     one about its guided decoding names ``guided_param``, the field the constraint came from."""
     if isinstance(err, QueueFull):
