@@ -979,35 +979,14 @@ class NativeAPI:
     async def run(self, request: Request, plan: Plan) -> Response:
         st = self.st
         items = plan.items
-        seqs = sum(it.params.n for it in items)
-        if seqs > st.config.max_queue:  # could never be admitted: retrying will not help
-            raise bad_request(
-                f"This request has {seqs} sequences ({len(items)} prompts x n="
-                f"{items[0].params.n}), more than the server admits at once (max_queue="
-                f"{st.config.max_queue})",
-                plan.source if len(items) > 1 else "sampling_params.n",
-            )
-        if st.in_flight + seqs > st.config.max_queue:
-            raise APIError(
-                503,
-                f"Server is at capacity ({st.in_flight} sequences in flight, max_queue="
-                f"{st.config.max_queue}); retry later",
-                code="queue_full",
-                headers={"retry-after": "1"},
-            )
-        st.in_flight += seqs
-        subs: list[Submission] = []
-        released = False
+        slot = st.admit(
+            sum(it.params.n for it in items),
+            len(items),
+            items[0].params.n,
+            plan.source if len(items) > 1 else "sampling_params.n",
+        )
+        subs = slot.subs
         handed_off = False  # True once an SSEResponse owns the release
-
-        async def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                for sub in subs:
-                    await sub.close()
-                st.in_flight -= seqs
-
         try:
             compiled: set[Any] = set()
             for it in items:  # before anything is submitted: a bad constraint runs nothing
@@ -1041,7 +1020,7 @@ class NativeAPI:
                 response = SSEResponse(
                     self._stream(subs, plan, renderer),
                     headers=self._headers(subs, items),
-                    cleanup=release,
+                    cleanup=slot.release,
                     on_client_gone=lambda: st.metrics.count_client_closed("streaming"),
                 )
                 handed_off = True
@@ -1070,7 +1049,7 @@ class NativeAPI:
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         finally:
             if not handed_off:
-                await release()
+                await slot.release()
 
     @staticmethod
     def _headers(subs: list[Submission], items: list[Item]) -> dict[str, str]:

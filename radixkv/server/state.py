@@ -438,21 +438,6 @@ class ServerState:
         if isinstance(req, P.CompletionRequest) and req.echo:
             echo = [self.echo(p, ids, params) for p, ids in zip(req.prompts(), prompts)]
             echo_only = req.max_tokens == 0
-        seqs = len(prompts) * params.n
-        if seqs > self.config.max_queue:  # could never be admitted: retrying will not help
-            raise bad_request(
-                f"This request has {seqs} sequences ({len(prompts)} prompts x n={params.n}), "
-                f"more than the server admits at once (max_queue={self.config.max_queue})",
-                "prompt" if len(prompts) > 1 else "n",
-            )
-        if self.in_flight + seqs > self.config.max_queue:
-            raise APIError(
-                503,
-                f"Server is at capacity ({self.in_flight} sequences in flight, max_queue="
-                f"{self.config.max_queue}); retry later",
-                code="queue_full",
-                headers={"retry-after": "1"},
-            )
         tool_parser: ToolParser | None = None
         constraint = request_constraint(req)  # the decoder checked it: cannot raise here
         if constraint is not None and constraint.tool_choice is not None:
@@ -460,21 +445,23 @@ class ServerState:
         else:  # a reply constrained to the client's format is content
             tool_parser = self.native_tool_parser(req, constraint is not None)
         guided_param = None if constraint is None else constraint.param
-        self.in_flight += seqs
+        slot = self.admit(
+            len(prompts) * params.n, len(prompts), params.n, "prompt" if len(prompts) > 1 else "n"
+        )
         if params.guided is not None:
             # compiled (off the event loop) before anything is submitted: a language the
             # engine cannot use is a 400 naming its field, and no prompt of the request runs
             try:
                 err = await wait_or_disconnect(self.compile_guided(params), request.receive)
             except ClientGone:
-                self.in_flight -= seqs
+                await slot.release()
                 self.metrics.count_client_closed("waiting")
                 return Response(status_code=499)
             except BaseException:
-                self.in_flight -= seqs
+                await slot.release()
                 raise
             if err is not None:
-                self.in_flight -= seqs
+                await slot.release()
                 raise self._submission_error(err, guided_param, lora)
         rid = responses.id if responses else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         namespace = principal.namespace(req.cache_salt)
@@ -488,16 +475,8 @@ class ServerState:
             echo_only=echo_only,
             lora=lora,
         )
-        released = False
+        slot.subs.append(sub)
         handed_off = False  # True once an SSEResponse owns the release
-
-        async def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                await sub.close()
-                self.in_flight -= seqs
-
         fmt = (
             None
             if params.logprobs is None
@@ -530,7 +509,7 @@ class ServerState:
                 response: Response = SSEResponse(
                     body,
                     headers=R.cache_headers(sub, rid),
-                    cleanup=release,
+                    cleanup=slot.release,
                     on_client_gone=lambda: self.metrics.count_client_closed("streaming"),
                 )
                 handed_off = True  # the response owns the submission from here on
@@ -566,7 +545,29 @@ class ServerState:
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         finally:
             if not handed_off:
-                await release()
+                await slot.release()
+
+    def admit(self, seqs: int, prompts: int, n: int, param: str) -> Admission:
+        """Count a request's ``seqs`` sequences (its ``prompts`` prompts, ``n`` samples each,
+        as the messages say) in flight (``max_queue``): a request that could never fit is a
+        400 naming ``param``, one that does not fit now a 503 (``queue_full``, retry-after).
+        The caller releases the slot however the request ends."""
+        if seqs > self.config.max_queue:  # could never be admitted: retrying will not help
+            raise bad_request(
+                f"This request has {seqs} sequences ({prompts} prompts x n={n}), "
+                f"more than the server admits at once (max_queue={self.config.max_queue})",
+                param,
+            )
+        if self.in_flight + seqs > self.config.max_queue:
+            raise APIError(
+                503,
+                f"Server is at capacity ({self.in_flight} sequences in flight, max_queue="
+                f"{self.config.max_queue}); retry later",
+                code="queue_full",
+                headers={"retry-after": "1"},
+            )
+        self.in_flight += seqs
+        return Admission(self, seqs)
 
     def _submission_error(
         self, err: BaseException, guided_param: str | None, lora: str | None
@@ -746,6 +747,25 @@ class ServerState:
                 for event in events:
                     yield R.sse_event(event)
         self._keep(call, writer.response)
+
+
+class Admission:
+    """A request's sequences counted in flight (``ServerState.admit``) and the submissions made
+    under it (``subs``): ``release`` closes them (aborting what still runs, freeing locks and
+    pages) and gives the count back, once, however often it is called."""
+
+    def __init__(self, state: ServerState, seqs: int) -> None:
+        self._state = state
+        self.seqs = seqs
+        self.subs: list[Submission] = []
+        self._released = False
+
+    async def release(self) -> None:
+        if not self._released:
+            self._released = True
+            for sub in self.subs:
+                await sub.close()
+            self._state.in_flight -= self.seqs
 
 
 @dataclass(frozen=True)
