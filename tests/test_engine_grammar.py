@@ -323,6 +323,26 @@ def test_compiled_grammars_are_memoised_and_walks_independent(tiny: Engine) -> N
     assert not compiler.compile(g).is_stopped()  # the memoised matcher was never walked
 
 
+def test_the_empty_schema_is_walked_as_the_json_grammar(tiny: Engine) -> None:
+    """``json={}`` (any JSON value; SGLang's ``$$ANY$$``) goes to llguidance's JSON grammar,
+    not outlines-core's regex of it (a minute to compile on this vocabulary); a whitespace
+    pattern keeps the regex route, which alone honours it. Outputs that stop are JSON."""
+    import json
+
+    compiler = GuideCompiler(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)
+    guide = compiler.guide(GuidedDecodingParams(json={}))
+    assert type(compiler.compile(GuidedDecodingParams(json={}))).__name__ == "LLMatcher"
+    starts = {chr(i) for i in guide.allowed().nonzero()[0] if i < 128}
+    assert set('{["-0123456789tfn') <= starts and not starts & set("}]:,abc")
+    params = SamplingParams(guided={"json": {}}, temperature=1.0, seed=2, max_tokens=40, n=6)
+    outs = tiny.generate(["JSON:"], params, use_tqdm=False)[0].outputs
+    stopped = [o.text for o in outs if o.finish_reason == "stop"]
+    assert stopped, [o.text for o in outs]
+    for text in stopped:
+        json.loads(text)
+    _assert_clean(tiny)
+
+
 def test_the_gbnf_and_lark_spellings_of_a_grammar_agree(tiny: Engine) -> None:
     """The same language written as GBNF and as Lark: the guides allow the same characters
     along every prefix of a few sentences."""

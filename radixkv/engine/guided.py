@@ -29,7 +29,8 @@ strings and regexes) are lexed greedily, longest match first, so ``A: /a+/`` fol
 lexer). Where a grammar forces some bytes, llguidance offers the tokens that spell them as the
 tokenizer would (:meth:`GuideCompiler._spell`), which jump-forward then appends.
 
-A JSON schema becomes a regex (outlines-core's ``build_regex_from_schema``), so what a regular
+The empty schema (any JSON value) is walked as llguidance's JSON grammar (``ANY_JSON_GRAMMAR``).
+Any other JSON schema becomes a regex (outlines-core's ``build_regex_from_schema``), so what a regular
 language cannot express is not checked: numeric ranges (``UNENFORCED``: accepted, with a
 warning). Types, required and optional properties in order, enums and consts, string lengths
 and patterns, array lengths, ``anyOf``/``oneOf`` and local ``$ref`` are. Integers are held to
@@ -64,6 +65,9 @@ UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "mul
 # digits an integer may have unless its schema sets maxDigits: JSON readers lose integers past
 # 2**53 (16 digits) anyway
 MAX_INTEGER_DIGITS = 16
+# The empty JSON schema (any JSON value) as llguidance's grammar: outlines-core's regex of it
+# is huge (radixkv-tiny's vocabulary took 57 s to compile it, llguidance 25 ms)
+ANY_JSON_GRAMMAR = "start: %json {}\n"
 # a GBNF/EBNF grammar (llama.cpp's, xgrammar's) defines its rules with "::="; Lark with ":"
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
 
@@ -107,6 +111,17 @@ def _bound_integers(node: Any) -> Any:
     if out.get("type") == "integer" and "maxDigits" not in out:
         out["maxDigits"] = MAX_INTEGER_DIGITS
     return out
+
+
+def guide_grammar(g: GuidedDecodingParams) -> str | None:
+    """The grammar llguidance walks for ``g``, or None when outlines-core's index does: the
+    params' own grammar, or ANY_JSON_GRAMMAR for the empty schema (without a whitespace
+    pattern, which only the regex route honours)."""
+    if g.grammar is not None:
+        return g.grammar
+    if g.json is not None and g.whitespace_pattern is None and json.loads(g.json) == {}:
+        return ANY_JSON_GRAMMAR
+    return None
 
 
 def grammar_lark(grammar: str) -> str:
@@ -258,7 +273,8 @@ class GuideCompiler:
             if index is not None:
                 self._cache.move_to_end(g)
                 return index
-        index = self._compile_grammar(g.grammar) if g.grammar is not None else self._index(g)
+        grammar = guide_grammar(g)
+        index = self._compile_grammar(grammar) if grammar is not None else self._index(g)
         with self._lock:
             self._cache[g] = index
             if len(self._cache) > CACHE_SIZE:
@@ -301,7 +317,7 @@ class GuideCompiler:
         """A fresh walk for one sequence; ``allow_eos=False`` (``ignore_eos``) never offers an
         EOS token, where the language may end or go on (it still ends where it must)."""
         compiled = self.compile(g)
-        if g.grammar is not None:
+        if guide_grammar(g) is not None:
             walk: _RegexWalk | _GrammarWalk = _GrammarWalk(compiled.deep_copy())
             size = self._ll_vocab().vocab_size
         else:
