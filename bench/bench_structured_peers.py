@@ -90,8 +90,13 @@ def valid(text: str) -> bool:
 System = Callable[[list[str]], list[tuple[str, int]]]  # prompts -> (text, output tokens) each
 
 
-def radixkv_system(folder: Path, jump_forward: bool) -> System:
-    engine = Engine(str(folder), dtype="float32", guided_jump_forward=jump_forward)
+def radixkv_system(folder: Path, jump_forward: bool, draft_tokens: int = 0) -> System:
+    engine = Engine(
+        str(folder),
+        dtype="float32",
+        guided_jump_forward=jump_forward,
+        num_speculative_tokens=draft_tokens,
+    )
     params = SamplingParams(
         temperature=0, max_tokens=MAX_TOKENS, guided=GuidedDecodingParams(json=SCHEMA)
     )
@@ -150,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems: dict[str, System] = {
         "radixkv (guided, jump-forward)": radixkv_system(folder, True),
         "radixkv (guided, every token sampled)": radixkv_system(folder, False),
+        "radixkv (guided, jump-forward, prompt lookup k=8)": radixkv_system(folder, True, 8),
         "llama.cpp f32 (JSON-schema grammar)": llama_cpp_system(gguf),
     }
     names = list(systems)
@@ -168,6 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "output_tokens": tokens,
                 "output_tok_per_s": round(tokens / secs, 1),
                 "valid_json": f"{sum(valid(t) for t, _ in last[name])}/{len(ps)}",
+                # greedy: every radixkv variant must write what the first one wrote
+                "same_as_radixkv": sum(
+                    a == b for (a, _), (b, _) in zip(last[name], last[names[0]])
+                ),
                 "time_vs_radixkv": round(secs / base, 2),
             }
         )

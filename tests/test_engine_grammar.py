@@ -8,7 +8,6 @@ jump-forward and a byte-level BPE vocabulary, leaving no lock or page behind."""
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import pytest
@@ -420,24 +419,20 @@ def test_byte_level_bpe_vocabulary(tmp_path: Any) -> None:
     _assert_clean(eng)
 
 
-def test_compile_and_mask_are_fast_on_a_byte_vocabulary(tiny: Engine) -> None:
-    """Compiling a grammar is milliseconds, one masked step microseconds (generous bounds: a
-    loaded CI machine), and a masked row keeps exactly the allowed tokens."""
+def test_compiled_once_and_masks_keep_exactly_the_allowed_tokens(tiny: Engine) -> None:
+    """A grammar is compiled once per compiler (memoised; each guide walks its own copy) and a
+    masked row keeps exactly the allowed tokens."""
     compiler = GuideCompiler(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)
-    compiler.compile(GuidedDecodingParams(grammar='start: "x"'))  # the vocabulary, built once
-    t0 = time.perf_counter()
-    compiler.compile(GuidedDecodingParams(grammar=ARITH))
-    compile_s = time.perf_counter() - t0
+    compiled = compiler.compile(GuidedDecodingParams(grammar=ARITH))
+    assert compiler.compile(GuidedDecodingParams(grammar=ARITH)) is compiled
     text = "12+(3*45)-"
-    rows = torch.zeros(20 * len(text), tiny.vocab_size)
-    t0 = time.perf_counter()
-    for k in range(20):
+    rows = torch.zeros(3 * len(text), tiny.vocab_size)
+    for k in range(3):
         guide = compiler.guide(GuidedDecodingParams(grammar=ARITH))
         for i, b in enumerate(text.encode()):
             guide.mask(rows[k * len(text) + i])
             guide.advance(b)
-    step_s = (time.perf_counter() - t0) / len(rows)
-    assert compile_s < 0.5 and step_s < 0.002, (compile_s, step_s)
+    assert torch.equal(rows[: len(text)], rows[len(text) : 2 * len(text)])  # walks independent
     last = guide.allowed()  # after "12+(3*45)-": a number or a bracket, nothing else
     assert {chr(i) for i in last.nonzero()[0]} == set(DIGITS + "(")
     row = torch.randn(tiny.vocab_size)

@@ -2,8 +2,8 @@
 transformers' and the engine's own without it, token for token, through mixed batches, a tiny
 pool that preempts, EOS and ``max_tokens``; a loop is generated in a fraction of the steps;
 requests with logprobs take part and get the entries they would get without drafts (and,
-sampled, the entries the model gives their tokens); requests that cannot take part (guided)
-are unchanged; a failed forward leaves no draft behind; every page is accounted for after every
+sampled, the entries the model gives their tokens); guided requests in a mixed batch are
+unchanged (test_engine_speculative_guided.py tests them alone); a failed forward leaves no draft behind; every page is accounted for after every
 step."""
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ def test_stop_strings_end_inside_a_run_of_drafts() -> None:
     assert all(reason in stop for (_, _, reason), (_, stop) in zip(results[8], cases))
 
 
-def test_requests_that_cannot_take_part_are_unchanged(small: tuple[Any, Any]) -> None:
+def test_mixed_requests_are_unchanged(small: tuple[Any, Any]) -> None:
     """One batch: greedy requests (drafted, one with a stop string, one with logprobs, some
-    with penalties whose drafts are judged position by position), and requests that do not
-    take part (guided): each output is what it is without speculation."""
+    with penalties whose drafts are judged position by position, one guided): each output is
+    what it is without speculation."""
     _, lm = small
     prompts = _prompts(2)
     kinds = [

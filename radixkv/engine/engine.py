@@ -343,7 +343,7 @@ class Engine:
         if owing:
             self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
         accepted: dict[Seq, list[int]] = {}  # drafted sequences: the drafts they keep
-        drawn: dict[int, int] = {}  # drafted sampled rows: the token verification drew
+        drawn: dict[int, int] = {}  # drafted sampled or guided rows: verification's token
         kept_logits: dict[Seq, torch.Tensor] = {}  # ... wanting logprobs: the drafts' logits
         if spec is not None and drafts:  # cut rejected drafts before the step is recorded
             accepted, drawn, kept_logits = spec.verify(
@@ -370,8 +370,9 @@ class Engine:
                 [s.num_prompt_tokens for s in seqs],
                 self.eos_token_ids,
             )
-        guides = [s.guide for s in seqs]
-        if any(g is not None for g in guides):  # after the adjustments: the mask is final
+        # after the adjustments: the mask is final (a drafted row's was applied by verify)
+        guides = [None if i in drawn else s.guide for i, s in zip(rows, seqs)]
+        if any(g is not None for g in guides):
             picked = mask_logits(picked, guides)
         tokens = sample(picked, params, [s.generator for s in seqs])
         if drawn:  # drafted sampled rows: verification drew their token

@@ -68,6 +68,9 @@ MAX_INTEGER_DIGITS = 16
 # The empty JSON schema (any JSON value) as llguidance's grammar: outlines-core's regex of it
 # is huge (radixkv-tiny's vocabulary took 57 s to compile it, llguidance 25 ms)
 ANY_JSON_GRAMMAR = "start: %json {}\n"
+# tokens a walk can be rolled back (drafts judged and refused, speculative.py): the most
+# drafts a step can carry (EngineConfig.num_speculative_tokens)
+MAX_ROLLBACK = 64
 # a GBNF/EBNF grammar (llama.cpp's, xgrammar's) defines its rules with "::="; Lark with ":"
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
 
@@ -360,7 +363,7 @@ class _RegexWalk:
     def __init__(self, index: Any, eos: int) -> None:
         from outlines_core import Guide
 
-        self._guide = Guide(index)
+        self._guide = Guide(index, max_rollback=MAX_ROLLBACK)
         self._eos = eos
 
     def write_mask(self, words: np.ndarray) -> None:
@@ -368,6 +371,10 @@ class _RegexWalk:
 
     def advance(self, token: int) -> None:
         self._guide.advance(token)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._guide.rollback_state(n)
 
     def done(self) -> bool:
         g = self._guide
@@ -395,6 +402,10 @@ class _GrammarWalk:
         m = self._matcher
         if not m.consume_token(token):
             raise ValueError(f"guided grammar: token {token} is not allowed: {m.get_error()}")
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._matcher.rollback(n)
 
     def done(self) -> bool:
         # nothing but EOS may follow (also after a parser error: the output ends there)
@@ -525,6 +536,40 @@ class TokenGuide:
         if len(ids) > 1 and sorted(ids) != self._same.get(token):
             return None  # two spellings (or more than one token's worth) may follow
         return None if token in self._eos or token >= self._vocab_size else token
+
+    def judge_drafts(self, drafts: list[int], rows: torch.Tensor | None = None) -> int:
+        """How many leading ``drafts`` the language allows from here (speculative decoding:
+        drafts it refuses can never be kept). With ``rows`` (``[1 + k, V]`` logits, position
+        ``j`` predicting the token after ``drafts[:j]``), masks each row up to and including
+        the first refused draft's in place, by the language after the drafts before it: what
+        sampling each position one step at a time would see (rows past it are left alone:
+        nothing there can be kept). An EOS draft counts as refused. The guide ends where it
+        began (the walk is rolled back, a ``start_after`` wait restored)."""
+        trigger, seen = self._trigger, self._seen
+        walked = 0
+        n = 0
+        try:
+            while True:
+                if rows is not None:
+                    self.mask(rows[n])
+                if n == len(drafts):
+                    break
+                d = drafts[n]
+                if d in self._eos or d >= self._vocab_size:
+                    break
+                free = self._trigger is not None
+                if not free:
+                    w = self._mask_words()
+                    if d >= self._index_size or not (int(w[d >> 5]) >> (d & 31)) & 1:
+                        break
+                self.advance(d)
+                walked += not free
+                n += 1
+        finally:
+            self._walk.rollback(walked)
+            self._trigger, self._seen = trigger, seen
+            self._fresh = walked == 0 and self._fresh
+        return n
 
     @property
     def only_end(self) -> bool:

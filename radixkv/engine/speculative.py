@@ -23,9 +23,12 @@ one by one, as it appends decoded tokens: one completed inside the run ends the 
 and the rest of the run is dropped (its KV stays only where a page was already published).
 Penalties, bias and ``min_tokens`` depend on the tokens before each position: a drafted row's
 logits are adjusted position by position, each with its own history (the drafts before it
-included), so the drafts are judged by what sampling would see at each position. Requests with
-guided decoding do not take part; they decode as before in the same batch. Requests with
-logprobs do: each kept draft's entry comes from the row's logits at the position before it (raw,
+included), so the drafts are judged by what sampling would see at each position. Guided
+requests take part the same way: drafts are cut at the first one their language refuses before
+the forward (:meth:`TokenGuide.judge_drafts`), and each position's logits are masked by the
+language after the drafts before it, the walk rolled back after (the accepted drafts and the
+step's token are walked as the engine appends them); the step's token is verification's, drawn
+from the masked row after the run. Beam search does not take part. Requests with logprobs do: each kept draft's entry comes from the row's logits at the position before it (raw,
 as any step's), and the step's own token's from the position after the run. A
 sequence whose drafts keep being refused backs off (exponentially, up to ``MAX_BACKOFF`` steps
 between lookups), so text that does not repeat costs few wide forwards.
@@ -131,7 +134,7 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
-        return p.guided is None and not p.beam_width and seq.num_computed == len(seq.token_ids) - 1
+        return not p.beam_width and seq.num_computed == len(seq.token_ids) - 1
 
     def propose(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         """Drafts for the batch's eligible decode rows, appended to their sequences (slots
@@ -152,6 +155,8 @@ class Speculator:
             if room <= 0:
                 continue
             drafts = propose_ngram(seq.token_ids, room, self.lookup_min, self.lookup_max)
+            if drafts and seq.guide is not None:  # what its language refuses is never kept
+                del drafts[seq.guide.judge_drafts(drafts) :]
             if not drafts:
                 continue
             try:
@@ -180,8 +185,8 @@ class Speculator:
         """Keep each row's drafts as far as the model agrees (greedy: its argmax; sampled:
         :func:`accept_sampled`); cut the rest from the sequence and the row. A greedy row's
         logits after its run go into ``logits`` (the row's sampling logits: its argmax is the
-        step's token), and a sampled row's too when it wants logprobs; a sampled row's token is
-        drawn here. ``hidden``: the rows' trunk states ``[1 + k, hidden]``, in ``drafts``
+        step's token), and a sampled row's too when it wants logprobs; a sampled or guided row's
+        token is drawn here (a guided row's by its language after the kept drafts). ``hidden``: the rows' trunk states ``[1 + k, hidden]``, in ``drafts``
         order; ``head``: hidden -> logits (``ModelRunner.logits``). Returns ({sequence: kept
         drafts}, {row: its drawn token}, {sequence wanting logprobs: its kept drafts' raw
         logits ``[a, V]``}); the second replaces what sampling the row's logits gives."""
@@ -203,6 +208,11 @@ class Speculator:
                     [seq.num_prompt_tokens] * len(history),
                     self.eos_token_ids,
                 )
+            guide = seq.guide
+            if guide is not None:  # each position masked by the language after the drafts
+                if judged is row_logits:
+                    judged = row_logits.clone()
+                guide.judge_drafts(d, judged)
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned |= self.eos_token_ids
@@ -214,6 +224,8 @@ class Speculator:
                 a = 0
                 while a < len(d) and choice[a] == d[a] and d[a] not in banned:
                     a += 1
+                if guide is not None:  # the step's mask would be the one before the drafts
+                    drawn[i] = choice[a]
             if p.temperature == 0.0 or seq.logprobs is not None:
                 with torch.inference_mode():  # the runner's logits are inference tensors
                     logits[i] = row_logits[a]  # raw: the step adjusts them as any row's
