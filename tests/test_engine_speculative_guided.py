@@ -162,3 +162,30 @@ def test_sampled_guided_outputs_stay_in_their_language() -> None:
         else:
             want = {"complete"} if o.finish_reason == "stop" else {"complete", "prefix"}
             assert classify(g.grammar, text) in want, text
+
+
+def test_forced_positions_take_the_token_jump_forward_would() -> None:
+    """Where the language forces bytes that two tokens spell (byte fallback <0x61> and the
+    piece "a"), jump-forward appends the piece without sampling: with ``force`` a draft of
+    the other spelling is refused and the row keeps the piece alone, as jump-forward would;
+    without it (logprobs wanted, jump-forward off) both spellings are the model's to choose."""
+
+    class Spelled:
+        def token_bytes(self) -> dict[int, bytes]:
+            return {**{i: bytes([i]) for i in range(256)}, 300: b"a", 301: b"b"}
+
+    compiler = GuideCompiler(Spelled(), 310, [257])
+    params = GuidedDecodingParams(regex="x(a|b)a")
+    x, a, b = ord("x"), ord("a"), ord("b")
+    for force in (True, False):
+        guide = compiler.guide(params)
+        rows = torch.zeros(4, 310)
+        drafts = [x, a, a]
+        n = guide.judge_drafts(drafts, rows, force=force)
+        finite = [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in rows]
+        assert finite[0] == {x}  # forced, spelled by one token: the same both ways
+        assert finite[1] == {a, 300, b, 301}  # a choice: never forced
+        if force:
+            assert n == 2 and finite[2] == {300}  # the piece, as jump-forward appends it
+        else:
+            assert n == 3 and finite[2] == {a, 300} and finite[3] == {257}  # then the end

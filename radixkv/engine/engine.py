@@ -160,6 +160,7 @@ class Engine:
                 lookup_max=cfg.prompt_lookup_max,
                 max_context=self.max_context,
                 eos_token_ids=self.eos_token_ids,
+                jump_forward=cfg.guided_jump_forward,
             )
         self._token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings, memoised
         # beam search requests (SamplingParams.beam_width): their beams' forks and steps

@@ -225,6 +225,8 @@ class GuideCompiler:
         for i, b in self._spelling.items():
             if i < self.vocab_size and i not in self.eos_token_ids and b:
                 by_bytes.setdefault(b, []).append(i)
+        for ids in by_bytes.values():  # ascending: token_bytes' order can differ by process
+            ids.sort()
         self._index_size = max([eos, *(i for ids in by_bytes.values() for i in ids)]) + 1
         # tokens that spell the same bytes (SentencePiece's byte-fallback <0x61> and "a"): one
         # stands for all of them where the language forces those bytes (jump-forward), the
@@ -537,25 +539,35 @@ class TokenGuide:
             return None  # two spellings (or more than one token's worth) may follow
         return None if token in self._eos or token >= self._vocab_size else token
 
-    def judge_drafts(self, drafts: list[int], rows: torch.Tensor | None = None) -> int:
+    def judge_drafts(
+        self, drafts: list[int], rows: torch.Tensor | None = None, *, force: bool = False
+    ) -> int:
         """How many leading ``drafts`` the language allows from here (speculative decoding:
         drafts it refuses can never be kept). With ``rows`` (``[1 + k, V]`` logits, position
         ``j`` predicting the token after ``drafts[:j]``), masks each row up to and including
         the first refused draft's in place, by the language after the drafts before it: what
         sampling each position one step at a time would see (rows past it are left alone:
-        nothing there can be kept). An EOS draft counts as refused. The guide ends where it
-        began (the walk is rolled back, a ``start_after`` wait restored)."""
+        nothing there can be kept). ``force`` (jump-forward): where the language forces a token
+        (:meth:`forced`), that token is the only one allowed, as jump-forward would append it
+        without sampling. An EOS draft counts as refused. The guide ends where it began (the
+        walk is rolled back, a ``start_after`` wait restored)."""
         trigger, seen = self._trigger, self._seen
         walked = 0
         n = 0
         try:
             while True:
+                f = self.forced() if force else None
                 if rows is not None:
-                    self.mask(rows[n])
+                    if f is None:
+                        self.mask(rows[n])
+                    else:
+                        keep = rows[n, f].clone()
+                        rows[n].fill_(float("-inf"))
+                        rows[n, f] = keep
                 if n == len(drafts):
                     break
                 d = drafts[n]
-                if d in self._eos or d >= self._vocab_size:
+                if d in self._eos or d >= self._vocab_size or (f is not None and d != f):
                     break
                 free = self._trigger is not None
                 if not free:

@@ -26,8 +26,9 @@ logits are adjusted position by position, each with its own history (the drafts 
 included), so the drafts are judged by what sampling would see at each position. Guided
 requests take part the same way: drafts are cut at the first one their language refuses before
 the forward (:meth:`TokenGuide.judge_drafts`), and each position's logits are masked by the
-language after the drafts before it, the walk rolled back after (the accepted drafts and the
-step's token are walked as the engine appends them); the step's token is verification's, drawn
+language after the drafts before it (where jump-forward would append a forced token, that
+token alone), the walk rolled back after (the accepted drafts and the step's token are walked
+as the engine appends them); the step's token is verification's, drawn
 from the masked row after the run. Beam search does not take part. Requests with logprobs do: each kept draft's entry comes from the row's logits at the position before it (raw,
 as any step's), and the step's own token's from the position after the run. A
 sequence whose drafts keep being refused backs off (exponentially, up to ``MAX_BACKOFF`` steps
@@ -124,6 +125,7 @@ class Speculator:
         lookup_max: int,
         max_context: int,
         eos_token_ids: Collection[int],
+        jump_forward: bool,
     ) -> None:
         self.kv = kv
         self.num_tokens = num_tokens
@@ -131,6 +133,12 @@ class Speculator:
         self.lookup_max = lookup_max
         self.max_context = max_context
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.jump_forward = jump_forward  # EngineConfig.guided_jump_forward
+
+    def forces(self, seq: Sequence) -> bool:
+        """Whether jump-forward appends the tokens ``seq``'s language forces (the engine's
+        rule: on, and no logprobs wanted): its drafts are then judged by those tokens."""
+        return self.jump_forward and seq.logprobs is None
 
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
@@ -156,7 +164,7 @@ class Speculator:
                 continue
             drafts = propose_ngram(seq.token_ids, room, self.lookup_min, self.lookup_max)
             if drafts and seq.guide is not None:  # what its language refuses is never kept
-                del drafts[seq.guide.judge_drafts(drafts) :]
+                del drafts[seq.guide.judge_drafts(drafts, force=self.forces(seq)) :]
             if not drafts:
                 continue
             try:
@@ -212,7 +220,7 @@ class Speculator:
             if guide is not None:  # each position masked by the language after the drafts
                 if judged is row_logits:
                     judged = row_logits.clone()
-                guide.judge_drafts(d, judged)
+                guide.judge_drafts(d, judged, force=self.forces(seq))
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned |= self.eos_token_ids
