@@ -202,9 +202,12 @@ SECTIONS: list[tuple[str, str, str]] = [
         "`bench/bench_structured_peers.py` (`nox -s bench_peers`): the same checkpoint, 16 "
         "record-extraction prompts each generating one JSON object under one schema (strings, an "
         "integer, an enum, a boolean, an array of enums), greedy, up to 160 tokens: radixkv's "
-        "guided decoding (all prompts together, with and without jump-forward) against "
+        "guided decoding (all prompts together, with and without jump-forward, and with "
+        "prompt-lookup speculative decoding) against "
         "llama-cpp-python with `LlamaGrammar.from_json_schema` (llama.cpp's own conversion; one "
-        "prompt at a time). `valid_json`: outputs that parse and validate against the schema. "
+        "prompt at a time). `valid_json`: outputs that parse and validate against the schema; "
+        "`same_as_radixkv`: outputs equal to radixkv's with jump-forward (drafts must not change "
+        "a greedy output; sampling every token spells forced text with other tokens). "
         "Medians over rounds in rotated order; `time_vs_radixkv` is the system's time over "
         "radixkv's with jump-forward.",
     ),
@@ -551,6 +554,8 @@ def plot_serving_peers(data: Any, fig: Any) -> None:
 
 
 def _structured_tick(system: str) -> str:
+    if "prompt lookup" in system:
+        return "radixkv\njump + drafts"
     if "jump-forward" in system:
         return "radixkv\njump-forward"
     if system.startswith("radixkv"):
