@@ -349,7 +349,6 @@ def test_an_aborted_search_returns_its_live_beams_logprobs(models: tuple[Any, An
         (dict(beam_width=2, stop=["x"]), "beam search cannot be combined with stop strings"),
         (dict(beam_width=2, repetition_penalty=1.2), "cannot be combined with penalties"),
         (dict(beam_width=2, logit_bias={3: 1.0}), "cannot be combined with logit_bias"),
-        (dict(beam_width=2, guided=GuidedDecodingParams(regex="a+")), "guided decoding"),
         (dict(length_penalty=2.0), "apply to beam search only"),
         (dict(early_stopping=True), "apply to beam search only"),
         (dict(beam_width=2, early_stopping="sometimes"), "early_stopping must be"),
@@ -359,6 +358,63 @@ def test_an_aborted_search_returns_its_live_beams_logprobs(models: tuple[Any, An
 def test_bad_combinations_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+CHOICES = ["cab", "car", "cart", "do", "dog", "{ca}"]
+LANGUAGES = [
+    pytest.param(GuidedDecodingParams(choice=CHOICES), id="choice"),
+    pytest.param(GuidedDecodingParams(regex="(ca|d[ao])+!?"), id="regex"),
+    pytest.param(
+        GuidedDecodingParams(grammar='start: item+\nitem: "(" item* ")" | "ca"'), id="lark"
+    ),
+]
+
+
+@pytest.mark.parametrize("guided", LANGUAGES)
+def test_guided_beams_are_hugging_faces_with_the_language_as_allowed_tokens(
+    models: tuple[Any, Any], guided: GuidedDecodingParams
+) -> None:
+    """Each beam walks its own copy of the language (forks copy the walk): the hypotheses and
+    scores are Hugging Face's with ``prefix_allowed_tokens_fn`` giving, for each beam, what a
+    fresh walk of that beam's tokens allows (no fork involved). A choice's finished outputs are
+    among the choices."""
+    from radixkv.engine.guided import GuideCompiler
+
+    hf, lm = models
+    engine = Engine(lm, max_model_len=256, page_size=4)
+    oracle = GuideCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    params = SamplingParams(beam_width=W, n=3, max_tokens=MAX_TOKENS, guided=guided)
+    prompts = _prompts(0, 3)
+    outs = run_checked(engine, prompts, params)
+    for prompt, out in zip(prompts, outs):
+
+        def allowed(batch_id: int, input_ids: torch.Tensor, start: int = len(prompt)) -> list[int]:
+            walk = oracle.guide(guided)
+            for t in input_ids[start:].tolist():
+                walk.advance(t)
+            return walk.allowed().nonzero()[0].tolist()
+
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            num_beams=W,
+            num_return_sequences=3,
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            prefix_allowed_tokens_fn=allowed,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=EOS_ID,
+            pad_token_id=0,
+        )
+        want = []
+        for row in ref.sequences[:, len(prompt) :].tolist():
+            want.append(row[: row.index(EOS_ID) + 1] if EOS_ID in row else row)
+        assert [o.token_ids for o in out.outputs] == want
+        for o, score in zip(out.outputs, ref.sequences_scores.tolist()):
+            assert o.score == pytest.approx(score, rel=1e-5, abs=SCORE_ATOL)
+            if guided.choice is not None and o.finish_reason == "stop":
+                assert o.text in CHOICES
+    assert any(o.finish_reason == "stop" for out in outs for o in out.outputs)
 
 
 # ---------------------------------------------------------------- the selection on its own

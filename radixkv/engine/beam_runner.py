@@ -11,7 +11,9 @@ beam first recomputes its tail), then the request's step is taken:
   node and a copy of its tail page; no prefix is copied or recomputed), each on a sequence of a
   beam that got none (its full pages stay cached for whoever matches them) or a new one;
 - a child whose tail page the pool cannot supply is queued with its tokens instead, and later
-  hits the shared pages and recomputes only its tail, like a preempted sequence.
+  hits the shared pages and recomputes only its tail, like a preempted sequence;
+- with guided decoding each beam has its own walk of the language (``TokenGuide.fork`` at a
+  fork): its mask steers the search, and it advances with the beam's token.
 
 A beam search request's ``n`` outputs are its best hypotheses, best first; it reports only when
 finished (no streaming: beams are reordered and pruned as they go). Forked beams join the
@@ -25,6 +27,7 @@ import time
 from array import array
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from radixkv.engine.beam_search import BeamSearch, Continuation
@@ -101,12 +104,20 @@ class BeamRunner:
             history = None
             if group.params.logprobs is not None:
                 history = ([s.logprobs or [] for s in beams], self.token_text)
+            allowed = None
+            if group.params.guided is not None:  # each beam's own position in the language
+                masks = []
+                for s in beams:
+                    assert s.guide is not None  # every beam of a guided request has one
+                    masks.append(s.guide.allowed())
+                allowed = torch.from_numpy(np.stack(masks))
             nxt = search.step(
                 [s.cumulative_logprob for s in beams],
                 torch.stack([rows[s] for s in beams]).cpu(),
                 num_generated,
                 lambda i, b=beams: b[i].output_ids,
                 history,
+                allowed,
             )
             if search.done:
                 ended.append(group)
@@ -176,6 +187,8 @@ class BeamRunner:
         for seq, c in zip(order, nxt):  # after every fork: a fork copies its parent's tokens
             seq.token_ids.append(c.token)
             seq.cumulative_logprob = c.cumulative_logprob
+            if seq.guide is not None:
+                seq.guide.advance(c.token)
             if c.entry is not None:
                 assert seq.logprobs is not None
                 seq.logprobs.append(c.entry)
@@ -197,6 +210,7 @@ class BeamRunner:
         if parent.logprobs is not None:
             child.logprobs = list(parent.logprobs)
         child.num_cached_tokens = parent.num_cached_tokens
+        child.guide = None if parent.guide is None else parent.guide.fork()
         if parent.status is SeqStatus.RUNNING and self.kv.fork(parent, child, self.copy_pages):
             self.scheduler.add_running(child)
         else:

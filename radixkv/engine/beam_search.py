@@ -86,16 +86,20 @@ class BeamSearch:
         num_generated: int,
         output_of: Callable[[int], list[int]],
         history: LogprobHistory | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> list[Continuation]:
         """One step over the live beams (best first): ``cumulative[i]`` is beam i's score,
         ``logprobs`` ``[P, V]`` fp32 its next-token ``log_softmax``, every beam has
         ``num_generated`` output tokens and ``output_of(i)`` lists them; ``history`` (needed
-        with ``params.logprobs``) their logprobs entries. Updates ``finished`` and ``done``;
-        returns the next beams, best first (empty when done)."""
+        with ``params.logprobs``) their logprobs entries; ``allowed`` ``[P, V]`` bool (guided
+        decoding) the tokens each beam's language lets it take. Updates ``finished`` and
+        ``done``; returns the next beams, best first (empty when done)."""
         p = self.params
-        raw = logprobs  # what entries report: the stops' hold below only steers the choice
+        raw = logprobs  # what entries report: the mask and the stops' hold only steer
+        if allowed is not None:
+            logprobs = logprobs.masked_fill(~allowed, -math.inf)
         if num_generated < p.min_tokens and self._stop_index:  # the stops are held back
-            logprobs = logprobs.clone()
+            logprobs = logprobs.clone() if logprobs is raw else logprobs
             logprobs[:, self._stop_index] = -math.inf
         scores = logprobs + torch.tensor(cumulative, dtype=torch.float32)[:, None]  # [P, V]
         vocab = scores.shape[1]
@@ -106,6 +110,10 @@ class BeamSearch:
         parents = (idx // vocab).tolist()
         tokens = (idx % vocab).tolist()
         totals = vals.tolist()
+        # candidates a language refuses (or a held stop) have no score: never a beam or an end
+        while k and totals[k - 1] == -math.inf:
+            k -= 1
+        del tokens[k:], parents[k:], totals[k:], norm[k:]
         at_max = gen >= p.max_tokens
         ends = [at_max or t in self.stop_ids for t in tokens]
         entries: list[dict | None] = [None] * k

@@ -360,23 +360,35 @@ def _what(g: GuidedDecodingParams) -> str:
 class _RegexWalk:
     """One sequence's walk through an outlines-core index."""
 
-    __slots__ = ("_eos", "_guide")
+    __slots__ = ("_eos", "_guide", "_index", "_walked")
 
     def __init__(self, index: Any, eos: int) -> None:
         from outlines_core import Guide
 
         self._guide = Guide(index, max_rollback=MAX_ROLLBACK)
+        self._index = index
         self._eos = eos
+        # the tokens walked: a fork replays them (a Guide cannot be set to a state, and
+        # copying one serialises its whole index)
+        self._walked: list[int] = []
+
+    def fork(self) -> _RegexWalk:
+        twin = _RegexWalk(self._index, self._eos)
+        for t in self._walked:
+            twin.advance(t)
+        return twin
 
     def write_mask(self, words: np.ndarray) -> None:
         self._guide.write_mask_into(words.ctypes.data, words.size, 4)
 
     def advance(self, token: int) -> None:
         self._guide.advance(token)
+        self._walked.append(token)
 
     def rollback(self, n: int) -> None:
         if n:
             self._guide.rollback_state(n)
+            del self._walked[-n:]
 
     def done(self) -> bool:
         g = self._guide
@@ -392,6 +404,11 @@ class _GrammarWalk:
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
         self._warned = False
+
+    def fork(self) -> _GrammarWalk:
+        twin = _GrammarWalk(self._matcher.deep_copy())
+        twin._warned = self._warned
+        return twin
 
     def write_mask(self, words: np.ndarray) -> None:
         m = self._matcher
@@ -454,6 +471,20 @@ class TokenGuide:
         self._trigger: bytes | None = None  # start_after's bytes while still waiting for them
         self._seen = b""  # the output's last bytes while waiting (shorter than the trigger)
         self._spelling: dict[int, bytes] = {}
+
+    def fork(self) -> TokenGuide:
+        """An independent guide at this one's position (a beam search fork): the two walk on
+        apart."""
+        twin = TokenGuide(
+            self._walk.fork(),
+            self._vocab_size,
+            self._index_size,
+            self._eos,
+            self._eos_ok,
+            self._same,
+        )
+        twin._trigger, twin._seen, twin._spelling = self._trigger, self._seen, self._spelling
+        return twin
 
     def wait_for(self, trigger: bytes, spelling: dict[int, bytes]) -> None:
         """Stay free until the sampled tokens (``spelling``: token -> bytes) have spelled

@@ -192,9 +192,12 @@ class SamplingParams:
             prompt's and each other's pages through the prefix cache (with the cache off, a
             fork copies its beam's pages). The search is
             deterministic: temperature, top-k/top-p/min-p and seed are not used. Stop strings,
-            guided decoding, penalties and ``logit_bias`` cannot be combined with it
-            (ValueError); ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and ``logprobs``
-            apply (each hypothesis's tokens get their entries, under the beam that chose them).
+            penalties and ``logit_bias`` cannot be combined with it (ValueError);
+            ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and ``logprobs`` apply (each
+            hypothesis's tokens get their entries, under the beam that chose them), and so
+            does ``guided``: each beam walks its own copy of the language, and the tokens it
+            refuses a beam get no score there (Hugging Face's ``prefix_allowed_tokens_fn``:
+            the log probabilities of the others are not renormalised).
         length_penalty: beam search only: a finished hypothesis scores its total log
             probability divided by (its output length ** length_penalty) (Hugging Face's);
             above 0 favours longer outputs, below 0 shorter ones.
@@ -342,7 +345,6 @@ class SamplingParams:
             name
             for name, on in (
                 ("stop strings", bool(self.stop)),
-                ("guided decoding", self.guided is not None),
                 ("penalties", self.has_penalties),
                 ("logit_bias", bool(self.logit_bias)),
             )
