@@ -5,6 +5,7 @@ are a 400 naming the field."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import openai
@@ -113,6 +114,30 @@ def test_chat_takes_n_beams(client: openai.OpenAI) -> None:
     )
     texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
     assert len(texts) == 3 and len(set(texts)) == 3
+
+
+def test_chat_beams_follow_a_json_schema(client: openai.OpenAI) -> None:
+    """``response_format`` applies to every beam: each choice is a different object valid
+    under the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+    }
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me JSON:"}],
+        max_tokens=40,
+        n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        extra_body={"use_beam_search": True},
+    )
+    texts = [c.message.content or "" for c in r.choices]
+    assert len(set(texts)) == 3
+    for c, text in zip(r.choices, texts):
+        value = json.loads(text)
+        assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool), text
+        assert c.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True])
