@@ -51,9 +51,10 @@ def _prompts(seed: int, n: int = 5) -> list[list[int]]:
 
 
 def _hf_beams(
-    hf: Any, prompt: list[int], params: SamplingParams
+    hf: Any, prompt: list[int], params: SamplingParams, **extra: Any
 ) -> tuple[list[list[int]], list[float]]:
-    """Hugging Face's n best hypotheses (output tokens, cut after EOS) and their scores."""
+    """Hugging Face's n best hypotheses (output tokens, cut after EOS) and their scores;
+    ``extra``: more ``generate`` arguments."""
     ref = hf.generate(
         torch.tensor([prompt]),
         num_beams=params.beam_width,
@@ -67,6 +68,7 @@ def _hf_beams(
         return_dict_in_generate=True,
         eos_token_id=EOS_ID,
         pad_token_id=0,
+        **extra,
     )
     seqs = []
     for row in ref.sequences[:, len(prompt) :].tolist():
@@ -394,23 +396,9 @@ def test_guided_beams_are_hugging_faces_with_the_language_as_allowed_tokens(
                 walk.advance(t)
             return walk.allowed().nonzero()[0].tolist()
 
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            num_beams=W,
-            num_return_sequences=3,
-            do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            prefix_allowed_tokens_fn=allowed,
-            output_scores=True,
-            return_dict_in_generate=True,
-            eos_token_id=EOS_ID,
-            pad_token_id=0,
-        )
-        want = []
-        for row in ref.sequences[:, len(prompt) :].tolist():
-            want.append(row[: row.index(EOS_ID) + 1] if EOS_ID in row else row)
+        want, scores = _hf_beams(hf, prompt, params, prefix_allowed_tokens_fn=allowed)
         assert [o.token_ids for o in out.outputs] == want
-        for o, score in zip(out.outputs, ref.sequences_scores.tolist()):
+        for o, score in zip(out.outputs, scores):
             assert o.score == pytest.approx(score, rel=1e-5, abs=SCORE_ATOL)
             if guided.choice is not None and o.finish_reason == "stop":
                 assert o.text in CHOICES
