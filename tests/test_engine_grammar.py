@@ -301,8 +301,8 @@ def test_bad_grammars_are_refused_at_submission(tiny: Engine) -> None:
     with pytest.raises(ValueError, match="whitespace_pattern applies to json"):
         GuidedDecodingParams(grammar='start: "a"', whitespace_pattern=" ")
     # what refuses guided decoding refuses grammars alike
-    with pytest.raises(ValueError, match="beam search cannot be combined with guided decoding"):
-        SamplingParams(beam_width=2, guided={"grammar": PARENS})
+    with pytest.raises(ValueError, match="beam search cannot be combined with penalties"):
+        SamplingParams(beam_width=2, guided={"grammar": PARENS}, presence_penalty=0.5)
     _assert_clean(tiny)
 
 
