@@ -525,10 +525,7 @@ class TokenGuide:
         allowed = self.allowed()
         ids = np.flatnonzero(allowed)
         if len(ids) * 8 < len(allowed):  # few allowed (a number, a keyword): keep just those
-            idx = torch.from_numpy(ids).to(row.device, non_blocking=True)
-            keep = row[idx]
-            row.fill_(float("-inf"))
-            row[idx] = keep
+            _keep_only(row, torch.from_numpy(ids).to(row.device, non_blocking=True))
         else:  # free text inside a JSON string: most of the vocabulary
             banned = torch.from_numpy(~allowed).to(row.device, non_blocking=True)
             row.masked_fill_(banned, float("-inf"))
@@ -591,10 +588,8 @@ class TokenGuide:
                 if rows is not None:
                     if f is None:
                         self.mask(rows[n])
-                    else:
-                        keep = rows[n, f].clone()
-                        rows[n].fill_(float("-inf"))
-                        rows[n, f] = keep
+                    else:  # jump-forward's token alone
+                        _keep_only(rows[n], torch.tensor([f], device=rows.device))
                 if n == len(drafts):
                     break
                 d = drafts[n]
@@ -620,6 +615,13 @@ class TokenGuide:
         if self._trigger is not None:
             return False
         return self._walk.done()
+
+
+def _keep_only(row: torch.Tensor, ids: torch.Tensor) -> None:
+    """Set every entry of ``row`` but ``ids`` (on the row's device) to -inf, in place."""
+    keep = row[ids]
+    row.fill_(float("-inf"))
+    row[ids] = keep
 
 
 def mask_logits(logits: torch.Tensor, guides: list[TokenGuide | None]) -> torch.Tensor:
