@@ -6,6 +6,7 @@ refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
@@ -168,8 +169,14 @@ def test_beam_width_one_is_greedy(models: tuple[Any, Any]) -> None:
         assert b.outputs[0].token_ids == g.outputs[0].token_ids
 
 
-def test_beams_run_beside_sampled_requests(models: tuple[Any, Any]) -> None:
-    """A batch mixing beam searches and greedy requests gives each what it gives alone."""
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "priority"])
+@pytest.mark.parametrize("max_running", [256, 4, 3])
+def test_beams_run_beside_sampled_requests(
+    models: tuple[Any, Any], max_running: int, policy: str
+) -> None:
+    """A batch mixing beam searches and greedy requests gives each what it gives alone, and
+    never runs more sequences than ``max_running_requests`` (a search holds its W slots from
+    its first admission: its forks join the running list without one)."""
     _, lm = models
     prompts = _prompts(3)
     beam = SamplingParams(beam_width=3, n=2, max_tokens=9)
@@ -177,17 +184,38 @@ def test_beams_run_beside_sampled_requests(models: tuple[Any, Any]) -> None:
     alone = Engine(lm, page_size=4, max_model_len=256)
     want_beam = alone.generate(prompts[:3], beam, use_tqdm=False)
     want_greedy = alone.generate(prompts[3:], greedy, use_tqdm=False)
-    mixed = Engine(lm, page_size=4, max_model_len=256)
+    mixed = Engine(
+        lm,
+        page_size=4,
+        max_model_len=256,
+        max_running_requests=max_running,
+        schedule_policy=policy,
+    )
+    # under priority the greedy requests come first and may take the slots of a running search
+    urgent = dict(priority=-1) if policy == "priority" else {}
     ids = [mixed.add_request(p, beam) for p in prompts[:3]]
-    ids += [mixed.add_request(p, greedy) for p in prompts[3:]]
+    ids += [mixed.add_request(p, dataclasses.replace(greedy, **urgent)) for p in prompts[3:]]
     done: dict[str, Any] = {}
+    most = 0
     while mixed.has_unfinished():
         for o in mixed.step():
             done[o.request_id] = o
         mixed.check_invariants()
+        most = max(most, len(mixed.scheduler.running))
+    assert most <= max_running
+    assert most >= 3  # a search's beams did run at once
     outs = [done[i] for i in ids]
     for got, want in zip(outs, want_beam + want_greedy):
         assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+
+
+def test_a_beam_width_above_max_running_requests_is_refused(models: tuple[Any, Any]) -> None:
+    _, lm = models
+    engine = Engine(lm, page_size=4, max_model_len=256, max_running_requests=3)
+    with pytest.raises(ValueError, match="beam_width=4 exceeds max_running_requests=3"):
+        engine.add_request([1, 5, 6], SamplingParams(beam_width=4))
+    assert not engine.has_unfinished()
+    engine.check_invariants()
 
 
 def test_a_pool_that_holds_one_beam_at_a_time_still_finishes(

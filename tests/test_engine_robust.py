@@ -175,7 +175,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, adapters: dict[str, str],
                 start = rng.randrange(0, len(prompt))
                 params = dataclasses.replace(params, prompt_logprobs_start=start)
             if rng.random() < 0.15:  # a beam search: beams fork, park, get preempted, pruned
-                width = rng.choice([2, 3])
+                width = rng.choice([w for w in (2, 3) if w <= eng.config.max_running_requests])
                 params = dataclasses.replace(
                     params,
                     beam_width=width,
@@ -217,6 +217,7 @@ def test_random_interleaving_keeps_invariants(lm: Any, adapters: dict[str, str],
                     assert o.lora == adapter_of[o.request_id]
                     _check_extras(o, sent[o.request_id])
         eng.check_invariants()
+        assert len(eng.scheduler.running) <= eng.config.max_running_requests
     _drain(eng)
     st = eng.stats()
     assert st.num_running == 0 and st.num_waiting == 0

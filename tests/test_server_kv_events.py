@@ -34,21 +34,27 @@ def test_wire_shape_is_vllm_like() -> None:
         ts=1.5,
         events=[
             BlockStored([11, 12], None, [1, 2, 3, 4], 2, None, "GPU"),
+            BlockStored([13], 12, [5, 6], 2, 3, "GPU", "sql"),
             BlockRemoved([11], "GPU"),
             AllBlocksCleared(),
         ],
     )
     raw = msgspec.msgpack.decode(encode_batch(batch))
-    # tagged array-like structs inside an array-like batch with a timestamp
+    # tagged array-like structs inside an array-like batch with a timestamp; lora_name is
+    # written even when None, as vLLM writes it (its decoder requires the field)
     assert raw == [
         1.5,
         [
-            ["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU"],
+            ["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", None],
+            ["BlockStored", [13], 12, [5, 6], 2, 3, "GPU", "sql"],
             ["BlockRemoved", [11], "GPU"],
             ["AllBlocksCleared"],
         ],
     ]
     assert decode_batch(encode_batch(batch)) == batch
+    # the older 7-field BlockStored (no lora_name) still decodes
+    old = msgspec.msgpack.encode([0.0, [["BlockStored", [1], None, [7, 8], 2, None, None]]])
+    assert decode_batch(old).events == [BlockStored([1], None, [7, 8], 2, None, None)]
 
 
 def test_to_wire_converts_cache_events_by_name() -> None:
@@ -66,6 +72,20 @@ def test_to_wire_converts_cache_events_by_name() -> None:
     # uint64 hashes survive msgpack
     assert decode_batch(encode_batch(KVEventBatch(0.0, [wire]))).events[0] == wire
     assert to_wire(object()) is None
+    # an adapter's namespace gets its id and name from the lookup; others get None
+    seen = []
+
+    def lora(namespace: object) -> tuple[int, str] | None:
+        seen.append(namespace)
+        return (4, "sql") if namespace == ("t",) else None
+
+    assert to_wire(BlockStored_(), "CPU", lora) == BlockStored(
+        [2**64 - 1], 7, [5, 6], 2, 4, "CPU", "sql"
+    )
+    other = BlockStored_()
+    other.namespace = None
+    assert to_wire(other, "CPU", lora) == BlockStored([2**64 - 1], 7, [5, 6], 2, None, "CPU")
+    assert seen == [("t",), None]
 
 
 def _recv_all(sub: zmq.Socket, want: int, timeout: float = 5.0) -> list[list[bytes]]:

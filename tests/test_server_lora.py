@@ -6,6 +6,8 @@ and vLLM's runtime load/unload routes (off by default; 400/404 naming what is wr
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,13 +17,15 @@ import httpx
 import openai
 import pytest
 import schemathesis
+import zmq
 from _model_hf_builders import EOS_ID
 from engine_helpers import make_small_llama
 from hypothesis import HealthCheck, given, settings
 from lora_helpers import ATTN, make_peft_adapter, peft_greedy
 from schemathesis import checks as C
-from server_helpers import assert_clean, in_loop, live_server
+from server_helpers import assert_clean, in_loop, live_server, wait_drained
 
+from radixkv.cache.hashing import page_hashes
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.lora import AdapterNamespace
 from radixkv.server import add_serve_arguments, build_from_args
@@ -29,6 +33,7 @@ from radixkv.server.app import build_app
 from radixkv.server.background import BackgroundServer
 from radixkv.server.cli import RUNTIME_LORA_ENV
 from radixkv.server.config import ServerConfig
+from radixkv.server.kv_events import END_SEQ, BlockStored, decode_batch
 from radixkv.server.state import ServerState
 
 BASE = "small-llama"
@@ -235,6 +240,62 @@ def test_adapter_requests_cache_apart_from_the_base_model(
     spaces = in_loop(server[1], lambda: _namespaces(server[1]))
     adapter_spaces = {ns.adapter for ns in spaces if isinstance(ns, AdapterNamespace)}
     assert {digests["sql"], digests["chat"]} <= adapter_spaces
+
+
+def test_kv_events_name_the_adapter_whose_kv_the_blocks_hold(
+    base: tuple[Any, Path], adapters: dict[str, Any]
+) -> None:
+    """An adapter's BlockStored events carry its lora_id (its slot) and lora_name, the base
+    model's carry None for both; the hashes stay the adapter namespace's."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = AsyncEngine(str(base[1]), num_pages=256, lora_modules={"sql": str(adapters["sql"][0])})
+    endpoint = f"tcp://127.0.0.1:{port}"
+    config = ServerConfig(model_name=BASE, kv_events="tcp://127.0.0.1:0", kv_events_replay=endpoint)
+    app = build_app(engine, config, owns_engine=True)
+    prompts = {BASE: _ids(21, 2 * PAGE + 3), "sql": _ids(22, 2 * PAGE + 5)}
+    ctx = zmq.Context()
+    replay = ctx.socket(zmq.DEALER)
+    try:
+        with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+            for model, prompt in prompts.items():
+                _complete(http, model, prompt)
+            st = app.state.radixkv
+            wait_drained(st)
+            info = next(i for i in st.engine.list_loras() if i.name == "sql")
+            replay.connect(endpoint)
+            deadline = time.monotonic() + 10
+            pub = st.publisher
+            assert pub is not None
+            events: list[BlockStored] = []
+            while not events and time.monotonic() < deadline:  # until the publisher has sent
+                time.sleep(0.05)
+                replay.send_multipart([b"", (0).to_bytes(8, "big")])
+                while True:
+                    assert replay.poll(5000), "replay timed out"
+                    _, seq_b, payload = replay.recv_multipart()
+                    if seq_b == END_SEQ:
+                        break
+                    events += [
+                        e for e in decode_batch(payload).events if isinstance(e, BlockStored)
+                    ]
+    finally:
+        replay.close(linger=0)
+        ctx.term()
+    by_model: dict[str, list[int]] = {BASE: [], "sql": []}
+    for e in events:
+        if e.lora_name is None:
+            assert e.lora_id is None
+            by_model[BASE] += e.token_ids
+        else:
+            assert (e.lora_id, e.lora_name) == (info.slot, "sql")
+            by_model["sql"] += e.token_ids
+    for model, prompt in prompts.items():  # each prompt's full pages, under its own model
+        assert by_model[model][: 2 * PAGE] == prompt[: 2 * PAGE], model
+    ns = AdapterNamespace(info.digest, None)
+    sql_hashes = {h for e in events if e.lora_name for h in e.block_hashes}
+    assert set(page_hashes(prompts["sql"][: 2 * PAGE], PAGE, ns)) <= sql_hashes
 
 
 async def _namespaces(st: ServerState) -> list[Any]:

@@ -17,8 +17,8 @@ beam first recomputes its tail), then the request's step is taken:
 
 A beam search request's ``n`` outputs are its best hypotheses, best first; it reports only when
 finished (no streaming: beams are reordered and pruned as they go). Forked beams join the
-running list directly, so a request holds up to W running slots even where that exceeds
-``max_running_requests``.
+running list directly: the scheduler counts W running slots for a request from the admission
+of its first beam on (``max_running_requests`` holds; a request with W above it is refused).
 """
 
 from __future__ import annotations

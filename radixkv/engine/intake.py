@@ -106,6 +106,7 @@ class RequestIntake:
         self.tokenizer = tokenizer
         self.guides = guides  # compiles SamplingParams.guided (guided.py)
         self.priority_scheduling = config.schedule_policy == "priority"
+        self.max_running = config.max_running_requests
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.page_size = config.page_size
@@ -126,6 +127,11 @@ class RequestIntake:
             raise ValueError(
                 f"priority={params.priority} needs schedule_policy='priority' "
                 "(--schedule-policy priority); under the other policies it must be 0"
+            )
+        if params.beam_width > self.max_running:  # its beams run at once (scheduler.py)
+            raise ValueError(
+                f"beam_width={params.beam_width} exceeds max_running_requests="
+                f"{self.max_running}: the beams of a request run at once"
             )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)

@@ -152,6 +152,13 @@ class LoRARegistry:
         """``info`` is the adapter loaded under its name now (not one unloaded since)."""
         return self._by_name.get(info.name) is info
 
+    def of_namespace(self, namespace: Hashable) -> LoRAInfo | None:
+        """The loaded adapter whose KV a cache namespace holds (the first loaded of those with
+        its content); None for the base model's namespaces or an unloaded adapter's."""
+        if not isinstance(namespace, AdapterNamespace):
+            return None
+        return next((i for i in self._by_name.values() if i.digest == namespace.adapter), None)
+
     def infos(self) -> list[LoRAInfo]:
         return list(self._by_name.values())
 

@@ -12,6 +12,9 @@ Each ``schedule()`` builds one mixed batch, in this order:
 2. admission of waiting sequences in the order of the schedule policy (schedule_policy.py:
    ``lpm``, longest cached prefix first; ``fcfs``, arrival; ``priority``, the requests'
    priority, then as lpm), while the budget, ``max_running_requests`` and the pool allow.
+   ``max_running_requests`` counts running slots: one per running sequence, except that a beam
+   search request holds ``beam_width`` slots from the admission of its first beam until none of
+   its beams runs (its beams fork into them without admission, beam_runner.py).
 
 Under ``priority`` the running list is kept in priority order (then admission order), so
 "most recently admitted" above reads "lowest priority, then most recently admitted"; and before
@@ -55,7 +58,7 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.inflight import InflightPages
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.prefill_cost import chunk_cost, max_chunk
-from radixkv.engine.request import SeqStatus, Sequence
+from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
 from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
 from radixkv.model.runner import SeqInput
 from radixkv.pages import pages_for
@@ -209,12 +212,31 @@ class Scheduler:
         best = min(self.waiting, key=lambda s: s.params.priority)  # earliest among equals
         remaining = len(best.token_ids) - self.kv.peek_match_len(best)
         first = min(remaining, self.chunk_size or remaining)
+        need = self._slots_needed(best)
         while self.running and self.running[-1].params.priority > best.params.priority:
-            if len(self.running) < self.max_running and self._has_room(best, first):
+            if self._slots_taken() + need <= self.max_running and self._has_room(best, first):
                 return
             victim = self.running[-1]
             self.preempt(victim)
             batch.preempted.append(victim)
+
+    def _slots_taken(self) -> int:
+        """Running slots in use (module docstring): one per running sequence, and
+        ``beam_width`` for a beam search request with any running beam."""
+        beams: dict[RequestGroup, int] = {}
+        for s in self.running:
+            if s.group.params.beam_width:
+                beams[s.group] = beams.get(s.group, 0) + 1
+        return len(self.running) + sum(g.params.beam_width - k for g, k in beams.items())
+
+    @staticmethod
+    def _slots_needed(seq: Sequence) -> int:
+        """Slots that admitting ``seq`` takes: a beam's request holds its slots already while
+        another of its beams runs."""
+        w = seq.group.params.beam_width
+        if not w:
+            return 1
+        return 0 if any(s.status is SeqStatus.RUNNING for s in seq.group.seqs) else w
 
     def _start_running(self, seq: Sequence) -> None:
         """Into the running list: at the end (admission order), or under ``priority`` after
@@ -325,8 +347,10 @@ class Scheduler:
         admitted: list[Sequence] = []
         cap: int | None = None
         capped = False
+        slots = self._slots_taken()
         for seq in order:
-            if len(self.running) >= self.max_running or budget - used <= 0:
+            need = self._slots_needed(seq)
+            if slots + need > self.max_running or budget - used <= 0:
                 break
             if cap is not None and len(admitted) >= cap:
                 capped = True
@@ -359,6 +383,7 @@ class Scheduler:
                 metrics.first_scheduled_time = time.monotonic()
             seq.status = SeqStatus.RUNNING
             self._start_running(seq)
+            slots += need
             self._inflight.announce(seq)
             batch.add(seq, n)
             cost = chunk_cost(n, seq.num_computed, self._ratio)

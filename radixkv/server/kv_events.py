@@ -3,8 +3,10 @@
 Wire format (so a vLLM/Dynamo/llm-d subscriber decodes it unchanged):
 - payload: msgspec msgpack of ``KVEventBatch`` = array ``[ts, [event, ...]]``; each event is a
   tagged array-like struct ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` or
-  ``["AllBlocksCleared"]``;
+  block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]`` or
+  ``["AllBlocksCleared"]``; ``lora_id`` and ``lora_name`` name the LoRA adapter whose KV the
+  blocks hold (None for the base model): its slot, unique per load, and its served name, as
+  vLLM sends its ``lora_int_id`` and its name (KV-aware routers key blocks by the name);
 - PUB socket, multipart ``[topic, seq (8 bytes, big-endian, from 0, +1 per batch), payload]``;
 - optional ROUTER replay socket: a client sends ``[b"", start_seq (8 bytes)]`` (a REQ or DEALER
   socket) and gets ``[b"", seq, payload]`` for every buffered batch with seq >= start_seq,
@@ -26,6 +28,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -44,13 +47,15 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Base of the wire events; the tag is the class name."""
 
 
-class BlockStored(KVCacheEvent):
+class BlockStored(KVCacheEvent, omit_defaults=False):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    # always written (vLLM's decoder requires it); the default decodes the older 7-field form
+    lora_name: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -85,16 +90,25 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
 
 
-def to_wire(event: Any, medium: str | None = None) -> WireEvent | None:
+# what a publisher is told about an event's namespace: (lora_id, lora_name) of the adapter
+# whose KV it holds, None for the base model
+LoRALookup = Callable[[Any], "tuple[int, str] | None"]
+
+
+def to_wire(
+    event: Any, medium: str | None = None, lora: LoRALookup | None = None
+) -> WireEvent | None:
     """Convert a cache event (radixkv.cache.events) to its wire form; None for unknown kinds.
 
     ``medium`` names the device pool; an event that names its own medium (the host tier's
-    "CPU", radixkv.cache.tiers.HOST_MEDIUM) keeps it.
+    "CPU", radixkv.cache.tiers.HOST_MEDIUM) keeps it. ``lora`` maps a stored event's
+    namespace to its adapter's ``(lora_id, lora_name)`` (None: none, or no lookup).
 
     Matched by class name so this module does not import the cache (and stays importable alone).
     """
     kind = type(event).__name__
     if kind == "BlockStored":
+        adapter = None if lora is None else lora(getattr(event, "namespace", None))
         return BlockStored(
             block_hashes=[int(h) for h in event.block_hashes],
             parent_block_hash=None
@@ -102,8 +116,9 @@ def to_wire(event: Any, medium: str | None = None) -> WireEvent | None:
             else int(event.parent_block_hash),
             token_ids=[int(t) for t in event.token_ids],
             block_size=int(getattr(event, "page_size", getattr(event, "block_size", 0))),
-            lora_id=None,
+            lora_id=None if adapter is None else adapter[0],
             medium=_medium(event, medium),
+            lora_name=None if adapter is None else adapter[1],
         )
     if kind == "BlockRemoved":
         return BlockRemoved(
@@ -118,8 +133,9 @@ class KVEventPublisher:
     """ZMQ PUB publisher of KV event batches (see module doc for the wire format).
 
     ``endpoint`` e.g. ``tcp://127.0.0.1:5557`` (bound). ``replay_endpoint`` optional, bound as a
-    ROUTER; the last ``buffer_batches`` batches are kept for replay. ``close()`` flushes what is
-    queued, then stops the thread and closes the sockets; it is idempotent.
+    ROUTER; the last ``buffer_batches`` batches are kept for replay. ``lora``: see ``to_wire``
+    (called in the thread that emits the cache event). ``close()`` flushes what is queued, then
+    stops the thread and closes the sockets; it is idempotent.
     """
 
     def __init__(
@@ -131,6 +147,7 @@ class KVEventPublisher:
         buffer_batches: int = 10_000,
         max_batch_events: int = 256,
         medium: str | None = None,
+        lora: LoRALookup | None = None,
     ) -> None:
         try:
             import zmq  # optional dependency (radixkv[events]); imported only when events are on
@@ -142,6 +159,7 @@ class KVEventPublisher:
         self.endpoint = endpoint
         self.topic = topic.encode()
         self.medium = medium
+        self.lora = lora
         self._max_batch = max_batch_events
         self._queue: queue.SimpleQueue[WireEvent | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
@@ -168,7 +186,7 @@ class KVEventPublisher:
 
     def listener(self, cache_event: Any) -> None:
         """Pass to ``cache.add_listener``: converts and enqueues, never blocks the engine."""
-        wire = to_wire(cache_event, self.medium)
+        wire = to_wire(cache_event, self.medium, self.lora)
         if wire is not None:
             self.publish(wire)
 

@@ -105,8 +105,15 @@ class ServerState:
                 topic=self.config.kv_events_topic,
                 replay_endpoint=self.config.kv_events_replay,
                 medium="GPU" if getattr(device, "type", "cpu") == "cuda" else "CPU",
+                lora=self._event_lora,
             )
             self.engine.engine.cache.add_listener(self.publisher.listener)
+
+    def _event_lora(self, namespace: Any) -> tuple[int, str] | None:
+        """KV events' ``(lora_id, lora_name)`` of a cache namespace (the engine's thread calls
+        it, as it does everything that loads or unloads adapters)."""
+        info = self.engine.engine.loras.of_namespace(namespace)
+        return None if info is None else (info.slot, info.name)
 
     async def shutdown(self, *, shutdown_engine: bool = False) -> None:
         """Stop publishing (flushing what is queued) and optionally shut the engine down."""
