@@ -88,7 +88,7 @@ needs_sglang = pytest.mark.skipif(SGL is None, reason=f"no {SGLANG_WHEEL} in the
 def test_every_sglang_field_is_known() -> None:
     """Every sampling parameter of SGLang's contract is mapped or refused by name, and every
     field of its /generate body is served, refused by name or ignored as operational."""
-    from radixkv.server.native import GenerateRequest, NativeSamplingParams
+    from radixkv.server.native_protocol import GenerateRequest, NativeSamplingParams
 
     assert set(SGL._FIELDS_SamplingParams) == set(NativeSamplingParams.__struct_fields__)
     ours = set(GenerateRequest.__struct_fields__)
@@ -290,13 +290,13 @@ def test_text_prompt(http: httpx.Client, server: tuple[BackgroundServer, ServerS
 
 def test_priority_is_sglang_s_higher_first() -> None:
     from radixkv.server.auth import Principal
-    from radixkv.server.native import _Planner
+    from radixkv.server.native_plan import Planner
 
     config = types.SimpleNamespace(schedule_policy="priority")
     st = types.SimpleNamespace(
         engine=types.SimpleNamespace(engine=types.SimpleNamespace(config=config))
     )
-    planner = _Planner(st, Principal(""))  # type: ignore[arg-type]
+    planner = Planner(st, Principal(""))  # type: ignore[arg-type]
     assert planner.priority(5) == -5 and planner.priority(-2) == 2  # radixkv: lower first
     assert planner.priority(None) == 0
 

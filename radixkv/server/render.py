@@ -269,8 +269,10 @@ def usage(sub: Submission, reasoning_tokens: int | None = None) -> P.Usage:
     return u
 
 
-def cache_headers(sub: Submission, request_id: str) -> dict[str, str]:
-    cached = sub.cached_tokens
+def cache_headers(subs: Submission | list[Submission], request_id: str) -> dict[str, str]:
+    """The answer's prefix-cache headers: the prompt tokens its submissions (one, or a native
+    batch's) served from the cache."""
+    cached = sum(s.cached_tokens for s in subs) if isinstance(subs, list) else subs.cached_tokens
     return {
         "x-cache-hit": "true" if cached > 0 else "false",
         "x-cached-tokens": str(cached),
