@@ -433,6 +433,39 @@ def test_guided_beams_are_hugging_faces_with_the_language_as_allowed_tokens(
     assert any(o.finish_reason == "stop" for out in outs for o in out.outputs)
 
 
+def test_guided_beams_with_ignore_eos_end_where_the_language_must(
+    models: tuple[Any, Any],
+) -> None:
+    """``ignore_eos`` keeps EOS out where a choice may end or go on ("car" -> "cart", "do" ->
+    "dog"); where the language must end, EOS ends the beam (it is all the walk offers), so no
+    hypothesis runs on to ``max_tokens`` writing EOS. Hugging Face's, with the walk's
+    ``allow_eos=False`` masks as allowed tokens."""
+    from radixkv.engine.guided import GuideCompiler
+
+    hf, lm = models
+    engine = Engine(lm, max_model_len=256, page_size=4)
+    oracle = GuideCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    guided = GuidedDecodingParams(choice=CHOICES)
+    params = SamplingParams(
+        beam_width=W, n=3, max_tokens=MAX_TOKENS, guided=guided, ignore_eos=True
+    )
+    prompts = _prompts(1, 3)
+    outs = run_checked(engine, prompts, params)
+    for prompt, out in zip(prompts, outs):
+
+        def allowed(batch_id: int, input_ids: torch.Tensor, start: int = len(prompt)) -> list[int]:
+            walk = oracle.guide(guided, allow_eos=False)
+            for t in input_ids[start:].tolist():
+                walk.advance(t)
+            return walk.allowed().nonzero()[0].tolist()
+
+        want, _ = _hf_beams(hf, prompt, params, prefix_allowed_tokens_fn=allowed)
+        assert [o.token_ids for o in out.outputs] == want
+        for o in out.outputs:
+            assert o.finish_reason == "stop" and o.token_ids[-1] == EOS_ID
+            assert o.text in {"cab", "cart", "dog", "{ca}"}
+
+
 # ---------------------------------------------------------------- the selection on its own
 def _search(**kw: Any) -> BeamSearch:
     return BeamSearch(SamplingParams(**{"beam_width": 2, "max_tokens": 10, **kw}), stop_ids=[0])

@@ -66,7 +66,10 @@ class BeamRunner:
     def start(self, group: RequestGroup) -> None:
         """Give a beam search request (``params.beam_width`` > 0) its search state."""
         p = group.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        # under ignore_eos a guided walk offers EOS only where its language must end: there it
+        # ends the beam, as the language's end ends a sampled sequence
+        eos = set() if p.ignore_eos and p.guided is None else set(self.eos_token_ids)
+        stops = set(p.stop_token_ids) | eos
         group.beam = BeamSearch(p, stops)
         group.stream = False  # reported once finished
         for seq in group.seqs:
