@@ -454,3 +454,94 @@ def test_user_hash_fn_gets_bytes() -> None:
     assert cache.match_prefix(np.array([3, 3, 2, 2])).num_tokens == 4
     assert set(seen) == {bytes}
     cache.check_invariants()
+
+
+# ----------------------------------------------------------------------------- edge compression
+def _publish_page_by_page(cache: RadixCache, tokens: list[int]) -> Any:
+    """What a decoding request does: publish each new page, lock the new leaf, unlock the
+    previous one. Returns the last node (still locked)."""
+    ps = cache.page_size
+    pages: list[int] = []
+    held = None
+    for k in range(1, len(tokens) // ps + 1):
+        r = cache.insert(tokens[: k * ps], pages + cache.alloc(1))
+        pages = r.pages
+        cache.lock(r.node)
+        if held is not None:
+            cache.unlock(held)
+        held = r.node
+        cache.check_invariants()
+    return held
+
+
+def test_a_run_published_page_by_page_merges_into_one_node(hash_fn: Any) -> None:
+    cache = make_cache(page_size=4, hash_fn=hash_fn)
+    fill(cache, seq(8, 500))  # a sibling branch: the run hangs under the root beside it
+    events: list[Any] = []
+    cache.add_listener(events.append)
+    tokens = seq(40)
+    last = _publish_page_by_page(cache, tokens)
+    assert cache.num_nodes == 1 + 1 + 10  # while it runs, one node per page
+    pages = cache.path_pages(last)
+    cache.unlock(last)
+    assert cache.num_nodes == 12  # merged by the next insert, not by unlock
+    stored = len(events)
+    fill(cache, seq(4, 900))
+    cache.check_invariants()
+    assert cache.num_nodes == 1 + 1 + 1 + 1 and cache.stats.merged_nodes == 9
+    assert len(events) == stored + 1  # the new page's BlockStored: merging emits nothing
+    m = cache.match_prefix([*tokens, 7])
+    assert m.node is last and last.depth_tokens == 40 and m.pages == pages  # the lowest survives
+    assert last.parent is cache.root and last.num_tokens == 40
+    assert cache.match_prefix(tokens[:20]).num_tokens == 20  # a prefix of it splits it again
+    cache.check_invariants()
+
+
+def test_locked_and_branching_nodes_are_not_merged(hash_fn: Any) -> None:
+    cache = make_cache(page_size=2, hash_fn=hash_fn)
+    tokens = seq(16)
+    last = _publish_page_by_page(cache, tokens)
+    reader = cache.match_prefix(tokens[:6]).node  # another request holds the first 3 pages
+    cache.lock(reader)
+    cache.unlock(last)
+    fill(cache, seq(2, 300))
+    # the locked three stay apart; the five unlocked pages below them merge into one node
+    path = []
+    n = last
+    while n is not cache.root:
+        path.append(n.num_tokens)
+        n = n.parent
+    assert path[::-1] == [2, 2, 2, 10] and cache.stats.merged_nodes == 4
+    cache.unlock(reader)
+    fill(cache, [*tokens[:2], 99, 98])  # the run branches after its first page from now on
+    fill(cache, seq(2, 400))
+    cache.check_invariants()
+    assert (
+        cache.match_prefix(tokens).num_tokens == 16
+        and cache.match_prefix([*tokens[:2], 99, 98]).num_tokens == 4
+    )
+    top = cache.match_prefix(tokens[:2]).node
+    assert len(list(top.children)) == 2  # a branch point: never merged
+
+
+def test_a_merged_away_node_is_no_longer_in_the_cache(hash_fn: Any) -> None:
+    cache = make_cache(page_size=2, hash_fn=hash_fn)
+    last = _publish_page_by_page(cache, seq(6))
+    upper = last.parent
+    cache.unlock(last)
+    fill(cache, seq(2, 300))
+    assert cache.stats.merged_nodes == 2
+    with pytest.raises(ForeignNodeError, match="no longer in the cache"):
+        cache.lock(upper)
+    cache.check_invariants()
+
+
+def test_no_merging_with_a_host_tier() -> None:
+    from cache_helpers import FakeCopier
+
+    cache = RadixCache(PagePool(64), page_size=2, host_pool=PagePool(64), copier=FakeCopier())
+    last = _publish_page_by_page(cache, seq(8))
+    cache.unlock(last)
+    fill(cache, seq(2, 300))
+    assert cache.stats.merged_nodes == 0 and cache.num_nodes == 1 + 4 + 1
+    cache.check_invariants()

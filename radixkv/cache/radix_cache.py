@@ -103,6 +103,17 @@ def _release(view: memoryview) -> None:
         pass
 
 
+class ColdCounters:
+    """CacheStats counters off the hot paths, in one object: the cache keeps its own
+    attributes to at most 30, which CPython's instance layout needs for its fastest access."""
+
+    __slots__ = ("evicted_nodes", "evicted_pages", "merged_nodes", "resets", "splits")
+
+    def __init__(self) -> None:
+        self.evicted_pages = self.evicted_nodes = self.resets = self.splits = 0
+        self.merged_nodes = 0
+
+
 class RadixCache:
     """Prefix cache over a PagePool: a radix trie of whole pages, with locks and eviction.
 
@@ -116,7 +127,12 @@ class RadixCache:
       They stay owned by the trie: the caller must ``lock`` the returned node before the next
       call that may evict (``alloc``, ``evict``, ``insert``, ``reset``) and ``unlock`` it when
       done. A MatchResult or InsertResult whose node is not locked is valid only until such a
-      call (eviction may truncate or remove the node).
+      call (eviction may truncate or remove the node; ``insert`` may merge it into a child).
+    * The trie stays edge-compressed as requests publish their pages one page or chunk at a
+      time (each publication adds a child to the last one): once such a run of nodes, each
+      with a single child, is wholly unlocked again, the next ``insert`` merges it into its
+      lowest node (that node object survives; the others leave the trie), so a long
+      generated path costs one node to match, not one per page. Without a host tier.
     * ``insert(tokens, pages)`` takes ownership of every page passed: a page that already is
       the cached page for its tokens stays; another page whose tokens were cached already is
       a duplicate and goes back to the pool; the rest join the trie. Use
@@ -235,7 +251,9 @@ class RadixCache:
         # cumulative counters (CacheStats)
         self._match_queries = self._query_tokens = self._hit_tokens = 0
         self._insert_calls = self._inserted_pages = self._duplicate_pages = 0
-        self._evicted_pages = self._evicted_nodes = self._resets = self._splits = 0
+        self._cold = ColdCounters()
+        # nodes unlocked to zero that may end a run of single-child nodes: insert merges them
+        self._merge_candidates: list[TreeNode] = []
         # The host tier. self._host is None: no tier, and none of its code runs. Its state is
         # one object: few attributes on the cache keep CPython's fast attribute access (an
         # instance dict of more than 30 keys stops sharing its keys with the class's).
@@ -305,10 +323,11 @@ class RadixCache:
             insert_calls=self._insert_calls,
             inserted_pages=self._inserted_pages,
             duplicate_pages=self._duplicate_pages,
-            evicted_pages=self._evicted_pages,
-            evicted_nodes=self._evicted_nodes,
-            splits=self._splits,
-            resets=self._resets,
+            evicted_pages=self._cold.evicted_pages,
+            evicted_nodes=self._cold.evicted_nodes,
+            splits=self._cold.splits,
+            resets=self._cold.resets,
+            merged_nodes=self._cold.merged_nodes,
             cached_pages=self._cached,
             evictable_pages=self._evictable,
             locked_pages=self._cached - self._evictable,
@@ -521,6 +540,8 @@ class RadixCache:
         """
         if self._copies:
             self.poll()
+        if self._merge_candidates:
+            self._merge_runs()
         if type(tokens) is array and tokens.typecode == "q":
             qb: bytes | memoryview = memoryview(tokens).cast("B")  # read in place
         else:
@@ -698,6 +719,7 @@ class RadixCache:
         if self._host is not None:
             return self._unlock_tiered(node)
         root = self.root
+        bottom = node
         while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -705,6 +727,11 @@ class RadixCache:
                 if not node._children and node._pages:
                     self._index.add(node)
             node = node.parent
+        if bottom.lock_ref == 0 and len(bottom._children) <= 1:
+            candidates = self._merge_candidates
+            candidates.append(bottom)
+            if len(candidates) > 4096:  # unlocks with no insert between: keep the newest
+                del candidates[:2048]
 
     # ======================================================================== allocation, eviction
     def alloc(self, n: int) -> list[int]:
@@ -763,7 +790,7 @@ class RadixCache:
         nothing was removed. With a host tier, unlocked nodes go from both tiers; copies in
         flight lock theirs, which stay.
         """
-        self._resets += 1
+        self._cold.resets += 1
         if self._copies:
             self.poll()
         root = self.root
@@ -854,7 +881,7 @@ class RadixCache:
         self.pool.release_cached(drop)
         self._cached -= n
         self._evictable -= n
-        self._evicted_pages += n
+        self._cold.evicted_pages += n
         if self._listeners:
             self._events.emit(BlockRemoved(hashes[-n:], node.namespace))
 
@@ -871,8 +898,8 @@ class RadixCache:
         self._num_nodes -= 1
         self._cached -= k
         self._evictable -= k
-        self._evicted_pages += k
-        self._evicted_nodes += 1
+        self._cold.evicted_pages += k
+        self._cold.evicted_nodes += 1
         if not parent._children and parent is not self.root and parent.lock_ref == 0:
             if parent.key:
                 self._index.add(parent)
@@ -936,6 +963,68 @@ class RadixCache:
             return path, off, None, h
         return path, off, None, None
 
+    def _merge_runs(self) -> None:
+        """Merge the runs of single-child nodes through the unlocked candidates (class
+        docstring). Changes no page, lock, count of cached pages or event hash."""
+        candidates, self._merge_candidates = self._merge_candidates, []
+        for node in candidates:
+            if node.parent is not None and not node.lock_ref:  # still there, still unlocked
+                self._merge_run(node)
+
+    def _merge_run(self, node: TreeNode) -> None:
+        """Merge the run of single-child nodes through ``node`` (unlocked, so is everything
+        below it) into the run's lowest node, which keeps its object, id and depth."""
+        low = node
+        while len(low._children) == 1:
+            (c,) = low._children.values()
+            if type(c) is list:  # two children sharing a user hash's slot
+                break
+            low = c
+        run: list[TreeNode] = []  # the nodes above ``low`` that it absorbs, bottom up
+        x, up = low, low.parent
+        while (
+            up.key and not up.lock_ref and len(up._children) == 1 and up._children.get(x._hkey) is x
+        ):
+            run.append(up)
+            x, up = up, up.parent
+        if not run:
+            return
+        run.reverse()  # top first
+        top = run[0]
+        parent = top.parent
+        low.key = b"".join([u.key for u in run] + [low.key])
+        pages: list[int] = []
+        for u in run:
+            pages += u._pages
+        low._pages = pages + low._pages
+        if low._hashes is not None and all(u._hashes is not None for u in run):
+            low._hashes = [h for u in run for h in u._hashes] + low._hashes
+        else:
+            low._hashes = None  # recomputed from the parent's when needed
+        # the run's most recent access and hit count, so the merged prefix is not evicted
+        # before its busiest part would have been
+        last = max(u.last_access for u in run)
+        hits = max(u.hit_count for u in run)
+        if last > low.last_access or hits > low.hit_count:
+            low.last_access = max(low.last_access, last)
+            low.hit_count = max(low.hit_count, hits)
+            if low._ekey is not None:
+                self._index.refresh(low)
+        h = top._hkey
+        slot = parent._children[h]
+        if slot is top:
+            parent._children[h] = low
+        else:
+            slot[slot.index(top)] = low
+        low._hkey = h
+        low.parent = parent
+        for u in run:  # out of the trie, as an evicted node is
+            u.parent = None
+            u._children = {}
+            u._pages = []
+        self._num_nodes -= len(run)
+        self._cold.merged_nodes += len(run)
+
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after its first ``m`` pages; return the new upper node.
 
@@ -992,7 +1081,7 @@ class RadixCache:
                 upper._nhost = 1
             upper._ndev = 1 if child._pages else 0
         self._num_nodes += 1
-        self._splits += 1
+        self._cold.splits += 1
         return upper
 
     # ------------------------------------------------------------------ host tier
@@ -1554,7 +1643,7 @@ class RadixCache:
         k = len(v._pages)
         parent = v.parent
         self._clear_device(v)
-        self._evicted_pages += k
+        self._cold.evicted_pages += k
         self._tier.demoted_pages += k
         self._reindex(v)
         self._reindex(parent)
@@ -1626,13 +1715,13 @@ class RadixCache:
         self.pool.release_cached(freed)
         self._cached -= len(freed)
         self._evictable -= len(freed)
-        self._evicted_pages += len(freed)
+        self._cold.evicted_pages += len(freed)
         self._host.release_cached(host_freed)
         self._tier.host_cached -= len(host_freed)
         self._tier.host_evictable -= len(host_freed)
         self._tier.host_evicted_pages += len(host_freed)
         self._num_nodes -= len(sub)
-        self._evicted_nodes += len(sub)
+        self._cold.evicted_nodes += len(sub)
         if parent is not self.root:
             if not parent.key and not parent._children:
                 self._drop_ns_root(parent)

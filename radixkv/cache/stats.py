@@ -22,6 +22,7 @@ class CacheStats(msgspec.Struct, frozen=True, kw_only=True):
     evicted_pages: int = 0
     evicted_nodes: int = 0  # nodes removed entirely by eviction
     splits: int = 0
+    merged_nodes: int = 0  # nodes merged into the single child below them (edge compression)
     resets: int = 0
     # cumulative, host tier
     host_hit_tokens: int = 0  # tokens matched past the device prefix, in the host tier
