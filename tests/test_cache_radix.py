@@ -484,7 +484,7 @@ def test_a_run_published_page_by_page_merges_into_one_node(hash_fn: Any) -> None
     assert cache.num_nodes == 1 + 1 + 10  # while it runs, one node per page
     pages = cache.path_pages(last)
     cache.unlock(last)
-    assert cache.num_nodes == 12  # merged by the next insert, not by unlock
+    assert cache.num_nodes == 12  # merged by the next alloc or insert, not by unlock
     stored = len(events)
     fill(cache, seq(4, 900))
     cache.check_invariants()
@@ -545,3 +545,29 @@ def test_no_merging_with_a_host_tier() -> None:
     fill(cache, seq(2, 300))
     assert cache.stats.merged_nodes == 0 and cache.num_nodes == 1 + 4 + 1
     cache.check_invariants()
+
+
+def test_a_conversation_merges_turn_after_turn(hash_fn: Any) -> None:
+    """Turn 2 locks turn 1's last node before anything merged it; once turn 2 is done, the
+    next alloc merges the whole conversation into one node, and runs on both sides of a branch
+    point merge separately (the branch point stays)."""
+    cache = make_cache(page_size=2, hash_fn=hash_fn)
+    turn1 = seq(8)
+    last1 = _publish_page_by_page(cache, turn1)
+    cache.unlock(last1)
+    m = cache.match_prefix([*turn1, 50, 51])
+    cache.lock(m.node)  # turn 2 starts from turn 1's end
+    last2 = _publish_page_by_page(cache, [*turn1, *seq(6, 50)])
+    cache.unlock(m.node)
+    cache.unlock(last2)
+    cache.alloc(0)
+    assert last2.parent is cache.root and last2.depth_tokens == 14 and cache.num_nodes == 2
+    # a branch inside turn 1: two runs above and below it, each merged, the branch point kept
+    other = _publish_page_by_page(cache, [*turn1[:4], *seq(4, 80)])
+    cache.unlock(other)
+    cache.alloc(0)
+    cache.check_invariants()
+    branch = cache.match_prefix(turn1[:4]).node
+    assert branch.parent is cache.root and len(list(branch.children)) == 2
+    assert {c.num_tokens for c in branch.children} == {10, 4}
+    assert cache.match_prefix([*turn1, *seq(6, 50)]).node is last2

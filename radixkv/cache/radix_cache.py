@@ -127,12 +127,13 @@ class RadixCache:
       They stay owned by the trie: the caller must ``lock`` the returned node before the next
       call that may evict (``alloc``, ``evict``, ``insert``, ``reset``) and ``unlock`` it when
       done. A MatchResult or InsertResult whose node is not locked is valid only until such a
-      call (eviction may truncate or remove the node; ``insert`` may merge it into a child).
+      call (eviction may truncate or remove the node; ``alloc`` and ``insert`` may merge it
+      into a child).
     * The trie stays edge-compressed as requests publish their pages one page or chunk at a
       time (each publication adds a child to the last one): once such a run of nodes, each
-      with a single child, is wholly unlocked again, the next ``insert`` merges it into its
-      lowest node (that node object survives; the others leave the trie), so a long
-      generated path costs one node to match, not one per page. Without a host tier.
+      with a single child, is wholly unlocked again, the next ``alloc`` or ``insert`` merges
+      it into its lowest node (that node object survives; the others leave the trie), so a
+      long generated path costs one node to match, not one per page. Without a host tier.
     * ``insert(tokens, pages)`` takes ownership of every page passed: a page that already is
       the cached page for its tokens stays; another page whose tokens were cached already is
       a duplicate and goes back to the pool; the rest join the trie. Use
@@ -743,6 +744,8 @@ class RadixCache:
             raise ValueError(f"alloc needs a non-negative int, got {n!r}")
         if self._copies:
             self.poll()
+        if self._merge_candidates:
+            self._merge_runs()
         short = n - self.pool.num_free
         if short > 0:
             if short > self._evictable:
@@ -972,8 +975,10 @@ class RadixCache:
                 self._merge_run(node)
 
     def _merge_run(self, node: TreeNode) -> None:
-        """Merge the run of single-child nodes through ``node`` (unlocked, so is everything
-        below it) into the run's lowest node, which keeps its object, id and depth."""
+        """Merge every run of single-child unlocked nodes on the path through ``node`` (from
+        the end of its single-child descent up to the first locked node or root) into the
+        run's lowest node, which keeps its object, id and depth. A lock count is at least each
+        child's, so everything below an unlocked node is unlocked."""
         low = node
         while len(low._children) == 1:
             (c,) = low._children.values()
@@ -982,13 +987,20 @@ class RadixCache:
             low = c
         run: list[TreeNode] = []  # the nodes above ``low`` that it absorbs, bottom up
         x, up = low, low.parent
-        while (
-            up.key and not up.lock_ref and len(up._children) == 1 and up._children.get(x._hkey) is x
-        ):
-            run.append(up)
+        while up.key and not up.lock_ref:
+            if len(up._children) == 1 and up._children.get(x._hkey) is x:
+                run.append(up)
+            else:  # a branch point: it ends this run and is the lowest node of the next
+                if run:
+                    self._absorb(low, run)
+                    run = []
+                low = up
             x, up = up, up.parent
-        if not run:
-            return
+        if run:
+            self._absorb(low, run)
+
+    def _absorb(self, low: TreeNode, run: list[TreeNode]) -> None:
+        """Merge ``run`` (the single-child nodes right above ``low``, bottom up) into ``low``."""
         run.reverse()  # top first
         top = run[0]
         parent = top.parent
