@@ -103,3 +103,25 @@ def script_reply(st: ServerState, monkeypatch: pytest.MonkeyPatch, reply: str) -
     ids = core.tokenizer.encode(reply, add_special_tokens=False)
     monkeypatch.setattr(engine_mod, "sample", scripted_sampler([*ids, min(core.eos_token_ids)]))
     return ids
+
+
+@contextmanager
+def failing_forward(st: ServerState, fail_at: int = 1) -> Iterator[dict[str, int]]:
+    """The engine's forward raises ``RuntimeError("injected forward failure")`` on its
+    ``fail_at``-th call from now; the yielded dict (``n``: calls so far, ``fail_at``) can be
+    reset to inject another. The real forward is back afterwards."""
+    runner = st.engine.engine.runner
+    real_forward = runner.forward
+    calls = {"n": 0, "fail_at": fail_at}
+
+    def flaky_forward(*a: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("injected forward failure")
+        return real_forward(*a, **kw)
+
+    runner.forward = flaky_forward
+    try:
+        yield calls
+    finally:
+        runner.forward = real_forward

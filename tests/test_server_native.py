@@ -28,7 +28,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import MODEL, assert_clean, in_loop, live_server, metric_values
+from server_helpers import (
+    MODEL,
+    assert_clean,
+    failing_forward,
+    in_loop,
+    live_server,
+    metric_values,
+)
 
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
@@ -716,18 +723,7 @@ def test_operational_fields_are_ignored(http: httpx.Client) -> None:
 def test_an_engine_failure_is_a_500_and_serving_goes_on(
     http: httpx.Client, server: tuple[BackgroundServer, ServerState]
 ) -> None:
-    runner = server[1].engine.engine.runner
-    real_forward = runner.forward
-    calls = {"n": 0, "fail_at": 1}
-
-    def flaky_forward(*a: Any, **kw: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == calls["fail_at"]:
-            raise RuntimeError("injected forward failure")
-        return real_forward(*a, **kw)
-
-    runner.forward = flaky_forward
-    try:
+    with failing_forward(server[1]) as calls:
         err = error_of(http.post("/generate", json={"text": unique("fail")}), 500)
         assert "injected" in err["message"] and err["type"] == "server_error"
         calls["n"], calls["fail_at"] = 0, 3  # after the stream started: an error chunk
@@ -738,8 +734,6 @@ def test_an_engine_failure_is_a_500_and_serving_goes_on(
         assert data[-1] == "[DONE]"
         last = json.loads(data[-2])["error"]
         assert "injected" in last["message"] and last["code"] == 500
-    finally:
-        runner.forward = real_forward
     assert generate(http, text="x", sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 8
 
 

@@ -18,6 +18,7 @@ import pytest
 from server_helpers import (
     MODEL,
     assert_clean,
+    failing_forward,
     in_loop,
     live_server,
     metric_values,
@@ -275,18 +276,7 @@ def test_tenant_isolation_counts_and_timing() -> None:
 
 def test_engine_failure_is_reported_and_server_recovers() -> None:
     with live_server() as (srv, st), httpx.Client(base_url=srv.url, timeout=30) as c:
-        runner = st.engine.engine.runner
-        real_forward = runner.forward
-        calls = {"n": 0, "fail_at": 1}
-
-        def flaky_forward(*a: Any, **kw: Any) -> Any:
-            calls["n"] += 1
-            if calls["n"] == calls["fail_at"]:
-                raise RuntimeError("injected forward failure")
-            return real_forward(*a, **kw)
-
-        runner.forward = flaky_forward
-        try:
+        with failing_forward(st) as calls:
             err = _assert_error(c.post("/v1/completions", json=GOOD_CMPL), 500)
             assert "injected" in err["message"] and err["type"] == "server_error"
             # a failure after the stream started arrives as an error event, then [DONE]
@@ -297,7 +287,5 @@ def test_engine_failure_is_reported_and_server_recovers() -> None:
                 data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
             assert data[-1] == "[DONE]"
             assert "injected" in json.loads(data[-2])["error"]["message"]
-        finally:
-            runner.forward = real_forward
         assert c.post("/v1/completions", json=GOOD_CMPL).status_code == 200
         assert_clean(st)
