@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "RequestOutput": "radixkv.engine.outputs",
     "RequestMetrics": "radixkv.engine.outputs",
     "EngineStats": "radixkv.engine.outputs",
+    "WeightUpdate": "radixkv.engine.outputs",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -20,11 +20,12 @@ from typing import Any, TypeVar
 from radixkv.engine.engine import Engine
 from radixkv.engine.intake import Prompt
 from radixkv.engine.lora import LoRAInfo
-from radixkv.engine.outputs import EngineStats, RequestOutput
+from radixkv.engine.outputs import EngineStats, RequestOutput, WeightUpdate
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace, RequestGroup
 from radixkv.model.loader import LoadedModel
 from radixkv.model.tokenizer import Tokenizer
+from radixkv.model.weight_update import StagedWeights, WeightSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,6 +148,30 @@ class AsyncEngine:
         """``Engine.unload_lora`` on the engine's thread."""
         return await self._call(lambda: self.engine.unload_lora(name))
 
+    async def update_weights(
+        self,
+        weights: WeightSource | StagedWeights,
+        *,
+        weight_version: str | None = None,
+        in_flight: str = "retract",
+    ) -> WeightUpdate:
+        """``Engine.update_weights``: the weights are read and checked in a worker thread
+        (steps go on meanwhile), then swapped in between steps; the final outputs of the
+        requests it aborts are delivered at once."""
+        self.engine.check_update_options(in_flight, weight_version)
+        if not isinstance(weights, StagedWeights):
+            weights = await asyncio.to_thread(self.engine.stage_weights, weights)
+        staged = weights
+
+        def swap() -> WeightUpdate:
+            update = self.engine.update_weights(
+                staged, weight_version=weight_version, in_flight=in_flight
+            )
+            self._deliver(self.engine.drain())  # aborted requests' final outputs
+            return update
+
+        return await self._call(swap)
+
     def list_loras(self) -> list[LoRAInfo]:
         return self.engine.list_loras()
 
@@ -205,6 +230,14 @@ class AsyncEngine:
         if self.engine.has_request(request_id):
             self.engine.abort(request_id)
 
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            q = self._queues.get(o.request_id)
+            if q is not None:
+                q.put_nowait(o)
+                if o.finished:
+                    self._queues.pop(o.request_id, None)
+
     def _deliver_error(self, request_id: str, err: BaseException) -> None:
         q = self._queues.get(request_id)
         if q is not None:
@@ -234,12 +267,7 @@ class AsyncEngine:
                 for o in outs:
                     self._deliver_error(o.request_id, RuntimeError(f"engine step failed: {e}"))
                 continue
-            for o in outs:
-                q = self._queues.get(o.request_id)
-                if q is not None:
-                    q.put_nowait(o)
-                    if o.finished:
-                        self._queues.pop(o.request_id, None)
+            self._deliver(outs)
             await asyncio.sleep(0)  # let submitters and readers run between steps
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Collection, Generator, Iterator, Sequence
@@ -48,7 +49,7 @@ from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.logit_adjust import adjust_logits
 from radixkv.engine.logprobs import TokenTexts, prompt_logprobs, step_logprobs
 from radixkv.engine.lora import AdapterNamespace, LoRAInfo, LoRARegistry
-from radixkv.engine.outputs import EngineStats, Logprob, RequestOutput
+from radixkv.engine.outputs import EngineStats, Logprob, RequestOutput, WeightUpdate
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.prefill_cost import attention_cost_ratio
 from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
@@ -65,9 +66,13 @@ from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
 from radixkv.model.tokenizer import Tokenizer, encode_chat
+from radixkv.model.weight_update import StagedWeights, WeightSource, apply_weights, stage_weights
 from radixkv.pages import pages_for
 
 log = logging.getLogger(__name__)
+
+# what update_weights does with requests in flight (its docstring)
+IN_FLIGHT_POLICIES = ("retract", "abort")
 
 # A conversation: messages as dicts with at least "role" (and usually "content"), as in OpenAI's
 # chat API and transformers' apply_chat_template.
@@ -113,7 +118,11 @@ class Engine:
         self.pool = PagePool(self.kv_pool.num_pages)
         backend = _storage_backend(cfg)  # checked before any thread starts
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
-        self.storage = _storage_tier(self.model, self.kv_pool, self.host_kv_pool, cfg, backend)
+        # what the storage tier keys pages by: the weights' identity (None: no storage tier)
+        self._fingerprint = None if backend is None else model_fingerprint(self.model.model, mc)
+        self.storage = _storage_tier(
+            self.kv_pool, self.host_kv_pool, cfg, backend, self._fingerprint
+        )
         self.cache = RadixCache(
             self.pool,
             page_size=cfg.page_size,
@@ -180,6 +189,7 @@ class Engine:
             num_pages=self.pool.num_pages,
             guides=GuideCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
         )
+        self.weight_version = "default"  # a label of the weights served (update_weights)
         self._live: dict[str, RequestGroup] = {}  # unfinished requests (waiting or running)
         self._news: dict[str, RequestGroup] = {}  # requests with news since the last drain()
         self._next_id = 0
@@ -283,6 +293,7 @@ class Engine:
         if lora is not None and not self.loras.is_loaded(lora):  # unloaded since prepare()
             raise ValueError(f"LoRA adapter {lora.name!r} was unloaded")
         self._live[rid] = request
+        request.weight_version = self.weight_version
         self._stats.record_request()
         self.seq_kv.start_prefetch(request)  # storage tier: look the prompt up meanwhile
         for seq in request.seqs:
@@ -889,6 +900,108 @@ class Engine:
             return namespace
         return AdapterNamespace(self.loras.get(lora).digest, namespace)
 
+    # ------------------------------------------------------------------ weight updates
+    def stage_weights(self, weights: WeightSource) -> StagedWeights:
+        """Read and check new weights for :meth:`update_weights` without changing anything: a
+        checkpoint folder (or Hub repo id) of this model's architecture and sizes, or a mapping
+        (or iterable of pairs) of parameter names to tensors, the names the checkpoints use
+        (``model.layers.0.mlp.up_proj.weight``...; some parameters or all). Thread-safe (an
+        asyncio front end reads in a worker thread while steps go on). ModelLoadError,
+        ValueError or TypeError naming the file, tensor and problem."""
+        return stage_weights(self.model.model, self.model.config, weights)
+
+    @staticmethod
+    def check_update_options(in_flight: str, weight_version: str | None) -> None:
+        """ValueError unless :meth:`update_weights` takes these options."""
+        if in_flight not in IN_FLIGHT_POLICIES:
+            raise ValueError(f"in_flight must be one of {IN_FLIGHT_POLICIES}, got {in_flight!r}")
+        if weight_version is not None and (
+            not isinstance(weight_version, str) or not weight_version.strip()
+        ):
+            raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+
+    def update_weights(
+        self,
+        weights: WeightSource | StagedWeights,
+        *,
+        weight_version: str | None = None,
+        in_flight: str = "retract",
+    ) -> WeightUpdate:
+        """Serve new weights from the next step on, in place, without a restart (RL rollouts,
+        online fine-tuning). ``weights``: what :meth:`stage_weights` takes, or its result.
+
+        No KV computed under the old weights is used again: every cached page of the device
+        and host tiers is dropped (session pins too: a session's next turn recomputes its
+        state), a storage tier keys what it stores and finds by the new weights' identity from
+        now on (what it holds stays, for engines still on the old weights), and prefetches in
+        flight are dropped. Requests in flight (``in_flight``):
+
+        * ``"retract"`` (default): running sequences go back to the front of the queue with the
+          tokens they have; their KV is recomputed under the new weights when they are admitted
+          again, and generation goes on. Their later tokens come from the new weights; outputs
+          say which version made them last (``RequestOutput.weight_version``).
+        * ``"abort"``: every queued or running request ends now (finish reason "abort"; the
+          next :meth:`step` or :meth:`drain` returns their final outputs).
+
+        ``weight_version``: the new label (default: unchanged; outputs and stats carry it).
+        Bad weights raise (as :meth:`stage_weights`) and nothing changes, requests included.
+        LoRA adapters stay loaded and apply to the new weights."""
+        t0 = time.perf_counter()
+        self.check_update_options(in_flight, weight_version)
+        staged = weights if isinstance(weights, StagedWeights) else self.stage_weights(weights)
+        live = list(self._live.values())
+        aborted = retracted = 0
+        if in_flight == "abort":
+            for group in live:
+                for seq in group.seqs:
+                    if not seq.finished:
+                        self._finish(seq, "abort", insert=False)
+                self._stats.record_abort()
+            aborted = len(live)
+        else:
+            retracted = len(self.scheduler.retract_all())
+        apply_weights(self.model.model, staged)
+        pins = self.seq_kv.num_pins
+        dropped, dropped_host = self.seq_kv.invalidate(live)
+        if self.storage is not None and self._fingerprint is not None:
+            if staged.complete:  # as a fresh load of these weights: a fleet shares their pages
+                fp = model_fingerprint(self.model.model, self.model.config)
+            else:  # only some tensors: the exact digest of what changed
+                fp = hashlib.blake2b(self._fingerprint + staged.digest, digest_size=16).digest()
+            self._fingerprint = fp
+            self.storage.rekey(_kv_format(fp, self.kv_pool))
+        if weight_version is not None:
+            self.weight_version = weight_version
+        for group in live:
+            group.weight_version = self.weight_version
+        update = WeightUpdate(
+            weight_version=self.weight_version,
+            tensors=len(staged.tensors),
+            bytes=staged.num_bytes,
+            complete=staged.complete,
+            retracted=retracted,
+            aborted=aborted,
+            dropped_pages=dropped,
+            dropped_host_pages=dropped_host,
+            pins=pins,
+            seconds=time.perf_counter() - t0,
+        )
+        self._stats.record_weight_update(update)
+        log.info(
+            "weights updated to version %s from %s (%d tensors, %.1f MiB%s): %d sequences "
+            "retracted, %d requests aborted, %d cached pages dropped, in %.2f s",
+            update.weight_version,
+            staged.source,
+            update.tensors,
+            update.bytes / 2**20,
+            "" if staged.complete else ", partial",
+            retracted,
+            aborted,
+            dropped + dropped_host,
+            update.seconds,
+        )
+        return update
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
         """A snapshot of the counters and gauges."""
@@ -1023,30 +1136,29 @@ def _storage_backend(cfg: EngineConfig) -> StorageBackend | None:
         raise ValueError(f"kv_storage: {e}") from None
 
 
+def _kv_format(fingerprint: bytes, kv: KVPool) -> bytes:
+    """The storage key of the KV that weights with ``fingerprint`` compute into ``kv``."""
+    return kv_format_id(
+        fingerprint, str(kv.dtype), kv.page_size, kv.num_layers, kv.num_kv_heads, kv.head_dim
+    )
+
+
 def _storage_tier(
-    lm: LoadedModel,
     kv: KVPool,
     host: HostKVPool | None,
     cfg: EngineConfig,
     backend: StorageBackend | None,
+    fingerprint: bytes | None,
 ) -> StorageTier | None:
-    """The storage tier over ``backend`` (None: no storage tier), keyed by this model's KV
-    format."""
-    if backend is None:
+    """The storage tier over ``backend`` (None: no storage tier), keyed by the KV format of
+    the weights with ``fingerprint``."""
+    if backend is None or fingerprint is None:
         return None
     assert host is not None  # _host_tier gives storage a host tier
-    fmt = kv_format_id(
-        model_fingerprint(lm.model, lm.config),
-        str(kv.dtype),
-        kv.page_size,
-        kv.num_layers,
-        kv.num_kv_heads,
-        kv.head_dim,
-    )
     return StorageTier(
         backend,
         host,
-        format_id=fmt,
+        format_id=_kv_format(fingerprint, kv),
         page_size=kv.page_size,
         write_policy=cfg.kv_storage_write_policy,
         write_threshold=cfg.write_through_threshold,

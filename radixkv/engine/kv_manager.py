@@ -49,7 +49,8 @@ class SeqKV:
         self.page_size: int = cache.page_size
         self.enabled = enable_prefix_cache
         self.num_private_pages = 0  # pages held privately by sequences (for invariants/stats)
-        self.num_pins = 0  # locks held by pin() and not yet unpinned
+        # locks held by pin() and not yet unpinned, per node (drop_pins() releases them all)
+        self._pins: dict[TreeNode, int] = {}
         self.tiered = cache.host_pool is not None
         # host tier: tokens the last acquire() loaded back, and cumulative load-back wait time
         self.last_loaded_tokens = 0
@@ -232,13 +233,35 @@ class SeqKV:
             return None
         node = self.cache.match_prefix(tokens, namespace=namespace).node
         self.cache.lock(node)
-        self.num_pins += 1
+        self._pins[node] = self._pins.get(node, 0) + 1
         return node
 
     def unpin(self, node: TreeNode) -> None:
-        """Release a lock taken by :meth:`pin`."""
+        """Release a lock taken by :meth:`pin`; a no-op for a pin :meth:`drop_pins` dropped."""
+        count = self._pins.get(node)
+        if count is None:
+            return
+        if count == 1:
+            del self._pins[node]
+        else:
+            self._pins[node] = count - 1
         self.cache.unlock(node)
-        self.num_pins -= 1
+
+    @property
+    def num_pins(self) -> int:
+        """Locks held by :meth:`pin` and not yet released."""
+        return sum(self._pins.values())
+
+    def drop_pins(self) -> int:
+        """Release every pin now (their holders' later ``unpin`` does nothing); returns how
+        many. For KV that must not be reused (new weights): a pinned node cannot be reset."""
+        n = 0
+        for node, count in self._pins.items():
+            for _ in range(count):
+                self.cache.unlock(node)
+            n += count
+        self._pins.clear()
+        return n
 
     # ------------------------------------------------------------------ storage prefetch
     def start_prefetch(self, group: RequestGroup) -> None:
@@ -296,6 +319,13 @@ class SeqKV:
             job.payloads = []  # the host tier has them now
         self._jobs = keep
         return landed
+
+    def drop_prefetches(self, groups: Iterable[RequestGroup]) -> None:
+        """Forget every prefetch not landed yet (``groups``: the live requests, whose jobs go
+        too): the pages they bring are of a KV format no longer served (new weights)."""
+        self._jobs = []
+        for g in groups:
+            g.prefetch = None
 
     def wait_prefetch(self) -> bool:
         """For a step that could schedule nothing: wait (briefly) for the prefetches that hold
@@ -372,6 +402,24 @@ class SeqKV:
     def num_evicted_pages(self) -> int:
         """Pages evicted from the cache since it was built."""
         return self.cache.stats.evicted_pages
+
+    def invalidate(self, groups: Iterable[RequestGroup]) -> tuple[int, int]:
+        """Drop every cached page of the device and host tiers, pinned ones included, and the
+        storage prefetches of ``groups`` (the live requests): KV that must never be reused
+        (the weights changed). No sequence may hold pages (retract or finish them first).
+        Returns the (device, host) pages dropped."""
+        cache = self.cache
+        cache.wait_all()  # a copy in flight locks its node: retire it first
+        self.drop_pins()
+        self.drop_prefetches(groups)
+        dropped = cache.num_cached_pages, cache.num_host_pages
+        cache.reset()
+        if cache.num_cached_pages or cache.num_host_pages:  # a lock nobody accounts for
+            raise RuntimeError(
+                f"{cache.num_cached_pages} device and {cache.num_host_pages} host pages stayed "
+                "locked in the cache when every user had released them"
+            )
+        return dropped
 
     def reset_cache(self, namespaces: Iterable[Namespace] | None = None) -> None:
         """Drop every unlocked cache entry (running sequences and pins keep theirs), or only

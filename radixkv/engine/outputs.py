@@ -102,6 +102,31 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     namespace: object | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     lora: str | None = None  # the LoRA adapter it ran with (None: the base model)
+    # the engine's weight version when this output was made (Engine.update_weights): the
+    # weights of its latest tokens
+    weight_version: str = "default"
+
+
+class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``Engine.update_weights`` did.
+
+    ``weight_version``: the version now served. ``tensors`` / ``bytes``: parameters replaced
+    and their size; ``complete``: all of them. ``retracted``: running sequences sent back to
+    the queue (their KV dropped; recomputed under the new weights when admitted again).
+    ``aborted``: requests ended (``in_flight="abort"``). ``dropped_pages`` /
+    ``dropped_host_pages``: cached pages dropped from the device and host tiers; ``pins``:
+    session pins released. ``seconds``: the whole call, reading a checkpoint included."""
+
+    weight_version: str
+    tensors: int
+    bytes: int
+    complete: bool
+    retracted: int
+    aborted: int
+    dropped_pages: int
+    dropped_host_pages: int
+    pins: int
+    seconds: float
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -145,6 +170,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_finished: int = 0
     num_aborted: int = 0
     num_preemptions: int = 0
+    # weight updates (Engine.update_weights): how many, the running sequences they sent back
+    # to be recomputed, and the cached pages they dropped (KV of the old weights)
+    weight_updates: int = 0
+    weight_update_retracted: int = 0
+    weight_update_dropped_pages: int = 0
     finish_reasons: dict[str, int] = msgspec.field(default_factory=dict)
     # token counters
     prompt_tokens: int = 0
@@ -240,6 +270,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     def record_abort(self) -> None:
         self.num_aborted += 1
+
+    def record_weight_update(self, update: WeightUpdate) -> None:
+        self.weight_updates += 1
+        self.weight_update_retracted += update.retracted
+        self.weight_update_dropped_pages += update.dropped_pages
 
     def record_speculation(self, drafted: int, accepted: int) -> None:
         self.speculative_draft_tokens += drafted

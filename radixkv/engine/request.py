@@ -203,6 +203,7 @@ class RequestGroup:
         "request_id",
         "seqs",
         "stream",
+        "weight_version",
     )
 
     def __init__(
@@ -233,6 +234,9 @@ class RequestGroup:
         # the storage tier's lookup of the prompt (kv_manager.py), or None
         self.prefetch: PrefetchJob | None = None
         self.beam: BeamSearch | None = None  # SamplingParams.beam_width > 0 (beam_search.py)
+        # the engine's weight version, set at submission and by each weight update it lives
+        # through (Engine.update_weights)
+        self.weight_version = "default"
         # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first
         # token has none), appended in order by the engine as sample 0's prefill goes
         # (None up to prompt_logprobs_start: those tokens get none)
@@ -267,6 +271,7 @@ class RequestGroup:
             finished=done,
             namespace=self.namespace,
             lora=None if self.lora is None else self.lora.name,
+            weight_version=self.weight_version,
             prompt_logprobs=(
                 list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
             ),

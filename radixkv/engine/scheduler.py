@@ -189,6 +189,18 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def retract_all(self) -> list[Sequence]:
+        """Send every running sequence back to the front of the queue (in running order),
+        releasing its pages and locks without publishing them: its KV must not be reused (the
+        weights changed). They keep their tokens and are recomputed when admitted again."""
+        retracted, self.running = self.running, []
+        for seq in retracted:
+            self._inflight.drop(seq)
+            self.kv.release(seq, insert=False)
+            seq.status = SeqStatus.WAITING
+        self.waiting.extendleft(reversed(retracted))
+        return retracted
+
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

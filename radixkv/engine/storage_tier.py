@@ -51,6 +51,14 @@ log = logging.getLogger("radixkv.storage")
 
 _BACKOFF_MIN_S = 0.5
 _BACKOFF_MAX_S = 30.0
+# PageStore counters that StorageStats reports (summed over the stores of every format)
+_COUNTERS = (
+    "found_pages",
+    "corrupt_objects",
+    "mismatched_objects",
+    "stored_pages",
+    "skipped_known",
+)
 _CHUNK = 64  # pages per queued write: bounds one snapshot's memory and one backend call
 
 
@@ -166,11 +174,16 @@ class StorageTier:
         per = host_kv.bytes_per_page
         self._reader = PageStore(backend, format_id, page_size, per, known)
         self._writer = PageStore(backend.clone(), format_id, page_size, per, known)
+        # the last format's stores (a queued write or a running job may still use them), and
+        # the counters of those before (_COUNTERS)
+        self._retired: list[PageStore] = []
+        self._past = dict.fromkeys(_COUNTERS, 0)
         self._stats = StorageStats()
         self._lock = threading.Lock()  # guards the stats, the health state and the queues
         self._wake = threading.Condition(self._lock)
         self._jobs: deque[PrefetchJob] = deque()
-        self._writes: deque[tuple[Any, bytes, torch.Tensor]] = deque()
+        # (the store of the pages' format, namespace, prefix, snapshot)
+        self._writes: deque[tuple[PageStore, Any, bytes, torch.Tensor]] = deque()
         self._queued_pages = 0  # pages queued or being written
         self._down = False
         self._retry_at = 0.0
@@ -260,7 +273,8 @@ class StorageTier:
                 continue
             snapshot = self.host_kv.read_pages(chunk)
             with self._lock:
-                self._writes.append((namespace, prefix[: len(prefix) - (total - b) * pb], snapshot))
+                end_at = len(prefix) - (total - b) * pb
+                self._writes.append((self._writer, namespace, prefix[:end_at], snapshot))
                 self._wake.notify_all()
             queued += len(chunk)
         return queued
@@ -326,17 +340,35 @@ class StorageTier:
             except Exception:  # closing a dead connection: nothing left to release
                 log.debug("closing %s failed", b, exc_info=True)
 
+    def rekey(self, format_id: bytes) -> None:
+        """Serve the KV format ``format_id`` from now on (the model's weights changed).
+        Prefetches not started yet end at once, finding nothing; one running finishes in the
+        old format, and the engine drops its result (``SeqKV.drop_prefetches``). Writes already
+        queued are stored in their own format: their pages were computed under it."""
+        with self._lock:
+            r, w = self._reader, self._writer
+            for old in self._retired:
+                for c in _COUNTERS:
+                    self._past[c] += getattr(old, c)
+            self._retired = [r, w]
+            self._reader = PageStore(r.backend, format_id, r.page_size, r.payload_bytes, r.known)
+            self._writer = PageStore(w.backend, format_id, w.page_size, w.payload_bytes, w.known)
+            for job in self._jobs:
+                job._done.set()
+            self._jobs.clear()
+
     def stats(self) -> StorageStats:
         with self._lock:
             st = self._stats
-            r, w = self._reader, self._writer
+            stores = [self._reader, self._writer, *self._retired]  # counters are per store
+            n = {c: self._past[c] + sum(getattr(s, c) for s in stores) for c in _COUNTERS}
             return msgspec.structs.replace(
                 st,
-                prefetch_found_pages=r.found_pages,
-                corrupt_objects=r.corrupt_objects,
-                mismatched_objects=r.mismatched_objects,
-                write_pages=w.stored_pages,
-                write_skipped_pages=w.skipped_known,
+                prefetch_found_pages=n["found_pages"],
+                corrupt_objects=n["corrupt_objects"],
+                mismatched_objects=n["mismatched_objects"],
+                write_pages=n["stored_pages"],
+                write_skipped_pages=n["skipped_known"],
                 errors_by_kind=dict(st.errors_by_kind),
                 write_queue_pages=self._queued_pages,
                 available=not self._down,
@@ -380,8 +412,8 @@ class StorageTier:
         if was:
             log.warning("KV storage %s is available again", self.url)
 
-    def _check_corrupt(self) -> None:
-        if self._reader.corrupt_objects and not self._corrupt_warned:
+    def _check_corrupt(self, reader: PageStore) -> None:
+        if reader.corrupt_objects and not self._corrupt_warned:
             self._corrupt_warned = True
             log.warning(
                 "KV storage %s: a corrupt page object was found, deleted and served as a miss "
@@ -398,6 +430,7 @@ class StorageTier:
                 if self._closed:
                     return
                 job = self._jobs.popleft()
+                reader = self._reader
                 usable = self._available()
             t = time.monotonic()
             try:
@@ -405,13 +438,13 @@ class StorageTier:
                     with self._lock:
                         self._stats.prefetch_timeouts += int(usable)
                 else:
-                    calls = self._reader.calls
-                    job.payloads = self._reader.fetch(
+                    calls = reader.calls
+                    job.payloads = reader.fetch(
                         job.namespace, job.key_bytes, job.start, job.stop, job.deadline
                     )
-                    if self._reader.calls > calls:  # the store answered
+                    if reader.calls > calls:  # the store answered
                         self._succeeded()
-                    self._check_corrupt()
+                    self._check_corrupt(reader)
                     if (
                         time.monotonic() >= job.deadline
                         and len(job.payloads) < job.stop - job.start
@@ -434,7 +467,7 @@ class StorageTier:
                     self._wake.wait()
                 if not self._writes:  # closed and drained
                     return
-                namespace, prefix, snapshot = self._writes.popleft()
+                store, namespace, prefix, snapshot = self._writes.popleft()
                 n = snapshot.shape[0]
                 usable = self._available()
             try:
@@ -443,7 +476,7 @@ class StorageTier:
                         self._stats.dropped_write_pages += n
                 else:
                     rows = snapshot.numpy()
-                    if self._writer.store(namespace, prefix, [memoryview(r) for r in rows]):
+                    if store.store(namespace, prefix, [memoryview(r) for r in rows]):
                         self._succeeded()
             except StorageError as e:
                 self._failed(e, "write")

@@ -36,7 +36,7 @@ from radixkv.model.tokenizer import HFTokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass
@@ -83,7 +83,7 @@ def load_model(
         return LoadedModel(model, model.config, tok, name)
     source = resolve_model_folder(name_or_path, revision=revision)
     folder = source.folder
-    cfg = _read_config(folder)
+    cfg = read_model_config(folder)
     if auto:
         want = _auto_dtype(cfg.dtype, device, source.name)
     if want is not None and want != cfg.dtype:
@@ -118,7 +118,7 @@ def load_tokenizer(
     folder = resolve_model_folder(
         name_or_path, revision=revision, files=("config.json", *TOKENIZER_FILES)
     ).folder
-    cfg = _read_config(folder)
+    cfg = read_model_config(folder)
     tok = _load_tokenizer(folder, cfg, eos_from=folder)
     return _override_tokenizer(tok, cfg, folder, tokenizer, chat_template)
 
@@ -128,7 +128,8 @@ def _no_revision(name: str, revision: str | None) -> None:
         raise ModelLoadError(name, None, "revision applies to Hugging Face repo ids only")
 
 
-def _read_config(folder: Path) -> ModelConfig:
+def read_model_config(folder: Path) -> ModelConfig:
+    """The ModelConfig of the HF model folder ``folder`` (ModelLoadError naming the field)."""
     path = folder / "config.json"
     return ModelConfig.from_hf(_read_json(path, required=True), file=str(path))
 
@@ -212,7 +213,9 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
     return data
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of the HF model folder ``folder``: the index's shards, else
+    ``model.safetensors``, else every ``*.safetensors`` (ModelLoadError when there are none)."""
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
         index = _read_json(index_path, required=True)
@@ -247,7 +250,7 @@ def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
 
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
-    files = _weight_files(folder)
+    files = weight_files(folder)
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -255,7 +258,7 @@ def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
             raise ModelLoadError(str(path), None, f"cannot read safetensors: {exc}") from exc
         with handle as f:
             for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                if key.endswith(_IGNORED_SUFFIXES):
+                if key.endswith(IGNORED_SUFFIXES):
                     continue
                 if key not in params:
                     raise ModelLoadError(

@@ -16,6 +16,9 @@ Routes (added to the app by :func:`add_native_routes`, left out of /openapi.json
 - ``POST /flush_cache`` (and GET): what ``/reset_prefix_cache`` does (admin key), answered
   with SGLang's text.
 - ``GET /health_generate``: generates one token; 200, or 503 when the engine cannot.
+- ``POST /update_weights_from_disk`` (admin key): new weights from a checkpoint folder, in
+  place (``Engine.update_weights``); requests in flight are retracted and recomputed, or
+  aborted with ``abort_all_requests``. ``GET /get_weight_version``: the version served.
 
 A request goes through what the OpenAI routes use (server/state.py): the API key, the body size
 limit, ``max_queue`` admission, guided-decoding compilation before anything is submitted, the
@@ -49,7 +52,12 @@ from radixkv.engine.params import SamplingParams
 from radixkv.server import render as R
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.native_plan import Item, Plan, Planner
-from radixkv.server.native_protocol import SGLANG_VERSION, GenerateRequest, NativeSamplingParams
+from radixkv.server.native_protocol import (
+    SGLANG_VERSION,
+    GenerateRequest,
+    NativeSamplingParams,
+    UpdateWeightsFromDiskRequest,
+)
 from radixkv.server.native_render import Renderer, encode_json, native_error, stream_error
 from radixkv.server.state import ServerState, engine_error
 from radixkv.server.submission import Echo, Submission
@@ -273,6 +281,35 @@ class NativeAPI:
         yield R.SSE_DONE
 
     # ------------------------------------------------------------ the other routes
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> Response:
+        """New weights from a checkpoint folder, answered in SGLang's shape: 200 with
+        ``success`` true, or 400 with ``success`` false and the problem (nothing changed)."""
+        if not req.flush_cache:
+            raise bad_request(
+                "flush_cache=false is not supported: radixkv never serves KV computed under "
+                "other weights",
+                "flush_cache",
+            )
+        if req.load_format not in (None, "auto", "safetensors"):
+            raise bad_request(
+                f"load_format {req.load_format!r} is not supported (safetensors or auto)",
+                "load_format",
+            )
+        in_flight = "abort" if req.abort_all_requests else "retract"
+        try:
+            u = await self.st.engine.update_weights(
+                req.model_path, weight_version=req.weight_version, in_flight=in_flight
+            )
+        except (ValueError, TypeError) as e:  # a bad folder or version: nothing changed
+            answer = {"success": False, "message": str(e), "num_paused_requests": 0}
+            return Response(encode_json(answer), status_code=400, media_type="application/json")
+        message = (
+            f"Succeeded to update model weights: {u.tensors} tensors, version "
+            f"{u.weight_version}, {u.dropped_pages + u.dropped_host_pages} cached pages dropped."
+        )
+        answer = {"success": True, "message": message, "num_paused_requests": u.retracted}
+        return Response(encode_json(answer), media_type="application/json")
+
     def model_info(self) -> dict[str, Any]:
         core = self.st.engine.engine
         path = str(core.model.name)
@@ -282,7 +319,7 @@ class NativeAPI:
             "tokenizer_path": str(getattr(core.config, "tokenizer", None) or path),
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": core.weight_version,
             "reasoning_parser": self.st.config.reasoning_parser,
             "tool_call_parser": self.st.config.tool_call_parser,
             "has_image_understanding": False,
@@ -392,9 +429,30 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
     async def health_generate(request: Request) -> Response:
         return await api.health_generate()
 
+    async def update_weights_from_disk(request: Request) -> Response:
+        st.auth.require_admin(request.headers.get("authorization"))
+        req = st.decode(
+            await read_body(request, st.config.max_body_bytes), UpdateWeightsFromDiskRequest
+        )
+        return await api.update_weights_from_disk(req)
+
+    async def get_weight_version(request: Request) -> Response:
+        st.auth.authenticate(request.headers.get("authorization"))
+        version = {"weight_version": st.engine.engine.weight_version}
+        return Response(encode_json(version), media_type="application/json")
+
     for path in ("/get_model_info", "/model_info"):
         app.add_api_route(path, _native(st, model_info), methods=["GET"], **hidden)
     for path in ("/get_server_info", "/server_info"):
         app.add_api_route(path, _native(st, server_info), methods=["GET"], **hidden)
     app.add_api_route("/flush_cache", _native(st, flush_cache), methods=["GET", "POST"], **hidden)
     app.add_api_route("/health_generate", _native(st, health_generate), methods=["GET"], **hidden)
+    app.add_api_route(
+        "/update_weights_from_disk",
+        _native(st, update_weights_from_disk),
+        methods=["POST"],
+        **hidden,
+    )
+    app.add_api_route(
+        "/get_weight_version", _native(st, get_weight_version), methods=["GET"], **hidden
+    )

@@ -182,3 +182,23 @@ def is_set(value: Any) -> bool:
     if isinstance(value, str):
         return bool(value)
     return True
+
+
+class UpdateWeightsFromDiskRequest(msgspec.Struct, kw_only=True):
+    """SGLang's ``POST /update_weights_from_disk`` body (``UpdateWeightFromDiskReqInput``):
+    a checkpoint folder (or Hub repo id) of the served architecture. ``abort_all_requests``:
+    end the requests in flight (else they are retracted and recomputed under the new weights:
+    ``num_paused_requests`` in the answer). ``flush_cache`` must stay true (radixkv never
+    serves KV computed under other weights); ``load_format`` may be safetensors or auto."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    # SGLang's, operational: the update always completes before the answer
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0

@@ -104,7 +104,7 @@ class Renderer:
             "id": sample_id,
             "finish_reason": finish,
             "prompt_tokens": len(item.ids),
-            "weight_version": "default",
+            "weight_version": out.weight_version,
         }
         plan = item.logprobs
         if plan is not None:
