@@ -247,9 +247,7 @@ def test_session_pins_are_dropped_and_the_session_recomputes(
     eng.check_invariants()  # idle: every lock count back to zero
 
 
-def test_host_tier_pages_are_dropped(
-    new_weights: dict[str, torch.Tensor], new_ref: Engine
-) -> None:
+def test_host_tier_pages_are_dropped(new_weights: dict[str, torch.Tensor], new_ref: Engine) -> None:
     opts = dict(OPTS, num_pages=48, host_cache_memory=4_000_000)
     eng = Engine("radixkv-tiny", **opts)
     for seed in range(6):  # more than the device pool holds: evictions back pages to host

@@ -144,12 +144,14 @@ def test_a_stream_in_flight_is_retracted_and_finishes(
             "sampling_params": {**GREEDY, "max_new_tokens": 200},
             "stream": True,
         }
-        with httpx.Client(base_url=server[0].url, timeout=60) as c:
-            with c.stream("POST", "/generate", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        chunks.append(json.loads(line[6:]))
-                        first.set()
+        with (
+            httpx.Client(base_url=server[0].url, timeout=60) as c,
+            c.stream("POST", "/generate", json=body) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    first.set()
 
     t = threading.Thread(target=consume)
     t.start()
