@@ -3,6 +3,7 @@ that checks invariants after every step."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,33 @@ def scripted_sampler(script: list[int]) -> Any:
         return [tok if torch.isfinite(row[tok]) else int(row.argmax()) for row in logits]
 
     return sample
+
+
+def save_tiny_folder(name: str, folder: Path) -> Path:
+    """radixkv-tiny(-random) as a Hugging Face checkpoint folder (config.json + safetensors)."""
+    from safetensors.torch import save_file
+
+    from radixkv.model.loader import load_model
+
+    lm = load_model(name)
+    c = lm.config
+    folder.mkdir(parents=True)
+    config = {
+        "architectures": [c.architecture],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    state = {k: v.contiguous() for k, v in lm.model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    return folder

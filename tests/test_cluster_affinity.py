@@ -23,7 +23,12 @@ from radixkv.cluster.affinity import (
     ReplicaSummary,
     longest_chain,
 )
-from radixkv.cluster.fanout import call_every_replica, reset_report, reset_versions
+from radixkv.cluster.fanout import (
+    call_every_replica,
+    reset_report,
+    reset_versions,
+    update_report,
+)
 from radixkv.cluster.hinting import PromptHasher, load_tokenizer
 from radixkv.cluster.live import forget_prefixes, track
 from radixkv.cluster.summary import CacheSummary
@@ -398,6 +403,41 @@ def test_reset_fanout_reports_each_replica_and_survives_failures() -> None:
     )
     none = asyncio.run(call_every_replica(handle, "reset_prefix_cache", []))
     assert reset_report(none)[0] == 503 and reset_report(none)[1]["status"] == "failed"
+
+
+def test_weight_update_fanout_report() -> None:
+    """All updated: SGLang's answer, paused requests summed. The same refusal everywhere (a bad
+    checkpoint): that answer, nothing changed. Mixed or unreachable: 503, mixed weights."""
+    names = [f"SERVE_REPLICA::app#RadixKVReplica#{u}" for u in ("u1", "u2")]
+
+    def ok(n: str, paused: int) -> dict[str, object]:
+        body = {"success": True, "message": "Succeeded: v2", "num_paused_requests": paused}
+        return {"replica": n, "version": 2, "status": 200, "body": json.dumps(body)}
+
+    bad = json.dumps({"success": False, "message": "no such folder", "num_paused_requests": 0})
+
+    def report(answers: dict[str, object]) -> tuple[int, dict[str, object]]:
+        class Method(_FakeMethod):
+            def remote(self, *, pin_replica: str, **kwargs: object) -> object:
+                assert kwargs == {"request": "fwd"}
+                return super().remote(pin_replica=pin_replica)
+
+        handle = type("H", (), {"serve_on_replica": Method(answers)})()
+        res = asyncio.run(
+            call_every_replica(handle, "serve_on_replica", names, timeout_s=0.2, request="fwd")
+        )
+        return update_report(res)
+
+    status, body = report({"u1": ok(names[0], 1), "u2": ok(names[1], 2)})
+    assert status == 200 and body["success"] is True and body["num_paused_requests"] == 3
+    assert body["updated"] == 2 and body["failed"] == [] and "v2" in str(body["message"])
+    refused = {n: {"replica": n, "status": 400, "body": bad} for n in names}
+    status, body = report({"u1": refused[names[0]], "u2": refused[names[1]]})
+    assert status == 400 and body["success"] is False and body["message"] == "no such folder"
+    assert body["updated"] == 0 and len(body["failed"]) == 2
+    status, body = report({"u1": ok(names[0], 0), "u2": RuntimeError("ActorDiedError")})
+    assert status == 503 and body["success"] is False and "mixed weights" in str(body["message"])
+    assert body["updated_replicas"] == [names[0]] and body["failed"][0]["replica"] == names[1]
 
 
 class _RecordingMethod(_FakeMethod):

@@ -4,7 +4,8 @@ One Ray session for the module (start-up dominates): two fleets of 4 replicas ea
 of a CPU apiece), one routed by RadixAffinityRouter, one by Ray Serve's default router, both
 behind the cluster's ingress on a loopback HTTP port. Tests run in file order: hit rate on a
 shared-prefix workload, a hot prefix spreading once the load thresholds trip, a prefix-cache
-reset through the ingress reaching every replica, then a replica killed mid-run.
+reset through the ingress reaching every replica, a weight update reaching every replica, then a
+replica killed mid-run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+from engine_helpers import save_tiny_folder
 
 from radixkv.cluster.readiness import app_state, wait_until_running
 from radixkv.cluster.workload import Item, SharedPrefixWorkload, fleet_hit_rate, run_workload
@@ -192,6 +194,46 @@ def test_reset_through_the_ingress_reaches_every_replica(fleets: dict[str, str])
     again = SharedPrefixWorkload(groups=8, per_group=6, prefix_tokens=192, suffix_tokens=16)
     res = run_workload(fleets[AFFINITY], again.items()[:1], concurrency=1, max_tokens=2)
     assert [(o.status, o.cached_tokens) for o in res.outcomes] == [(200, 0)], res.outcomes
+
+
+def test_weight_update_through_the_ingress_reaches_every_replica(
+    fleets: dict[str, str], tmp_path: Path
+) -> None:
+    """SGLang's /update_weights_from_disk through the ingress updates every replica (each reads
+    the folder), empties their caches and makes the router forget them; then back."""
+    new = save_tiny_folder("radixkv-tiny-random", tmp_path / "new")
+    old = save_tiny_folder("radixkv-tiny", tmp_path / "old")
+    url = fleets[AFFINITY] + "/update_weights_from_disk"
+    prompt = {
+        "input_ids": list(range(5, 60)),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+    }
+    before = httpx.post(fleets[AFFINITY] + "/generate", json=prompt, timeout=60).json()
+    denied = httpx.post(url, json={"model_path": str(new)}, timeout=60)
+    assert denied.status_code == 401, denied.text
+    assert all(s["weight_updates"] == 0 for s in _stats(AFFINITY))
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(
+        url, json={"model_path": str(new), "weight_version": "rl-7"}, headers=auth, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["success"] is True and body["updated"] == REPLICAS and body["failed"] == []
+    stats = _stats(AFFINITY)
+    assert all(s["weight_updates"] == 1 and s["cached_pages"] == 0 for s in stats), stats
+    view = _router_view(AFFINITY)
+    assert all(v["cached_estimate"] == 0 for v in view.values()), view
+    after = httpx.post(fleets[AFFINITY] + "/generate", json=prompt, timeout=60).json()
+    assert after["meta_info"]["weight_version"] == "rl-7"
+    assert after["output_ids"] != before["output_ids"]
+    bad = httpx.post(url, json={"model_path": str(tmp_path / "nope")}, headers=auth, timeout=60)
+    assert bad.status_code == 400 and bad.json()["success"] is False, bad.text
+    r = httpx.post(
+        url, json={"model_path": str(old), "weight_version": "default"}, headers=auth, timeout=120
+    )
+    assert r.status_code == 200 and r.json()["updated"] == REPLICAS, r.text
+    again = httpx.post(fleets[AFFINITY] + "/generate", json=prompt, timeout=60).json()
+    assert again["output_ids"] == before["output_ids"]
 
 
 def test_replica_killed_mid_run(fleets: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:

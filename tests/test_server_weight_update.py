@@ -11,12 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-from safetensors.torch import save_file
+from engine_helpers import save_tiny_folder
 from server_helpers import assert_clean, live_server
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
-from radixkv.model.loader import load_model
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
 from radixkv.server.state import ServerState
@@ -25,32 +24,6 @@ ADMIN = "weights-admin-key-01"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 IDS = [(7 * i + 3) % 250 + 5 for i in range(50)]  # a prompt of a few pages
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-
-
-def save_tiny_folder(name: str, folder: Path) -> Path:
-    """radixkv-tiny(-random) as a Hugging Face checkpoint folder (config.json + safetensors)."""
-    lm = load_model(name)
-    c = lm.config
-    folder.mkdir(parents=True)
-    config = {
-        "architectures": [c.architecture],
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "torch_dtype": "float32",
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    state = {k: v.contiguous() for k, v in lm.model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"))
-    return folder
 
 
 @pytest.fixture(scope="module")

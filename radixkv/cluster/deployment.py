@@ -20,7 +20,10 @@ streamed one only until its first bytes were sent, after that the stream ends wi
 OpenAI-shaped error event. Either way the client gets a clean answer, never a hang.
 ``POST /reset_prefix_cache`` is the exception to "one replica per request": the ingress checks
 the admin key itself, resets every replica (``fanout.py``), makes its routers forget what they
-held, and answers how many were reset and which failed.
+held, and answers how many were reset and which failed. ``POST /update_weights_from_disk`` is
+the other: every replica serves it with its own app (``RadixKVReplica.serve_on_replica``), so
+the whole fleet moves to the new weights, and the answer is SGLang's plus which replicas
+updated.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import Response, StreamingResponse  # noqa: E402
 
 from radixkv.cluster.asgi_bridge import ForwardedRequest, Lifespan, call_app  # noqa: E402
-from radixkv.cluster.fanout import RESET_PATH, reset_fleet  # noqa: E402
+from radixkv.cluster.fanout import RESET_PATH, WEIGHTS_PATH, reset_fleet, update_fleet  # noqa: E402
 from radixkv.cluster.hinting import PromptHasher, load_tokenizer  # noqa: E402
 from radixkv.cluster.summary import CacheSummary  # noqa: E402
 from radixkv.engine.lora import parse_lora_modules  # noqa: E402
@@ -117,6 +120,25 @@ class RadixKVReplica:
             "replica": self.name,
             "version": self.summary.version,
             "cached_pages": stats.cached_pages,
+        }
+
+    async def serve_on_replica(
+        self, request: ForwardedRequest, pin_replica: str | None = None
+    ) -> dict[str, Any]:
+        """Serve one request with this replica's app (a call fanned out to every replica,
+        fanout.py); answer its HTTP ``status`` and ``body`` (text), this replica's name and its
+        summary version after it (older routing stats are stale)."""
+        status, parts = 500, []
+        async for msg in call_app(self.app, request, extra_headers=self._header):
+            if msg["type"] == "http.response.start":
+                status = int(msg["status"])
+            elif msg["type"] == "http.response.body":
+                parts.append(msg.get("body", b""))
+        return {
+            "replica": self.name,
+            "version": self.summary.version,
+            "status": status,
+            "body": b"".join(parts).decode("utf-8", "replace"),
         }
 
     async def __del__(self) -> None:
@@ -209,6 +231,9 @@ class RadixKVIngress:
         )
         if fwd.method == "POST" and fwd.path == RESET_PATH:
             return await self._reset_fleet(request.headers.get("authorization"))
+        if fwd.method == "POST" and fwd.path == WEIGHTS_PATH:  # every replica checks the key
+            status, report = await update_fleet(self.replicas, fwd)
+            return Response(json.dumps(report).encode(), status, None, "application/json")
         hint = self.hasher.hint(fwd.path, request.headers.get("authorization"), body)
         if hint.stream:
             return await self._streamed(fwd, hint.hashes)

@@ -1,7 +1,8 @@
 """Operator calls aimed at every engine replica of a fleet, not at the one the router picks.
 
 A request through the ingress reaches one replica. A few operations concern the whole fleet
-(``POST /reset_prefix_cache``, per-replica stats), so they are fanned out: the replicas are
+(``POST /reset_prefix_cache``, ``POST /update_weights_from_disk``, per-replica stats), so they
+are fanned out: the replicas are
 listed by their Ray actor names (the Serve controller's record, not a router's possibly lagging
 view) and one call is pinned to each (``pin_replica``, which both cluster routers honour).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from radixkv.cluster.live import forget_prefixes
 log = logging.getLogger("radixkv.cluster")
 
 RESET_PATH = "/reset_prefix_cache"
+WEIGHTS_PATH = "/update_weights_from_disk"  # SGLang's; every replica reads the checkpoint
 
 T = TypeVar("T")
 
@@ -186,3 +189,75 @@ def reset_report(result: FanoutResult) -> tuple[int, dict[str, Any]]:
         "code": "replica_unavailable",
     }
     return 503, body
+
+
+async def update_fleet(
+    handle: Any, request: Any, *, timeout_s: float = 600.0
+) -> tuple[int, dict[str, Any]]:
+    """Serve ``request`` (a forwarded ``POST /update_weights_from_disk``) on every replica of
+    ``handle``'s deployment, each with its own app (admin key, checks and answer as on one
+    server), make the affinity routers in this process forget what the updated replicas held
+    (their caches were emptied), and report (:func:`update_report`)."""
+    app, deployment = handle.app_name, handle.deployment_name
+    names = await asyncio.to_thread(replica_actor_names, app, deployment)
+    result = await call_every_replica(
+        handle, "serve_on_replica", names, timeout_s=timeout_s, request=request
+    )
+    updated = {n: a for n, a in result.answers.items() if a.get("status") == 200}
+    forget_prefixes({pin_id(n): int(a.get("version", 0)) for n, a in updated.items()})
+    status, body = update_report(result)
+    if status != 200:
+        log.warning("weight update failed on %s", body.get("failed"))
+    return status, body
+
+
+def update_report(result: FanoutResult) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body) answering a fleet-wide weight update.
+
+    Each replica's answer holds its app's ``status`` and JSON ``body``. Every replica updated:
+    200 with SGLang's fields (``success``, ``message``, ``num_paused_requests`` summed).
+    Every replica answered the same refusal (a bad checkpoint or body, no admin key): that
+    status and the first refusal's body; nothing changed anywhere. Anything else (some updated,
+    some not, or unreachable): 503 with ``success`` false, as the fleet now serves mixed
+    weights (retry the update). The body also lists ``replicas``, ``updated``,
+    ``updated_replicas`` and ``failed`` (replica and error)."""
+    updated = sorted(n for n, a in result.answers.items() if a.get("status") == 200)
+    refusals = {n: a for n, a in result.answers.items() if a.get("status") != 200}
+    failed = [{"replica": n, "error": why} for n, why in sorted(result.failed.items())]
+    failed += [
+        {"replica": n, "error": str(a.get("body"))[:300]} for n, a in sorted(refusals.items())
+    ]
+    failed.sort(key=lambda f: f["replica"])
+    fleet = {
+        "replicas": len(result.replicas),
+        "updated": len(updated),
+        "updated_replicas": updated,
+        "failed": failed,
+    }
+    answers = [_json(a.get("body")) for a in result.answers.values()]
+    if updated and not failed:
+        paused = sum(int(b.get("num_paused_requests", 0)) for b in answers)
+        message = f"weights updated on {len(updated)} replicas: " + _json(
+            result.answers[updated[0]].get("body")
+        ).get("message", "")
+        return 200, {"success": True, "message": message, "num_paused_requests": paused, **fleet}
+    statuses = {a.get("status") for a in refusals.values()}
+    if refusals and not updated and not result.failed and len(statuses) == 1:
+        first = refusals[min(refusals)]
+        return int(first["status"]), {**_json(first.get("body")), **fleet}
+    message = (
+        f"weights updated on {len(updated)} of {len(result.replicas)} replicas: the fleet "
+        "serves mixed weights until the update succeeds everywhere"
+        if result.replicas
+        else "no engine replica found to update"
+    )
+    return 503, {"success": False, "message": message, "num_paused_requests": 0, **fleet}
+
+
+def _json(body: Any) -> dict[str, Any]:
+    """A replica's JSON answer as a dict ({} when it is not one)."""
+    try:
+        value = json.loads(body) if isinstance(body, str | bytes) else body
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
