@@ -233,6 +233,18 @@ def test_embedding_lora_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None
     assert len(capsys.readouterr().out.splitlines()) == 3
 
 
+def test_embedding_weight_update_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The weight-update example of docs/embedding.md runs: the request in flight was
+    retracted, finishes with all its tokens under the new version, and nothing leaks."""
+    scope = run_embedding_example("update_weights(", "weight-update")
+    update, eng = scope["update"], scope["eng"]
+    assert update.retracted == 1 and update.dropped_pages >= 0 and not update.complete
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"1 {update.dropped_pages}"
+    assert lines[-1].startswith("step-1 length ")
+    eng.check_invariants()
+
+
 def test_make_report_dates_a_committed_result_by_its_commit(tmp_path: Path) -> None:
     """A fresh checkout stamps every file with the checkout time: a result without a date of
     its own is dated by the commit of its content, and by its file time once changed."""
