@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from engine_helpers import save_tiny_folder
-from server_helpers import assert_clean, live_server
+from server_helpers import assert_clean, in_loop, live_server, metric_values
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
@@ -51,7 +51,9 @@ def generate(http: httpx.Client, **body: Any) -> Any:
     return r.json()
 
 
-def test_update_from_disk_serves_the_new_weights(http: httpx.Client, tmp_path: Path) -> None:
+def test_update_from_disk_serves_the_new_weights(
+    http: httpx.Client, server: tuple[BackgroundServer, ServerState], tmp_path: Path
+) -> None:
     new = save_tiny_folder("radixkv-tiny-random", tmp_path / "step-1")
     old = save_tiny_folder("radixkv-tiny", tmp_path / "step-0")
     assert generate(http, input_ids=IDS, sampling_params=GREEDY)["output_ids"] == greedy_ids(
@@ -70,6 +72,9 @@ def test_update_from_disk_serves_the_new_weights(http: httpx.Client, tmp_path: P
     assert out["output_ids"] == greedy_ids("radixkv-tiny-random", IDS, 8)
     assert out["meta_info"]["weight_version"] == "step-1"
     assert out["meta_info"]["cached_tokens"] == 0  # the old weights' pages were dropped
+    metrics = metric_values(http.get("/metrics").text)
+    done = in_loop(server[1], server[1].engine.stats).weight_updates
+    assert metrics["radixkv_weight_updates_total"] == done >= 1
     # back to the first checkpoint
     r = http.post("/update_weights_from_disk", json={"model_path": str(old)}, headers=AUTH)
     assert r.status_code == 200 and r.json()["success"]

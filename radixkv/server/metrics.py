@@ -215,6 +215,16 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
         "Sequences preempted to free KV pages (they resume from their cached pages)",
         "num_preemptions",
     ),
+    "weight_updates": (
+        "counter",
+        "Weight updates served (POST /update_weights_from_disk, Engine.update_weights)",
+        "weight_updates",
+    ),
+    "weight_update_retracted": (
+        "counter",
+        "Running sequences sent back by weight updates (recomputed under the new weights)",
+        "weight_update_retracted",
+    ),
 }
 
 
