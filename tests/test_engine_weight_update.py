@@ -224,6 +224,18 @@ def test_a_checkpoint_folder_updates_like_a_fresh_load(tmp_path: Path) -> None:
     save_hf_folder(build_hf_model("llama", seed=4, rope_theta=5000.0), other)
     with pytest.raises(ModelLoadError, match="rope_theta"):
         eng.update_weights(str(other))
+    # a checkpoint lacking a weight, or with one of another shape: named, nothing changes
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(b / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    save_file({k: v for k, v in state.items() if k != name}, str(other / "model.safetensors"))
+    (other / "config.json").write_bytes((b / "config.json").read_bytes())
+    with pytest.raises(ModelLoadError, match="missing weight"):
+        eng.update_weights(str(other))
+    save_file({**state, name: state[name][:, :-1].contiguous()}, str(other / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=f"{name}.*has shape"):
+        eng.update_weights(str(other))
     assert greedy(eng, ps) == fresh
     eng.check_invariants()
 

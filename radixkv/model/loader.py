@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,13 +246,13 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+def checkpoint_tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """(file, name, tensor) for every tensor of the HF folder's safetensors files, in file
+    order, but those the model recomputes (``IGNORED_SUFFIXES``). ModelLoadError naming the
+    file (and tensor) when one cannot be read."""
     from safetensors import SafetensorError, safe_open
 
-    params = dict(model.named_parameters(remove_duplicate=False))
-    seen: set[str] = set()
-    files = weight_files(folder)
-    for path in files:
+    for path in weight_files(folder):
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except (SafetensorError, OSError) as exc:
@@ -260,32 +261,44 @@ def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
             for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 if key.endswith(IGNORED_SUFFIXES):
                     continue
-                if key not in params:
-                    raise ModelLoadError(
-                        str(path), key, f"unexpected tensor for {model.config.architecture}"
-                    )
-                tensor = f.get_tensor(key)
-                target = params[key]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelLoadError(
-                        str(path),
-                        key,
-                        f"shape {tuple(tensor.shape)} does not match the expected "
-                        f"{tuple(target.shape)} from config.json",
-                    )
-                with torch.no_grad():
-                    target.copy_(tensor.to(target.dtype))
-                seen.add(key)
+                try:
+                    tensor = f.get_tensor(key)
+                except (SafetensorError, OSError) as exc:
+                    raise ModelLoadError(str(path), key, f"cannot read: {exc}") from exc
+                yield path, key, tensor
+
+
+def missing_weights_error(folder: Path, missing: list[str]) -> ModelLoadError:
+    """The error for a checkpoint without the weights ``missing`` (sorted, not empty)."""
+    index = folder / "model.safetensors.index.json"
+    where = index if index.is_file() else weight_files(folder)[0]
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return ModelLoadError(str(where), missing[0], f"missing weight{more}")
+
+
+def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: set[str] = set()
+    for path, key, tensor in checkpoint_tensors(folder):
+        if key not in params:
+            raise ModelLoadError(
+                str(path), key, f"unexpected tensor for {model.config.architecture}"
+            )
+        target = params[key]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(
+                str(path),
+                key,
+                f"shape {tuple(tensor.shape)} does not match the expected "
+                f"{tuple(target.shape)} from config.json",
+            )
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        seen.add(key)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = sorted(set(params) - seen - tied)
     if missing:
-        where = (
-            folder / "model.safetensors.index.json"
-            if (folder / "model.safetensors.index.json").is_file()
-            else files[0]
-        )
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(str(where), missing[0], f"missing weight{more}")
+        raise missing_weights_error(folder, missing)
 
 
 def _token_str(value: Any) -> str | None:

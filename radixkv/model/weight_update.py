@@ -37,7 +37,12 @@ from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.hub import resolve_model_folder
 from radixkv.model.linear import pack_linears
-from radixkv.model.loader import IGNORED_SUFFIXES, read_model_config, weight_files
+from radixkv.model.loader import (
+    IGNORED_SUFFIXES,
+    checkpoint_tensors,
+    missing_weights_error,
+    read_model_config,
+)
 
 __all__ = ["COMPUTE_FIELDS", "StagedWeights", "apply_weights", "stage_weights"]
 
@@ -171,8 +176,6 @@ def _take_tensors(
 def _read_folder(
     folder: Path, config: ModelConfig, params: dict[str, nn.Parameter]
 ) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
     new = read_model_config(folder)
     for f in COMPUTE_FIELDS:
         if getattr(new, f) != getattr(config, f):
@@ -182,27 +185,13 @@ def _read_folder(
                 f"{getattr(new, f)!r} differs from the running model's {getattr(config, f)!r}",
             )
     out: dict[str, torch.Tensor] = {}
-    files = weight_files(folder)
-    for path in files:
+    for path, key, value in checkpoint_tensors(folder):
         try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(str(path), None, f"cannot read safetensors: {exc}") from exc
-        with handle as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                if key.endswith(IGNORED_SUFFIXES):
-                    continue
-                try:
-                    value = f.get_tensor(key)
-                except (SafetensorError, OSError) as exc:
-                    raise ModelLoadError(str(path), key, f"cannot read: {exc}") from exc
-                try:
-                    out[key] = _check(key, value, params)
-                except (ValueError, TypeError) as exc:
-                    raise ModelLoadError(str(path), key, str(exc)) from None
+            out[key] = _check(key, value, params)
+        except (ValueError, TypeError) as exc:
+            raise ModelLoadError(str(path), key, str(exc)) from None
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(set(params) - set(out) - tied)
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(str(files[0].parent), missing[0], f"missing weight{more}")
+        raise missing_weights_error(folder, missing)
     return out
