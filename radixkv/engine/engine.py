@@ -967,7 +967,7 @@ class Engine:
             if staged.complete:  # as a fresh load of these weights: a fleet shares their pages
                 fp = model_fingerprint(self.model.model, self.model.config)
             else:  # only some tensors: the exact digest of what changed
-                fp = hashlib.blake2b(self._fingerprint + staged.digest, digest_size=16).digest()
+                fp = hashlib.blake2b(self._fingerprint + staged.digest(), digest_size=16).digest()
             self._fingerprint = fp
             self.storage.rekey(_kv_format(fp, self.kv_pool))
         if weight_version is not None:

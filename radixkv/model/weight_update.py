@@ -10,14 +10,15 @@ engine keeps generating:
   anything changes: each name is a parameter of the model, each shape matches, a folder's
   config.json describes the same computation (architecture, sizes, RoPE, norms, biases; the
   dtype may differ: values are cast to the model's) and holds every weight. Tensors are cast to
-  the model's dtype here, so a staged update is a second copy of the new weights in memory.
+  the model's dtype here, so a staged checkpoint is a second copy of the new weights in memory
+  (a mapping's tensors already of the model's dtype and device are not copied).
   A mapping may replace only some parameters (e.g. the layers a trainer changed).
 * :func:`apply_weights` copies the staged values into the parameters (in place: every module,
   the runner and LoRA layers keep their tensors) and packs the linear layers' oneDNN copies
   again (radixkv/onednn.py), so no request pays for it.
 
-The staged update carries ``digest``, an xxh3-128 of every new tensor's name and bytes: with
-the model's fingerprint it names the new weights exactly (a storage tier keys pages by it).
+``StagedWeights.digest()`` is an xxh3-128 of every new tensor's name and bytes: with the
+model's fingerprint it names the new weights exactly (a storage tier keys pages by it).
 What the engine must do around it (KV computed under the old weights is never reused) is
 ``Engine.update_weights``'s business.
 """
@@ -74,19 +75,27 @@ WeightSource = str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, tor
 class StagedWeights:
     """New values for some or all parameters of a model, checked against it.
 
-    ``tensors``: parameter name -> value in the parameter's dtype and shape (a tied
-    ``lm_head.weight`` counts as its embedding). ``complete``: every parameter gets a new
-    value. ``digest``: xxh3-128 over the names and bytes in name order. ``source``: the folder,
-    or ``"tensors"``."""
+    ``tensors``: parameter name -> value in the parameter's dtype and shape, on its device or
+    the CPU (a tied ``lm_head.weight`` counts as its embedding). ``complete``: every parameter
+    gets a new value. ``source``: the folder, or ``"tensors"``."""
 
     tensors: dict[str, torch.Tensor]
     complete: bool
-    digest: bytes
     source: str
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def digest(self) -> bytes:
+        """xxh3-128 over the names, shapes, dtypes and bytes, in name order: the exact identity
+        of what this update changes (a pass over the values, on the CPU)."""
+        h = xxhash.xxh3_128()
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+            h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().data)
+        return h.digest()
 
 
 def stage_weights(model: nn.Module, config: ModelConfig, source: WeightSource) -> StagedWeights:
@@ -104,12 +113,7 @@ def stage_weights(model: nn.Module, config: ModelConfig, source: WeightSource) -
     # a parameter object may sit under two names (tied embeddings): count objects
     covered = {id(params[name]) for name in tensors}
     complete = covered >= {id(p) for p in params.values()}
-    h = xxhash.xxh3_128()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().data)
-    return StagedWeights(tensors, complete, h.digest(), label)
+    return StagedWeights(tensors, complete, label)
 
 
 def apply_weights(model: nn.Module, staged: StagedWeights) -> None:
@@ -127,8 +131,9 @@ def apply_weights(model: nn.Module, staged: StagedWeights) -> None:
 
 
 def _check(name: str, value: Any, params: dict[str, nn.Parameter]) -> torch.Tensor:
-    """``value`` for parameter ``name``, cast to its dtype, on the CPU. ValueError/TypeError
-    naming the tensor and the problem."""
+    """``value`` for parameter ``name``, cast to its dtype, on its device if already there
+    (no copy then: the caller must not change it until the update is applied), else on the
+    CPU. ValueError/TypeError naming the tensor and the problem."""
     if name not in params:
         raise ValueError(f"{name!r} is not a parameter of the model")
     if not isinstance(value, torch.Tensor):
@@ -140,7 +145,8 @@ def _check(name: str, value: Any, params: dict[str, nn.Parameter]) -> torch.Tens
         )
     if not value.is_floating_point():
         raise TypeError(f"{name!r} must be a floating-point tensor, got {value.dtype}")
-    return value.detach().to(device="cpu", dtype=target.dtype)
+    device = value.device if value.device == target.device else torch.device("cpu")
+    return value.detach().to(device=device, dtype=target.dtype)
 
 
 def _take_tensors(
