@@ -204,7 +204,7 @@ async def update_fleet(
         handle, "serve_on_replica", names, timeout_s=timeout_s, request=request
     )
     updated = {n: a for n, a in result.answers.items() if a.get("status") == 200}
-    forget_prefixes({pin_id(n): int(a.get("version", 0)) for n, a in updated.items()})
+    forget_prefixes(reset_versions(dataclasses.replace(result, answers=updated)))
     status, body = update_report(result)
     if status != 200:
         log.warning("weight update failed on %s", body.get("failed"))
@@ -234,17 +234,17 @@ def update_report(result: FanoutResult) -> tuple[int, dict[str, Any]]:
         "updated_replicas": updated,
         "failed": failed,
     }
-    answers = [_json(a.get("body")) for a in result.answers.values()]
+    bodies = {n: _json(a.get("body")) for n, a in result.answers.items()}
     if updated and not failed:
-        paused = sum(int(b.get("num_paused_requests", 0)) for b in answers)
-        message = f"weights updated on {len(updated)} replicas: " + _json(
-            result.answers[updated[0]].get("body")
-        ).get("message", "")
+        paused = sum(int(b.get("num_paused_requests", 0)) for b in bodies.values())
+        message = f"weights updated on {len(updated)} replicas: " + str(
+            bodies[updated[0]].get("message", "")
+        )
         return 200, {"success": True, "message": message, "num_paused_requests": paused, **fleet}
     statuses = {a.get("status") for a in refusals.values()}
     if refusals and not updated and not result.failed and len(statuses) == 1:
-        first = refusals[min(refusals)]
-        return int(first["status"]), {**_json(first.get("body")), **fleet}
+        first = min(refusals)
+        return int(refusals[first]["status"]), {**bodies[first], **fleet}
     message = (
         f"weights updated on {len(updated)} of {len(result.replicas)} replicas: the fleet "
         "serves mixed weights until the update succeeds everywhere"

@@ -415,12 +415,17 @@ class Engine:
         group = self._live.get(request_id)
         if group is None:
             raise ValueError(f"abort: unknown or already finished request_id {request_id!r}")
+        self._abort_group(group)
+        self._news.pop(request_id, None)
+        return group.make_output()
+
+    def _abort_group(self, group: RequestGroup, *, insert: bool = True) -> None:
+        """End every unfinished sequence of ``group`` with "abort" (publishing their computed
+        pages unless ``insert=False``) and count the abort."""
         for seq in group.seqs:
             if not seq.finished:
-                self._finish(seq, "abort")
-        self._news.pop(request_id, None)
+                self._finish(seq, "abort", insert=insert)
         self._stats.record_abort()
-        return group.make_output()
 
     def has_request(self, request_id: str) -> bool:
         """True while the request is queued or running (not yet finished or aborted)."""
@@ -953,10 +958,7 @@ class Engine:
         aborted = retracted = 0
         if in_flight == "abort":
             for group in live:
-                for seq in group.seqs:
-                    if not seq.finished:
-                        self._finish(seq, "abort", insert=False)
-                self._stats.record_abort()
+                self._abort_group(group, insert=False)
             aborted = len(live)
         else:
             retracted = len(self.scheduler.retract_all())

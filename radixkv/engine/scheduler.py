@@ -182,23 +182,22 @@ class Scheduler:
         if seq.finish_reason is None:
             seq.finish_reason = reason
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, *, insert: bool = True) -> None:
+        """Send a running sequence to the front of the queue, releasing its pages and locks
+        (publishing its computed full pages unless ``insert=False``); it keeps its tokens."""
         self.running.remove(seq)
         self._inflight.drop(seq)
-        self.kv.release(seq, insert=True)
+        self.kv.release(seq, insert=insert)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
     def retract_all(self) -> list[Sequence]:
-        """Send every running sequence back to the front of the queue (in running order),
-        releasing its pages and locks without publishing them: its KV must not be reused (the
-        weights changed). They keep their tokens and are recomputed when admitted again."""
-        retracted, self.running = self.running, []
-        for seq in retracted:
-            self._inflight.drop(seq)
-            self.kv.release(seq, insert=False)
-            seq.status = SeqStatus.WAITING
-        self.waiting.extendleft(reversed(retracted))
+        """Preempt every running sequence without publishing its pages: its KV must not be
+        reused (the weights changed). They queue ahead of the others in running order and are
+        recomputed when admitted again."""
+        retracted = list(self.running)
+        for seq in reversed(retracted):  # the last first: each goes to the front
+            self.preempt(seq, insert=False)
         return retracted
 
     # ------------------------------------------------------------------ scheduling
