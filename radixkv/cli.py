@@ -31,16 +31,24 @@ def _demo(args: argparse.Namespace) -> int:
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     n_tok = sum(map(len, prompts))
+    kv_note = "" if args.kv_cache_dtype == "auto" else f", KV pages in {args.kv_cache_dtype}"
     print(
         f"radixkv demo: {len(prompts)} requests on {lm.name}, each asking for the body of one "
         f"method of a Python class; all share the module above it ({_shared(prompts)} tokens; "
         f"{n_tok:,} prompt tokens, {args.max_tokens} output tokens each, "
-        f"{str(lm.model.dtype).removeprefix('torch.')}, torch threads={torch.get_num_threads()})"
+        f"{str(lm.model.dtype).removeprefix('torch.')}{kv_note}, "
+        f"torch threads={torch.get_num_threads()})"
     )
     results = []
     engines = []
     for cache_on in (False, True):
-        engine = Engine(lm, enable_prefix_cache=cache_on, num_pages=args.num_pages, seed=args.seed)
+        engine = Engine(
+            lm,
+            enable_prefix_cache=cache_on,
+            num_pages=args.num_pages,
+            seed=args.seed,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
         desc = f"cache {'on' if cache_on else 'off'}"
         results.append(measure(engine, prompts, params, name="shared-module", desc=desc))
         engine.check_invariants()
@@ -101,6 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
         args.model,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         revision=args.revision,
         seed=args.seed,
         lora_modules={"adapter": args.lora} if args.lora else None,
@@ -198,8 +207,9 @@ def _bench(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from radixkv import __version__
-    from radixkv.engine.config import DTYPES
+    from radixkv.engine.config import DTYPES, KV_CACHE_DTYPES
 
+    KV_HELP = "dtype the KV pages store (auto: the model's; fp8 halves bf16's bytes per token)"
     ap = argparse.ArgumentParser(prog="radixkv", description=__doc__)
     ap.add_argument("--version", action="version", version=f"radixkv {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -220,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights and KV dtype (default: the checkpoint's; bfloat16 is 2-3x faster on CPUs "
         "with bf16 matrix units, greedy outputs then vary with batch shapes: docs/tuning.md)",
     )
+    d.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_HELP)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-tree", dest="tree", action="store_false", help="skip the cache tree")
     d.add_argument("--tree-lines", type=int, default=24)
@@ -236,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id")
     g.add_argument("--dtype", default=None, choices=DTYPES)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

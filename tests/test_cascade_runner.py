@@ -28,17 +28,23 @@ def tiny():
     return load_model("radixkv-tiny", device="cpu")
 
 
-def _runner(tiny, ps: int) -> ModelRunner:
+def _runner(tiny, ps: int, kv_dtype: torch.dtype = torch.float32) -> ModelRunner:
     c = tiny.config
-    kv = KVPool(c.num_layers, 128, ps, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    kv = KVPool(
+        c.num_layers, 128, ps, c.num_kv_heads, c.head_dim, kv_dtype, "cpu",
+        compute_dtype=torch.float32,
+    )  # fmt: skip
     return ModelRunner(tiny.model, kv, backend="torch")
 
 
-@pytest.mark.parametrize("page_size", [4, 16])
-def test_runner_cascade_decode_matches_plain(tiny, page_size: int) -> None:
+@pytest.mark.parametrize(
+    ("page_size", "kv_dtype"),
+    [(4, torch.float32), (16, torch.float32), (4, torch.float8_e4m3fn), (16, torch.float8_e5m2)],
+)  # fp8 pages: both paths read the same stored values, converted
+def test_runner_cascade_decode_matches_plain(tiny, page_size: int, kv_dtype: torch.dtype) -> None:
     ps = page_size
     rng = random.Random(0)
-    plain, casc = _runner(tiny, ps), _runner(tiny, ps)
+    plain, casc = _runner(tiny, ps, kv_dtype), _runner(tiny, ps, kv_dtype)
     free = list(range(128))
     rng.shuffle(free)
 
@@ -91,7 +97,7 @@ def test_runner_cascade_decode_matches_plain(tiny, page_size: int) -> None:
         assert (lp - lc).abs().max().item() <= 1e-4
         for i, tok in zip(batch, lp.argmax(-1).tolist()):
             reqs[i][3].append(tok)
-    assert torch.allclose(plain.kv_pool.k, casc.kv_pool.k, atol=1e-5)
+    assert torch.allclose(plain.kv_pool.k.float(), casc.kv_pool.k.float(), atol=1e-5)
 
 
 def test_cascade_backend_rejects_mismatched_batches(tiny) -> None:

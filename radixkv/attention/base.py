@@ -151,14 +151,20 @@ class AttentionBackend(ABC):
         slots = parts[0] if len(parts) == 1 else torch.cat(parts)
         self._slots = slots.to(self.kv_pool.device, non_blocking=True)
 
-    def _write_new_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_new_kv(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first half of every ``forward``: check the step was planned for ``q``'s tokens,
-        then write the new K/V of layer ``layer`` into their slots (mutates the pool)."""
+        then write the new K/V of layer ``layer`` into their slots (mutates the pool). Returns
+        ``k, v`` as the pool stores them (``KVPool.as_stored``): what attention over the fresh
+        tokens must read, so that it matches attention over the same tokens read back later."""
         if self._slots is None:
             raise RuntimeError(f"{type(self).__name__}.forward called before plan()")
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned {self._num_tokens} tokens, got q with {q.shape[0]}")
-        self.kv_pool.write(layer, self._slots, k, v)
+        pool = self.kv_pool
+        pool.write(layer, self._slots, k, v)
+        return pool.as_stored(k), pool.as_stored(v)
 
     @abstractmethod
     def plan(self, layout: BatchLayout) -> None:

@@ -121,16 +121,19 @@ def _chunk_queries(q: torch.Tensor, c: _Chunk) -> torch.Tensor:
     return q[c.rows]
 
 
-def _pages_of(cache: torch.Tensor, c: _Chunk, buf: GatherBuffer | None) -> torch.Tensor:
-    """The chunk's pages of ``cache`` ``[N, ps, H, D]`` in ``c.pages`` order: a view when they
-    are one run of consecutive pages, else gathered (one index_select of whole pages), into
-    ``buf`` when given (valid until its next gather)."""
+def _pages_of(
+    cache: torch.Tensor, c: _Chunk, buf: GatherBuffer | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The chunk's pages of ``cache`` ``[N, ps, H, D]`` in ``c.pages`` order, in ``dtype``: a
+    view when they are one run of consecutive pages stored in ``dtype``, else gathered (one
+    index_select of whole pages; converted when stored in another dtype), into ``buf`` when
+    given (valid until its next gather)."""
     if c.page_run is not None:
         first, count = c.page_run
-        return cache[first : first + count]
+        return cache[first : first + count].to(dtype)  # no copy when already in dtype
     if buf is None:
-        return cache.index_select(0, c.pages_flat)
-    return buf.gather(cache, c.pages_flat)
+        return cache.index_select(0, c.pages_flat).to(dtype)
+    return buf.gather(cache, c.pages_flat, dtype)
 
 
 def _keep_valid(o: torch.Tensor, lse: torch.Tensor, c: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,30 +169,32 @@ def _kernel_kv(base: torch.Tensor, c: _Chunk) -> torch.Tensor:
 
 def _fused_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, c: _Chunk,
-    bufs: tuple[GatherBuffer, GatherBuffer] | None,
+    bufs: tuple[GatherBuffer, GatherBuffer] | None, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The chunk's K and V for the fused kernel (see :func:`_kernel_kv`): views of the cache
-    for a page run, else gathered, into ``bufs`` when given (views of them kept on the chunk,
-    so a layer costs two ``index_select`` calls and nothing else)."""
+    """The chunk's K and V in ``dtype`` for the fused kernel (see :func:`_kernel_kv`): views of
+    the cache for a page run stored in ``dtype``, else gathered (converted when stored in
+    another dtype), into ``bufs`` when given (views of them kept on the chunk, so a layer costs
+    two ``index_select`` calls and nothing else)."""
     if c.page_run is not None:
         first, count = c.page_run
         end = first + count
-        return _kernel_kv(k_cache[first:end], c), _kernel_kv(v_cache[first:end], c)
+        k, v = k_cache[first:end].to(dtype), v_cache[first:end].to(dtype)  # copies if stored
+        return _kernel_kv(k, c), _kernel_kv(v, c)  # in another dtype
     flat = c.pages_flat
     if bufs is None:
         return (
-            _kernel_kv(k_cache.index_select(0, flat), c),
-            _kernel_kv(v_cache.index_select(0, flat), c),
+            _kernel_kv(k_cache.index_select(0, flat).to(dtype), c),
+            _kernel_kv(v_cache.index_select(0, flat).to(dtype), c),
         )
     n = flat.shape[0]
-    kb, vb = bufs[0].reserve(n, k_cache), bufs[1].reserve(n, v_cache)
+    kb, vb = bufs[0].reserve(n, k_cache, dtype), bufs[1].reserve(n, v_cache, dtype)
     views = c.kv_views
     page = k_cache.shape[1:]
     if views is None or views[0] is not kb or views[1] is not vb or views[2] != page:
         ko, vo = kb[:n].view(n, *page), vb[:n].view(n, *page)
         views = c.kv_views = (kb, vb, page, ko, vo, _kernel_kv(ko, c), _kernel_kv(vo, c))
-    torch.index_select(k_cache, 0, flat, out=views[3])
-    torch.index_select(v_cache, 0, flat, out=views[4])
+    bufs[0].gather_into(k_cache, flat, views[3])
+    bufs[1].gather_into(v_cache, flat, views[4])
     return views[5], views[6]
 
 
@@ -207,7 +212,7 @@ def _attend_chunk_fused(
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     h_q = q.shape[1]
     grp = h_q // h_kv
-    k, v = _fused_kv(k_cache, v_cache, c, bufs)
+    k, v = _fused_kv(k_cache, v_cache, c, bufs, q.dtype)
     # every query of the segment x every head of KV group h is one "position" of head h, and
     # each of the n parts of a segment's keys is attended by all of the segment's queries
     # (stride 0): [S, n, Hkv, G, grp, D] -> [S * n, Hkv, G * grp, D]
@@ -284,8 +289,8 @@ def _attend_chunk_matmul(
     # Gather each segment's K/V once: [S, L, Hkv, D]; all G rows of a segment share it.
     # (index_select over whole pages is several times faster than advanced indexing on CPU)
     kb, vb = bufs or (None, None)
-    k = _pages_of(k_cache, c, kb).view(S, -1, h_kv, d)[:, : c.kv_len]
-    v = _pages_of(v_cache, c, vb).view(S, -1, h_kv, d)[:, : c.kv_len]
+    k = _pages_of(k_cache, c, kb, q.dtype).view(S, -1, h_kv, d)[:, : c.kv_len]
+    v = _pages_of(v_cache, c, vb, q.dtype).view(S, -1, h_kv, d)[:, : c.kv_len]
     qs = _chunk_queries(q, c).view(S, G, h_kv, grp, d)
     o = torch.empty(S, G, h_kv, grp, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(S, G, h_kv, grp, dtype=torch.float32, device=q.device)

@@ -130,7 +130,7 @@ class CascadeDecodeBackend(AttentionBackend):
                 num_qo_heads=self.num_qo_heads,
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,
-                q_data_type=pool.dtype,
+                q_data_type=pool.compute_dtype,
                 kv_data_type=pool.dtype,
                 sm_scale=self.scale,
             )
@@ -163,7 +163,7 @@ class CascadeDecodeBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self._write_new_kv(layer, q, k, v)
+        k, v = self._write_new_kv(layer, q, k, v)
         pool = self.kv_pool
         if self._mixed is not None:
             casc_tok, rest_tok = self._mixed

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.kv.kv_pool import KVPool
+from radixkv.kv.kv_pool import FP8_DTYPES, KVPool
 from radixkv.pages import pages_for
 
 # The FlashInfer kernel family of every wrapper (prefill, decode, cascade levels). FlashInfer's
@@ -97,9 +97,13 @@ class FlashInferAttention(AttentionBackend):
     ) -> None:
         super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
         _require_cuda(kv_pool.device, "the flashinfer backend (its KV pool)")
-        if kv_pool.dtype not in (torch.float16, torch.bfloat16):
+        if kv_pool.compute_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
-                f"the flashinfer backend needs a fp16/bf16 KV pool, got {kv_pool.dtype}"
+                f"the flashinfer backend needs a fp16/bf16 model, got {kv_pool.compute_dtype}"
+            )
+        if kv_pool.dtype not in (torch.float16, torch.bfloat16, *FP8_DTYPES):
+            raise ValueError(
+                f"the flashinfer backend needs a fp16/bf16/fp8 KV pool, got {kv_pool.dtype}"
             )
         fi = _import_flashinfer()
         dev = kv_pool.device
@@ -150,8 +154,8 @@ class FlashInferAttention(AttentionBackend):
         self._pre_rows = torch.tensor(pre_rows, device=dev) if mixed else None
         self._dec_rows = torch.tensor(dec_rows, device=dev) if mixed else None
         common: dict[str, Any] = {
-            "q_data_type": pool.dtype,
-            "kv_data_type": pool.dtype,
+            "q_data_type": pool.compute_dtype,
+            "kv_data_type": pool.dtype,  # fp8 pages are read as stored and upcast in the kernel
             "sm_scale": self.scale,
         }
         if self._has_prefill:

@@ -59,15 +59,24 @@ class GatherBuffer:
     each time keeps it in cache for the kernel that reads it next and never touches freshly
     allocated memory (a fresh multi-megabyte tensor is fresh pages from the OS, whose faults cost
     more than the copy). What :meth:`gather` returns is valid until its next call.
+
+    Pages stored in another dtype than attention computes in (an fp8 pool, see KVPool) are
+    gathered as stored into a second scratch of their own dtype, then converted into this one:
+    the conversion reads the small gathered copy, not the pool.
     """
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
+        self._stored: GatherBuffer | None = None  # scratch in the pool's dtype, when it differs
 
-    def reserve(self, n: int, cache: torch.Tensor) -> torch.Tensor:
-        """The buffer as ``[capacity, page numel]`` with room for ``n`` pages of ``cache``
-        (``[N, ps, H, D]``). The same tensor until a larger ``n``, another page shape, dtype
-        or device needs a new one, so views of it may be kept while it is returned."""
+    def reserve(
+        self, n: int, cache: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The buffer as ``[capacity, page numel]`` in ``dtype`` (default: ``cache``'s) with room
+        for ``n`` pages of ``cache`` (``[N, ps, H, D]``). The same tensor until a larger ``n``,
+        another page shape, dtype or device needs a new one, so views of it may be kept while
+        it is returned."""
+        dtype = cache.dtype if dtype is None else dtype
         shape = cache.shape
         row = shape[1] * shape[2] * shape[3]
         buf = self._buf
@@ -75,26 +84,40 @@ class GatherBuffer:
             buf is None
             or buf.shape[0] < n
             or buf.shape[1] != row
-            or buf.dtype != cache.dtype
+            or buf.dtype != dtype
             or buf.device != cache.device
         ):
-            grow = buf is not None and buf.shape[1] == row and buf.dtype == cache.dtype
+            grow = buf is not None and buf.shape[1] == row and buf.dtype == dtype
             # a normal tensor even when first used under inference_mode, so later calls outside
             # inference mode may still write into it
             with torch.inference_mode(False):
                 buf = self._buf = torch.empty(
                     max(n, 2 * buf.shape[0]) if grow and buf is not None else n,
                     row,
-                    dtype=cache.dtype,
+                    dtype=dtype,
                     device=cache.device,
                 )
         return buf
 
-    def gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """``cache [N, ps, H, D]`` pages ``[n]`` (int64) -> ``[n, ps, H, D]`` view of the buffer."""
+    def gather(
+        self, cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``cache [N, ps, H, D]`` pages ``[n]`` (int64) -> ``[n, ps, H, D]`` view of the buffer,
+        in ``dtype`` (default: ``cache``'s)."""
         n = pages.shape[0]
-        out = self.reserve(n, cache)[:n].view(n, *cache.shape[1:])
-        return torch.index_select(cache, 0, pages, out=out)
+        out = self.reserve(n, cache, dtype)[:n].view(n, *cache.shape[1:])
+        return self.gather_into(cache, pages, out)
+
+    def gather_into(
+        self, cache: torch.Tensor, pages: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Fill ``out`` (``[n, ps, H, D]``, any float dtype) with ``cache``'s pages ``[n]``,
+        converted to ``out``'s dtype; returns ``out``."""
+        if out.dtype == cache.dtype:
+            return torch.index_select(cache, 0, pages, out=out)
+        if self._stored is None:
+            self._stored = GatherBuffer()
+        return out.copy_(self._stored.gather(cache, pages))
 
 
 def token_slots(page_table: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:

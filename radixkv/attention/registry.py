@@ -50,8 +50,9 @@ def choose_backend(name: str, kv_pool: KVPool) -> BackendChoice:
     device = pool_device_type(kv_pool)
     if device != "cuda":
         return BackendChoice("torch", f"auto: the KV pool is on {device} (flashinfer needs CUDA)")
-    dtype = str(kv_pool.dtype).removeprefix("torch.")
-    if kv_pool.dtype not in (torch.float16, torch.bfloat16):  # FlashInfer has no fp32 kernels
+    dtype = str(kv_pool.compute_dtype).removeprefix("torch.")
+    # FlashInfer has no fp32 kernels (it reads fp8 pages under a bf16/fp16 model)
+    if kv_pool.compute_dtype not in (torch.float16, torch.bfloat16):
         return BackendChoice(
             "torch",
             f"auto: flashinfer has no {dtype} kernels (serve in bfloat16 or float16 to use it)",

@@ -95,7 +95,7 @@ class TorchAttention(AttentionBackend):
         # prefill attention as blocked matmuls on a CPU (matmul_attention.py) where they beat
         # the flash kernel on it (measured once per process and head shape): bf16, and fp32
         # where oneDNN runs the products (on the BLAS, blocked matmuls never win in fp32)
-        dtype = kv_pool.dtype
+        dtype = kv_pool.compute_dtype
         self._matmul_prefill = (
             on_cpu
             and (dtype == torch.bfloat16 or (dtype == torch.float32 and onednn_available()))
@@ -150,7 +150,7 @@ class TorchAttention(AttentionBackend):
     def _plan_decode(self, decodes: list[tuple[int, list[int], int]]) -> list[_DecodeGroup]:
         pool = self.kv_pool
         page_bytes = 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
-        page_bytes *= pool.k.element_size()
+        page_bytes *= pool.compute_dtype.itemsize  # what a group's gathered pages take
         # On a CPU a group holds a multiple of the intra-op threads where there are that many
         # sequences, even past DECODE_GROUP_BYTES: the gather splits its pages evenly over the
         # threads and SDPA its (sequence, head) pairs, so each thread then reads the sequences
@@ -204,13 +204,13 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self._write_new_kv(layer, q, k, v)
+        k, v = self._write_new_kv(layer, q, k, v)
         return self.attend(layer, q, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``forward`` without the write: attention over the planned layout, the new tokens'
-        K/V already in the pool (the cascade backend writes a mixed batch's K/V once, then
-        hands this backend the rows it does not attend itself)."""
+        K/V already in the pool and ``k, v`` as stored there (the cascade backend writes a
+        mixed batch's K/V once, then hands this backend the rows it does not attend itself)."""
         pool = self.kv_pool
         kc, vc = pool.k[layer], pool.v[layer]
         out = torch.empty_like(q)
@@ -232,8 +232,9 @@ class TorchAttention(AttentionBackend):
         hkv = self.num_kv_heads
         shape = (g, -1, hkv, d)
         # [g, L, Hkv, D] -> [g, Hkv, L, D] views; queries grouped per kv head: GQA without copies
-        keys = self._kbuf.gather(kc, group.pages).view(shape)[:, : group.kv_len].transpose(1, 2)
-        vals = self._vbuf.gather(vc, group.pages).view(shape)[:, : group.kv_len].transpose(1, 2)
+        dt = q.dtype
+        keys = self._kbuf.gather(kc, group.pages, dt).view(shape)[:, : group.kv_len].transpose(1, 2)
+        vals = self._vbuf.gather(vc, group.pages, dt).view(shape)[:, : group.kv_len].transpose(1, 2)
         qg = q.view(g, hkv, hq // hkv, d)
         o = F.scaled_dot_product_attention(
             flash_query_rows(qg), keys, vals, attn_mask=group.mask, scale=self.scale
@@ -299,8 +300,9 @@ class TorchAttention(AttentionBackend):
         """The first ``length`` tokens of ``pages`` as ``[length, Hkv, D]`` views of the gather
         buffers (valid until the next gather)."""
         shape = (-1, self.num_kv_heads, self.head_dim)
-        keys = self._kbuf.gather(kc, pages).view(shape)[:length]
-        vals = self._vbuf.gather(vc, pages).view(shape)[:length]
+        dt = self.kv_pool.compute_dtype
+        keys = self._kbuf.gather(kc, pages, dt).view(shape)[:length]
+        vals = self._vbuf.gather(vc, pages, dt).view(shape)[:length]
         return keys, vals
 
     def _attend_split(

@@ -61,7 +61,7 @@ from radixkv.engine.speculative import Speculator
 from radixkv.engine.storage_tier import StorageTier
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
-from radixkv.kv.kv_pool import KVPool
+from radixkv.kv.kv_pool import KVPool, parse_kv_cache_dtype
 from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
@@ -154,7 +154,7 @@ class Engine:
         )
         # "auto" picks the cascade from MIN_STEP_SAVED_VALUES of K+V saved per layer a step
         token_values = 2 * self.kv_pool.num_kv_heads * self.kv_pool.head_dim
-        value_bytes = self.kv_pool.dtype.itemsize
+        value_bytes = self.kv_pool.compute_dtype.itemsize  # attention reads pages converted
         self.cascade_planner = CascadePlanner(
             cfg.page_size,
             mode=cfg.cascade,
@@ -196,7 +196,9 @@ class Engine:
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
         self._kv_bytes_per_token = self.kv_pool.bytes_per_page // cfg.page_size
         # LoRA adapters by name (lora.py); requests name theirs (``lora=``)
-        self.loras = LoRARegistry(self.runner.loras, mc, self.kv_pool.device, self.kv_pool.dtype)
+        self.loras = LoRARegistry(
+            self.runner.loras, mc, self.kv_pool.device, self.kv_pool.compute_dtype
+        )
         for name, path in cfg.lora_modules or ():
             self.load_lora(name, path)
         self._closed = False
@@ -217,14 +219,14 @@ class Engine:
         )
         log.info(
             "radixkv engine: model %s (%s, %d layers, max context %d tokens) on %s in %s; "
-            "attention %s (%s)%s; KV pool %d pages x %d tokens = %d tokens (%.1f MiB); "
+            "attention %s (%s)%s; KV pool %d pages x %d tokens = %d tokens (%.1f MiB, %s); "
             "prefix cache %s%s",
             self.model.name,
             self.model.config.architecture,
             self.model.config.num_layers,
             self.max_context,
             kv.device,
-            str(kv.dtype).removeprefix("torch."),
+            str(kv.compute_dtype).removeprefix("torch."),
             choice.name,
             choice.reason,
             f", prefill by {path}" if path else "",
@@ -232,6 +234,7 @@ class Engine:
             cfg.page_size,
             kv.num_pages * cfg.page_size,
             kv.num_pages * kv.bytes_per_page / 2**20,
+            str(kv.dtype).removeprefix("torch."),
             f"on ({cfg.eviction_policy} eviction)" if cfg.enable_prefix_cache else "off",
             packed_note,
         )
@@ -1171,13 +1174,22 @@ def _storage_tier(
 
 def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool:
     """The paged K/V buffers: ``num_pages`` pages, else as many as ``kv_cache_memory`` bytes
-    hold (default: 1 GiB on a CPU, half the free GPU memory), on the model's device and dtype."""
+    hold (default: 1 GiB on a CPU, half the free GPU memory), on the model's device, storing
+    ``kv_cache_dtype`` (default: the model's dtype) and computing in the model's."""
     mc = lm.config
     param = next(lm.model.parameters())
-    device, dtype = param.device, param.dtype
+    device, compute = param.device, param.dtype
+    dtype = parse_kv_cache_dtype(cfg.kv_cache_dtype, compute)
     if cfg.num_pages is not None:
         return KVPool(
-            mc.num_layers, cfg.num_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, dtype, device
+            mc.num_layers,
+            cfg.num_pages,
+            cfg.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            device,
+            compute_dtype=compute,
         )
     budget = cfg.kv_cache_memory
     if budget is None:
@@ -1197,6 +1209,7 @@ def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool:
         dtype=dtype,
         device=device,
         max_pages=cap,
+        compute_dtype=compute,
     )
 
 

@@ -25,7 +25,7 @@ import torch
 
 from radixkv.cache.tiers import CompletedCopy
 from radixkv.kv.host_pool import HostKVPool
-from radixkv.kv.kv_pool import KVPool
+from radixkv.kv.kv_pool import KVPool, movable
 
 __all__ = ["KVCopier"]
 
@@ -86,6 +86,9 @@ class KVCopier:
             raise ValueError(f"host pages are not shaped like the device pool's: {host} vs {kv}")
         self.kv = kv
         self.host = host
+        # the copies move bytes: fp8 pages through uint8 views (see kv_pool.movable)
+        self._dk, self._dv = movable(kv.k), movable(kv.v)
+        self._hk, self._hv = movable(host.k), movable(host.v)
         self._cuda = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=kv.device) if self._cuda else None
         self._executor: ThreadPoolExecutor | None = None
@@ -133,14 +136,14 @@ class KVCopier:
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
         # [L, n, ...] gathered from the device layout, stored page-major
-        self.host.k.index_copy_(0, d, self.kv.k.index_select(1, s).transpose(0, 1))
-        self.host.v.index_copy_(0, d, self.kv.v.index_select(1, s).transpose(0, 1))
+        self._hk.index_copy_(0, d, self._dk.index_select(1, s).transpose(0, 1))
+        self._hv.index_copy_(0, d, self._dv.index_select(1, s).transpose(0, 1))
 
     def _cpu_to_device(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
-        self.kv.k.index_copy_(1, d, self.host.k.index_select(0, s).transpose(0, 1))
-        self.kv.v.index_copy_(1, d, self.host.v.index_select(0, s).transpose(0, 1))
+        self._dk.index_copy_(1, d, self._hk.index_select(0, s).transpose(0, 1))
+        self._dv.index_copy_(1, d, self._hv.index_select(0, s).transpose(0, 1))
 
     # ------------------------------------------------------------------ CUDA (side stream)
     def _cuda_to_host(self, src: list[int], dst: list[int]) -> _CudaCopy:
@@ -148,11 +151,11 @@ class KVCopier:
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))  # after the KV writes
         with torch.cuda.stream(stream):  # everything below is enqueued on the side stream
             s = torch.tensor(src, dtype=torch.long, device=self.kv.device)
-            k = self.kv.k.index_select(1, s).transpose(0, 1).contiguous()  # [n, L, ...]
-            v = self.kv.v.index_select(1, s).transpose(0, 1).contiguous()
+            k = self._dk.index_select(1, s).transpose(0, 1).contiguous()  # [n, L, ...]
+            v = self._dv.index_select(1, s).transpose(0, 1).contiguous()
             for i, h in enumerate(dst):  # one contiguous pinned page each: async D2H
-                self.host.k[h].copy_(k[i], non_blocking=True)
-                self.host.v[h].copy_(v[i], non_blocking=True)
+                self._hk[h].copy_(k[i], non_blocking=True)
+                self._hv[h].copy_(v[i], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return _CudaCopy(event, (s, k, v))
@@ -162,15 +165,15 @@ class KVCopier:
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))  # pages' last readers
         with torch.cuda.stream(stream):
             n = len(src)
-            shape = (n, *self.host.k.shape[1:])
-            k = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
-            v = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
+            shape = (n, *self._hk.shape[1:])
+            k = torch.empty(shape, dtype=self._dk.dtype, device=self.kv.device)
+            v = torch.empty(shape, dtype=self._dk.dtype, device=self.kv.device)
             for i, h in enumerate(src):  # async H2D from pinned pages
-                k[i].copy_(self.host.k[h], non_blocking=True)
-                v[i].copy_(self.host.v[h], non_blocking=True)
+                k[i].copy_(self._hk[h], non_blocking=True)
+                v[i].copy_(self._hv[h], non_blocking=True)
             d = torch.tensor(dst, dtype=torch.long, device=self.kv.device)
-            self.kv.k.index_copy_(1, d, k.transpose(0, 1))
-            self.kv.v.index_copy_(1, d, v.transpose(0, 1))
+            self._dk.index_copy_(1, d, k.transpose(0, 1))
+            self._dv.index_copy_(1, d, v.transpose(0, 1))
             event = torch.cuda.Event()
             event.record(stream)
         return _CudaCopy(event, (d, k, v))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from radixkv.kv.kv_pool import KVPool, check_page_shape, check_positive
+from radixkv.kv.kv_pool import KVPool, check_page_shape, check_positive, movable
 
 
 class HostKVPool:
@@ -138,8 +138,9 @@ class HostKVPool:
         rows = torch.frombuffer(buf, dtype=torch.uint8).view(len(pages), 2, per // 2)
         shape = (len(pages), *self.k.shape[1:])
         idx = torch.tensor(pages, dtype=torch.long)
-        self.k.index_copy_(0, idx, rows[:, 0].contiguous().view(self.dtype).view(shape))
-        self.v.index_copy_(0, idx, rows[:, 1].contiguous().view(self.dtype).view(shape))
+        for t, half in ((self.k, rows[:, 0]), (self.v, rows[:, 1])):
+            dst = movable(t)  # bytes move as they are: fp8 pages through a uint8 view
+            dst.index_copy_(0, idx, half.contiguous().view(dst.dtype).view(shape))
 
     def matches(self, kv: KVPool) -> bool:
         """Whether a page of ``kv`` and a page here hold the same thing (shape and dtype)."""

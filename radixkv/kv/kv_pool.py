@@ -20,6 +20,45 @@ def check_positive(owner: str, name: str, value: object) -> None:
         raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
 
 
+# 8-bit float storage formats for K/V (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``): half the
+# bytes of bf16 per token, so twice the cached prefixes in the same memory. e4m3 keeps one more
+# mantissa bit (finer values, range +-448, conversions saturate); e5m2 keeps range (+-57344).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype pages store for ``kv_cache_dtype`` ``name`` under a model computing in
+    ``model_dtype`` ("auto": ``model_dtype`` itself). ValueError naming the choices otherwise."""
+    if name == "auto":
+        return model_dtype
+    try:
+        return _KV_CACHE_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' or one of {tuple(_KV_CACHE_DTYPES)}, got {name!r}"
+        ) from None
+
+
+def movable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the copy ops (``index_copy_``, ``copy_``) can move it: an fp8 tensor as a uint8
+    view of the same bytes (PyTorch's CPU ``index_copy_`` has no fp8 kernel), anything else as
+    is. Moving bytes is exact, so pages keep their values bit for bit."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
 def check_page_shape(
     owner: str,
     num_layers: int,
@@ -42,6 +81,26 @@ def check_page_shape(
         raise TypeError(f"{owner}: dtype must be a floating torch.dtype, got {dtype!r}")
 
 
+def check_compute_dtype(
+    owner: str, dtype: torch.dtype, compute_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The compute dtype of a pool storing ``dtype``: ``compute_dtype``, by default ``dtype``.
+    An fp8 pool needs one named (nothing computes in fp8); it must be a 16- or 32-bit float."""
+    if compute_dtype is None:
+        if dtype in FP8_DTYPES:
+            raise ValueError(
+                f"{owner}: a {dtype} pool needs compute_dtype (the model's dtype, e.g. "
+                "torch.bfloat16): attention does not compute in fp8"
+            )
+        return dtype
+    if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"{owner}: compute_dtype must be torch.float32, bfloat16 or float16, "
+            f"got {compute_dtype!r}"
+        )
+    return compute_dtype
+
+
 class KVPool:
     """K and V buffers of shape ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
 
@@ -49,6 +108,14 @@ class KVPool:
     (FlashInfer's NHD paged layout). Token ``i`` of a sequence with page table ``pt`` lives at page
     ``pt[i // page_size]``, offset ``i % page_size``; its flat slot is
     ``pt[i // page_size] * page_size + i % page_size``.
+
+    ``dtype`` is what the pages store; ``compute_dtype`` is what attention computes in (the
+    model's dtype; by default ``dtype``). When they differ (an fp8 pool under a bf16 model, or a
+    bf16 pool under an fp32 one) :meth:`write` converts the new K/V to ``dtype`` (fp8 e4m3
+    saturates at +-448 instead of overflowing) and readers convert gathered pages back to
+    ``compute_dtype``. Attention must then see a token's K/V as stored, also in the step that
+    computed it (:meth:`as_stored`): so a prefix served from the cache and the same prefix
+    recomputed give the same outputs.
 
     Buffers start zeroed, so a gather that pads with unused slots never reads NaN garbage.
     """
@@ -62,6 +129,8 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        *,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         check_page_shape("KVPool", num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype)
         self.num_layers = num_layers
@@ -70,10 +139,23 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.compute_dtype = check_compute_dtype("KVPool", dtype, compute_dtype)
         self.device = torch.device(device)
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def converts(self) -> bool:
+        """Whether pages are stored in another dtype than attention computes in."""
+        return self.dtype != self.compute_dtype
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (fresh K or V in ``compute_dtype``) with the values the pool stores for it: a
+        round trip through ``dtype`` when the pool converts, else ``x`` itself."""
+        if self.dtype == self.compute_dtype:
+            return x
+        return x.to(self.dtype).to(x.dtype)
 
     @staticmethod
     def page_bytes(
@@ -105,6 +187,7 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         max_pages: int | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> KVPool:
         """As many pages as fit in ``num_bytes`` (capped by ``max_pages``); at least one must fit."""
         per_page = cls.page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
@@ -116,7 +199,16 @@ class KVPool:
                 f"KVPool.from_memory_budget: {num_bytes} bytes hold no page "
                 f"(one page needs {per_page} bytes)"
             )
-        return cls(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+        return cls(
+            num_layers,
+            num_pages,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            compute_dtype=compute_dtype,
+        )
 
     # ---- slots -------------------------------------------------------------------------------
     def slot_indices(self, page_table: Sequence[int], start: int, end: int) -> list[int]:
@@ -142,8 +234,9 @@ class KVPool:
         Mutates layer ``layer`` of the pool in place. Slots must be distinct (not checked: this
         runs once per layer per step).
         """
-        self.k_flat(layer).index_copy_(0, slots, k.to(self.dtype))
-        self.v_flat(layer).index_copy_(0, slots, v.to(self.dtype))
+        dt = self.dtype
+        movable(self.k_flat(layer)).index_copy_(0, slots, movable(k.to(dt)))
+        movable(self.v_flat(layer)).index_copy_(0, slots, movable(v.to(dt)))
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the K/V of pages ``src[i]`` to pages ``dst[i]`` in every layer (a forked beam's
@@ -154,12 +247,13 @@ class KVPool:
             return
         s = torch.tensor(list(src), device=self.device)
         d = torch.tensor(list(dst), device=self.device)
-        self.k.index_copy_(1, d, self.k.index_select(1, s))
-        self.v.index_copy_(1, d, self.v.index_select(1, s))
+        for t in (movable(self.k), movable(self.v)):
+            t.index_copy_(1, d, t.index_select(1, s))
 
     def __repr__(self) -> str:
         return (
             f"KVPool(num_layers={self.num_layers}, num_pages={self.num_pages}, "
             f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}"
+            + (f", compute_dtype={self.compute_dtype})" if self.converts else ")")
         )

@@ -80,8 +80,8 @@ class ModelRunner:
             problems.append(f"num_kv_heads {kv_pool.num_kv_heads} != model's {cfg.num_kv_heads}")
         if kv_pool.head_dim != cfg.head_dim:
             problems.append(f"head_dim {kv_pool.head_dim} != model's {cfg.head_dim}")
-        if kv_pool.dtype != model.dtype:
-            problems.append(f"dtype {kv_pool.dtype} != model's {model.dtype}")
+        if kv_pool.compute_dtype != model.dtype:  # its pages may store another (kv_cache_dtype)
+            problems.append(f"compute dtype {kv_pool.compute_dtype} != model's {model.dtype}")
         if kv_pool.device != model.device:
             problems.append(f"device {kv_pool.device} != model's {model.device}")
         if problems:

@@ -348,6 +348,9 @@ class NativeAPI:
             "disable_radix_cache": not cfg.enable_prefix_cache,
             "attention_backend": core.backend_choice.name,
             "device": str(getattr(core.kv_pool, "device", "cpu")),
+            # the dtype the model computes in, and what KV pages store (as configured)
+            "dtype": str(core.kv_pool.compute_dtype).removeprefix("torch."),
+            "kv_cache_dtype": cfg.kv_cache_dtype,
             "reasoning_parser": st.config.reasoning_parser,
             "tool_call_parser": st.config.tool_call_parser,
             "api_key_required": st.auth.enabled,
