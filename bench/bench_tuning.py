@@ -11,6 +11,10 @@ Parts:
 * ``chunk``: the engine on radixkv-tiny, one long prompt arriving with a batch of short ones, for
   several ``chunked_prefill_size`` values: time to first token of the short requests vs of the
   long one, and total time.
+* ``kvdtype``: the engine on radixkv-tiny (bf16) with a KV budget that holds about 60% of a hot
+  set of system prompts in bf16 pages, for each ``kv_cache_dtype``: pages, hit rate, time to
+  first token, and how many greedy outputs match those of bf16 pages in a pool that holds
+  everything.
 
 Writes bench/results/bench_tuning.json and prints tables. ``--quick`` shrinks every part.
 """
@@ -234,10 +238,74 @@ def _chunk_run(chunk: int, long_prompt: list[int], shorts: list[list[int]]) -> d
     }
 
 
+def bench_kv_dtype(quick: bool) -> list[dict[str, Any]]:
+    """Engine: ``kv_cache_dtype`` under a KV budget too small for the hot set in bf16.
+
+    ``num_sys`` system prompts of ~1,000 tokens each get a 64-token question in turn (round
+    robin, one request at a time, ``rounds`` times), so a prompt comes back after all the
+    others: it is still cached only if the whole hot set fits. The budget holds about 60% of
+    it in bf16 pages, all of it in fp8. Outputs (16 greedy tokens) are compared with a bf16
+    run whose pool holds everything (the reference: fp8 rounds K/V, so some differ).
+    """
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+
+    rng = random.Random(3)
+    num_sys, rounds = (6, 2) if quick else (12, 4)
+    systems = [[rng.randrange(3, 256) for _ in range(rng.randrange(960, 1088))]
+               for _ in range(num_sys)]  # fmt: skip
+    prompts = [sys_p + [rng.randrange(3, 256) for _ in range(64)]
+               for _ in range(rounds) for sys_p in systems]  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # bf16 bytes of the hot set (2 bytes x K and V x layers x kv heads x head dim per token)
+    probe = Engine("radixkv-tiny", dtype="bfloat16", num_pages=8)
+    per_token = probe.kv_pool.bytes_per_page // probe.kv_pool.page_size
+    hot_bytes = sum(len(p) for p in systems) * per_token
+    budget = int(hot_bytes * 0.6)
+
+    def run(kvd: str, memory: int) -> tuple[dict[str, Any], list[list[int]]]:
+        eng = Engine("radixkv-tiny", dtype="bfloat16", kv_cache_dtype=kvd,
+                     kv_cache_memory=memory, seed=0)  # fmt: skip
+        ttfts, outs = [], []
+        t0 = CLOCK()
+        for p in prompts:
+            (o,) = eng.generate([p], params, use_tqdm=False)
+            ttfts.append(o.metrics.ttft)
+            outs.append(list(o.outputs[0].token_ids))
+        total = CLOCK() - t0
+        eng.check_invariants()
+        st = eng.stats()
+        ttfts.sort()
+        row = {
+            "kv_cache_dtype": kvd, "kv_cache_memory_bytes": memory,
+            "pool_tokens": eng.kv_pool.num_pages * eng.kv_pool.page_size,
+            "hot_set_tokens": sum(len(p) for p in systems),
+            "hit_rate": round(st.prefix_cache_hit_tokens / max(1, st.prompt_tokens), 4),
+            "ttft_mean_s": round(statistics.mean(ttfts), 4),
+            "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
+            "total_s": round(total, 3),
+        }  # fmt: skip
+        return row, outs
+
+    _, ref = run("auto", hot_bytes * 4)
+    rows = []
+    for kvd in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        row, outs = run(kvd, budget)
+        same = sum(a == b for a, b in zip(outs, ref, strict=True))
+        agree = sum(x == y for a, b in zip(outs, ref, strict=True) for x, y in zip(a, b))
+        row["identical_outputs"] = f"{same}/{len(ref)}"
+        row["token_agreement"] = round(agree / sum(map(len, ref)), 4)
+        rows.append(row)
+    rows[0]["kv_cache_dtype"] = "auto (bfloat16)"
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    ap.add_argument("--parts", default="pool,page,chunk", help="comma list of pool,page,chunk")
+    ap.add_argument(
+        "--parts", default="pool,page,chunk,kvdtype", help="comma list of pool,page,chunk,kvdtype"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_tuning.json")
     ap.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall",
@@ -259,7 +327,7 @@ def main() -> int:
     result: dict[str, Any] = {
         k: v
         for k, v in old.items()
-        if k in ("pool_policy", "page_size", "chunk_size", "chunk_size_clock")
+        if k in ("pool_policy", "page_size", "chunk_size", "chunk_size_clock", "kv_cache_dtype")
     }
     result |= {
         "machine": machine_description(),
@@ -280,6 +348,10 @@ def main() -> int:
             "process CPU time, 1 torch thread" if args.clock == "cpu" else "wall clock"
         )
         _print("chunked prefill size (radixkv-tiny, cache off)", result["chunk_size"])
+    if "kvdtype" in parts:
+        result["kv_cache_dtype"] = bench_kv_dtype(args.quick)
+        _print("KV cache dtype, budget ~60% of the hot set in bf16 (radixkv-tiny, bf16)",
+               result["kv_cache_dtype"])  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -21,7 +21,7 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
-from radixkv.kv.kv_pool import KVPool, parse_kv_cache_dtype
+from radixkv.kv.kv_pool import KVPool, load_as, parse_kv_cache_dtype, store_as
 from radixkv.model.loader import LoadedModel, load_model
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -69,6 +69,37 @@ def test_fp8_pool_stores_the_conversion_and_saturates() -> None:
     pool.copy_pages([0, 1], [6, 7])
     assert torch.equal(_bytes(pool.k[:, 6:8]), _bytes(pool.k[:, 0:2]))
     assert torch.equal(_bytes(pool.v[:, 6:8]), _bytes(pool.v[:, 0:2]))
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("wide", [torch.bfloat16, torch.float16, torch.float32])
+def test_load_as_is_exact_on_every_value_a_page_can_hold(
+    fp8: torch.dtype, wide: torch.dtype
+) -> None:
+    """The bit-move conversion gives PyTorch's own conversion on every byte store_as can write
+    (zero and every finite normal value), into a fresh tensor or into ``out``."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8)
+    ref = values.float()
+    exponent = values.view(torch.uint8).bitwise_and(0x78 if fp8 == E4M3 else 0x7C)
+    holdable = torch.isfinite(ref) & ((exponent != 0) | (ref == 0))
+    assert int(holdable.sum()) in (240, 242)  # 256 less NaN/inf and the subnormals
+    assert torch.equal(load_as(values, wide)[holdable], values.to(wide)[holdable])
+    out = torch.full((256,), 7.0, dtype=wide)
+    assert load_as(values, wide, out) is out
+    assert torch.equal(out[holdable], values.to(wide)[holdable])
+    # store_as writes only holdable bytes: saturated, subnormals flushed, round trip exact
+    x = torch.cat([torch.randn(1000) * 50, torch.tensor([1e9, -1e9, float("inf"), 1e-7, -1e-7])])
+    stored = store_as(x, fp8)
+    back = stored.float()
+    assert torch.isfinite(back).all() and back.abs().max() == {E4M3: 448, E5M2: 57344}[fp8]
+    assert back[-2] == 0 and back[-1] == 0
+    assert torch.equal(load_as(stored, wide), stored.to(wide))
+    # a flush-to-zero CPU mode changes nothing: no holdable value is a subnormal, in or out
+    if torch.set_flush_denormal(True):
+        try:
+            assert torch.equal(load_as(values, wide)[holdable], values.to(wide)[holdable])
+        finally:
+            torch.set_flush_denormal(False)
 
 
 def test_a_pool_in_its_own_dtype_is_unchanged() -> None:

@@ -36,6 +36,7 @@ from radixkv.attention.paged_ops import (
     flash_query_rows,
     merge_attention_states,
 )
+from radixkv.kv.kv_pool import load_as
 from radixkv.pages import pages_for
 
 __all__ = [
@@ -130,9 +131,10 @@ def _pages_of(
     given (valid until its next gather)."""
     if c.page_run is not None:
         first, count = c.page_run
-        return cache[first : first + count].to(dtype)  # no copy when already in dtype
+        run = cache[first : first + count]
+        return run if run.dtype == dtype else load_as(run, dtype)
     if buf is None:
-        return cache.index_select(0, c.pages_flat).to(dtype)
+        return load_as(cache.index_select(0, c.pages_flat), dtype)
     return buf.gather(cache, c.pages_flat, dtype)
 
 
@@ -178,13 +180,15 @@ def _fused_kv(
     if c.page_run is not None:
         first, count = c.page_run
         end = first + count
-        k, v = k_cache[first:end].to(dtype), v_cache[first:end].to(dtype)  # copies if stored
-        return _kernel_kv(k, c), _kernel_kv(v, c)  # in another dtype
+        k, v = k_cache[first:end], v_cache[first:end]
+        if k.dtype != dtype:  # stored in another dtype: a converted copy
+            k, v = load_as(k, dtype), load_as(v, dtype)
+        return _kernel_kv(k, c), _kernel_kv(v, c)
     flat = c.pages_flat
     if bufs is None:
         return (
-            _kernel_kv(k_cache.index_select(0, flat).to(dtype), c),
-            _kernel_kv(v_cache.index_select(0, flat).to(dtype), c),
+            _kernel_kv(load_as(k_cache.index_select(0, flat), dtype), c),
+            _kernel_kv(load_as(v_cache.index_select(0, flat), dtype), c),
         )
     n = flat.shape[0]
     kb, vb = bufs[0].reserve(n, k_cache, dtype), bufs[1].reserve(n, v_cache, dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from radixkv.kv.kv_pool import load_as
 from radixkv.pages import pages_for
 
 # PyTorch's CPU flash-attention kernel, which (unlike F.scaled_dot_product_attention) also returns
@@ -117,7 +118,7 @@ class GatherBuffer:
             return torch.index_select(cache, 0, pages, out=out)
         if self._stored is None:
             self._stored = GatherBuffer()
-        return out.copy_(self._stored.gather(cache, pages))
+        return load_as(self._stored.gather(cache, pages), out.dtype, out)
 
 
 def token_slots(page_table: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:
