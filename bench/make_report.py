@@ -62,9 +62,12 @@ SECTIONS: list[tuple[str, str, str]] = [
     ),
     (
         "bench_tuning",
-        "Tuning: pool size, policy, page size, chunk size",
+        "Tuning: pool size, policy, page size, chunk size, KV cache dtype",
         "`bench/bench_tuning.py`: hit rate vs pool size per eviction policy, page-size trade-offs, "
-        "chunked-prefill size vs latency. The [tuning guide](tuning.md) explains the numbers.",
+        "chunked-prefill size vs latency, and `kv_cache_dtype` under a KV budget that holds 60% "
+        "of a hot set of system prompts in bf16 pages (radixkv-tiny in bf16, one request at a "
+        "time; outputs compared with bf16 pages in a pool that holds everything). The "
+        "[tuning guide](tuning.md) explains the numbers.",
     ),
     (
         "bench_engine",

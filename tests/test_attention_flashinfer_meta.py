@@ -28,3 +28,12 @@ def test_needs_cuda_pool() -> None:
     kv = KVPool(1, 4, 16, 2, 64)
     with pytest.raises(ValueError, match="CUDA"):
         FlashInferAttention(kv, 4, 2, 64)
+
+
+def test_refuses_pages_stored_in_another_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    import radixkv.attention.flashinfer_backend as fib
+
+    monkeypatch.setattr(fib, "_require_cuda", lambda device, what: None)
+    kv = KVPool(1, 4, 16, 2, 64, torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"stores torch\.float8_e4m3fn \(kv_cache_dtype\)"):
+        FlashInferAttention(kv, 4, 2, 64)

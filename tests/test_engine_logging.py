@@ -42,7 +42,7 @@ def test_startup_summary_names_what_was_built(
         "model radixkv-tiny-random (LlamaForCausalLM, 2 layers, max context 16384 tokens)",
         "on cpu in float32",
         "attention torch (auto: the KV pool is on cpu (flashinfer needs CUDA))",
-        f"KV pool 48 pages x 8 tokens = 384 tokens ({mib:.1f} MiB)",
+        f"KV pool 48 pages x 8 tokens = 384 tokens ({mib:.1f} MiB, float32)",
         "prefix cache on (lfu eviction)",
     ):
         assert part in line, (part, line)
@@ -77,6 +77,10 @@ def test_backend_choice_and_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fi.reason == "auto: CUDA pool in bfloat16 and flashinfer is installed"
     fp32 = choose_backend("auto", _pool(torch.float32))
     assert (fp32.name, fp32.fallback) == ("torch", True) and "no float32 kernels" in fp32.reason
+    fp8 = KVPool(1, 4, 4, 1, 8, torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    fp8_choice = choose_backend("auto", fp8)  # FlashInfer's fp8 kernels are not in the kit
+    assert (fp8_choice.name, fp8_choice.fallback) == ("torch", True)
+    assert "pages store float8_e4m3fn (kv_cache_dtype)" in fp8_choice.reason
     monkeypatch.setattr(registry, "flashinfer_available", lambda: False)
     missing = choose_backend("auto", _pool(torch.float16))
     assert (missing.name, missing.fallback) == ("torch", True)

@@ -6,6 +6,7 @@ or from storage) while the same memory holds twice the pages of bf16."""
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from engine_helpers import run_checked
 from radixkv.attention.base import BatchLayout
 from radixkv.attention.paged_ops import GatherBuffer
 from radixkv.attention.torch_backend import TorchAttention
+from radixkv.cli import build_parser
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
@@ -269,3 +271,17 @@ def test_cascade_decode_over_fp8_pages(tiny: LoadedModel) -> None:
         if mode == "on":
             assert eng.stats().cascade_steps > 0
     assert outs["on"] == outs["off"]
+
+
+def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-cache-dtype on every command that builds an engine; a bad name is refused."""
+    parser = EngineConfig.add_cli_arguments(argparse.ArgumentParser())
+    assert EngineConfig.from_cli_args(parser.parse_args([])).kv_cache_dtype == "auto"
+    args = parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"])
+    assert EngineConfig.from_cli_args(args).kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    cli = build_parser()
+    for command in (["demo"], ["generate", "x"]):
+        assert cli.parse_args([*command, "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"

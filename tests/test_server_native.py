@@ -755,6 +755,9 @@ def test_model_and_server_info(
         assert info["incremental_streaming_output"] is False  # chunks are cumulative
         assert info["page_size"] == 16 and info["internal_states"][0]["num_running_reqs"] >= 0
         assert info["version"]
+        core = server[1].engine.engine
+        assert info["dtype"] == str(core.kv_pool.compute_dtype).removeprefix("torch.")
+        assert info["kv_cache_dtype"] == core.config.kv_cache_dtype == "auto"
 
 
 def test_health_generate(http: httpx.Client, server: tuple[BackgroundServer, ServerState]) -> None:

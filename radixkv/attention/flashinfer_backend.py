@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
-from radixkv.kv.kv_pool import FP8_DTYPES, KVPool
+from radixkv.kv.kv_pool import KVPool
 from radixkv.pages import pages_for
 
 # The FlashInfer kernel family of every wrapper (prefill, decode, cascade levels). FlashInfer's
@@ -101,9 +101,11 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(
                 f"the flashinfer backend needs a fp16/bf16 model, got {kv_pool.compute_dtype}"
             )
-        if kv_pool.dtype not in (torch.float16, torch.bfloat16, *FP8_DTYPES):
+        if kv_pool.dtype != kv_pool.compute_dtype:
             raise ValueError(
-                f"the flashinfer backend needs a fp16/bf16/fp8 KV pool, got {kv_pool.dtype}"
+                f"the flashinfer backend reads pages in the model's dtype only, this pool "
+                f"stores {kv_pool.dtype} (kv_cache_dtype): use attention_backend='torch', or "
+                "kv_cache_dtype='auto' (FlashInfer's fp8 kernels are not built or checked here)"
             )
         fi = _import_flashinfer()
         dev = kv_pool.device
@@ -155,7 +157,7 @@ class FlashInferAttention(AttentionBackend):
         self._dec_rows = torch.tensor(dec_rows, device=dev) if mixed else None
         common: dict[str, Any] = {
             "q_data_type": pool.compute_dtype,
-            "kv_data_type": pool.dtype,  # fp8 pages are read as stored and upcast in the kernel
+            "kv_data_type": pool.dtype,
             "sm_scale": self.scale,
         }
         if self._has_prefill:

@@ -51,8 +51,15 @@ def choose_backend(name: str, kv_pool: KVPool) -> BackendChoice:
     if device != "cuda":
         return BackendChoice("torch", f"auto: the KV pool is on {device} (flashinfer needs CUDA)")
     dtype = str(kv_pool.compute_dtype).removeprefix("torch.")
-    # FlashInfer has no fp32 kernels (it reads fp8 pages under a bf16/fp16 model)
-    if kv_pool.compute_dtype not in (torch.float16, torch.bfloat16):
+    if kv_pool.dtype != kv_pool.compute_dtype:  # see FlashInferAttention
+        stored = str(kv_pool.dtype).removeprefix("torch.")
+        return BackendChoice(
+            "torch",
+            f"auto: the pages store {stored} (kv_cache_dtype); the flashinfer backend reads "
+            "them in the model's dtype only",
+            fallback=True,
+        )
+    if kv_pool.compute_dtype not in (torch.float16, torch.bfloat16):  # FlashInfer: no fp32
         return BackendChoice(
             "torch",
             f"auto: flashinfer has no {dtype} kernels (serve in bfloat16 or float16 to use it)",
