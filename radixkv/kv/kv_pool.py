@@ -67,6 +67,11 @@ _WIDEN: dict[tuple[torch.dtype, torch.dtype], tuple[torch.dtype, int, int, float
     (torch.float8_e4m3fn, torch.float32): (torch.int32, 20, 0x87FFFFFF, 2.0**120),
     (torch.float8_e5m2, torch.float32): (torch.int32, 21, 0x8FFFFFFF, 2.0**112),
 }
+# the masks as the signed integers with those bits (what bitwise_and_ on int16/int32 takes)
+_WIDEN = {
+    key: (it, shift, mask - (1 << (it.itemsize * 8)) if mask >> (it.itemsize * 8 - 1) else mask, k)
+    for key, (it, shift, mask, k) in _WIDEN.items()
+}
 # the exponent bits of each fp8 format (zero there: a zero or a subnormal) and its largest value
 _FP8_EXPONENT = {torch.float8_e4m3fn: 0x78, torch.float8_e5m2: 0x7C}
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -97,9 +102,6 @@ def load_as(
     if widen is None:
         return stored.to(dtype) if out is None else out.copy_(stored)
     int_dtype, shift, mask, scale = widen
-    bits = 16 if int_dtype == torch.int16 else 32
-    if mask >= 1 << (bits - 1):  # as the signed integer with those bits
-        mask -= 1 << bits
     if out is None:
         out = torch.empty(stored.shape, dtype=dtype, device=stored.device)
     wide = out.view(int_dtype)
@@ -166,12 +168,12 @@ class KVPool:
     ``pt[i // page_size] * page_size + i % page_size``.
 
     ``dtype`` is what the pages store; ``compute_dtype`` is what attention computes in (the
-    model's dtype; by default ``dtype``). When they differ (an fp8 pool under a bf16 model, or a
-    bf16 pool under an fp32 one) :meth:`write` converts the new K/V to ``dtype`` (:func:`store_as`:
-    fp8 saturates instead of overflowing) and readers convert gathered pages back to
-    ``compute_dtype`` (:func:`load_as`). Attention must then see a token's K/V as stored, also in the step that
-    computed it (:meth:`as_stored`): so a prefix served from the cache and the same prefix
-    recomputed give the same outputs.
+    model's dtype; by default ``dtype``). When they differ (an fp8 pool under a bf16 model, or
+    a bf16 pool under an fp32 one) :meth:`write` converts the new K/V to ``dtype``
+    (:func:`store_as`: fp8 saturates instead of overflowing) and readers convert gathered pages
+    back to ``compute_dtype`` (:func:`load_as`). Attention must then see a token's K/V as
+    stored, also in the step that computed it (:meth:`as_stored`): so a prefix served from the
+    cache and the same prefix recomputed give the same outputs.
 
     Buffers start zeroed, so a gather that pads with unused slots never reads NaN garbage.
     """
