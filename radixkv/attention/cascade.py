@@ -131,8 +131,7 @@ def _pages_of(
     given (valid until its next gather)."""
     if c.page_run is not None:
         first, count = c.page_run
-        run = cache[first : first + count]
-        return run if run.dtype == dtype else load_as(run, dtype)
+        return load_as(cache[first : first + count], dtype)  # the view itself when in dtype
     if buf is None:
         return load_as(cache.index_select(0, c.pages_flat), dtype)
     return buf.gather(cache, c.pages_flat, dtype)
@@ -180,9 +179,8 @@ def _fused_kv(
     if c.page_run is not None:
         first, count = c.page_run
         end = first + count
-        k, v = k_cache[first:end], v_cache[first:end]
-        if k.dtype != dtype:  # stored in another dtype: a converted copy
-            k, v = load_as(k, dtype), load_as(v, dtype)
+        # views of the cache, or converted copies when the pages store another dtype
+        k, v = load_as(k_cache[first:end], dtype), load_as(v_cache[first:end], dtype)
         return _kernel_kv(k, c), _kernel_kv(v, c)
     flat = c.pages_flat
     if bufs is None:

@@ -21,6 +21,7 @@ from radixkv.engine.cascade_planner import CASCADE_MODES
 from radixkv.engine.lora import parse_lora_modules
 from radixkv.engine.prefill_cost import PREFILL_BUDGETS
 from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
+from radixkv.kv.kv_pool import KV_CACHE_DTYPES
 from radixkv.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -60,12 +61,6 @@ KEYWORD_ALIASES: dict[str, str] = {
 
 # "auto" and the names parse_dtype knows (vLLM's --dtype choices)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
-# what the KV pages store (vLLM's / SGLang's --kv-cache-dtype): "auto" is the model's dtype;
-# "fp8" is "fp8_e4m3" (as in vLLM). See radixkv.kv.kv_pool.parse_kv_cache_dtype.
-KV_CACHE_DTYPES = (
-    "auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "bf16", "float16", "fp16", "half",
-    "float32",
-)  # fmt: skip
 
 
 def canonical_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,9 @@ _KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "float32": torch.float32,
 }
+# every kv_cache_dtype name (EngineConfig's and the command line's choices, as vLLM's and
+# SGLang's --kv-cache-dtype): "auto" is the model's dtype, "fp8" is "fp8_e4m3" (as in vLLM)
+KV_CACHE_DTYPES = ("auto", *_KV_CACHE_DTYPES)
 
 
 def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -97,7 +100,8 @@ def load_as(
 ) -> torch.Tensor:
     """``stored`` (page values, as :func:`store_as` wrote them) converted to ``dtype``, into
     ``out`` (same shape, contiguous) when given. Exact. fp8 on a CPU goes by bit moves
-    (``_WIDEN``); anything else by ``Tensor.to``."""
+    (``_WIDEN``); anything else by ``Tensor.to``, so without ``out`` a tensor already in
+    ``dtype`` is returned itself, not copied."""
     widen = _WIDEN.get((stored.dtype, dtype)) if stored.device.type == "cpu" else None
     if widen is None:
         return stored.to(dtype) if out is None else out.copy_(stored)
