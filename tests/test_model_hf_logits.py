@@ -166,6 +166,46 @@ def test_llama3_rope_scaling_tied_embeddings(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        # Qwen2.5 / Qwen3's long-context setting (the original context given), old layout
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        # no original context: transformers takes max_position_embeddings
+        {"rope_type": "yarn", "factor": 2.0},
+        # DeepSeek's form: attention factor from mscale / mscale_all_dim, own betas
+        {
+            "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+            "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+         "attention_factor": 1.3, "truncate": False},
+    ],
+)  # fmt: skip
+def test_yarn_rope_scaling(tmp_path: Path, rope: dict[str, Any]) -> None:
+    """YaRN: inverse frequencies and the cos/sin attention factor as transformers computes
+    them, so logits past the original context agree (prefill on cached pages included)."""
+    import transformers
+
+    key = "rope_scaling" if "type" in rope else "rope_parameters"
+    hf = build_hf_model("qwen2", seed=14, **{key: {**rope, "rope_theta": 10000.0}})
+    lm = load_model(save_hf_folder(hf, tmp_path / "m"))
+    assert lm.config.rope_scaling is not None and lm.config.rope_scaling["rope_type"] == "yarn"
+    init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"]
+    inv, factor = init(hf.config, torch.device("cpu"))
+    assert torch.allclose(lm.model.rotary.inv_freq, inv.float(), rtol=1e-6, atol=0)
+    assert lm.model.rotary.attention_factor == pytest.approx(factor, rel=1e-12)
+    assert (factor != 1.0) == (rope["factor"] > 1)
+    ids = _prompt(200, 15)
+    runner = _runner(lm, 16)
+    table = list(range(13))
+    runner.forward([SeqInput(ids[:128], table, 0)])
+    _close(
+        runner.forward([SeqInput(ids[128:], table, 128)], all_logits=True),
+        hf_logits(hf, ids)[128:],
+    )
+
+
 def test_sharded_checkpoint_with_index(tmp_path: Path) -> None:
     hf = build_hf_model("qwen2", seed=12)
     folder = save_hf_folder(hf, tmp_path / "sharded", max_shard_size="40KB")

@@ -148,10 +148,24 @@ def test_missing_config_field(folder: Path) -> None:
 
 
 def test_unsupported_rope_type(folder: Path) -> None:
-    _edit_json(folder / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    _edit_json(folder / "config.json", rope_parameters={"rope_type": "longrope", "factor": 4.0})
     with pytest.raises(
-        ModelLoadError, match=r"field 'rope_parameters': unsupported rope type 'yarn'"
+        ModelLoadError, match=r"field 'rope_parameters': unsupported rope type 'longrope'"
     ):
+        load_model(folder)
+    # dynamic NTK is refused with the reason (a cached prefix would need re-rotating)
+    _edit_json(folder / "config.json", rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ModelLoadError, match=r"'dynamic': dynamic NTK .* prefix cache cannot"):
+        load_model(folder)
+    _edit_json(folder / "config.json", rope_parameters={"rope_type": "yarn", "factor": -4.0})
+    with pytest.raises(
+        ModelLoadError, match=r"field 'rope_parameters\.factor': must be a positive number"
+    ):
+        load_model(folder)
+    _edit_json(
+        folder / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4, "beta_fast": "x"}
+    )
+    with pytest.raises(ModelLoadError, match=r"'rope_parameters\.beta_fast': must be a positive"):
         load_model(folder)
 
 

@@ -25,7 +25,22 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Refused with the reason: dynamic NTK rescales every position whenever a sequence grows past
+# the original context, so a cached prefix's K/V would no longer be what a longer request needs.
+_ROPE_REFUSED = {
+    "dynamic": "dynamic NTK scaling re-rotates every cached token as a sequence grows, which a "
+    "prefix cache cannot reuse; use a static type (yarn, linear) for long contexts",
+}
+# Optional YaRN settings taken over as given (rope_inv_freq and rope_attention_factor read them)
+_YARN_OPTIONAL = (
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+)
 
 
 def parse_dtype(
@@ -129,7 +144,8 @@ class ModelConfig:
         kv_heads = pos_int("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
         head_dim = cfg.get("head_dim") or hidden // heads
         head_dim = pos_int("head_dim", head_dim)
-        rope_theta, rope_scaling = _parse_rope(cfg, file)
+        max_pos = pos_int("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+        rope_theta, rope_scaling = _parse_rope(cfg, file, max_pos)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(
                 file, "hidden_act", f"unsupported {cfg['hidden_act']!r} (silu only)"
@@ -138,7 +154,6 @@ class ModelConfig:
         dtype_field = "torch_dtype" if "torch_dtype" in cfg else "dtype"
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        max_pos = pos_int("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
         # Sliding-window attention is not implemented: contexts are capped at the window instead,
         # where full attention is the same computation.
         window = cfg.get("sliding_window")
@@ -173,9 +188,12 @@ class ModelConfig:
             raise ModelLoadError(file, None, str(exc)) from exc
 
 
-def _parse_rope(cfg: dict[str, Any], file: str) -> tuple[float, dict[str, Any] | None]:
+def _parse_rope(
+    cfg: dict[str, Any], file: str, max_pos: int
+) -> tuple[float, dict[str, Any] | None]:
     """Read RoPE settings from either the classic (``rope_theta`` + ``rope_scaling``) or the
-    newer (``rope_parameters``) config layout."""
+    newer (``rope_parameters``) config layout. ``max_pos``: the config's context length, YaRN's
+    original context when the config leaves it out (as transformers reads it)."""
     params = cfg.get("rope_parameters")
     field_name = "rope_parameters"
     if params is None:
@@ -188,6 +206,8 @@ def _parse_rope(cfg: dict[str, Any], file: str) -> tuple[float, dict[str, Any] |
     if theta is None:
         theta = params.get("rope_theta", 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind in _ROPE_REFUSED:
+        raise ModelLoadError(file, field_name, f"rope type {kind!r}: {_ROPE_REFUSED[kind]}")
     if kind not in ROPE_TYPES:
         raise ModelLoadError(
             file, field_name, f"unsupported rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
@@ -198,8 +218,21 @@ def _parse_rope(cfg: dict[str, Any], file: str) -> tuple[float, dict[str, Any] |
     need = ["factor"]
     if kind == "llama3":
         need += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    if kind == "yarn":
+        old = params.get("original_max_position_embeddings") or max_pos
+        scaling["original_max_position_embeddings"] = old
+        if params.get("factor") is None:  # DeepSeek's form: the factor is the context ratio
+            params["factor"] = max_pos / old
+        scaling.update((k, params[k]) for k in _YARN_OPTIONAL if params.get(k) is not None)
     for key in need:
         if key not in params:
             raise ModelLoadError(file, f"{field_name}.{key}", f"missing for rope type {kind!r}")
         scaling[key] = params[key]
+    for key, value in scaling.items():
+        if key not in ("rope_type", "truncate") and (
+            isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+        ):
+            raise ModelLoadError(
+                file, f"{field_name}.{key}", f"must be a positive number, got {value!r}"
+            )
     return float(theta), scaling

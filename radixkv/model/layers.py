@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embeddings (incl. llama3 scaling), SwiGLU.
+"""Building blocks of the Llama family: RMSNorm, rotary embeddings (linear, llama3 and YaRN
+scaling), SwiGLU.
 
 Numerics follow the Hugging Face reference so fp32 logits agree to ~1e-5: the norm is computed in
 fp32 and cast back before the weight multiply; RoPE angles are ``position * inv_freq`` in fp32.
@@ -58,7 +59,8 @@ def rms_norm_half(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """``[head_dim // 2]`` fp32 inverse frequencies, with ``linear`` or ``llama3`` scaling applied."""
+    """``[head_dim // 2]`` fp32 inverse frequencies, with ``linear``, ``llama3`` or ``yarn``
+    scaling applied (``scaling`` as ModelConfig.rope_scaling holds it)."""
     inv = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
     )
@@ -68,6 +70,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, head_dim, theta, factor, scaling)
     if kind != "llama3":
         raise ValueError(f"unsupported rope type {kind!r}")
     # Llama 3.x: long wavelengths are slowed by `factor`, short ones kept, and the band between
@@ -84,6 +88,52 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(
+    inv: torch.Tensor, head_dim: int, theta: float, factor: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as Qwen2.5/Qwen3 and DeepSeek configs ask for it: dimensions
+    that turn fewer than ``beta_slow`` times over the original context are interpolated (divided
+    by ``factor``), those turning more than ``beta_fast`` times are kept, with a linear ramp over
+    the dimensions in between."""
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a one-dimension ramp would divide by zero
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (inv / factor) * (1 - keep) + inv * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for every other rope type): the config's
+    ``attention_factor``, else ``0.1 * ln(factor) + 1`` (or the ratio of that with ``mscale``
+    and with ``mscale_all_dim``, DeepSeek's form, when both are given)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(float(m)) / mscale(float(m_all))
+    return mscale(1.0)
+
+
 class RotaryEmbedding:
     """Half-rotation RoPE (HF's ``rotate_half`` layout). The cos/sin table grows on demand.
 
@@ -93,6 +143,7 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2] fp32, CPU
+        self.attention_factor = rope_attention_factor(scaling)  # YaRN's; 1.0 otherwise
         # explicit CPU: the model may be built under a ``torch.device("meta")`` context
         self._cos = torch.empty(0, head_dim, device="cpu")
         self._sin = torch.empty(0, head_dim, device="cpu")
@@ -102,7 +153,10 @@ class RotaryEmbedding:
         pos = torch.arange(size, dtype=torch.int64, device="cpu").float()
         freqs = pos.unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [size, D/2] fp32
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self._cos, self._sin = cos.to(device), sin.to(device)
 
     def cos_sin(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, head_dim]`` fp32 for ``positions [T]``; ``max_pos`` bounds the table."""
