@@ -44,38 +44,53 @@ SMALL: dict[str, Any] = {
 }
 
 
-def hf_config(kind: str, **overrides: Any) -> Any:
+# The mixture-of-experts families, each exercising its own options: Mixtral (every layer
+# sparse, weights always renormalized), Qwen2-MoE (a shared expert, only every 2nd layer
+# sparse), Qwen3-MoE (renormalized top-k, layer 1 kept dense by mlp_only_layers).
+MOE: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen2_moe": {
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80, "decoder_sparse_step": 2, "norm_topk_prob": False,
+    },
+    "qwen3_moe": {
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 40,
+        "norm_topk_prob": True, "mlp_only_layers": [1], "head_dim": 32,
+    },
+}  # fmt: skip
+
+
+def _classes(kind: str) -> tuple[Any, Any]:
     import transformers
 
-    cls = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
+    return {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[kind]
+
+
+def hf_config(kind: str, **overrides: Any) -> Any:
     kw = dict(SMALL)
     if kind == "qwen3":
         kw["head_dim"] = 32  # Qwen3 decouples head_dim from hidden_size / heads
     if kind == "mistral":
         kw["sliding_window"] = None
+    kw.update(MOE.get(kind, {}))
     kw.update(overrides)
-    return cls(**kw)
+    return _classes(kind)[0](**kw)
 
 
 @torch.no_grad()
 def build_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
     """A random transformers causal LM of the given family, in fp32, eval mode."""
-    import transformers
-
     cfg = hf_config(kind, **overrides)
-    cls = {
-        "llama": transformers.LlamaForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "qwen3": transformers.Qwen3ForCausalLM,
-    }[kind]
     torch.manual_seed(seed)
-    model = cls(cfg).eval()
+    model = _classes(kind)[1](cfg).eval()
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -84,8 +99,8 @@ def build_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
             p.copy_(0.2 * torch.randn(p.shape, generator=gen))
         elif "embed_tokens" in name:
             p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        else:  # weights [out, in], or experts stacked [E, out, in]: scaled by fan-in
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
     return model
 
 

@@ -20,7 +20,7 @@ from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner, SeqInput
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "qwen3", "mistral"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -52,8 +52,9 @@ def test_architecture_flags(pair: Any) -> None:
     hf, lm = pair
     arch = type(hf).__name__
     assert lm.config.architecture == arch
-    assert lm.config.qkv_bias == (arch == "Qwen2ForCausalLM")
-    assert lm.config.qk_norm == (arch == "Qwen3ForCausalLM")
+    assert lm.config.qkv_bias == arch.startswith("Qwen2")
+    assert lm.config.qk_norm == arch.startswith("Qwen3")
+    assert (lm.config.moe is not None) == ("Moe" in arch or arch == "MixtralForCausalLM")
 
 
 def test_full_and_chunked_prefill(pair: Any) -> None:

@@ -21,7 +21,8 @@ def attention_cost_ratio(model_config: ModelConfig) -> float:
     """``R`` = linear multiply-adds per token / attention multiply-adds per (query, key) pair.
 
     Per layer: q and o projections ``hidden * heads * head_dim`` each, k and v
-    ``hidden * kv_heads * head_dim`` each, a gated MLP ``3 * hidden * intermediate``; attention
+    ``hidden * kv_heads * head_dim`` each, a gated MLP ``3 * hidden * intermediate`` (a
+    mixture-of-experts layer: the width of the experts a token runs through); attention
     does ``heads * head_dim`` for QK^T and again for PV per pair. Embedding and LM head are
     left out (the head runs on sampled rows only). radixkv-tiny: 37,888; Llama-3-8B: 26,624;
     Llama-3-70B: 52,224.
@@ -29,7 +30,7 @@ def attention_cost_ratio(model_config: ModelConfig) -> float:
     h = model_config.hidden_size
     q = model_config.num_heads * model_config.head_dim
     kv = model_config.num_kv_heads * model_config.head_dim
-    linear = 2 * h * q + 2 * h * kv + 3 * h * model_config.intermediate_size
+    linear = 2 * h * q + 2 * h * kv + 3 * h * model_config.active_intermediate_size
     return linear / (2 * q)
 
 

@@ -1,4 +1,5 @@
-"""ModelConfig: the shape and flags of a Llama-family causal LM, parsed from HF config.json."""
+"""ModelConfig: the shape and flags of a Llama-family causal LM, parsed from HF config.json;
+MoEConfig: its mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+}
+# The mixture-of-experts architectures and the weight-name style of their experts (MoEConfig)
+MOE_STYLES: dict[str, str] = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen",
+    "Qwen3MoeForCausalLM": "qwen",
 }
 
 _DTYPES = {
@@ -59,6 +69,51 @@ def parse_dtype(
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Sparse mixture-of-experts feed-forward layers; validated on construction.
+
+    A sparse layer routes each token to its ``top_k`` most probable experts (softmax over the
+    router's logits, in fp32) and sums the experts' SwiGLU outputs weighted by those
+    probabilities, renormalized to sum to 1 when ``norm_topk_prob``.
+    """
+
+    num_experts: int
+    top_k: int  # experts per token (num_experts_per_tok)
+    expert_size: int  # each expert's SwiGLU width (moe_intermediate_size; Mixtral's intermediate)
+    norm_topk_prob: bool = True  # Mixtral always; Qwen's config says (transformers' default off)
+    shared_expert_size: int = 0  # Qwen2-MoE's always-on expert, sigmoid-gated (0: none)
+    sparse_step: int = 1  # every sparse_step-th layer is sparse (decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # dense anyway (mlp_only_layers; width intermediate_size)
+    # checkpoint names of the expert weights: "qwen" = mlp.experts.N.{gate,up,down}_proj,
+    # "mixtral" = block_sparse_moe.experts.N.{w1,w3,w2} (router: mlp.gate / block_sparse_moe.gate)
+    style: str = "qwen"
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "expert_size", "sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"
+            )
+        s = self.shared_expert_size
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"MoEConfig.shared_expert_size must be an int >= 0, got {s!r}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                   for i in self.dense_layers):  # fmt: skip
+            raise ValueError(
+                f"MoEConfig.dense_layers must be layer indices, got {self.dense_layers!r}"
+            )
+        if self.style not in ("qwen", "mixtral"):
+            raise ValueError(f"MoEConfig.style must be 'qwen' or 'mixtral', got {self.style!r}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has experts rather than a dense MLP."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Validated on construction; every size is a positive int."""
 
@@ -83,6 +138,7 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoEConfig | None = None  # the experts of a mixture-of-experts architecture
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -109,10 +165,23 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", "default")
-            if kind not in ROPE_TYPES:
-                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {ROPE_TYPES}")
+        if self.moe is None and self.architecture in MOE_STYLES:
+            raise ValueError(f"ModelConfig: {self.architecture} needs an MoEConfig (moe=)")
+        if self.moe is not None and self.architecture not in MOE_STYLES:
+            raise ValueError(f"ModelConfig: {self.architecture} takes no MoEConfig (moe=None)")
+
+    @property
+    def active_intermediate_size(self) -> float:
+        """SwiGLU width a token runs through per layer, averaged over the layers: the dense
+        width, or for a sparse layer ``top_k`` experts plus the shared one (what a token costs
+        in multiply-adds, not what the model stores)."""
+        moe = self.moe
+        if moe is None:
+            return float(self.intermediate_size)
+        sparse = sum(moe.is_sparse(i) for i in range(self.num_layers))
+        width = moe.top_k * moe.expert_size + moe.shared_expert_size
+        dense = self.num_layers - sparse
+        return (sparse * width + dense * self.intermediate_size) / self.num_layers
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], file: str = "config.json") -> ModelConfig:
@@ -157,7 +226,8 @@ class ModelConfig:
         # Sliding-window attention is not implemented: contexts are capped at the window instead,
         # where full attention is the same computation.
         window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+        mistral_like = arch in ("MistralForCausalLM", "MixtralForCausalLM")
+        if window and cfg.get("use_sliding_window", mistral_like):
             max_pos = min(max_pos, pos_int("sliding_window", window))
         try:
             return cls(
@@ -181,6 +251,7 @@ class ModelConfig:
                 dtype=parse_dtype(dtype_value, file, dtype_field),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                moe=_parse_moe(cfg, file, arch, pos_int) if arch in MOE_STYLES else None,
             )
         except ValueError as exc:
             if isinstance(exc, ModelLoadError):
@@ -236,3 +307,51 @@ def _parse_rope(
                 file, f"{field_name}.{key}", f"must be a positive number, got {value!r}"
             )
     return float(theta), scaling
+
+
+def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoEConfig:
+    """The MoEConfig of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json (fields as transformers
+    names them; Qwen3-MoE's expert count appears as ``num_experts`` or ``num_local_experts``)."""
+    style = MOE_STYLES[arch]
+    key = next((k for k in ("num_experts", "num_local_experts") if k in cfg), "num_experts")
+    if key not in cfg:
+        raise ModelLoadError(file, "num_local_experts" if style == "mixtral" else key, "missing")
+    experts = pos_int(key, cfg[key])
+    if "num_experts_per_tok" not in cfg:
+        raise ModelLoadError(file, "num_experts_per_tok", "missing required field")
+    top_k = pos_int("num_experts_per_tok", cfg["num_experts_per_tok"])
+    if top_k > experts:
+        raise ModelLoadError(
+            file, "num_experts_per_tok", f"{top_k} exceeds the {experts} experts ({key})"
+        )
+    if style == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+        width = pos_int("intermediate_size", cfg.get("intermediate_size"))
+        return MoEConfig(experts, top_k, width, style="mixtral")
+    if "moe_intermediate_size" not in cfg:
+        raise ModelLoadError(file, "moe_intermediate_size", "missing required field")
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        if "shared_expert_intermediate_size" not in cfg:
+            raise ModelLoadError(file, "shared_expert_intermediate_size", "missing required field")
+        shared = cfg["shared_expert_intermediate_size"]
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ModelLoadError(
+                file, "shared_expert_intermediate_size", f"must be an int >= 0, got {shared!r}"
+            )
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense
+    ):
+        raise ModelLoadError(
+            file, "mlp_only_layers", f"must be a list of layer indices, got {dense!r}"
+        )
+    return MoEConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_size=pos_int("moe_intermediate_size", cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_size=shared,
+        sparse_step=pos_int("decoder_sparse_step", cfg.get("decoder_sparse_step", 1)),
+        dense_layers=tuple(dense),
+        style=style,
+    )

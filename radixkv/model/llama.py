@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one module with flags.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE) as one module with flags.
 
 Tokens are ragged: the model sees ``input_ids [T]`` and ``positions [T]`` of all sequences of a
 step concatenated; attention (the only place where sequences matter) is delegated to an
@@ -17,6 +18,7 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.config import ModelConfig
 from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 from radixkv.model.linear import Linear
+from radixkv.model.moe import SparseMoE
 
 
 class Attention(nn.Module):
@@ -62,9 +64,17 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, device=device, dtype=dtype)
-        self.mlp = SwiGLU(
-            cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device=device, dtype=dtype
-        )
+        # the feed-forward block, under the checkpoint's name: "mlp", or Mixtral's experts
+        # "block_sparse_moe"
+        self.ffn_name = "mlp"
+        if cfg.moe is not None and cfg.moe.is_sparse(layer_idx):
+            if cfg.moe.style == "mixtral":
+                self.ffn_name = "block_sparse_moe"
+            self.add_module(self.ffn_name, SparseMoE(cfg, device=device, dtype=dtype))
+        else:
+            self.mlp = SwiGLU(
+                cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device=device, dtype=dtype
+            )
         self.input_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype
         )
@@ -77,11 +87,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The residual stream ``x`` is updated in place when autograd is off (the caller owns
         it: the embedding's output or the previous layer's)."""
+        ffn = self.mlp if self.ffn_name == "mlp" else self.block_sparse_moe
         if torch.is_grad_enabled():
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + ffn(self.post_attention_layernorm(x))
         x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attn))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        return x.add_(ffn(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -177,3 +188,6 @@ class LlamaForCausalLM(nn.Module):
 MistralForCausalLM = LlamaForCausalLM
 Qwen2ForCausalLM = LlamaForCausalLM
 Qwen3ForCausalLM = LlamaForCausalLM
+MixtralForCausalLM = LlamaForCausalLM
+Qwen2MoeForCausalLM = LlamaForCausalLM
+Qwen3MoeForCausalLM = LlamaForCausalLM

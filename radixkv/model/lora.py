@@ -15,7 +15,9 @@ puts a :class:`LoRALayer` on every linear layer an adapter touches (the layer ca
 own matmul; layers no adapter touches do nothing), and takes each step's rows per slot. What is
 refused, at load, with an error naming the file and the problem: DoRA, adapters on the
 embeddings or the LM head, ``modules_to_save``, LoRA biases, pickled ``adapter_model.bin``,
-modules or layers the model does not have, and factor shapes that do not fit it.
+modules or layers the model does not have (a mixture-of-experts layer's experts and router
+among them: on such models adapters reach the attention projections and the dense layers),
+and factor shapes that do not fit it.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def load_lora_adapter(
         if m is None:
             raise ModelLoadError(str(weights_path), key, _unsupported_key(key))
         layer, parent, module, ab = int(m[1]), m[2], m[3], m[4]
+        if "expert" in module:  # PEFT's LoRA on a transformers MoE's fused expert weights
+            raise ModelLoadError(str(weights_path), key, _unsupported_key(f".{module}."))
         if TARGETS.get(module) != parent:
             raise ModelLoadError(
                 str(weights_path), key, f"LoRA on {parent}.{module} is not supported "
@@ -124,6 +128,11 @@ def load_lora_adapter(
             raise ModelLoadError(
                 str(weights_path), key, f"layer {layer} does not exist: the model has "
                 f"{config.num_layers} layers"
+            )  # fmt: skip
+        if parent == "mlp" and config.moe is not None and config.moe.is_sparse(layer):
+            raise ModelLoadError(
+                str(weights_path), key, f"layer {layer} is a mixture-of-experts layer: it has "
+                f"no {module} (LoRA on experts is not supported; attention projections are)"
             )  # fmt: skip
         pairs.setdefault((layer, module), {})[ab] = t
     if not pairs:
@@ -178,7 +187,9 @@ def save_random_adapter(
 ) -> Path:
     """Write a random LoRA adapter for a model with ``config`` into ``folder`` in PEFT's layout
     (for tests, demos and benchmarks: it changes outputs, it has learned nothing). Its deltas
-    are about ``scale`` times as large as a random layer's output. Returns the folder."""
+    are about ``scale`` times as large as a random layer's output (MLP modules only on the
+    layers that have them: a mixture-of-experts layer has experts instead). Returns the
+    folder."""
     from safetensors.torch import save_file
 
     unknown = sorted(set(modules) - set(TARGETS))
@@ -187,7 +198,10 @@ def save_random_adapter(
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_layers):
+        sparse = config.moe is not None and config.moe.is_sparse(layer)
         for m in modules:
+            if sparse and TARGETS[m] == "mlp":
+                continue
             fan_in, fan_out = _shape(config, m)
             key = f"base_model.model.model.layers.{layer}.{TARGETS[m]}.{m}"
             a = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
@@ -288,6 +302,8 @@ def _unsupported_key(key: str) -> str:
         return "LoRA on the LM head is not supported"
     if key.endswith(".bias"):
         return "LoRA biases are not supported"
+    if ".experts." in key or ".block_sparse_moe." in key or ".shared_expert" in key:
+        return "LoRA on a mixture-of-experts layer's experts or router is not supported"
     return "not a LoRA factor of a decoder layer's linear layer"
 
 

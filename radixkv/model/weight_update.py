@@ -66,6 +66,7 @@ COMPUTE_FIELDS = (
     "o_bias",
     "mlp_bias",
     "qk_norm",
+    "moe",
 )
 
 WeightSource = str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
