@@ -92,28 +92,38 @@ FIRST_ID = 3  # ids 0-2 are <unk>, <s>, </s>: prompts use the rest
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------
-def _model_tag() -> str:
-    return f"llama-h512-l4-v32000-s{SEED}"
+@dataclass(frozen=True)
+class Checkpoint:
+    """A random checkpoint every peer runs: transformers' config and model classes (names in
+    ``transformers``) with the config's fields, and the tag its files are cached under."""
+
+    tag: str
+    config_class: str
+    model_class: str
+    config: dict[str, Any]
 
 
-def checkpoint(cache: Path) -> Path:
-    """This benchmark's checkpoint folder under ``cache`` (built when missing), named by the
-    model tag: the other peer scripts share it."""
-    return build_checkpoint(cache / _model_tag())
+LLAMA = Checkpoint(f"llama-h512-l4-v32000-s{SEED}", "LlamaConfig", "LlamaForCausalLM", MODEL)
 
 
-def build_checkpoint(folder: Path) -> Path:
-    """The random Llama saved as a HF folder (fp32 safetensors + tokenizer files); reused when
+def checkpoint(cache: Path, ckpt: Checkpoint = LLAMA) -> Path:
+    """The checkpoint folder under ``cache`` (built when missing), named by its tag: the other
+    peer scripts share it."""
+    return build_checkpoint(cache / ckpt.tag, ckpt)
+
+
+def build_checkpoint(folder: Path, ckpt: Checkpoint = LLAMA) -> Path:
+    """The random model saved as a HF folder (fp32 safetensors + tokenizer files); reused when
     ``folder`` already holds it."""
     marker = folder / "radixkv_bench.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("tag") == _model_tag():
+    if marker.is_file() and json.loads(marker.read_text()).get("tag") == ckpt.tag:
         return folder
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    cfg = transformers.LlamaConfig(**MODEL)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    cfg = getattr(transformers, ckpt.config_class)(**ckpt.config)
+    model = getattr(transformers, ckpt.model_class)(cfg).eval()
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -122,12 +132,13 @@ def build_checkpoint(folder: Path) -> Path:
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:  # unit-variance outputs for unit-variance inputs: logits spread, few ties
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+                # (weights [out, in], or an MoE's experts stacked [E, out, in]: by fan-in)
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.save_pretrained(folder, safe_serialization=True)
-    _write_tokenizer(folder, MODEL["vocab_size"])
-    marker.write_text(json.dumps({"tag": _model_tag(), "config": MODEL}))
+    _write_tokenizer(folder, ckpt.config["vocab_size"])
+    marker.write_text(json.dumps({"tag": ckpt.tag, "config": ckpt.config}))
     return folder
 
 
@@ -212,9 +223,10 @@ def extract_converter(sdist: Path, out: Path) -> Path:
     return script
 
 
-def convert(folder: Path, converter: Path, outtype: str, dest: Path) -> Path:
-    """``folder`` as a GGUF of ``outtype`` (f32, bf16, q8_0), made once by llama.cpp's converter."""
-    out = dest / f"{_model_tag()}-{outtype}.gguf"
+def convert(folder: Path, converter: Path, outtype: str, dest: Path, tag: str = LLAMA.tag) -> Path:
+    """``folder`` (the checkpoint tagged ``tag``) as a GGUF of ``outtype`` (f32, bf16, q8_0),
+    made once by llama.cpp's converter."""
+    out = dest / f"{tag}-{outtype}.gguf"
     if not out.is_file():
         tmp = out.with_suffix(".part")
         done = subprocess.run(
@@ -500,7 +512,7 @@ def f32_checkpoint(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tup
     """This benchmark's checkpoint folder and its f32 GGUF under ``args.cache``; the GGUF is
     converted only when missing (a usage error then without a converter)."""
     folder = checkpoint(args.cache)
-    gguf = args.cache / f"{_model_tag()}-f32.gguf"
+    gguf = args.cache / f"{LLAMA.tag}-f32.gguf"
     if not gguf.is_file():
         converter = args.converter or (
             fetch_converter(args.cache) if args.fetch_converter else None
@@ -535,8 +547,17 @@ def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - t0, out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    ckpt: Checkpoint = LLAMA,
+    results: Path = RESULTS,
+    description: str | None = None,
+    peak_repeats: int = 7,
+) -> int:
+    """The benchmark on ``ckpt`` (other scripts run it on their own checkpoint: a different
+    ``results`` file and ``description``; ``peak_repeats`` is ``--peak-repeats``'s default)."""
+    ap = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 requests, 512 + 32 tokens, 8 new")
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--workloads", default="shared_prefix,no_sharing")
@@ -546,16 +567,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fetch-converter", action="store_true",
                     help="take the converter from the installed llama-cpp-python's sdist (pip)")  # fmt: skip
     ap.add_argument("--cache", type=Path, default=CACHE, help="checkpoint and GGUF files")
-    ap.add_argument("--peak-repeats", type=int, default=7, help="cpu_limit: best of N (0: skip)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--peak-repeats", type=int, default=peak_repeats,
+                    help="cpu_limit: best of N (0: skip)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=results)
     args = ap.parse_args(argv)
 
     from radixkv.model.cpu_bf16 import cpu_bf16
 
     engines = set(args.systems.split(","))
     precisions = set(args.precisions.split(","))
-    folder = checkpoint(args.cache)
-    workloads = {k: v for k, v in make_workloads(args.quick, MODEL["vocab_size"]).items()
+    folder = checkpoint(args.cache, ckpt)
+    workloads = {k: v for k, v in make_workloads(args.quick, ckpt.config["vocab_size"]).items()
                  if k in args.workloads.split(",")}  # fmt: skip
     longest = max(len(p) for w in workloads.values() for p in w.prompts)
     max_tokens = longest + max(w.new_tokens for w in workloads.values())
@@ -577,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("llama.cpp needs --converter PATH or --fetch-converter")
         for outtype, prec in (("f32", "float32"), ("bf16", "bfloat16"), ("q8_0", "q8_0")):
             if prec in precisions:
-                gguf = convert(folder, converter, outtype, args.cache)
+                gguf = convert(folder, converter, outtype, args.cache, ckpt.tag)
                 systems.append(llama_cpp_system(gguf, outtype, max_tokens + 64))
 
     rng = random.Random(SEED)
@@ -622,7 +644,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, "
         f"load average at start {os.getloadavg()[0]:.1f}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "checkpoint": {**MODEL, "saved_dtype": "float32", "seed": SEED},
+        "checkpoint": {
+            "architecture": ckpt.model_class,
+            **ckpt.config,
+            "saved_dtype": "float32",
+            "seed": SEED,
+        },
         "cpu_native_bf16": {"native": bf16.native, "evidence": bf16.evidence},
         "torch_threads": torch.get_num_threads(),
         "versions": versions("torch", "transformers", "llama-cpp-python", "gguf", "radixkv"),

@@ -20,7 +20,7 @@ from lora_helpers import make_peft_adapter, peft_logits
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.prefill_cost import attention_cost_ratio
+from radixkv.engine.prefill_cost import attention_cost_ratio, weights_per_active
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.config import ModelConfig, MoEConfig
 from radixkv.model.errors import ModelLoadError
@@ -144,6 +144,11 @@ def test_active_width_sets_the_prefill_cost() -> None:
     assert dense.active_intermediate_size == 96
     h, q, kv = 64, 64, 32
     assert attention_cost_ratio(cfg) == (2 * h * q + 2 * h * kv + 3 * h * 152) / (2 * q)
+    # a step's fixed cost scales with the weights stored per weight a token runs through
+    attn = 2 * h * q + 2 * h * kv
+    stored = (2 * (60 * 32 + 80) + 2 * 96) / 4
+    assert weights_per_active(cfg) == (attn + 3 * h * stored) / (attn + 3 * h * 152)
+    assert weights_per_active(dense) == 1.0
 
 
 def test_config_errors_name_the_field(pair: Any, tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ from radixkv.engine.logprobs import TokenTexts, prompt_logprobs, step_logprobs
 from radixkv.engine.lora import AdapterNamespace, LoRAInfo, LoRARegistry
 from radixkv.engine.outputs import EngineStats, Logprob, RequestOutput, WeightUpdate
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.prefill_cost import attention_cost_ratio
+from radixkv.engine.prefill_cost import attention_cost_ratio, weights_per_active
 from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
 from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import sample
@@ -150,7 +150,8 @@ class Engine:
             cfg,
             self.seq_kv,
             attention_ratio=attention_cost_ratio(mc),
-            step_overhead_tokens=_STEP_OVERHEAD_TOKENS[self.kv_pool.device.type == "cpu"],
+            step_overhead_tokens=_STEP_OVERHEAD_TOKENS[self.kv_pool.device.type == "cpu"]
+            * weights_per_active(mc),
         )
         # "auto" picks the cascade from MIN_STEP_SAVED_VALUES of K+V saved per layer a step
         token_values = 2 * self.kv_pool.num_kv_heads * self.kv_pool.head_dim

@@ -34,6 +34,29 @@ def attention_cost_ratio(model_config: ModelConfig) -> float:
     return linear / (2 * q)
 
 
+def weights_per_active(model_config: ModelConfig) -> float:
+    """Linear-layer weights a layer stores over those a token runs through (1.0 for a dense
+    model; a mixture-of-experts layer stores every expert and runs ``top_k`` of them).
+
+    A step's fixed cost grows with it: a step of a few tokens reads the weights of every expert
+    they reach, and multiplies each expert's few rows far below the matmul peak, so admitting
+    prefills in larger groups pays more than for a dense model (the engine scales the
+    scheduler's ``step_overhead_tokens`` by it)."""
+    h = model_config.hidden_size
+    q = model_config.num_heads * model_config.head_dim
+    kv = model_config.num_kv_heads * model_config.head_dim
+    attn = 2 * h * q + 2 * h * kv
+    active = attn + 3 * h * model_config.active_intermediate_size
+    moe = model_config.moe
+    if moe is None:
+        return 1.0
+    layers = model_config.num_layers
+    sparse = sum(moe.is_sparse(i) for i in range(layers))
+    stored_width = moe.num_experts * moe.expert_size + moe.shared_expert_size
+    width = (sparse * stored_width + (layers - sparse) * model_config.intermediate_size) / layers
+    return (attn + 3 * h * width) / active
+
+
 def chunk_cost(n: int, past: int, ratio: float | None) -> float:
     """Token-equivalents of computing ``n`` new tokens after ``past`` computed ones
     (``ratio`` None: the plain token count)."""

@@ -132,7 +132,10 @@ class Scheduler:
         admits as many as the budget holds. The engine passes 64 on a CPU (a prefill token of
         radixkv-tiny costs about a quarter of a millisecond per core; a step's overhead and a few
         dozen decode rows about 15 ms) and 1024 on a GPU (where a step's launch and weight-read
-        costs are worth about that many prefill tokens)."""
+        costs are worth about that many prefill tokens), times the model's stored over active
+        linear weights (prefill_cost.weights_per_active: 1 for a dense model, 6.25 for
+        bench_moe_peers.py's 32-expert top-4 model, whose one-request prefill step measured
+        about 150 (fp32) to 265 (bf16) tokens' worth of fixed cost)."""
         self.kv = kv
         self.page_size = config.page_size
         self.max_running = config.max_running_requests
