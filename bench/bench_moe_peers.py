@@ -44,6 +44,7 @@ QWEN3_MOE = bench_peers.Checkpoint(
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    vocab_as_llama=("conversion.qwen", "Qwen3MoeModel"),
 )
 
 

@@ -101,6 +101,10 @@ class Checkpoint:
     config_class: str
     model_class: str
     config: dict[str, Any]
+    # (module, class) of llama.cpp's converter for this architecture when that class would read
+    # the vocabulary as its family's own tokenizer (Qwen's GPT-2 BPE, recognised by a hash of
+    # known pre-tokenizers): it is made to read ours, the Llama-style one, as LlamaModel does
+    vocab_as_llama: tuple[str, str] | None = None
 
 
 LLAMA = Checkpoint(f"llama-h512-l4-v32000-s{SEED}", "LlamaConfig", "LlamaForCausalLM", MODEL)
@@ -223,18 +227,33 @@ def extract_converter(sdist: Path, out: Path) -> Path:
     return script
 
 
-def convert(folder: Path, converter: Path, outtype: str, dest: Path, tag: str = LLAMA.tag) -> Path:
+def convert(
+    folder: Path,
+    converter: Path,
+    outtype: str,
+    dest: Path,
+    tag: str = LLAMA.tag,
+    vocab_as_llama: tuple[str, str] | None = None,
+) -> Path:
     """``folder`` (the checkpoint tagged ``tag``) as a GGUF of ``outtype`` (f32, bf16, q8_0),
-    made once by llama.cpp's converter."""
+    made once by llama.cpp's converter (``vocab_as_llama``: see Checkpoint)."""
     out = dest / f"{tag}-{outtype}.gguf"
     if not out.is_file():
         tmp = out.with_suffix(".part")
-        done = subprocess.run(
-            [sys.executable, str(converter), str(folder), "--outtype", outtype,
-             "--outfile", str(tmp)],
-            capture_output=True,
-            text=True,
-        )  # fmt: skip
+        argv = [str(converter), str(folder), "--outtype", outtype, "--outfile", str(tmp)]
+        command = [sys.executable, *argv]
+        if vocab_as_llama is not None:  # the converter run with that class patched
+            module, cls = vocab_as_llama
+            here = converter.parent
+            command = [sys.executable, "-c", (
+                "import importlib, runpy, sys\n"
+                f"sys.path[:0] = [{str(here)!r}, {str(here / 'gguf-py')!r}]\n"
+                f"c = getattr(importlib.import_module({module!r}), {cls!r})\n"
+                "c.set_vocab = lambda self: self._set_vocab_llama_hf()\n"
+                f"sys.argv = {argv!r}\n"
+                f"runpy.run_path({str(converter)!r}, run_name='__main__')\n"
+            )]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{converter} --outtype {outtype} failed:\n{done.stderr[-4000:]}")
         tmp.rename(out)
@@ -599,7 +618,8 @@ def main(
             ap.error("llama.cpp needs --converter PATH or --fetch-converter")
         for outtype, prec in (("f32", "float32"), ("bf16", "bfloat16"), ("q8_0", "q8_0")):
             if prec in precisions:
-                gguf = convert(folder, converter, outtype, args.cache, ckpt.tag)
+                gguf = convert(folder, converter, outtype, args.cache, ckpt.tag,
+                               ckpt.vocab_as_llama)  # fmt: skip
                 systems.append(llama_cpp_system(gguf, outtype, max_tokens + 64))
 
     rng = random.Random(SEED)
