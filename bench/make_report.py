@@ -160,6 +160,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "4,096-token prefill as a share of it, measured in the same run.",
     ),
     (
+        "bench_moe_peers",
+        "A mixture-of-experts model against the peers",
+        "`bench/bench_moe_peers.py` (`nox -s bench_peers`): `bench_peers.py` on a random "
+        "Qwen3-MoE of the same shapes (hidden 512, 4 layers, vocabulary 32,000; q/k RMSNorm; 32 "
+        "experts of SwiGLU width 384 per layer, each token routed to 4, renormalized: a token "
+        "computes as much as in the dense model's MLP, a layer stores 8x its weights, as in "
+        "Qwen3-30B-A3B), saved in float32; llama.cpp's GGUF files made by its own converter. "
+        "Same workloads, systems, rounds and comparisons as the section above.",
+    ),
+    (
         "bench_serving_peers",
         "Serving against llama.cpp's server",
         "`bench/bench_serving_peers.py` (`nox -s bench_peers`, after the above): the same "
@@ -634,6 +644,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_cascade_bf16": [("", plot_cascade)],
     "bench_vs_sglang": [("", plot_vs_sglang)],
     "bench_peers": [("", plot_peers)],
+    "bench_moe_peers": [("", plot_peers)],
     "bench_serving_peers": [("", plot_serving_peers)],
     "bench_structured_peers": [("", plot_structured_peers)],
     "bench_speculative_peers": [("", plot_speculative_peers)],

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench_peers import extract_converter
+from bench_peers import convert, extract_converter
 
 
 def _sdist(path: Path, files: dict[str, str]) -> Path:
@@ -50,3 +50,34 @@ def test_an_sdist_without_the_converter_is_named(tmp_path: Path) -> None:
     sdist = _sdist(tmp_path / "llama_cpp_python-9.9.9.tar.gz", {"README.md": "no vendor"})
     with pytest.raises(FileNotFoundError, match=r"llama_cpp_python-9\.9\.9\.tar\.gz has no"):
         extract_converter(sdist, tmp_path / "out")
+
+
+def test_a_vocabulary_read_as_llama_s(tmp_path: Path) -> None:
+    """A checkpoint whose architecture's converter class would read its family's own
+    tokenizer (Qwen3-MoE: GPT-2 BPE) is converted with that class reading the Llama-style
+    vocabulary instead; other classes and the plain path are left alone."""
+    conv = tmp_path / "llama.cpp"
+    (conv / "conversion").mkdir(parents=True)
+    (conv / "gguf-py").mkdir()
+    (conv / "conversion" / "__init__.py").write_text("")
+    (conv / "conversion" / "qwen.py").write_text(
+        "class Qwen3MoeModel:\n"
+        "    def set_vocab(self): return 'gpt2'\n"
+        "    def _set_vocab_llama_hf(self): return 'llama_hf'\n"
+    )
+    (conv / "convert_hf_to_gguf.py").write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "sys.path.insert(1, str(Path(__file__).parent / 'gguf-py'))\n"
+        "from conversion.qwen import Qwen3MoeModel\n"
+        "args = sys.argv[1:]\n"
+        "Path(args[args.index('--outfile') + 1]).write_text(\n"
+        "    Qwen3MoeModel().set_vocab() + ' ' + args[0] + ' ' + args[2])\n"
+    )
+    script = conv / "convert_hf_to_gguf.py"
+    folder = tmp_path / "ckpt"
+    patched = convert(folder, script, "q8_0", tmp_path, "moe", ("conversion.qwen", "Qwen3MoeModel"))
+    assert patched == tmp_path / "moe-q8_0.gguf"
+    assert patched.read_text() == f"llama_hf {folder} q8_0"
+    plain = convert(folder, script, "f32", tmp_path, "moe")
+    assert plain.read_text() == f"gpt2 {folder} f32"
