@@ -25,8 +25,8 @@ recorded and the others still run):
   the same hit rate and token-identical greedy outputs, host loads seen, invariants and locks
   clean; a file storage tier across an engine restart (outputs equal, prefix from storage);
   ``dtype="auto"`` gives bf16 on the GPU for the float32 tiny checkpoint;
-* ``sampling``, ``prompt_logprobs``, ``speculative``, ``lora``: those engine features on the GPU
-  (each function's docstring says what it compares).
+* ``sampling``, ``prompt_logprobs``, ``speculative``, ``lora``, ``moe`` (a mixture-of-experts
+  model): those engine features on the GPU (each function's docstring says what it compares).
 
 Results: ``$OUT/gpu_check.json`` and a short table ``$OUT/gpu_check.md`` (``bench/results/``
 when OUT is unset). The attention shapes it runs are :func:`kernel_variants`; bench/gpu_kit.py
@@ -344,6 +344,89 @@ def check_tiny_model() -> dict[str, Any]:
         "argmax_agreement": same.float().mean().item(),
         "clear_argmax_positions": int(clear.sum()), "clear_argmax_mismatches": int((clear & ~same).sum()),
         "ok": diff <= 0.05 * scale and not bool((clear & ~same).any()),
+    }  # fmt: skip
+
+
+def check_moe(device: str = DEV) -> dict[str, Any]:
+    """A mixture-of-experts model on the GPU: a random Qwen3-MoE layout (8 experts, top 2,
+    layer 1 dense; bf16; radixkv-tiny's head shape, so the kit's kernels suffice). Prefill, a
+    chunk on cached pages and decode steps through FlashInfer against the torch backend
+    (logits within 5% of their scale at 95% of positions, greedy equal wherever the top two are
+    clearly apart),
+    then the engine on shared-prefix prompts: outputs mixed in one batch against each prompt
+    alone (bf16 near-ties may flip: most tokens must agree), invariants and locks clean."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+    from radixkv.model.config import ModelConfig, MoEConfig
+    from radixkv.model.llama import LlamaForCausalLM
+    from radixkv.model.loader import LoadedModel
+    from radixkv.model.runner import ModelRunner, SeqInput
+    from radixkv.model.tiny import tiny_config, tiny_tokenizer
+
+    t = tiny_config()
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=t.vocab_size, hidden_size=256,
+        intermediate_size=512, num_layers=3, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim, max_position_embeddings=4096, qk_norm=True, dtype=TINY_DTYPE,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_size=256, dense_layers=(1,)),
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    model = LlamaForCausalLM(cfg, device=device, dtype=TINY_DTYPE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                w = 1.0 + 0.2 * torch.randn(p.shape, generator=gen)
+            elif "embed_tokens" in name:
+                w = torch.randn(p.shape, generator=gen)
+            else:  # [out, in]: unit-variance outputs for unit-variance inputs
+                w = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+            p.copy_(w.to(device=device, dtype=TINY_DTYPE))
+    model.eval()
+    rng = random.Random(0)
+    ids = [rng.randrange(3, cfg.vocab_size) for _ in range(600)]
+    logits = {}
+    for name in ("torch", "flashinfer"):
+        kv = KVPool(cfg.num_layers, 48, 16, cfg.num_kv_heads, cfg.head_dim, TINY_DTYPE, device)
+        runner = ModelRunner(model, kv, backend=name)
+        table = list(range(48))
+        parts = [runner.forward([SeqInput(ids[:300], table, 0)], all_logits=True)]
+        parts.append(runner.forward([SeqInput(ids[300:590], table, 300)], all_logits=True))
+        for i in range(590, 600):  # decode steps
+            parts.append(runner.forward([SeqInput(ids[i : i + 1], table, i)], all_logits=True))
+        logits[name] = torch.cat(parts).float()
+    # per position: a token whose experts' probabilities nearly tie can be routed elsewhere by
+    # the backends' bf16 rounding, and its logits (and a few after it) then differ by more than
+    # rounding, so the bound is on most positions, and greedy must agree wherever the top two
+    # are further apart than that position's difference
+    row_diff = (logits["torch"] - logits["flashinfer"]).abs().amax(-1)
+    scale = logits["torch"].abs().max().item()
+    close = row_diff <= 0.05 * scale
+    same = logits["torch"].argmax(-1) == logits["flashinfer"].argmax(-1)
+    top2 = logits["torch"].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * row_diff
+    eng = Engine(LoadedModel(model, cfg, tiny_tokenizer(), "moe-random"), device=device,
+                 dtype=TINY_DTYPE, num_pages=256)  # fmt: skip
+    system = [rng.randrange(3, cfg.vocab_size) for _ in range(200)]
+    prompts = [system + [rng.randrange(3, cfg.vocab_size) for _ in range(5 + i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    mixed = eng.generate(prompts, params, use_tqdm=False)
+    alone = [eng.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    common = total = 0
+    for m, a in zip(mixed, alone):
+        x, y = m.token_ids, a.token_ids
+        common += next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        total += len(y)
+    eng.check_invariants()
+    locks = sum(n.lock_ref for n in eng.cache.iter_nodes() if n.parent is not None)
+    hits = eng.stats().prefix_cache_hit_tokens
+    return {
+        "tokens": len(ids), "max_abs_diff": row_diff.max().item(), "logit_scale": scale,
+        "close_positions": close.float().mean().item(),
+        "argmax_agreement": same.float().mean().item(),
+        "clear_argmax_mismatches": int((clear & ~same).sum()),
+        "engine_common_prefix_fraction": common / total, "engine_hit_tokens": hits,
+        "ok": close.float().mean().item() >= 0.95 and not bool((clear & ~same).any())
+        and common >= 0.9 * total and locks == 0 and hits > 0,
     }  # fmt: skip
 
 
@@ -702,11 +785,12 @@ def main() -> int:
         _section(result, "prompt_logprobs", check_prompt_logprobs)
         _section(result, "speculative", check_speculative)
         _section(result, "lora", check_lora)
+        _section(result, "moe", check_moe)
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
     sections = (
         "paged", "cascade", "tiny_model", "engine_tiers", "sampling", "prompt_logprobs",
-        "speculative", "lora", "timings", "cascade_timing",
+        "speculative", "lora", "moe", "timings", "cascade_timing",
     )  # fmt: skip
     result["ok"] = "error" not in result and all(
         _rows_ok(result.get(s, {"ok": False})) for s in sections

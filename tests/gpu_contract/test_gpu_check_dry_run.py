@@ -99,6 +99,13 @@ def test_lora_section(fake: FakeFlashInfer) -> None:
     assert row["namespaces"] == 2
 
 
+def test_moe_section(fake: FakeFlashInfer) -> None:
+    row = gpu_check.check_moe("cpu")
+    assert row["ok"], row
+    assert row["clear_argmax_mismatches"] == 0 and row["engine_hit_tokens"] > 0
+    assert _shapes_used(fake) <= set(gpu_check.kernel_variants())
+
+
 def test_table_renders() -> None:
     result = {"ok": False, "device": "x", "paged": [{"ok": True, "max_abs_diff": 1e-3}],
               "cascade": {"ok": False, "error": "boom"}, "timings": {"error": "boom"}}  # fmt: skip
