@@ -229,3 +229,18 @@ def test_no_weights(folder: Path) -> None:
     (folder / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights"):
         load_model(folder)
+
+
+def test_model_config_refuses_unknown_rope_types() -> None:
+    """A ModelConfig built in code (not from config.json) checks its rope type too."""
+    from radixkv.model.config import ModelConfig
+
+    base = dict(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'"):
+        ModelConfig(**base, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    cfg = ModelConfig(**base, rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                            "original_max_position_embeddings": 64})  # fmt: skip
+    assert cfg.rope_scaling is not None

@@ -169,6 +169,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: {self.architecture} needs an MoEConfig (moe=)")
         if self.moe is not None and self.architecture not in MOE_STYLES:
             raise ValueError(f"ModelConfig: {self.architecture} takes no MoEConfig (moe=None)")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", "default")
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {ROPE_TYPES}")
 
     @property
     def active_intermediate_size(self) -> float:
