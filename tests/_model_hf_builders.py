@@ -71,6 +71,7 @@ def _classes(kind: str) -> tuple[Any, Any]:
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }[kind]
 
 
@@ -81,6 +82,9 @@ def hf_config(kind: str, **overrides: Any) -> Any:
     if kind == "mistral":
         kw["sliding_window"] = None
     kw.update(MOE.get(kind, {}))
+    if kind == "granite":  # its scalars away from 1, as in granite-3.x (12, 0.22, 1/128, 16)
+        kw.update(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.07,
+                  logits_scaling=4.0)  # fmt: skip
     kw.update(overrides)
     return _classes(kind)[0](**kw)
 

@@ -19,6 +19,14 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
+}
+# Granite's four scalars (ModelConfig fields of the same names) and transformers' defaults
+GRANITE_SCALARS = {
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": 1.0,
+    "logits_scaling": 1.0,
 }
 # The mixture-of-experts architectures and the weight-name style of their experts (MoEConfig)
 MOE_STYLES: dict[str, str] = {
@@ -139,6 +147,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoEConfig | None = None  # the experts of a mixture-of-experts architecture
+    # Granite's scalars (1.0 / None elsewhere): embeddings times embedding_multiplier, each
+    # sublayer's output times residual_multiplier before its residual add, attention scores
+    # times attention_multiplier instead of 1/sqrt(head_dim) (None), logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -169,6 +184,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: {self.architecture} needs an MoEConfig (moe=)")
         if self.moe is not None and self.architecture not in MOE_STYLES:
             raise ValueError(f"ModelConfig: {self.architecture} takes no MoEConfig (moe=None)")
+        for name in GRANITE_SCALARS:
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
@@ -256,6 +277,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 moe=_parse_moe(cfg, file, arch, pos_int) if arch in MOE_STYLES else None,
+                **(_parse_granite(cfg, file) if arch == "GraniteForCausalLM" else {}),
             )
         except ValueError as exc:
             if isinstance(exc, ModelLoadError):
@@ -359,3 +381,16 @@ def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoECo
         dense_layers=tuple(dense),
         style=style,
     )
+
+
+def _parse_granite(cfg: dict[str, Any], file: str) -> dict[str, float]:
+    """Granite's scalars from its config.json (transformers' defaults where left out)."""
+    out = {}
+    for name, default in GRANITE_SCALARS.items():
+        value = cfg.get(name, default)
+        if value is None:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(file, name, f"must be a positive number, got {value!r}")
+        out[name] = float(value)
+    return out

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
-Qwen2-MoE and Qwen3-MoE) as one module with flags.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE) as one module with flags.
 
 Tokens are ragged: the model sees ``input_ids [T]`` and ``positions [T]`` of all sequences of a
 step concatenated; attention (the only place where sequences matter) is delegated to an
@@ -64,6 +64,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, device=device, dtype=dtype)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1.0 elsewhere
         # the feed-forward block, under the checkpoint's name: "mlp", or Mixtral's experts
         # "block_sparse_moe"
         self.ffn_name = "mlp"
@@ -88,11 +89,12 @@ class DecoderLayer(nn.Module):
         """The residual stream ``x`` is updated in place when autograd is off (the caller owns
         it: the embedding's output or the previous layer's)."""
         ffn = self.mlp if self.ffn_name == "mlp" else self.block_sparse_moe
+        m = self.residual_multiplier
         if torch.is_grad_enabled():
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-            return x + ffn(self.post_attention_layernorm(x))
-        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attn))
-        return x.add_(ffn(self.post_attention_layernorm(x)))
+            x = x + m * self.self_attn(self.input_layernorm(x), cos, sin, attn)
+            return x + m * ffn(self.post_attention_layernorm(x))
+        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attn), alpha=m)
+        return x.add_(ffn(self.post_attention_layernorm(x)), alpha=m)
 
 
 class LlamaModel(nn.Module):
@@ -172,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
             max_position = int(positions.max())
         cos, sin = self.rotary.cos_sin(positions, max_position)
         h = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            h = h * self.config.embedding_multiplier
         # cast once for all layers (apply_rope casts to the activations' dtype, as HF does)
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for layer in self.model.layers:
@@ -181,13 +185,17 @@ class LlamaForCausalLM(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Trunk hidden states ``[R, hidden]`` -> fp32 logits ``[R, vocab]`` (final norm and
         LM head; each row on its own, so the rows can be taken in blocks)."""
-        return self.lm_head(self.model.norm(h)).float()
+        logits = self.lm_head(self.model.norm(h)).float()
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits /= self.config.logits_scaling
+        return logits
 
 
 # HF class names, all the same implementation.
 MistralForCausalLM = LlamaForCausalLM
 Qwen2ForCausalLM = LlamaForCausalLM
 Qwen3ForCausalLM = LlamaForCausalLM
+GraniteForCausalLM = LlamaForCausalLM
 MixtralForCausalLM = LlamaForCausalLM
 Qwen2MoeForCausalLM = LlamaForCausalLM
 Qwen3MoeForCausalLM = LlamaForCausalLM

@@ -67,6 +67,10 @@ COMPUTE_FIELDS = (
     "mlp_bias",
     "qk_norm",
     "moe",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
 )
 
 WeightSource = str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
