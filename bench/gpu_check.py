@@ -315,23 +315,51 @@ def time_cascade(prefix: int, dtype: torch.dtype = TIMING_DTYPE, batch: int = 32
 
 # ------------------------------------------------------------------------------------------------
 # radixkv-tiny end to end
-def check_tiny_model() -> dict[str, Any]:
-    from radixkv.model.loader import load_model
+def _logits_by_backend(
+    model: Any, ids: list[int], num_pages: int, prefill: int, chunk_end: int, device: str
+) -> dict[str, torch.Tensor]:
+    """fp32 logits of every position of ``ids`` through ``model`` on the torch and the
+    FlashInfer backend: a prefill of ``ids[:prefill]``, a chunk on those cached pages up to
+    ``chunk_end``, then one decode step per remaining token (page size 16, ``num_pages``)."""
     from radixkv.model.runner import ModelRunner, SeqInput
 
-    lm = load_model("radixkv-tiny", device=DEV, dtype=TINY_DTYPE)
-    c = lm.config
-    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:900]
+    c = model.config
     logits = {}
     for name in ("torch", "flashinfer"):
-        kv = KVPool(c.num_layers, 64, 16, c.num_kv_heads, c.head_dim, TINY_DTYPE, DEV)
-        runner = ModelRunner(lm.model, kv, backend=name)
-        table = list(range(64))
-        parts = [runner.forward([SeqInput(ids[:500], table, 0)], all_logits=True)]
-        parts.append(runner.forward([SeqInput(ids[500:890], table, 500)], all_logits=True))
-        for i in range(890, 900):  # decode steps
+        kv = KVPool(c.num_layers, num_pages, 16, c.num_kv_heads, c.head_dim, TINY_DTYPE, device)
+        runner = ModelRunner(model, kv, backend=name)
+        table = list(range(num_pages))
+        parts = [runner.forward([SeqInput(ids[:prefill], table, 0)], all_logits=True)]
+        parts.append(
+            runner.forward([SeqInput(ids[prefill:chunk_end], table, prefill)], all_logits=True)
+        )
+        for i in range(chunk_end, len(ids)):  # decode steps
             parts.append(runner.forward([SeqInput(ids[i : i + 1], table, i)], all_logits=True))
         logits[name] = torch.cat(parts).float()
+    return logits
+
+
+def _agreeing_tokens(outs: list[list[int]], refs: list[list[int]]) -> tuple[int, int]:
+    """(leading tokens of each output that agree with its reference, summed; the references'
+    tokens in all)."""
+    common = 0
+    for x, y in zip(outs, refs, strict=True):
+        common += next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return common, sum(len(y) for y in refs)
+
+
+def _drained_locks(eng: Any) -> int:
+    """The engine's invariants checked (raises) and the lock counts left on its trie."""
+    eng.check_invariants()
+    return sum(n.lock_ref for n in eng.cache.iter_nodes() if n.parent is not None)
+
+
+def check_tiny_model() -> dict[str, Any]:
+    from radixkv.model.loader import load_model
+
+    lm = load_model("radixkv-tiny", device=DEV, dtype=TINY_DTYPE)
+    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:900]
+    logits = _logits_by_backend(lm.model, ids, 64, 500, 890, DEV)
     diff = (logits["torch"] - logits["flashinfer"]).abs().max().item()
     scale = logits["torch"].abs().max().item()
     same = logits["torch"].argmax(-1) == logits["flashinfer"].argmax(-1)
@@ -360,7 +388,6 @@ def check_moe(device: str = DEV) -> dict[str, Any]:
     from radixkv.model.config import ModelConfig, MoEConfig
     from radixkv.model.llama import LlamaForCausalLM
     from radixkv.model.loader import LoadedModel
-    from radixkv.model.runner import ModelRunner, SeqInput
     from radixkv.model.tiny import tiny_config, tiny_tokenizer
 
     t = tiny_config()
@@ -384,16 +411,7 @@ def check_moe(device: str = DEV) -> dict[str, Any]:
     model.eval()
     rng = random.Random(0)
     ids = [rng.randrange(3, cfg.vocab_size) for _ in range(600)]
-    logits = {}
-    for name in ("torch", "flashinfer"):
-        kv = KVPool(cfg.num_layers, 48, 16, cfg.num_kv_heads, cfg.head_dim, TINY_DTYPE, device)
-        runner = ModelRunner(model, kv, backend=name)
-        table = list(range(48))
-        parts = [runner.forward([SeqInput(ids[:300], table, 0)], all_logits=True)]
-        parts.append(runner.forward([SeqInput(ids[300:590], table, 300)], all_logits=True))
-        for i in range(590, 600):  # decode steps
-            parts.append(runner.forward([SeqInput(ids[i : i + 1], table, i)], all_logits=True))
-        logits[name] = torch.cat(parts).float()
+    logits = _logits_by_backend(model, ids, 48, 300, 590, device)
     # per position: a token whose experts' probabilities nearly tie can be routed elsewhere by
     # the backends' bf16 rounding, and its logits (and a few after it) then differ by more than
     # rounding, so the bound is on most positions, and greedy must agree wherever the top two
@@ -411,13 +429,8 @@ def check_moe(device: str = DEV) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     mixed = eng.generate(prompts, params, use_tqdm=False)
     alone = [eng.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    common = total = 0
-    for m, a in zip(mixed, alone):
-        x, y = m.token_ids, a.token_ids
-        common += next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        total += len(y)
-    eng.check_invariants()
-    locks = sum(n.lock_ref for n in eng.cache.iter_nodes() if n.parent is not None)
+    common, total = _agreeing_tokens([m.token_ids for m in mixed], [a.token_ids for a in alone])
+    locks = _drained_locks(eng)
     hits = eng.stats().prefix_cache_hit_tokens
     return {
         "tokens": len(ids), "max_abs_diff": row_diff.max().item(), "logit_scale": scale,
@@ -525,10 +538,7 @@ def check_speculative(device: str = DEV) -> dict[str, Any]:
         steps[k] = eng.stats().num_steps
         accepted = max(accepted, eng.stats().speculative_accepted_tokens)
         eng.check_invariants()
-    common = 0
-    for a, b in zip(outs[0], outs[6]):
-        common += next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    total = sum(len(a) for a in outs[0])
+    common, total = _agreeing_tokens(outs[6], outs[0])
     return {
         "steps_plain": steps[0], "steps_spec": steps[6], "accepted": accepted,
         "common_prefix_fraction": common / total,
@@ -574,13 +584,8 @@ def check_lora(device: str = DEV) -> dict[str, Any]:
     eng.reset_prefix_cache()
     mixed = eng.generate(prompts, params, use_tqdm=False, lora=loras)
     alone = [eng.generate([p], params, use_tqdm=False, lora=n)[0] for p, n in zip(prompts, loras)]
-    common = total = 0
-    for m, a in zip(mixed, alone):
-        x, y = m.token_ids, a.token_ids
-        common += next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        total += len(y)
-    eng.check_invariants()
-    locks = sum(n.lock_ref for n in eng.cache.iter_nodes() if n.parent is not None)
+    common, total = _agreeing_tokens([m.token_ids for m in mixed], [a.token_ids for a in alone])
+    locks = _drained_locks(eng)
     return {
         "max_abs_diff": diff, "adapter_moves_logits_by": moved,
         "common_prefix_fraction": common / total, "namespaces": len(eng.cache.namespaces),
