@@ -42,19 +42,14 @@ def weights_per_active(model_config: ModelConfig) -> float:
     they reach, and multiplies each expert's few rows far below the matmul peak, so admitting
     prefills in larger groups pays more than for a dense model (the engine scales the
     scheduler's ``step_overhead_tokens`` by it)."""
-    moe = model_config.moe
-    if moe is None:
+    if model_config.moe is None:
         return 1.0
     h = model_config.hidden_size
     q = model_config.num_heads * model_config.head_dim
     kv = model_config.num_kv_heads * model_config.head_dim
     attn = 2 * h * q + 2 * h * kv
-    active = attn + 3 * h * model_config.active_intermediate_size
-    layers = model_config.num_layers
-    sparse = sum(moe.is_sparse(i) for i in range(layers))
-    stored_width = moe.num_experts * moe.expert_size + moe.shared_expert_size
-    width = (sparse * stored_width + (layers - sparse) * model_config.intermediate_size) / layers
-    return (attn + 3 * h * width) / active
+    stored = attn + 3 * h * model_config.stored_intermediate_size
+    return stored / (attn + 3 * h * model_config.active_intermediate_size)
 
 
 def chunk_cost(n: int, past: int, ratio: float | None) -> float:

@@ -203,10 +203,23 @@ class ModelConfig:
         moe = self.moe
         if moe is None:
             return float(self.intermediate_size)
-        sparse = sum(moe.is_sparse(i) for i in range(self.num_layers))
-        width = moe.top_k * moe.expert_size + moe.shared_expert_size
+        return self._mean_width(moe.top_k * moe.expert_size + moe.shared_expert_size)
+
+    @property
+    def stored_intermediate_size(self) -> float:
+        """SwiGLU width a layer stores, averaged over the layers: the dense width, or for a
+        sparse layer every expert plus the shared one."""
+        moe = self.moe
+        if moe is None:
+            return float(self.intermediate_size)
+        return self._mean_width(moe.num_experts * moe.expert_size + moe.shared_expert_size)
+
+    def _mean_width(self, sparse_width: int) -> float:
+        """Mean over the layers of ``sparse_width`` (sparse layers) and the dense width."""
+        assert self.moe is not None
+        sparse = sum(self.moe.is_sparse(i) for i in range(self.num_layers))
         dense = self.num_layers - sparse
-        return (sparse * width + dense * self.intermediate_size) / self.num_layers
+        return (sparse * sparse_width + dense * self.intermediate_size) / self.num_layers
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], file: str = "config.json") -> ModelConfig:
