@@ -193,8 +193,14 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        if torch.is_grad_enabled():  # autograd needs the intermediate values kept
-            return self.down_proj(F.silu(gate) * self.up_proj(x))
-        # in place: the same values, without two more [T, intermediate] buffers
-        return self.down_proj(F.silu(gate, inplace=True).mul_(self.up_proj(x)))
+        return swiglu(x, self.gate_proj, self.up_proj, self.down_proj)
+
+
+def swiglu(x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``, for SwiGLU and modules that name its layers otherwise
+    (Mixtral's experts)."""
+    g = gate(x)
+    if torch.is_grad_enabled():  # autograd needs the intermediate values kept
+        return down(F.silu(g) * up(x))
+    # in place: the same values, without two more [T, intermediate] buffers
+    return down(F.silu(g, inplace=True).mul_(up(x)))

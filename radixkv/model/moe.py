@@ -18,11 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import SwiGLU
+from radixkv.model.layers import SwiGLU, swiglu
 from radixkv.model.linear import Linear
 
 __all__ = ["MixtralExpert", "SparseMoE"]
@@ -39,10 +38,7 @@ class MixtralExpert(nn.Module):
         self.w2 = Linear(intermediate, hidden, **kw)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x)
-        if torch.is_grad_enabled():
-            return self.w2(F.silu(gate) * self.w3(x))
-        return self.w2(F.silu(gate, inplace=True).mul_(self.w3(x)))
+        return swiglu(x, self.w1, self.w3, self.w2)
 
 
 class SparseMoE(nn.Module):
