@@ -60,8 +60,18 @@ MOE: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+# Sliding-window variants, windows far shorter than the tests' prompts: Mistral (every layer),
+# Qwen2 (layers from max_window_layers on: layer 1 here, layer 0 full)
+WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral_swa": ("mistral", {"sliding_window": 12}),
+    "qwen2_swa": ("qwen2", {"use_sliding_window": True, "sliding_window": 9, "max_window_layers": 1}),
+}  # fmt: skip
+
+
 def _classes(kind: str) -> tuple[Any, Any]:
     import transformers
+
+    kind = WINDOWED[kind][0] if kind in WINDOWED else kind
 
     return {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -76,6 +86,9 @@ def _classes(kind: str) -> tuple[Any, Any]:
 
 
 def hf_config(kind: str, **overrides: Any) -> Any:
+    if kind in WINDOWED:
+        base, window = WINDOWED[kind]
+        return hf_config(base, **{**window, **overrides})
     kw = dict(SMALL)
     if kind == "qwen3":
         kw["head_dim"] = 32  # Qwen3 decouples head_dim from hidden_size / heads

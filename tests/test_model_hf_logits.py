@@ -20,7 +20,8 @@ from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner, SeqInput
 
 ATOL = 1e-4
-KINDS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "granite"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
+         "mistral_swa", "qwen2_swa"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=KINDS)

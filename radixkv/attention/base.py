@@ -90,8 +90,26 @@ class BatchLayout:
                 )
 
 
+def check_layer_windows(layer_windows: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """``layer_windows`` as a tuple of ``num_layers`` windows (empty: all full), or ValueError
+    naming the bad entry."""
+    windows = tuple(layer_windows)
+    if windows and len(windows) != num_layers:
+        raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
+    for i, w in enumerate(windows):
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"layer_windows[{i}] must be an int >= 0 (0: full), got {w!r}")
+    return windows if any(windows) else ()
+
+
 class AttentionBackend(ABC):
     """Paged attention over a :class:`KVPool`.
+
+    Sliding windows: ``layer_windows[l] = W > 0`` makes layer ``l`` attend, from a query at
+    position ``i``, only the keys at positions ``i - W + 1 .. i`` (W keys, itself included: what
+    Hugging Face configs call ``sliding_window``); 0, or an empty tuple for all layers, means
+    every earlier key. Every token's K/V is still written and kept (the prefix cache shares
+    pages between layers of both kinds), so a window saves attention work, not KV memory.
 
     Contract: ``plan`` is called once per step, before any ``forward``; its metadata is reused by
     every layer. ``forward(layer, q, k, v)`` mutates the pool (writes the new tokens' K/V into
@@ -111,6 +129,8 @@ class AttentionBackend(ABC):
         num_kv_heads: int,
         head_dim: int,
         scale: float | None = None,
+        *,
+        layer_windows: Sequence[int] = (),
     ) -> None:
         if num_qo_heads % num_kv_heads != 0:
             raise ValueError(
@@ -126,6 +146,9 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = float(scale) if scale is not None else head_dim**-0.5
+        self.layer_windows = check_layer_windows(layer_windows, kv_pool.num_layers)
+        # the distinct sliding windows, smallest first (empty: every layer attends in full)
+        self.windows = tuple(sorted({w for w in self.layer_windows if w}))
         self.check_layouts = debug_checks_enabled()  # validate each plan()'s layout
         self._slots: torch.Tensor | None = None  # [T] flat pool slot of each new token
         self._num_tokens = 0
@@ -175,3 +198,8 @@ class AttentionBackend(ABC):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Write ``k``/``v`` into the pool for layer ``layer``, attend, return ``[T, Hq, D]``."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``forward`` without the write: the new tokens' K/V are in the pool already and
+        ``k, v`` are them as stored (``KVPool.as_stored``). For backends that wrap others."""
+        raise NotImplementedError(f"{type(self).__name__} attends only through forward()")

@@ -12,6 +12,10 @@ sequences (``rows``): the other sequences of a mixed step (prefills, chunks) are
 wrapped backend, after one write of every new token's K/V. In a busy server most steps mix a
 new request's prefill with everyone else's decodes, so without this the decodes of such steps
 would read every shared prefix once per sequence.
+
+Layers with a sliding window shorter than some planned sequence are not cascaded: a level
+reads a whole shared prefix, most of which such a layer must not see. They attend through a
+second backend of the wrapped kind, planned over the whole batch.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ class CascadeDecodeBackend(AttentionBackend):
 
     def __init__(self, inner: AttentionBackend) -> None:
         super().__init__(
-            inner.kv_pool, inner.num_qo_heads, inner.num_kv_heads, inner.head_dim, inner.scale
-        )
+            inner.kv_pool, inner.num_qo_heads, inner.num_kv_heads, inner.head_dim, inner.scale,
+            layer_windows=inner.layer_windows,
+        )  # fmt: skip
         self.inner = inner
         self.inner_name = inner.name
         self._cascade: CascadePlan | None = None
@@ -62,6 +67,11 @@ class CascadeDecodeBackend(AttentionBackend):
         self._order_t: torch.Tensor | None = None
         self._torch_impl: TorchCascadeAttention | None = None  # last step's: levels reused
         self._mixed: tuple[torch.Tensor, torch.Tensor] | None = None  # (plan's, others') tokens
+        # Sliding windows shorter than some planned row: a cascade level is a whole shared
+        # prefix, so layers with such a window attend through a backend of the inner kind
+        # planned over the whole batch instead (created on the first step that needs it)
+        self._cut: frozenset[int] = frozenset()
+        self._banded: AttentionBackend | None = None
 
     @property
     def supports_mixed(self) -> bool:
@@ -113,6 +123,15 @@ class CascadeDecodeBackend(AttentionBackend):
                 )
         dev = pool.device
         self._plan_slots(layout)
+        self._cut = frozenset(w for w in self.windows if any(layout.num_past[i] >= w for i in rows))
+        if self._cut:
+            if self._banded is None:
+                self._banded = type(self.inner)(
+                    pool, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.scale,
+                    layer_windows=self.layer_windows,
+                )  # type: ignore[call-arg]  # fmt: skip
+            self._banded.check_layouts = False  # this layout was checked above
+            self._banded.plan(layout)
         self._mixed = None
         if mixed:
             self._plan_mixed(layout, rows)
@@ -165,6 +184,9 @@ class CascadeDecodeBackend(AttentionBackend):
     ) -> torch.Tensor:
         k, v = self._write_new_kv(layer, q, k, v)
         pool = self.kv_pool
+        if self._cut and self.layer_windows[layer] in self._cut:
+            assert self._banded is not None
+            return self._banded.attend(layer, q, k, v)
         if self._mixed is not None:
             casc_tok, rest_tok = self._mixed
             assert isinstance(self.inner, TorchAttention)  # plan() checked supports_mixed

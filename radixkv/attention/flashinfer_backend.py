@@ -4,7 +4,8 @@ Per step ``plan`` splits the batch into decode sequences (one new token on top o
 past) and prefill sequences (everything else: fresh prompts, chunks on a cached prefix), builds
 FlashInfer's CSR page metadata (``indptr``/``last_page_len`` int32 on the CPU, page indices int32 on
 the GPU) and plans a ``BatchDecodeWithPagedKVCacheWrapper`` and a
-``BatchPrefillWithPagedKVCacheWrapper`` once; every layer reuses those plans. Per layer ``forward``
+``BatchPrefillWithPagedKVCacheWrapper`` once (and once more per sliding window that some
+sequence of the step is longer than); every layer reuses those plans. Per layer ``forward``
 writes the new K/V into their slots, then runs the planned kernels. The prefill kernel's causal
 mask is aligned bottom-right (query ``i`` of ``n`` new tokens sees ``kv_len - n + i + 1`` keys),
 which is exactly "attend to the past and to the new tokens up to yourself".
@@ -12,6 +13,7 @@ which is exactly "attend to the past and to the new tokens up to yourself".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -80,8 +82,32 @@ class _Csr:
         self.indices = torch.tensor(indices, dtype=torch.int32).to(device)  # GPU
 
 
+class _Kernels:
+    """One planned prefill wrapper and one planned decode wrapper, each with its own workspace
+    (both hold a live plan during the same step), for the layers of one attention window."""
+
+    def __init__(
+        self, fi: Any, num_qo_heads: int, num_kv_heads: int, device: torch.device,
+        workspace_bytes: int,
+    ) -> None:  # fmt: skip
+        # Zeroed: FlashInfer asks for float workspaces initialised to 0 before their first use.
+        self._prefill_ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self._decode_ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._prefill_ws, "NHD", backend=KERNEL_BACKEND
+        )
+        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._decode_ws,
+            "NHD",
+            use_tensor_cores=decode_uses_tensor_cores(num_qo_heads, num_kv_heads),
+            backend=KERNEL_BACKEND,
+        )
+
+
 class FlashInferAttention(AttentionBackend):
-    """Paged attention with FlashInfer's batch prefill and batch decode kernels."""
+    """Paged attention with FlashInfer's batch prefill and batch decode kernels. Layers with a
+    sliding window run the same kernels planned with ``window_left = window - 1`` (a second
+    pair of wrappers per window, planned only in steps where a sequence is longer than it)."""
 
     name = "flashinfer"
 
@@ -93,9 +119,12 @@ class FlashInferAttention(AttentionBackend):
         head_dim: int,
         scale: float | None = None,
         *,
+        layer_windows: Sequence[int] = (),
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ) -> None:
-        super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
+        super().__init__(
+            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
+        )
         _require_cuda(kv_pool.device, "the flashinfer backend (its KV pool)")
         if kv_pool.compute_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
@@ -107,25 +136,21 @@ class FlashInferAttention(AttentionBackend):
                 f"stores {kv_pool.dtype} (kv_cache_dtype): use attention_backend='torch', or "
                 "kv_cache_dtype='auto' (FlashInfer's fp8 kernels are not built or checked here)"
             )
-        fi = _import_flashinfer()
-        dev = kv_pool.device
-        # Separate workspaces: both wrappers hold a live plan during the same step. Zeroed:
-        # FlashInfer asks for float workspaces initialised to 0 before their first use.
-        self._prefill_ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
-        self._decode_ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
-        self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(
-            self._prefill_ws, "NHD", backend=KERNEL_BACKEND
-        )
-        self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._decode_ws,
-            "NHD",
-            use_tensor_cores=decode_uses_tensor_cores(num_qo_heads, num_kv_heads),
-            backend=KERNEL_BACKEND,
-        )
+        self._fi = _import_flashinfer()
+        self._workspace_bytes = workspace_bytes
+        self._full = self._new_kernels()
+        self._by_window: dict[int, _Kernels] = {}  # created on the first step that needs one
+        self._active: dict[int, _Kernels] = {}  # this step's: windows some sequence exceeds
         self._pre_rows: torch.Tensor | None = None  # token rows of prefill seqs (mixed batch)
         self._dec_rows: torch.Tensor | None = None
         self._has_prefill = False
         self._has_decode = False
+
+    def _new_kernels(self) -> _Kernels:
+        return _Kernels(
+            self._fi, self.num_qo_heads, self.num_kv_heads, self.kv_pool.device,
+            self._workspace_bytes,
+        )  # fmt: skip
 
     def plan(self, layout: BatchLayout) -> None:
         pool = self.kv_pool
@@ -155,52 +180,62 @@ class FlashInferAttention(AttentionBackend):
         mixed = self._has_prefill and self._has_decode
         self._pre_rows = torch.tensor(pre_rows, device=dev) if mixed else None
         self._dec_rows = torch.tensor(dec_rows, device=dev) if mixed else None
+        pre = _Csr(pre_tables, pre_lens, ps, dev) if pre_tables else None
+        dec = _Csr(dec_tables, dec_lens, ps, dev) if dec_tables else None
+        qo = torch.tensor(pre_qo, dtype=torch.int32)
+        self._plan_kernels(self._full, qo, pre, dec, -1)
+        longest = max(pre_lens + dec_lens)
+        self._active = {}
+        for w in self.windows:
+            if longest > w:
+                kernels = self._by_window.get(w) or self._by_window.setdefault(
+                    w, self._new_kernels()
+                )
+                self._plan_kernels(kernels, qo, pre, dec, w - 1)
+                self._active[w] = kernels
+
+    def _plan_kernels(
+        self, kernels: _Kernels, qo: torch.Tensor, pre: _Csr | None, dec: _Csr | None,
+        window_left: int,
+    ) -> None:  # fmt: skip
+        pool = self.kv_pool
         common: dict[str, Any] = {
             "q_data_type": pool.compute_dtype,
             "kv_data_type": pool.dtype,
             "sm_scale": self.scale,
+            "window_left": window_left,  # -1: no window
         }
-        if self._has_prefill:
-            csr = _Csr(pre_tables, pre_lens, ps, dev)
-            self._prefill.plan(
-                torch.tensor(pre_qo, dtype=torch.int32),
-                csr.indptr,
-                csr.indices,
-                csr.last_page_len,
-                self.num_qo_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                ps,
-                causal=True,
-                **common,
+        args = (self.num_qo_heads, self.num_kv_heads, self.head_dim, pool.page_size)
+        if pre is not None:
+            kernels.prefill.plan(
+                qo, pre.indptr, pre.indices, pre.last_page_len, *args, causal=True, **common
             )
-        if self._has_decode:
-            csr = _Csr(dec_tables, dec_lens, ps, dev)
-            self._decode.plan(
-                csr.indptr,
-                csr.indices,
-                csr.last_page_len,
-                self.num_qo_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                ps,
-                pos_encoding_mode="NONE",
+        if dec is not None:
+            kernels.decode.plan(
+                dec.indptr, dec.indices, dec.last_page_len, *args, pos_encoding_mode="NONE",
                 **common,
-            )
+            )  # fmt: skip
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self._write_new_kv(layer, q, k, v)
+        k, v = self._write_new_kv(layer, q, k, v)
+        return self.attend(layer, q, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``forward`` without the write (FlashInfer reads the new tokens' K/V from the pool)."""
         pool = self.kv_pool
         cache = (pool.k[layer], pool.v[layer])
+        kernels = self._full
+        if self._active and self.layer_windows[layer] in self._active:
+            kernels = self._active[self.layer_windows[layer]]
         q = q.contiguous()
         if not self._has_decode:
-            return self._prefill.run(q, cache)
+            return kernels.prefill.run(q, cache)
         if not self._has_prefill:
-            return self._decode.run(q, cache)
+            return kernels.decode.run(q, cache)
         assert self._pre_rows is not None and self._dec_rows is not None
         out = torch.empty_like(q)
-        out[self._pre_rows] = self._prefill.run(q[self._pre_rows], cache)
-        out[self._dec_rows] = self._decode.run(q[self._dec_rows], cache)
+        out[self._pre_rows] = kernels.prefill.run(q[self._pre_rows], cache)
+        out[self._dec_rows] = kernels.decode.run(q[self._dec_rows], cache)
         return out

@@ -9,6 +9,7 @@ leaves a CUDA pool on the torch kernels). flashinfer is only imported inside
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,13 +87,19 @@ def get_backend(
     num_kv_heads: int,
     head_dim: int,
     scale: float | None = None,
+    layer_windows: Sequence[int] = (),
 ) -> AttentionBackend:
-    """Construct the named backend over ``kv_pool``."""
+    """Construct the named backend over ``kv_pool``; ``layer_windows``: each layer's sliding
+    window (see :class:`AttentionBackend`; empty: every layer attends in full)."""
     resolved = resolve_backend_name(name, kv_pool)
     if resolved == "torch":
         from radixkv.attention.torch_backend import TorchAttention
 
-        return TorchAttention(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
+        return TorchAttention(
+            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
+        )
     from radixkv.attention.flashinfer_backend import FlashInferAttention  # checks: CUDA pool
 
-    return FlashInferAttention(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
+    return FlashInferAttention(
+        kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
+    )

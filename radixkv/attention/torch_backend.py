@@ -27,6 +27,7 @@ SDPA reads it, and never touches freshly allocated memory (page faults cost more
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,13 +64,26 @@ class _Prefill:
 
 
 @dataclass
+class _WindowChunk:
+    """New tokens ``start .. end-1`` of a sequence longer than a sliding window: they attend
+    the ``num_keys`` tokens held by ``pages`` from the first page's first slot, under ``mask``."""
+
+    start: int
+    end: int
+    pages: torch.Tensor  # [n_pages] int64
+    num_keys: int
+    mask: torch.Tensor  # [end - start, num_keys] bool (True = attend): causal and in the window
+
+
+@dataclass
 class _DecodeGroup:
     rows: torch.Tensor  # [g] rows of these sequences' tokens in the ragged batch
     first_row: int  # rows are first_row .. first_row+g-1 when contiguous, else -1
     pages: torch.Tensor  # [g * max_pages] int64, each sequence padded with a valid page
     num_seqs: int
     kv_len: int  # keys per sequence after padding, trimmed to the longest sequence
-    mask: torch.Tensor | None  # [g, 1, 1, kv_len] bool (True = attend); None without padding
+    # [g, 1, 1, kv_len] bool (True = attend); None without padding or keys before a window
+    mask: torch.Tensor | None
 
 
 class TorchAttention(AttentionBackend):
@@ -84,10 +98,17 @@ class TorchAttention(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         scale: float | None = None,
+        *,
+        layer_windows: Sequence[int] = (),
     ) -> None:
-        super().__init__(kv_pool, num_qo_heads, num_kv_heads, head_dim, scale)
-        self._prefills: list[_Prefill] = []
+        super().__init__(
+            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
+        )
+        self._prefills: list[_Prefill | _WindowChunk] = []
         self._groups: list[_DecodeGroup] = []
+        # window -> (prefill items, decode groups) of the step for the layers with that window;
+        # only windows some sequence of the step is longer than (the others attend in full)
+        self._windowed: dict[int, tuple[list[_Prefill | _WindowChunk], list[_DecodeGroup]]] = {}
         self._kbuf = GatherBuffer()
         self._vbuf = GatherBuffer()
         on_cpu = kv_pool.device.type == "cpu"
@@ -115,20 +136,74 @@ class TorchAttention(AttentionBackend):
         if self.check_layouts:
             layout.validate(ps, pool.num_pages)
         self._plan_slots(layout)
-        prefills: list[_Prefill] = []
-        decodes: list[tuple[int, list[int], int]] = []  # (row, pages, kv_len)
+        prefills: list[_Prefill | _WindowChunk] = []
+        decodes: list[tuple[int, list[int], int, int]] = []  # (row, pages, kv_len, skipped)
         start = 0
         for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
             total = past + new
             n_pages = pages_for(total, ps)
             if new == 1 and past > 0:
-                decodes.append((start, list(pt[:n_pages]), total))
+                decodes.append((start, list(pt[:n_pages]), total, 0))
             else:
                 pt_cpu = torch.tensor(pt[:n_pages], dtype=torch.int64)
                 prefills.append(self._plan_prefill(start, past, new, pt_cpu))
             start += new
         self._prefills = prefills
         self._groups = self._plan_decode(decodes)
+        longest = max(p + n for p, n in zip(layout.num_past, layout.num_new, strict=True))
+        self._windowed = {
+            w: self._plan_window(layout, w, prefills) for w in self.windows if longest > w
+        }
+
+    def _plan_window(
+        self, layout: BatchLayout, window: int, full: list[_Prefill | _WindowChunk]
+    ) -> tuple[list[_Prefill | _WindowChunk], list[_DecodeGroup]]:
+        """The step for layers with sliding window ``window``: a sequence no longer than the
+        window attends as in full (its item of ``full``, the full plan's prefill items); a
+        longer one reads only the pages holding its window (decode: a group key mask hides
+        the slots before the window; prefill: query chunks under causal band masks)."""
+        ps = self.kv_pool.page_size
+        items: list[_Prefill | _WindowChunk] = []
+        decodes: list[tuple[int, list[int], int, int]] = []
+        long_decode = False
+        start = k = 0
+        for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
+            total = past + new
+            if new == 1 and past > 0:
+                lo = max(0, total - window)  # first key in the window
+                first = lo // ps
+                long_decode |= lo > 0
+                decodes.append((start, list(pt[first : pages_for(total, ps)]),
+                                total - first * ps, lo - first * ps))  # fmt: skip
+            else:
+                items.extend(
+                    [full[k]]
+                    if total <= window
+                    else self._window_chunks(start, past, new, pt, window)
+                )
+                k += 1
+            start += new
+        return items, (self._plan_decode(decodes) if long_decode else self._groups)
+
+    def _window_chunks(
+        self, start: int, past: int, new: int, pt: Sequence[int], window: int
+    ) -> list[_WindowChunk]:
+        """Query chunks of a prefill longer than ``window`` (rows ``start ..``): each gathers
+        the pages from its first query's window start to its last query."""
+        ps, dev = self.kv_pool.page_size, self.kv_pool.device
+        chunks = []
+        for a in range(0, new, PREFILL_QUERY_CHUNK):
+            b = min(new, a + PREFILL_QUERY_CHUNK)
+            first, end = past + a, past + b  # query positions first .. end-1
+            base = max(0, first - window + 1) // ps * ps  # position of the first gathered key
+            rows = torch.arange(first, end).unsqueeze(1)
+            cols = torch.arange(base, end).unsqueeze(0)
+            mask = (cols <= rows) & (cols > rows - window)
+            pages = torch.tensor(pt[base // ps : pages_for(end, ps)], dtype=torch.int64)
+            chunks.append(
+                _WindowChunk(start + a, start + b, pages.to(dev), end - base, mask.to(dev))
+            )
+        return chunks
 
     def _plan_prefill(self, start: int, past: int, new: int, pt_cpu: torch.Tensor) -> _Prefill:
         dev = self.kv_pool.device
@@ -147,7 +222,10 @@ class TorchAttention(AttentionBackend):
             chunks.append((a, b, mask))
         return _Prefill(start, start + new, past, pt_cpu.to(dev), chunks)
 
-    def _plan_decode(self, decodes: list[tuple[int, list[int], int]]) -> list[_DecodeGroup]:
+    def _plan_decode(self, decodes: list[tuple[int, list[int], int, int]]) -> list[_DecodeGroup]:
+        """Groups of decode sequences ``(row, pages, kv_len, skipped)``: ``kv_len`` tokens from
+        the first page's first slot, of which the first ``skipped`` are masked (before a
+        sliding window)."""
         pool = self.kv_pool
         page_bytes = 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
         page_bytes *= pool.compute_dtype.itemsize  # what a group's gathered pages take
@@ -176,20 +254,24 @@ class TorchAttention(AttentionBackend):
             i += n
         return groups
 
-    def _make_group(self, seqs: list[tuple[int, list[int], int]]) -> _DecodeGroup:
+    def _make_group(self, seqs: list[tuple[int, list[int], int, int]]) -> _DecodeGroup:
         dev = self.kv_pool.device
-        rows = [r for r, _, _ in seqs]
-        lens = [n for _, _, n in seqs]
-        max_pages = max(len(p) for _, p, _ in seqs)
+        rows = [r for r, _, _, _ in seqs]
+        lens = [n for _, _, n, _ in seqs]
+        skipped = [s for _, _, _, s in seqs]
+        max_pages = max(len(p) for _, p, _, _ in seqs)
         flat: list[int] = []
-        for _, p, _ in seqs:
+        for _, p, _, _ in seqs:
             flat.extend(p + [p[0]] * (max_pages - len(p)))
         kv_len = max(lens)
         mask = None
-        if any(n != kv_len for n in lens):
-            lens_t = torch.tensor(lens, dtype=torch.int64)
-            mask = (torch.arange(kv_len).unsqueeze(0) < lens_t.unsqueeze(1)).to(dev)
-            mask = mask[:, None, None, :]
+        if any(n != kv_len for n in lens) or any(skipped):
+            keys = torch.arange(kv_len).unsqueeze(0)
+            lens_t = torch.tensor(lens, dtype=torch.int64).unsqueeze(1)
+            mask = keys < lens_t
+            if any(skipped):
+                mask &= keys >= torch.tensor(skipped, dtype=torch.int64).unsqueeze(1)
+            mask = mask.to(dev)[:, None, None, :]
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         return _DecodeGroup(
             rows=torch.tensor(rows, dtype=torch.int64, device=dev),
@@ -214,9 +296,15 @@ class TorchAttention(AttentionBackend):
         pool = self.kv_pool
         kc, vc = pool.k[layer], pool.v[layer]
         out = torch.empty_like(q)
-        for item in self._prefills:
-            self._attend_prefill(item, q, k, v, kc, vc, out)
-        for group in self._groups:
+        prefills, groups = self._prefills, self._groups
+        if self._windowed and self.layer_windows[layer] in self._windowed:
+            prefills, groups = self._windowed[self.layer_windows[layer]]
+        for item in prefills:
+            if isinstance(item, _WindowChunk):
+                self._attend_window_chunk(item, q, kc, vc, out)
+            else:
+                self._attend_prefill(item, q, k, v, kc, vc, out)
+        for group in groups:
             if group.first_row >= 0:
                 rows = slice(group.first_row, group.first_row + group.num_seqs)
                 out[rows] = self._attend_decode(group, q[rows], kc, vc)
@@ -224,6 +312,18 @@ class TorchAttention(AttentionBackend):
                 o = self._attend_decode(group, q.index_select(0, group.rows), kc, vc)
                 out.index_copy_(0, group.rows, o)
         return out
+
+    def _attend_window_chunk(
+        self, item: _WindowChunk, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        s, e = item.start, item.end
+        keys, vals = self._paged_kv(kc, vc, item.pages, item.num_keys)
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=item.mask,
+            scale=self.scale, enable_gqa=True,
+        )  # fmt: skip
+        out[s:e] = o[0].transpose(0, 1)
 
     def _attend_decode(
         self, group: _DecodeGroup, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor

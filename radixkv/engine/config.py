@@ -262,7 +262,7 @@ class EngineConfig:
             aliases=("--disable-regex-jump-forward",),  # SGLang
         ),
     )
-    # None: the model's max_position_embeddings (capped at sliding_window where it applies)
+    # None: the model's max_position_embeddings
     max_model_len: int | None = field(
         default=None,
         metadata=_cli(

@@ -1105,7 +1105,7 @@ def _max_context(model_max: int, max_model_len: int | None) -> int:
     if max_model_len > model_max:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's context length {model_max} "
-            "(max_position_embeddings / sliding_window in its config.json)"
+            "(max_position_embeddings in its config.json)"
         )
     return max_model_len
 

@@ -43,6 +43,9 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (_FULL, _SLIDING)  # ModelConfig.layer_types entries (HF's names)
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Refused with the reason: dynamic NTK rescales every position whenever a sequence grows past
 # the original context, so a cached prefix's K/V would no longer be what a longer request needs.
@@ -154,6 +157,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Sliding-window attention: layer i attends only its last ``sliding_window`` keys when
+    # layer_types[i] == "sliding_attention" (HF's names); empty layer_types: every layer full
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -190,10 +197,35 @@ class ModelConfig:
                 isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
             ):
                 raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_layers} layers"
+                )
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if bad:
+                raise ValueError(
+                    f"ModelConfig.layer_types: unknown type {bad[0]!r}; use one of {LAYER_TYPES}"
+                )
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int, got {w!r}")
+        if w is None and "sliding_attention" in self.layer_types:
+            raise ValueError("ModelConfig: sliding_attention layers need a sliding_window")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {ROPE_TYPES}")
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window in tokens (0: full attention); empty when no layer has
+        one (what the attention backends take as ``layer_windows``)."""
+        if self.sliding_window is None or "sliding_attention" not in self.layer_types:
+            return ()
+        return tuple(self.sliding_window if t == "sliding_attention" else 0
+                     for t in self.layer_types)  # fmt: skip
 
     @property
     def active_intermediate_size(self) -> float:
@@ -261,19 +293,15 @@ class ModelConfig:
         dtype_field = "torch_dtype" if "torch_dtype" in cfg else "dtype"
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        # Sliding-window attention is not implemented: contexts are capped at the window instead,
-        # where full attention is the same computation.
-        window = cfg.get("sliding_window")
-        mistral_like = arch in ("MistralForCausalLM", "MixtralForCausalLM")
-        if window and cfg.get("use_sliding_window", mistral_like):
-            max_pos = min(max_pos, pos_int("sliding_window", window))
+        num_layers = pos_int("num_hidden_layers", req("num_hidden_layers"))
+        window, layer_types = _parse_windows(cfg, file, arch, num_layers, pos_int)
         try:
             return cls(
                 architecture=arch,
                 vocab_size=pos_int("vocab_size", req("vocab_size")),
                 hidden_size=hidden,
                 intermediate_size=pos_int("intermediate_size", req("intermediate_size")),
-                num_layers=pos_int("num_hidden_layers", req("num_hidden_layers")),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
@@ -291,6 +319,8 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 moe=_parse_moe(cfg, file, arch, pos_int) if arch in MOE_STYLES else None,
                 **(_parse_granite(cfg, file) if arch == "GraniteForCausalLM" else {}),
+                sliding_window=window,
+                layer_types=layer_types,
             )
         except ValueError as exc:
             if isinstance(exc, ModelLoadError):
@@ -346,6 +376,44 @@ def _parse_rope(
                 file, f"{field_name}.{key}", f"must be a positive number, got {value!r}"
             )
     return float(theta), scaling
+
+
+def _parse_windows(
+    cfg: dict[str, Any], file: str, arch: str, num_layers: int, pos_int: Any
+) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` as transformers reads them for ``arch``: Mistral and
+    Mixtral window every layer when ``sliding_window`` is set, Qwen3-MoE when
+    ``use_sliding_window`` is on too; Qwen2/Qwen3 (and Qwen2-MoE) follow ``use_sliding_window``
+    and the config's ``layer_types``, else window the layers from ``max_window_layers`` on
+    (Qwen2-MoE: every other layer below it); Llama and Granite have no windows."""
+    window = cfg.get("sliding_window")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        on = window is not None
+    elif arch.startswith(("Qwen2", "Qwen3")):
+        on = bool(cfg.get("use_sliding_window", False)) and window is not None
+    else:
+        on = False
+    if not on:
+        return None, ()
+    window = pos_int("sliding_window", window)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return window, ("sliding_attention",) * num_layers
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ModelLoadError(file, "max_window_layers", f"must be an int >= 0, got {first!r}")
+        if arch == "Qwen2MoeForCausalLM":
+            types = [_SLIDING if i % 2 == 0 and i < first else _FULL for i in range(num_layers)]
+        else:
+            types = [_SLIDING if i >= first else _FULL for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or any(
+        t not in LAYER_TYPES for t in types
+    ):
+        raise ModelLoadError(
+            file, "layer_types", f"must list {LAYER_TYPES} for each of the {num_layers} layers"
+        )
+    return window, tuple(types)
 
 
 def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoEConfig:

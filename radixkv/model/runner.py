@@ -103,6 +103,7 @@ class ModelRunner:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             scale=cfg.attention_multiplier,  # None: 1/sqrt(head_dim); Granite's own
+            layer_windows=cfg.layer_windows,  # sliding windows (Mistral, some Qwen configs)
         )
         self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
         self.attn.check_layouts = self.check_inputs  # the backend validates each layout

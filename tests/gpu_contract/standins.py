@@ -406,7 +406,10 @@ class _WrapperStandIn:
             "radixkv applies RoPE itself: pos_encoding_mode must be 'NONE'",
         )
         _need(a.get("logits_soft_cap") in (None, 0.0), name, "no logits soft cap")
-        _need(a.get("window_left", -1) == -1, name, "no sliding window")
+        wl = a.get("window_left", -1)
+        _need(
+            isinstance(wl, int) and wl >= -1, name, f"window_left must be an int >= -1, got {wl!r}"
+        )
         sm = a["sm_scale"]
         _need(
             sm is None or (isinstance(sm, float) and sm > 0),
@@ -502,12 +505,17 @@ class _WrapperStandIn:
                 qq = q[qo[i] : qo[i + 1]].float()  # [n_q, Hq, D]
                 s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
                 n_q = qq.shape[0]
+                pos = (n_kv - n_q + torch.arange(n_q))[:, None]  # bottom-right aligned
+                keys = torch.arange(n_kv)[None, :]
+                seen = torch.ones(n_q, n_kv, dtype=torch.bool)
                 if causal:
                     _need(
                         n_q <= n_kv, "run", f"causal request {i} has {n_q} queries over {n_kv} keys"
                     )
-                    seen = torch.arange(n_kv)[None, :] <= (n_kv - n_q + torch.arange(n_q))[:, None]
-                    s = s.masked_fill(~seen[None], float("-inf"))
+                    seen &= keys <= pos
+                if p.get("window_left", -1) >= 0:  # keys pos - window_left .. pos
+                    seen &= keys >= pos - p["window_left"]
+                s = s.masked_fill(~seen[None], float("-inf"))
                 out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(
                     out.dtype
                 )
@@ -559,6 +567,7 @@ class _PrefillStandIn(_WrapperStandIn):
             "page_size": a["page_size"], "q_data_type": a["q_data_type"], "kv_data_type": a["kv_data_type"],
             "sm_scale": a["sm_scale"], "causal": a["causal"], "qo": q_ip, "kv_lens": kv_lens,
             "indptr": a["paged_kv_indptr"], "indices": a["paged_kv_indices"],
+            "window_left": a.get("window_left", -1),
         }  # fmt: skip
         self._fake.record(name, a)
 
@@ -603,6 +612,7 @@ class _DecodeStandIn(_WrapperStandIn):
             "page_size": a["page_size"], "q_data_type": a["q_data_type"], "kv_data_type": a["kv_data_type"],
             "sm_scale": a["sm_scale"], "qo": list(range(len(kv_lens) + 1)), "kv_lens": kv_lens,
             "indptr": a["indptr"], "indices": a["indices"],
+            "window_left": a.get("window_left", -1),
         }  # fmt: skip
         self._fake.record(name, a)
 

@@ -170,6 +170,49 @@ def test_replanning_reuses_wrappers(fake: FakeFlashInfer) -> None:
     assert fake.recorder.count(f"{DECODE}.__init__") == 1
 
 
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_sliding_windows(fake: FakeFlashInfer, kind: str) -> None:
+    """Layers with a window run wrappers planned with ``window_left = window - 1`` (one more
+    pair per window some sequence exceeds, never for the full layers); outputs as the torch
+    backend's banded attention. A step where every sequence fits its window plans none."""
+    ps, hq, hkv, d, dtype = 4, 4, 2, 64, torch.bfloat16
+    windows = (0, 5, 9)
+    tables, past, new, num_pages = _batch(kind, ps, seed=7)
+    layout = BatchLayout.build(tables, past, new)
+    longest = max(p + n for p, n in zip(past, new))
+    dev = fake.device
+    pool = KVPool(3, num_pages, ps, hkv, d, dtype, dev)
+    ref_pool = KVPool(3, num_pages, ps, hkv, d, torch.float32, "cpu")
+    if dev.type == "cpu":
+        g = torch.Generator().manual_seed(1)
+        pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+        pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+        ref_pool.k.copy_(pool.k)
+        ref_pool.v.copy_(pool.v)
+    kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, layer_windows=windows)
+    backend = get_backend("flashinfer", pool, **kw)
+    ref = get_backend("torch", ref_pool, **kw)
+    backend.plan(layout)
+    ref.plan(layout)
+    t = layout.num_tokens
+    for layer in range(3):
+        g = torch.Generator().manual_seed(20 + layer)
+        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+        out = backend.forward(layer, q.to(dev), k.to(dev), v.to(dev))
+        if dev.type == "cpu":
+            want = ref.forward(layer, q.float(), k.float(), v.float())
+            assert (out.float() - want).abs().max().item() <= TOL[dtype], layer
+    rec = fake.recorder
+    lefts = sorted({c.args.get("window_left", -1) for c in rec.calls if c.name.endswith(".plan")})
+    assert lefts == [-1] + [w - 1 for w in windows if w and longest > w]
+    assert rec.count(f"{PREFILL}.__init__") == 1 + sum(1 for w in windows if w and longest > w)
+    short = BatchLayout.build([tb[:2] for tb in tables], [0] * len(tables), [1] * len(tables))
+    before = len(rec.calls)
+    backend.plan(short)
+    assert {c.args.get("window_left", -1) for c in rec.calls[before:]
+            if c.name.endswith(".plan")} == {-1}  # fmt: skip
+
+
 def test_tiny_model_end_to_end(fake_cpu: FakeFlashInfer) -> None:
     """radixkv-tiny (bf16) through the model runner: a 300-token prefill, a 90-token chunk on
     it, then decode steps; logits as with the torch backend."""
