@@ -68,6 +68,22 @@ WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+# The Gemma family: head_dim away from hidden/heads, windows shorter than the tests' prompts
+# (Gemma 2: every other layer; Gemma 3: layers 0-1 of 3 windowed, q/k norms, two RoPE bases
+# and a linear scaling on the full layers); Gemma 2's soft caps low enough to bite
+GEMMA: dict[str, dict[str, Any]] = {
+    "gemma": {"head_dim": 24},
+    "gemma2": {"head_dim": 24, "sliding_window": 10, "query_pre_attn_scalar": 20,
+               "attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0},
+    "gemma3": {"head_dim": 24, "sliding_window": 11, "num_hidden_layers": 3,
+               "query_pre_attn_scalar": 30, "sliding_window_pattern": 3,
+               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                      "rope_theta": 50000.0},
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 1000.0}}},
+}  # fmt: skip
+
+
 def _classes(kind: str) -> tuple[Any, Any]:
     import transformers
 
@@ -82,6 +98,9 @@ def _classes(kind: str) -> tuple[Any, Any]:
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
 
 
@@ -95,6 +114,7 @@ def hf_config(kind: str, **overrides: Any) -> Any:
     if kind == "mistral":
         kw["sliding_window"] = None
     kw.update(MOE.get(kind, {}))
+    kw.update(GEMMA.get(kind, {}))
     if kind == "granite":  # its scalars away from 1, as in granite-3.x (12, 0.22, 1/128, 16)
         kw.update(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.07,
                   logits_scaling=4.0)  # fmt: skip

@@ -21,7 +21,7 @@ from radixkv.model.runner import ModelRunner, SeqInput
 
 ATOL = 1e-4
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
-         "mistral_swa", "qwen2_swa"]  # fmt: skip
+         "mistral_swa", "qwen2_swa", "gemma", "gemma2", "gemma3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -54,7 +54,7 @@ def test_architecture_flags(pair: Any) -> None:
     arch = type(hf).__name__
     assert lm.config.architecture == arch
     assert lm.config.qkv_bias == arch.startswith("Qwen2")
-    assert lm.config.qk_norm == arch.startswith("Qwen3")
+    assert lm.config.qk_norm == arch.startswith(("Qwen3", "Gemma3"))
     assert (lm.config.moe is not None) == ("Moe" in arch or arch == "MixtralForCausalLM")
 
 

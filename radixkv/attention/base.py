@@ -110,6 +110,8 @@ class AttentionBackend(ABC):
     Hugging Face configs call ``sliding_window``); 0, or an empty tuple for all layers, means
     every earlier key. Every token's K/V is still written and kept (the prefix cache shares
     pages between layers of both kinds), so a window saves attention work, not KV memory.
+    ``softcap`` (Gemma 2): scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before
+    the softmax.
 
     Contract: ``plan`` is called once per step, before any ``forward``; its metadata is reused by
     every layer. ``forward(layer, q, k, v)`` mutates the pool (writes the new tokens' K/V into
@@ -131,6 +133,7 @@ class AttentionBackend(ABC):
         scale: float | None = None,
         *,
         layer_windows: Sequence[int] = (),
+        softcap: float | None = None,
     ) -> None:
         if num_qo_heads % num_kv_heads != 0:
             raise ValueError(
@@ -149,6 +152,9 @@ class AttentionBackend(ABC):
         self.layer_windows = check_layer_windows(layer_windows, kv_pool.num_layers)
         # the distinct sliding windows, smallest first (empty: every layer attends in full)
         self.windows = tuple(sorted({w for w in self.layer_windows if w}))
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+        self.softcap = None if softcap is None else float(softcap)
         self.check_layouts = debug_checks_enabled()  # validate each plan()'s layout
         self._slots: torch.Tensor | None = None  # [T] flat pool slot of each new token
         self._num_tokens = 0

@@ -55,8 +55,10 @@ class CascadeDecodeBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend) -> None:
         super().__init__(
             inner.kv_pool, inner.num_qo_heads, inner.num_kv_heads, inner.head_dim, inner.scale,
-            layer_windows=inner.layer_windows,
+            layer_windows=inner.layer_windows, softcap=inner.softcap,
         )  # fmt: skip
+        if inner.softcap is not None:
+            raise ValueError("cascade attention does not soft-cap scores (Gemma 2)")
         self.inner = inner
         self.inner_name = inner.name
         self._cascade: CascadePlan | None = None

@@ -120,11 +120,13 @@ class FlashInferAttention(AttentionBackend):
         scale: float | None = None,
         *,
         layer_windows: Sequence[int] = (),
+        softcap: float | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ) -> None:
         super().__init__(
-            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
-        )
+            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
+            layer_windows=layer_windows, softcap=softcap,
+        )  # fmt: skip
         _require_cuda(kv_pool.device, "the flashinfer backend (its KV pool)")
         if kv_pool.compute_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
@@ -204,6 +206,7 @@ class FlashInferAttention(AttentionBackend):
             "kv_data_type": pool.dtype,
             "sm_scale": self.scale,
             "window_left": window_left,  # -1: no window
+            "logits_soft_cap": self.softcap,  # None: no cap
         }
         args = (self.num_qo_heads, self.num_kv_heads, self.head_dim, pool.page_size)
         if pre is not None:

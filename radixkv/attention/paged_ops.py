@@ -205,3 +205,26 @@ def merge_attention_states(
     w_a = torch.exp(lse_a - safe).unsqueeze(-1)
     w_b = torch.exp(lse_b - safe).unsqueeze(-1)
     return o_a * w_a + o_b * w_b, lse
+
+
+def softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """Attention with Gemma 2's soft-capped scores, ``softmax(cap * tanh(scale * q k^T / cap))
+    v``, in fp32 (PyTorch's fused kernels have no cap). ``q [..., Hq, n, D]``, ``k, v [..., Hkv,
+    L, D]`` with ``Hq`` a multiple of ``Hkv`` (a kv head's query heads are consecutive);
+    ``mask`` broadcasts to ``[..., Hq, n, L]`` (True = attend; every row must see a key).
+    Returns ``[..., Hq, n, D]`` in ``q``'s dtype."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale / cap)
+    scores = scores.tanh_().mul_(cap)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)

@@ -88,18 +88,22 @@ def get_backend(
     head_dim: int,
     scale: float | None = None,
     layer_windows: Sequence[int] = (),
+    softcap: float | None = None,
 ) -> AttentionBackend:
     """Construct the named backend over ``kv_pool``; ``layer_windows``: each layer's sliding
-    window (see :class:`AttentionBackend`; empty: every layer attends in full)."""
+    window (see :class:`AttentionBackend`; empty: every layer attends in full); ``softcap``:
+    the tanh cap of attention scores (None: none)."""
     resolved = resolve_backend_name(name, kv_pool)
     if resolved == "torch":
         from radixkv.attention.torch_backend import TorchAttention
 
         return TorchAttention(
-            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
-        )
+            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
+            layer_windows=layer_windows, softcap=softcap,
+        )  # fmt: skip
     from radixkv.attention.flashinfer_backend import FlashInferAttention  # checks: CUDA pool
 
     return FlashInferAttention(
-        kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
-    )
+        kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
+        layer_windows=layer_windows, softcap=softcap,
+    )  # fmt: skip

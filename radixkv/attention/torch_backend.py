@@ -40,6 +40,7 @@ from radixkv.attention.paged_ops import (
     GatherBuffer,
     flash_query_rows,
     merge_attention_states,
+    softcapped_attention,
 )
 from radixkv.kv.kv_pool import KVPool
 from radixkv.onednn import onednn_available
@@ -100,10 +101,12 @@ class TorchAttention(AttentionBackend):
         scale: float | None = None,
         *,
         layer_windows: Sequence[int] = (),
+        softcap: float | None = None,
     ) -> None:
         super().__init__(
-            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale, layer_windows=layer_windows
-        )
+            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
+            layer_windows=layer_windows, softcap=softcap,
+        )  # fmt: skip
         self._prefills: list[_Prefill | _WindowChunk] = []
         self._groups: list[_DecodeGroup] = []
         # window -> (prefill items, decode groups) of the step for the layers with that window;
@@ -112,13 +115,17 @@ class TorchAttention(AttentionBackend):
         self._kbuf = GatherBuffer()
         self._vbuf = GatherBuffer()
         on_cpu = kv_pool.device.type == "cpu"
-        self._split_past = on_cpu and FLASH_CPU_WITH_LSE is not None
+        # soft-capped scores (Gemma 2) go through softcapped_attention in masked query chunks:
+        # neither PyTorch's kernels nor the blocked matmuls cap them
+        capped = self.softcap is not None
+        self._split_past = on_cpu and FLASH_CPU_WITH_LSE is not None and not capped
         # prefill attention as blocked matmuls on a CPU (matmul_attention.py) where they beat
         # the flash kernel on it (measured once per process and head shape): bf16, and fp32
         # where oneDNN runs the products (on the BLAS, blocked matmuls never win in fp32)
         dtype = kv_pool.compute_dtype
         self._matmul_prefill = (
             on_cpu
+            and not capped
             and (dtype == torch.bfloat16 or (dtype == torch.float32 and onednn_available()))
             and pays(dtype, num_qo_heads, num_kv_heads, head_dim)
         )
@@ -207,7 +214,7 @@ class TorchAttention(AttentionBackend):
 
     def _plan_prefill(self, start: int, past: int, new: int, pt_cpu: torch.Tensor) -> _Prefill:
         dev = self.kv_pool.device
-        if past == 0:
+        if past == 0 and self.softcap is None:
             return _Prefill(start, start + new, 0, None, [(0, new, None)])
         if self._split_past or self._matmul_prefill:  # no chunks or masks: see _attend_prefill
             return _Prefill(start, start + new, past, pt_cpu.to(dev), [])
@@ -319,11 +326,20 @@ class TorchAttention(AttentionBackend):
     ) -> None:  # fmt: skip
         s, e = item.start, item.end
         keys, vals = self._paged_kv(kc, vc, item.pages, item.num_keys)
-        o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=item.mask,
-            scale=self.scale, enable_gqa=True,
-        )  # fmt: skip
+        o = self._sdpa(q[s:e].transpose(0, 1).unsqueeze(0), keys, vals, item.mask, gqa=True)
         out[s:e] = o[0].transpose(0, 1)
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+        *, gqa: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """``scaled_dot_product_attention`` at this backend's scale (``[..., H, n, D]``
+        layouts; ``gqa``: q has a multiple of k's heads), or its soft-capped equivalent."""
+        if self.softcap is not None:
+            return softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+        )
 
     def _attend_decode(
         self, group: _DecodeGroup, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
@@ -336,6 +352,9 @@ class TorchAttention(AttentionBackend):
         keys = self._kbuf.gather(kc, group.pages, dt).view(shape)[:, : group.kv_len].transpose(1, 2)
         vals = self._vbuf.gather(vc, group.pages, dt).view(shape)[:, : group.kv_len].transpose(1, 2)
         qg = q.view(g, hkv, hq // hkv, d)
+        if self.softcap is not None:
+            o = softcapped_attention(qg, keys, vals, group.mask, self.scale, self.softcap)
+            return o.reshape(g, hq, d)
         o = F.scaled_dot_product_attention(
             flash_query_rows(qg), keys, vals, attn_mask=group.mask, scale=self.scale
         )
@@ -376,13 +395,12 @@ class TorchAttention(AttentionBackend):
         keys, vals = self._paged_kv(kc, vc, item.pages, item.num_past + (e - s))
         for a, b, mask in item.chunks:
             n_keys = item.num_past + b
-            o = F.scaled_dot_product_attention(
+            o = self._sdpa(
                 q[s + a : s + b].transpose(0, 1).unsqueeze(0),
                 keys[:, :, :n_keys],
                 vals[:, :, :n_keys],
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=True,
+                mask,
+                gqa=True,
             )
             out[s + a : s + b] = o[0].transpose(0, 1)
 

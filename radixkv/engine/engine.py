@@ -513,6 +513,7 @@ class Engine:
         if (
             len(rows) > 1
             and self.cascade_planner.mode != "off"
+            and self.runner.supports_cascade
             and (whole or self.runner.supports_mixed_cascade)
         ):
             d = self.cascade_planner.plan(

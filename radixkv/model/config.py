@@ -20,7 +20,13 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
+# The Gemma family (radixkv/model/gemma.py): Gemma's RMSNorm, GeGLU, embeddings scaled by
+# sqrt(hidden); from Gemma 2 on, norms after attention and MLP too, and sliding windows
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Granite's four scalars (ModelConfig fields of the same names) and transformers' defaults
 GRANITE_SCALARS = {
     "embedding_multiplier": 1.0,
@@ -161,6 +167,14 @@ class ModelConfig:
     # layer_types[i] == "sliding_attention" (HF's names); empty layer_types: every layer full
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate activation (Gemma: "gelu_pytorch_tanh")
+    # Gemma 2's tanh soft caps: attention scores -> cap * tanh(score / cap) (None: off), and
+    # the same on the final logits
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the RoPE base of sliding_attention layers, unscaled (rope_theta and rope_scaling
+    # are the full layers'); None: every layer uses rope_theta / rope_scaling
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -208,6 +222,14 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.layer_types: unknown type {bad[0]!r}; use one of {LAYER_TYPES}"
                 )
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"ModelConfig.hidden_act: unsupported {self.hidden_act!r}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive int, got {w!r}")
@@ -284,11 +306,14 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // heads
         head_dim = pos_int("head_dim", head_dim)
         max_pos = pos_int("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
-        rope_theta, rope_scaling = _parse_rope(cfg, file, max_pos)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(
-                file, "hidden_act", f"unsupported {cfg['hidden_act']!r} (silu only)"
-            )
+        local_theta = None
+        if arch == "Gemma3ForCausalLM":
+            rope_theta, rope_scaling, local_theta = _parse_gemma3_rope(cfg, file, max_pos)
+        else:
+            rope_theta, rope_scaling = _parse_rope(cfg, file, max_pos)
+        act_field, act = _activation(cfg, arch)
+        if act not in ("silu", "gelu_pytorch_tanh") or (act == "silu") == (arch in GEMMA):
+            raise ModelLoadError(file, act_field, f"unsupported {act!r} for {arch}")
         dtype_value = cfg.get("torch_dtype", cfg.get("dtype", "float32")) or "float32"
         dtype_field = "torch_dtype" if "torch_dtype" in cfg else "dtype"
         eos = cfg.get("eos_token_id")
@@ -309,7 +334,8 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # transformers' default: tied for Gemma, untied for the others
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
                 qkv_bias=flags["qkv_bias"] or bool(cfg.get("attention_bias", False)),
                 o_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -321,6 +347,9 @@ class ModelConfig:
                 **(_parse_granite(cfg, file) if arch == "GraniteForCausalLM" else {}),
                 sliding_window=window,
                 layer_types=layer_types,
+                hidden_act=act,
+                local_rope_theta=local_theta,
+                **(_parse_gemma(cfg, file, arch) if arch in GEMMA else {}),
             )
         except ValueError as exc:
             if isinstance(exc, ModelLoadError):
@@ -387,6 +416,16 @@ def _parse_windows(
     and the config's ``layer_types``, else window the layers from ``max_window_layers`` on
     (Qwen2-MoE: every other layer below it); Llama and Granite have no windows."""
     window = cfg.get("sliding_window")
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        if window is None:
+            raise ModelLoadError(file, "sliding_window", f"missing for {arch}")
+        window = pos_int("sliding_window", window)
+        types = cfg.get("layer_types")
+        if types is None:  # Gemma 2: every other layer; Gemma 3: all but every 6th
+            period = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+            period = pos_int("sliding_window_pattern", period)
+            types = [_SLIDING if (i + 1) % period else _FULL for i in range(num_layers)]
+        return window, _check_layer_types(types, file, num_layers)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         on = window is not None
     elif arch.startswith(("Qwen2", "Qwen3")):
@@ -407,13 +446,87 @@ def _parse_windows(
             types = [_SLIDING if i % 2 == 0 and i < first else _FULL for i in range(num_layers)]
         else:
             types = [_SLIDING if i >= first else _FULL for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers or any(
-        t not in LAYER_TYPES for t in types
+    return window, _check_layer_types(types, file, num_layers)
+
+
+def _check_layer_types(types: Any, file: str, num_layers: int) -> tuple[str, ...]:
+    if (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or any(t not in LAYER_TYPES for t in types)
     ):
         raise ModelLoadError(
             file, "layer_types", f"must list {LAYER_TYPES} for each of the {num_layers} layers"
         )
-    return window, tuple(types)
+    return tuple(types)
+
+
+def _activation(cfg: dict[str, Any], arch: str) -> tuple[str, str]:
+    """``(field, activation)`` of the MLP's gate as transformers reads it: Gemma 2 and 3 from
+    ``hidden_activation``, the others from ``hidden_act`` (Gemma 1's legacy "gelu" means the
+    tanh approximation, as transformers reads it)."""
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return "hidden_activation", cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    act = cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
+    if arch == "GemmaForCausalLM" and act == "gelu":
+        act = "gelu_pytorch_tanh"
+    return "hidden_act", act
+
+
+def _parse_gemma(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
+    """Gemma's attention scale (``query_pre_attn_scalar ** -0.5`` from Gemma 2 on) and soft
+    caps, as ModelConfig fields."""
+    out: dict[str, Any] = {}
+    if arch == "GemmaForCausalLM":
+        return out
+    names = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+    for name in names:
+        value = cfg.get(name)
+        if name == "query_pre_attn_scalar" and value is None:
+            value = 256  # transformers' default
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(file, name, f"must be a positive number, got {value!r}")
+        if name == "query_pre_attn_scalar":
+            out["attention_multiplier"] = float(value) ** -0.5
+        else:
+            out[name] = float(value)
+    return out
+
+
+def _parse_gemma3_rope(
+    cfg: dict[str, Any], file: str, max_pos: int
+) -> tuple[float, dict[str, Any] | None, float]:
+    """Gemma 3's two RoPEs: ``(theta, scaling)`` of the full layers and the base of the
+    sliding ones, from the classic layout (``rope_theta``, ``rope_scaling``,
+    ``rope_local_base_freq``) or the newer per-layer-type ``rope_parameters``."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and (_FULL in params or _SLIDING in params):
+        full = params.get(_FULL) or {}
+        local = params.get(_SLIDING) or {}
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise ModelLoadError(file, "rope_parameters", "per-layer-type entries must be objects")
+        kind = local.get("rope_type", "default")
+        if kind != "default":
+            raise ModelLoadError(
+                file, f"rope_parameters.{_SLIDING}.rope_type",
+                f"only unscaled RoPE on sliding layers is supported, got {kind!r}",
+            )  # fmt: skip
+        theta, scaling = _parse_rope(
+            {"rope_parameters": {"rope_theta": 1_000_000.0, **full}}, file, max_pos
+        )
+        local_theta = local.get("rope_theta", 10_000.0)
+    else:
+        theta, scaling = _parse_rope({"rope_theta": 1_000_000.0, **cfg}, file, max_pos)
+        local_theta = cfg.get("rope_local_base_freq", 10_000.0)
+    if (
+        isinstance(local_theta, bool)
+        or not isinstance(local_theta, int | float)
+        or local_theta <= 0
+    ):
+        raise ModelLoadError(file, "rope_local_base_freq", f"must be positive, got {local_theta!r}")
+    return theta, scaling, float(local_theta)
 
 
 def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoEConfig:

@@ -1,5 +1,5 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embeddings (linear, llama3 and YaRN
-scaling), SwiGLU.
+"""Building blocks of the Llama and Gemma families: RMSNorm (and Gemma's), rotary embeddings
+(linear, llama3 and YaRN scaling), gated MLPs (SwiGLU, Gemma's GeGLU).
 
 Numerics follow the Hugging Face reference so fp32 logits agree to ~1e-5: the norm is computed in
 fp32 and cast back before the weight multiply; RoPE angles are ``position * inv_freq`` in fp32.
@@ -43,6 +43,23 @@ class RMSNorm(nn.Module):
 
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` (its checkpoints store the scale as an
+    offset from 1), all in fp32 and rounded once, as transformers computes it."""
+
+    def __init__(
+        self, dim: int, eps: float, *, device: torch.device | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def rms_norm_half(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,8 +191,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# The gate activations of a gated MLP, by their Hugging Face names (hidden_act)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; weight names match HF (gate_proj, up_proj, down_proj)."""
+    """``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or Gemma's tanh-approximated GELU
+    (GeGLU); weight names match HF (gate_proj, up_proj, down_proj)."""
 
     def __init__(
         self,
@@ -185,21 +207,30 @@ class SwiGLU(nn.Module):
         *,
         device: torch.device | None,
         dtype: torch.dtype,
+        act: str = "silu",
     ) -> None:
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {ACTIVATIONS}")
         kw: dict[str, Any] = {"bias": bias, "device": device, "dtype": dtype}
         self.gate_proj = Linear(hidden, intermediate, **kw)
         self.up_proj = Linear(hidden, intermediate, **kw)
         self.down_proj = Linear(intermediate, hidden, **kw)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate_proj, self.up_proj, self.down_proj)
+        return swiglu(x, self.gate_proj, self.up_proj, self.down_proj, self.act)
 
 
-def swiglu(x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``, for SwiGLU and modules that name its layers otherwise
-    (Mixtral's experts)."""
+def swiglu(
+    x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module, act: str = "silu"
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))``, for SwiGLU and modules that name its layers otherwise
+    (Mixtral's experts); ``act`` one of ACTIVATIONS."""
     g = gate(x)
+    if act != "silu":  # GELU has no in-place form; the product still is
+        g = F.gelu(g, approximate="tanh")
+        return down(g * up(x)) if torch.is_grad_enabled() else down(g.mul_(up(x)))
     if torch.is_grad_enabled():  # autograd needs the intermediate values kept
         return down(F.silu(g) * up(x))
     # in place: the same values, without two more [T, intermediate] buffers

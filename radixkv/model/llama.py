@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
 from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 from radixkv.model.linear import Linear
@@ -22,8 +23,17 @@ from radixkv.model.moe import SparseMoE
 
 
 class Attention(nn.Module):
+    """q/k/v projections, optional per-head q/k norms (``norm``: the family's RMSNorm), RoPE,
+    the backend's paged attention, the output projection."""
+
     def __init__(
-        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        *,
+        device: Any,
+        dtype: torch.dtype,
+        norm: type[nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -38,11 +48,11 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
         self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
         self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
@@ -109,12 +119,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Causal LM of the whole family; ``config.architecture`` only selects flags.
-
-    ``forward`` mutates the KV pool behind ``attn`` (the new tokens' K/V, every layer) and returns
-    fp32 logits of the rows ``logits_indices`` (all rows when None).
-    """
+class LlamaForCausalLM(CausalLM):
+    """Causal LM of the whole family; ``config.architecture`` only selects flags."""
 
     def __init__(
         self,
@@ -134,32 +140,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionBackend,
-        logits_indices: torch.Tensor | None = None,
-        *,
-        max_position: int | None = None,
-    ) -> torch.Tensor:
-        """``input_ids, positions [T]`` int64 -> fp32 logits ``[len(logits_indices) or T, vocab]``.
-
-        ``max_position`` (the largest entry of ``positions``) lets the caller skip a device sync.
-        """
-        h = self.trunk(input_ids, positions, attn, max_position=max_position)
-        if logits_indices is not None:
-            h = h.index_select(0, logits_indices)
-        return self.head(h)
-
     def trunk(
         self,
         input_ids: torch.Tensor,
@@ -168,8 +148,6 @@ class LlamaForCausalLM(nn.Module):
         *,
         max_position: int | None = None,
     ) -> torch.Tensor:
-        """The decoder layers: ``[T]`` ids and positions -> hidden states ``[T, hidden]`` before
-        the final norm (writes the KV pool like ``forward``)."""
         if max_position is None:
             max_position = int(positions.max())
         cos, sin = self.rotary.cos_sin(positions, max_position)
@@ -183,8 +161,6 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Trunk hidden states ``[R, hidden]`` -> fp32 logits ``[R, vocab]`` (final norm and
-        LM head; each row on its own, so the rows can be taken in blocks)."""
         logits = self.lm_head(self.model.norm(h)).float()
         if self.config.logits_scaling != 1.0:  # Granite
             logits /= self.config.logits_scaling

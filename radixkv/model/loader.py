@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-from radixkv.model.config import ModelConfig, parse_dtype
+from radixkv.model.causal_lm import CausalLM
+from radixkv.model.config import GEMMA, ModelConfig, parse_dtype
 from radixkv.model.dtype import AUTO, auto_dtype
 from radixkv.model.errors import ModelLoadError
+from radixkv.model.gemma import GemmaForCausalLM
 from radixkv.model.hub import TOKENIZER_FILES, resolve_model_folder
 from radixkv.model.llama import LlamaForCausalLM
 from radixkv.model.tiny import (
@@ -45,7 +47,7 @@ class LoadedModel:
     """A model ready to serve. ``name`` is what it is served under: the name or repo id the user
     passed (``org/name`` for a Hub cache snapshot folder), a local folder's own name."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
@@ -90,7 +92,7 @@ def load_model(
     if want is not None and want != cfg.dtype:
         cfg = _with_dtype(cfg, want)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, dtype=cfg.dtype)
+        model = model_class(cfg)(cfg, dtype=cfg.dtype)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -122,6 +124,11 @@ def load_tokenizer(
     cfg = read_model_config(folder)
     tok = _load_tokenizer(folder, cfg, eos_from=folder)
     return _override_tokenizer(tok, cfg, folder, tokenizer, chat_template)
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    """The module family that computes ``cfg.architecture``."""
+    return GemmaForCausalLM if cfg.architecture in GEMMA else LlamaForCausalLM
 
 
 def _no_revision(name: str, revision: str | None) -> None:
@@ -276,7 +283,7 @@ def missing_weights_error(folder: Path, missing: list[str]) -> ModelLoadError:
     return ModelLoadError(str(where), missing[0], f"missing weight{more}")
 
 
-def _load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+def _load_weights(model: CausalLM, folder: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
     for path, key, tensor in checkpoint_tensors(folder):

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import xxhash
 
+from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.hub import folder_display_name, resolve_model_folder
 from radixkv.model.linear import Linear
-from radixkv.model.llama import LlamaForCausalLM
 
 __all__ = [
     "LoRAAdapter",
@@ -409,14 +409,14 @@ class LoRASet:
     (:meth:`of`): engines sharing a loaded model share its slots, and the rows of a forward
     are kept per thread, so forwards in two threads do not see each other's."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.adapters: dict[int, LoRAAdapter] = {}
         self._next_slot = 1
         self._rows = threading.local()  # .groups: this thread's next forward's (slot, rows)
 
     @classmethod
-    def of(cls, model: LlamaForCausalLM) -> LoRASet:
+    def of(cls, model: CausalLM) -> LoRASet:
         """The model's set (made on first use)."""
         found = model.__dict__.get("_radixkv_loras")
         if found is None:

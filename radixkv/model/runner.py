@@ -17,9 +17,9 @@ from radixkv.attention.registry import get_backend
 from radixkv.attention.torch_backend import TorchAttention
 from radixkv.debug import debug_checks_enabled
 from radixkv.kv.kv_pool import KVPool
+from radixkv.model.causal_lm import CausalLM
 from radixkv.model.cpu_malloc import keep_freed_memory
 from radixkv.model.linear import pack_linears
-from radixkv.model.llama import LlamaForCausalLM
 from radixkv.model.lora import LoRASet
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_pool: KVPool,
         backend: str = "auto",
         *,
@@ -103,7 +103,8 @@ class ModelRunner:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             scale=cfg.attention_multiplier,  # None: 1/sqrt(head_dim); Granite's own
-            layer_windows=cfg.layer_windows,  # sliding windows (Mistral, some Qwen configs)
+            layer_windows=cfg.layer_windows,  # sliding windows (Mistral, Gemma 2/3, ...)
+            softcap=cfg.attn_logit_softcapping,  # Gemma 2's; None elsewhere
         )
         self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
         self.attn.check_layouts = self.check_inputs  # the backend validates each layout
@@ -219,6 +220,12 @@ class ModelRunner:
             end += len(s.new_token_ids)
             last.append(end)
         return torch.tensor(last, dtype=torch.int64).to(self.device)
+
+    @property
+    def supports_cascade(self) -> bool:
+        """Whether cascade decode can run this model (its kernels do not soft-cap scores, so
+        not Gemma 2)."""
+        return self.attn.softcap is None
 
     @property
     def supports_mixed_cascade(self) -> bool:

@@ -71,6 +71,12 @@ COMPUTE_FIELDS = (
     "residual_multiplier",
     "attention_multiplier",
     "logits_scaling",
+    "sliding_window",
+    "layer_types",
+    "hidden_act",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "local_rope_theta",
 )
 
 WeightSource = str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]

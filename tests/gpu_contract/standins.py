@@ -405,7 +405,12 @@ class _WrapperStandIn:
             name,
             "radixkv applies RoPE itself: pos_encoding_mode must be 'NONE'",
         )
-        _need(a.get("logits_soft_cap") in (None, 0.0), name, "no logits soft cap")
+        cap = a.get("logits_soft_cap")
+        _need(
+            cap is None or (isinstance(cap, float) and cap > 0),
+            name,
+            f"logits_soft_cap must be None or a positive float, got {cap!r}",
+        )
         wl = a.get("window_left", -1)
         _need(
             isinstance(wl, int) and wl >= -1, name, f"window_left must be an int >= -1, got {wl!r}"
@@ -504,6 +509,8 @@ class _WrapperStandIn:
                 vv = v.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
                 qq = q[qo[i] : qo[i + 1]].float()  # [n_q, Hq, D]
                 s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+                if p.get("logits_soft_cap"):  # cap * tanh(scaled score / cap)
+                    s = torch.tanh(s / p["logits_soft_cap"]) * p["logits_soft_cap"]
                 n_q = qq.shape[0]
                 pos = (n_kv - n_q + torch.arange(n_q))[:, None]  # bottom-right aligned
                 keys = torch.arange(n_kv)[None, :]
@@ -567,7 +574,7 @@ class _PrefillStandIn(_WrapperStandIn):
             "page_size": a["page_size"], "q_data_type": a["q_data_type"], "kv_data_type": a["kv_data_type"],
             "sm_scale": a["sm_scale"], "causal": a["causal"], "qo": q_ip, "kv_lens": kv_lens,
             "indptr": a["paged_kv_indptr"], "indices": a["paged_kv_indices"],
-            "window_left": a.get("window_left", -1),
+            "window_left": a.get("window_left", -1), "logits_soft_cap": a.get("logits_soft_cap"),
         }  # fmt: skip
         self._fake.record(name, a)
 
@@ -612,7 +619,7 @@ class _DecodeStandIn(_WrapperStandIn):
             "page_size": a["page_size"], "q_data_type": a["q_data_type"], "kv_data_type": a["kv_data_type"],
             "sm_scale": a["sm_scale"], "qo": list(range(len(kv_lens) + 1)), "kv_lens": kv_lens,
             "indptr": a["indptr"], "indices": a["indices"],
-            "window_left": a.get("window_left", -1),
+            "window_left": a.get("window_left", -1), "logits_soft_cap": a.get("logits_soft_cap"),
         }  # fmt: skip
         self._fake.record(name, a)
 

@@ -1,0 +1,137 @@
+"""The Gemma family (Gemma, Gemma 2, Gemma 3's text model) as one module with flags.
+
+What sets it apart from the Llama family (llama.py), as transformers computes it: RMSNorm
+scales by ``1 + weight`` in fp32 (:class:`GemmaRMSNorm`); the MLP gates with a tanh GELU;
+embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the model's dtype. From Gemma 2
+on, each sublayer's output is normed again before its residual add ("sandwich" norms:
+``post_attention_layernorm`` after attention, ``pre_``/``post_feedforward_layernorm`` around
+the MLP), attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` and layers
+alternate between a sliding window and full attention (config.layer_windows). Gemma 2 also
+soft-caps attention scores and final logits (``cap * tanh(x / cap)``); Gemma 3 normalises q
+and k per head, and its sliding layers use their own unscaled RoPE base
+(``local_rope_theta``).
+
+Parameter names equal Hugging Face's (``model.layers.N.self_attn.q_proj``, ...), so LoRA and
+weight updates address the same modules as in the Llama family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixkv.attention.base import AttentionBackend
+from radixkv.model.causal_lm import CausalLM
+from radixkv.model.config import ModelConfig
+from radixkv.model.layers import GemmaRMSNorm, RotaryEmbedding, SwiGLU
+from radixkv.model.linear import Linear
+from radixkv.model.llama import Attention
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.self_attn = Attention(cfg, layer_idx, norm=GemmaRMSNorm, **kw)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, False, act=cfg.hidden_act, **kw)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, **kw)
+        # Gemma 1: the norm before the MLP (Llama's place); from Gemma 2 on: after attention
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, **kw)
+        self.sandwich = cfg.architecture != "GemmaForCausalLM"
+        if self.sandwich:
+            self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, **kw)
+            self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, **kw)
+        # which RoPE table this layer reads (Gemma 3's sliding layers have their own)
+        self.local = bool(cfg.layer_types) and cfg.layer_types[layer_idx] == "sliding_attention"
+
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        """The residual stream ``x`` is updated in place when autograd is off (the caller owns
+        it: the embedding's output or the previous layer's)."""
+        cos, sin = rope
+        a = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        if not self.sandwich:
+            x = x + a if torch.is_grad_enabled() else x.add_(a)
+            m = self.mlp(self.post_attention_layernorm(x))
+            return x + m if torch.is_grad_enabled() else x.add_(m)
+        a = self.post_attention_layernorm(a)
+        x = x + a if torch.is_grad_enabled() else x.add_(a)
+        m = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + m if torch.is_grad_enabled() else x.add_(m)
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+
+class GemmaForCausalLM(CausalLM):
+    """Causal LM of the Gemma family; ``config.architecture`` selects Gemma 1, 2 or 3."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        dtype = dtype or config.dtype
+        self.config = config
+        self.model = GemmaModel(config, device=device, dtype=dtype)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_local = None
+        if config.local_rope_theta is not None:
+            self.rotary_local = RotaryEmbedding(config.head_dim, config.local_rope_theta, None)
+
+    def trunk(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        *,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        if max_position is None:
+            max_position = int(positions.max())
+        h = self.model.embed_tokens(input_ids)
+        # sqrt(hidden) rounded to the model's dtype first, as transformers multiplies
+        h = h * torch.tensor(self.config.hidden_size**0.5, device=h.device).to(h.dtype)
+        cos, sin = self.rotary.cos_sin(positions, max_position)
+        rope = (cos.to(h.dtype), sin.to(h.dtype))
+        local = rope
+        if self.rotary_local is not None:
+            cos, sin = self.rotary_local.cos_sin(positions, max_position)
+            local = (cos.to(h.dtype), sin.to(h.dtype))
+        for layer in self.model.layers:
+            h = layer(h, local if layer.local else rope, attn)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(h)).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+Gemma2ForCausalLM = GemmaForCausalLM
+Gemma3ForCausalLM = GemmaForCausalLM
