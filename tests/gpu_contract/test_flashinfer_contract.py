@@ -170,11 +170,13 @@ def test_replanning_reuses_wrappers(fake: FakeFlashInfer) -> None:
     assert fake.recorder.count(f"{DECODE}.__init__") == 1
 
 
+@pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
-def test_sliding_windows(fake: FakeFlashInfer, kind: str) -> None:
+def test_sliding_windows(fake: FakeFlashInfer, kind: str, softcap: float | None) -> None:
     """Layers with a window run wrappers planned with ``window_left = window - 1`` (one more
     pair per window some sequence exceeds, never for the full layers); outputs as the torch
-    backend's banded attention. A step where every sequence fits its window plans none."""
+    backend's banded attention. A step where every sequence fits its window plans none.
+    Gemma 2's soft cap reaches every plan as ``logits_soft_cap``."""
     ps, hq, hkv, d, dtype = 4, 4, 2, 64, torch.bfloat16
     windows = (0, 5, 9)
     tables, past, new, num_pages = _batch(kind, ps, seed=7)
@@ -189,7 +191,8 @@ def test_sliding_windows(fake: FakeFlashInfer, kind: str) -> None:
         pool.v.copy_(torch.randn(pool.v.shape, generator=g))
         ref_pool.k.copy_(pool.k)
         ref_pool.v.copy_(pool.v)
-    kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, layer_windows=windows)
+    kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, layer_windows=windows,
+              softcap=softcap)  # fmt: skip
     backend = get_backend("flashinfer", pool, **kw)
     ref = get_backend("torch", ref_pool, **kw)
     backend.plan(layout)
@@ -203,7 +206,9 @@ def test_sliding_windows(fake: FakeFlashInfer, kind: str) -> None:
             want = ref.forward(layer, q.float(), k.float(), v.float())
             assert (out.float() - want).abs().max().item() <= TOL[dtype], layer
     rec = fake.recorder
-    lefts = sorted({c.args.get("window_left", -1) for c in rec.calls if c.name.endswith(".plan")})
+    plans = [c for c in rec.calls if c.name.endswith(".plan")]
+    assert all(c.args.get("logits_soft_cap") == softcap for c in plans)
+    lefts = sorted({c.args.get("window_left", -1) for c in plans})
     assert lefts == [-1] + [w - 1 for w in windows if w and longest > w]
     assert rec.count(f"{PREFILL}.__init__") == 1 + sum(1 for w in windows if w and longest > w)
     short = BatchLayout.build([tb[:2] for tb in tables], [0] * len(tables), [1] * len(tables))
