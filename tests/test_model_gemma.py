@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +188,76 @@ def test_weight_update_swaps_the_model(pair: Any, tmp_path: Path) -> None:
         (new / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match="attn_logit_softcapping"):
             eng.update_weights(new)
+
+
+def _multimodal(tmp: Path) -> tuple[Any, Path]:
+    """A random transformers Gemma3ForConditionalGeneration (a one-layer SigLIP tower), saved
+    as transformers saves it (the Hub's ``language_model.model.*`` names)."""
+    import transformers
+
+    torch.manual_seed(62)
+    text = hf_config("gemma3")
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    cfg = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=300, boi_token_index=301, eoi_token_index=302,
+    )  # fmt: skip
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # the text model's weights as build_hf_model sets them
+        for name, p in hf.named_parameters():
+            if "language_model" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape) if "norm" in name
+                        else torch.randn(p.shape) / math.sqrt(p.shape[-1]))  # fmt: skip
+    return hf, save_hf_folder(hf, tmp)
+
+
+def test_multimodal_gemma3_serves_its_text_model(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (gemma-3-4b-it and larger) loads as its
+    text model: vision weights skipped, language-model names mapped, logits and greedy output
+    as transformers' multimodal model on text."""
+    hf, folder = _multimodal(tmp_path / "mm")
+    lm = load_model(folder)
+    assert lm.config.architecture == "Gemma3ForCausalLM" and lm.config.layer_windows
+    ids = shared_prefix_prompts(6, 1)[0][:50]
+    c = lm.config
+    kv = KVPool(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, c.dtype, "cpu")
+    got = ModelRunner(lm.model, kv, backend="torch").forward(
+        [SeqInput(ids, list(range(13)), 0)], all_logits=True
+    )
+    want = hf_logits(hf, ids)
+    assert (got - want).abs().max().item() < 1e-4
+    eng = Engine(lm, page_size=4, num_pages=200)
+    prompts = shared_prefix_prompts(7, 4)
+    outs = run_checked(eng, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_multimodal_gemma3_config_as_on_the_hub() -> None:
+    """The Hub's gemma-3-4b-it config.json lists only a few text fields: the rest are
+    transformers' Gemma3TextConfig defaults; errors name the field inside text_config."""
+    hub = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+        "model_type": "gemma3", "torch_dtype": "bfloat16",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"},
+    }  # fmt: skip
+    c = ModelConfig.from_hf(hub)
+    assert (c.architecture, c.vocab_size, c.hidden_size, c.num_layers) == (
+        "Gemma3ForCausalLM", 262_208, 2560, 34,
+    )  # fmt: skip
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.dtype) == (8, 4, 256, torch.bfloat16)
+    assert c.eos_token_ids == (1, 106) and c.tie_word_embeddings
+    assert c.rope_theta == 1e6 and c.local_rope_theta == 1e4
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert c.attention_multiplier == pytest.approx(256**-0.5)
+    assert c.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    with pytest.raises(ModelLoadError, match=r"'text_config\.hidden_size'"):
+        ModelConfig.from_hf(hub | {"text_config": hub["text_config"] | {"hidden_size": -1}})
+    with pytest.raises(ModelLoadError, match="'text_config'"):
+        ModelConfig.from_hf({k: v for k, v in hub.items() if k != "text_config"})

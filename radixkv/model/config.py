@@ -27,6 +27,17 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
 # The Gemma family (radixkv/model/gemma.py): Gemma's RMSNorm, GeGLU, embeddings scaled by
 # sqrt(hidden); from Gemma 2 on, norms after attention and MLP too, and sliding windows
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints served as their text model (the vision tower's weights are skipped):
+# architecture -> the text model's, whose config is the checkpoint's text_config
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# transformers' Gemma3TextConfig defaults, which the Hub's multimodal Gemma 3 configs leave out
+# of their text_config (google/gemma-3-4b-it lists only sizes, rope_scaling, sliding_window)
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+}  # fmt: skip
 # Granite's four scalars (ModelConfig fields of the same names) and transformers' defaults
 GRANITE_SCALARS = {
     "embedding_multiplier": 1.0,
@@ -293,6 +304,14 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ModelLoadError(file, "architectures", f"must be a non-empty list, got {archs!r}")
         arch = archs[0]
+        if arch in TEXT_OF_MULTIMODAL:
+            text = _text_config(cfg, file, arch)
+            try:
+                return cls.from_hf(text, file)
+            except ModelLoadError as exc:  # name the field where it is: inside text_config
+                if exc.field is None or exc.field in ("torch_dtype", "dtype", "eos_token_id"):
+                    raise
+                raise ModelLoadError(file, f"text_config.{exc.field}", exc.problem) from exc
         if arch not in ARCHITECTURES:
             raise ModelLoadError(
                 file,
@@ -405,6 +424,19 @@ def _parse_rope(
                 file, f"{field_name}.{key}", f"must be a positive number, got {value!r}"
             )
     return float(theta), scaling
+
+
+def _text_config(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
+    """The text model's config.json of a multimodal checkpoint: its ``text_config`` over
+    transformers' defaults, with the checkpoint's dtype and special token ids."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(file, "text_config", f"must be an object for {arch}, got {text!r}")
+    out = {**_GEMMA3_TEXT_DEFAULTS, **text, "architectures": [TEXT_OF_MULTIMODAL[arch]]}
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out
 
 
 def _parse_windows(

@@ -12,5 +12,6 @@ class ModelLoadError(ValueError):
     def __init__(self, file: str, field: str | None, problem: str) -> None:
         self.file = file
         self.field = field
+        self.problem = problem
         where = f"{file}: field {field!r}" if field else file
         super().__init__(f"{where}: {problem}")

@@ -40,6 +40,17 @@ log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint served as its text model (config.TEXT_OF_MULTIMODAL): its language
+# model's names (Hub layout, then transformers 5's in-memory one) -> the text model's, and the
+# prefixes of the parts that are skipped
+TEXT_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+VISION_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."
+)  # fmt: skip
 
 
 @dataclass
@@ -255,8 +266,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 def checkpoint_tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """(file, name, tensor) for every tensor of the HF folder's safetensors files, in file
-    order, but those the model recomputes (``IGNORED_SUFFIXES``). ModelLoadError naming the
-    file (and tensor) when one cannot be read."""
+    order, but those the model recomputes (``IGNORED_SUFFIXES``); a multimodal checkpoint's
+    language model under the text model's names, its vision parts left out. ModelLoadError
+    naming the file (and tensor) when one cannot be read."""
     from safetensors import SafetensorError, safe_open
 
     for path in weight_files(folder):
@@ -266,12 +278,16 @@ def checkpoint_tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]
             raise ModelLoadError(str(path), None, f"cannot read safetensors: {exc}") from exc
         with handle as f:
             for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                if key.endswith(IGNORED_SUFFIXES):
+                if key.endswith(IGNORED_SUFFIXES) or key.startswith(VISION_PREFIXES):
                     continue
                 try:
                     tensor = f.get_tensor(key)
                 except (SafetensorError, OSError) as exc:
                     raise ModelLoadError(str(path), key, f"cannot read: {exc}") from exc
+                for old, new in TEXT_MODEL_PREFIXES:
+                    if key.startswith(old):
+                        key = new + key.removeprefix(old)
+                        break
                 yield path, key, tensor
 
 
