@@ -101,8 +101,8 @@ def bench_peers(session: nox.Session) -> None:
     """radixkv vs transformers and llama.cpp on one checkpoint (bench/bench_peers.py, ~30 min
     plus the llama.cpp build), radixkv serve vs llama.cpp's server (bench_serving_peers.py,
     ~2 min), guided JSON vs llama.cpp's grammar (bench_structured_peers.py, ~1 min), the same
-    peers on a mixture-of-experts checkpoint (bench_moe_peers.py, ~30 min), then
-    docs/benchmarks.md. Not in CI."""
+    peers on a mixture-of-experts checkpoint (bench_moe_peers.py, ~30 min), a sliding-window
+    model against transformers (bench_window.py, ~4 min), then docs/benchmarks.md. Not in CI."""
     _install(session, "test")
     session.install(GGUF, "sentencepiece")
     session.install(
@@ -119,6 +119,7 @@ def bench_peers(session: nox.Session) -> None:
     session.run("python", "bench/bench_serving_peers.py", "--fetch-converter")
     session.run("python", "bench/bench_structured_peers.py", "--fetch-converter")
     session.run("python", "bench/bench_moe_peers.py", "--fetch-converter")
+    session.run("python", "bench/bench_window.py")
     session.run("python", "bench/make_report.py")
 
 

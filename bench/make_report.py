@@ -170,6 +170,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Same workloads, systems, rounds and comparisons as the section above.",
     ),
     (
+        "bench_window",
+        "Sliding-window attention at long context",
+        "`bench/bench_window.py` (`nox -s bench_peers`): a random Mistral-layout checkpoint "
+        "(hidden 512, 4 layers, 8 query / 4 kv heads, `sliding_window` 1,024, float32); 4 "
+        "requests of 8,192 distinct tokens, 32 greedy tokens. radixkv as configured, radixkv "
+        "on the same weights with the window removed (full attention), and transformers' "
+        "batched `generate` on the windowed checkpoint. Medians of interleaved rounds; "
+        "`vs_transformers`: requests whose greedy tokens all equal transformers'.",
+    ),
+    (
         "bench_serving_peers",
         "Serving against llama.cpp's server",
         "`bench/bench_serving_peers.py` (`nox -s bench_peers`, after the above): the same "
@@ -552,6 +562,15 @@ def _peer_bars(
     ax.grid(alpha=0.3, axis="y")
 
 
+def plot_window(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    names = [r["system"] for r in rows]
+    ticks = [n.replace(", ", "\n").replace(" batched", "\nbatched") for n in names]
+    _peer_bars(fig.subplots(), names, [r["seconds"] for r in rows], ticks,
+               "seconds (lower is better)", size=7)  # fmt: skip
+    fig.suptitle(f"Sliding window {data.get('sliding_window', '?')}, long prompts")
+
+
 def plot_serving_peers(data: Any, fig: Any) -> None:
     rows = data["summary"]
     names = [r["server"] for r in rows]
@@ -645,6 +664,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_vs_sglang": [("", plot_vs_sglang)],
     "bench_peers": [("", plot_peers)],
     "bench_moe_peers": [("", plot_peers)],
+    "bench_window": [("", plot_window)],
     "bench_serving_peers": [("", plot_serving_peers)],
     "bench_structured_peers": [("", plot_structured_peers)],
     "bench_speculative_peers": [("", plot_speculative_peers)],

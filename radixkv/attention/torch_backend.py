@@ -20,6 +20,13 @@ through oneDNN) where that beats the flash kernel on the CPU at hand (measured o
 process: 2-2.4x faster on a Zen 5 EPYC, slower on a Zen 4), at about the same accuracy. So
 does an fp32 prefill where oneDNN runs the products (radixkv/onednn.py).
 
+Layers with a sliding window get a second plan per window, made only in steps where some
+sequence is longer than it: such a sequence's decode gathers just the pages of its window (a
+key mask hides the slots before it), its prefill goes in query chunks, each over the pages from
+its first query's window start, under a causal band mask; shorter sequences attend as in full.
+Soft-capped scores (Gemma 2) are computed by :func:`paged_ops.softcapped_attention` (fp32
+scores, capped, then softmax) in masked query chunks: PyTorch's kernels have no cap.
+
 Why groups and a reused buffer: on a CPU the gather is a memory copy as large as the KV it
 reads. Gathering a few sequences at a time into the same buffer keeps the copy in cache while
 SDPA reads it, and never touches freshly allocated memory (page faults cost more than the copy).
