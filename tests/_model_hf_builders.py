@@ -98,6 +98,7 @@ def _classes(kind: str) -> tuple[Any, Any]:
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
@@ -115,6 +116,13 @@ def hf_config(kind: str, **overrides: Any) -> Any:
         kw["sliding_window"] = None
     kw.update(MOE.get(kind, {}))
     kw.update(GEMMA.get(kind, {}))
+    if kind == "phi3":  # Phi-4-mini's shape of RoPE: longrope, 3/4 of each head rotated
+        half = 6  # dim pairs rotated: 0.75 of a 16-dim head is 12 dims
+        kw.update(partial_rotary_factor=0.75, max_position_embeddings=2048, pad_token_id=0,
+                  original_max_position_embeddings=256,
+                  rope_scaling={"rope_type": "longrope",
+                                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                "long_factor": [2.0 + 0.3 * i for i in range(half)]})  # fmt: skip
     if kind == "granite":  # its scalars away from 1, as in granite-3.x (12, 0.22, 1/128, 16)
         kw.update(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.07,
                   logits_scaling=4.0)  # fmt: skip

@@ -3,12 +3,16 @@ MoEConfig: its mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from radixkv.model.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # HF architecture name -> family flags (qkv bias, q/k RMSNorm). Mistral and Llama share code.
 ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -20,6 +24,7 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
@@ -63,7 +68,7 @@ _DTYPES = {
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (_FULL, _SLIDING)  # ModelConfig.layer_types entries (HF's names)
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Refused with the reason: dynamic NTK rescales every position whenever a sequence grows past
 # the original context, so a cached prefix's K/V would no longer be what a longer request needs.
 _ROPE_REFUSED = {
@@ -186,6 +191,8 @@ class ModelConfig:
     # Gemma 3: the RoPE base of sliding_attention layers, unscaled (rope_theta and rope_scaling
     # are the full layers'); None: every layer uses rope_theta / rope_scaling
     local_rope_theta: float | None = None
+    # RoPE rotates the first partial_rotary_factor of each head's dims (Phi-4-mini: 0.75)
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -241,6 +248,14 @@ class ModelConfig:
                 isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
             ):
                 raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+            raise ValueError(f"ModelConfig.partial_rotary_factor must be in (0, 1], got {f!r}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"ModelConfig: partial_rotary_factor {f} leaves {self.rotary_dim} of "
+                f"{self.head_dim} dims to rotate (must be even and positive)"
+            )
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive int, got {w!r}")
@@ -250,6 +265,11 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {ROPE_TYPES}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -329,7 +349,11 @@ class ModelConfig:
         if arch == "Gemma3ForCausalLM":
             rope_theta, rope_scaling, local_theta = _parse_gemma3_rope(cfg, file, max_pos)
         else:
-            rope_theta, rope_scaling = _parse_rope(cfg, file, max_pos)
+            rope_theta, rope_scaling = _parse_rope(cfg, file, max_pos, head_dim)
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            max_pos = min(max_pos, rope_scaling["original_max_position_embeddings"])
+            log.info("%s: longrope served up to its original context, %d tokens: %s",
+                     file, max_pos, _LONGROPE_CAP)  # fmt: skip
         act_field, act = _activation(cfg, arch)
         if act not in ("silu", "gelu_pytorch_tanh") or (act == "silu") == (arch in GEMMA):
             raise ModelLoadError(file, act_field, f"unsupported {act!r} for {arch}")
@@ -368,6 +392,7 @@ class ModelConfig:
                 layer_types=layer_types,
                 hidden_act=act,
                 local_rope_theta=local_theta,
+                partial_rotary_factor=_partial_rotary(cfg, file),
                 **(_parse_gemma(cfg, file, arch) if arch in GEMMA else {}),
             )
         except ValueError as exc:
@@ -377,11 +402,12 @@ class ModelConfig:
 
 
 def _parse_rope(
-    cfg: dict[str, Any], file: str, max_pos: int
+    cfg: dict[str, Any], file: str, max_pos: int, head_dim: int | None = None
 ) -> tuple[float, dict[str, Any] | None]:
     """Read RoPE settings from either the classic (``rope_theta`` + ``rope_scaling``) or the
     newer (``rope_parameters``) config layout. ``max_pos``: the config's context length, YaRN's
-    original context when the config leaves it out (as transformers reads it)."""
+    original context when the config leaves it out (as transformers reads it); ``head_dim``:
+    for longrope's per-dimension factors."""
     params = cfg.get("rope_parameters")
     field_name = "rope_parameters"
     if params is None:
@@ -402,6 +428,8 @@ def _parse_rope(
         )
     if kind == "default":
         return float(theta), None
+    if kind == "longrope":
+        return float(theta), _parse_longrope(cfg, params, file, field_name, max_pos, head_dim)
     scaling: dict[str, Any] = {"rope_type": kind}
     need = ["factor"]
     if kind == "llama3":
@@ -424,6 +452,67 @@ def _parse_rope(
                 file, f"{field_name}.{key}", f"must be a positive number, got {value!r}"
             )
     return float(theta), scaling
+
+
+# Why longrope models are served up to their original context only
+_LONGROPE_CAP = (
+    "transformers switches every position of a sequence to the long factors once it grows past "
+    "the original context, re-rotating tokens a prefix cache holds"
+)
+
+
+def _parse_longrope(
+    cfg: dict[str, Any], params: dict[str, Any], file: str, field_name: str, max_pos: int,
+    head_dim: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Phi-3's LongRoPE as radixkv serves it: the short factors (the only ones transformers
+    uses up to ``original_max_position_embeddings``, where the context is capped) and the
+    attention factor, from the configured context over the original one."""
+    old = params.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings"
+    )
+    if isinstance(old, bool) or not isinstance(old, int) or old <= 0:
+        raise ModelLoadError(
+            file, "original_max_position_embeddings", f"must be a positive int, got {old!r}"
+        )
+    short = params.get("short_factor")
+    half = None if head_dim is None else int(head_dim * _partial_rotary(cfg, file)) // 2
+    if (
+        not isinstance(short, list)
+        or not short
+        or (half is not None and len(short) != half)
+        or (
+            not all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in short)
+        )
+    ):
+        raise ModelLoadError(
+            file, f"{field_name}.short_factor",
+            f"must list {half or 'the'} positive factors, one per rotated dim pair",
+        )  # fmt: skip
+    factor = params.get("factor") or max_pos / old
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
+    if isinstance(attention, bool) or not isinstance(attention, int | float) or attention <= 0:
+        raise ModelLoadError(
+            file, f"{field_name}.attention_factor", f"must be positive, got {attention!r}"
+        )
+    return {
+        "rope_type": "longrope",
+        "short_factor": tuple(float(x) for x in short),
+        "attention_factor": float(attention),
+        "original_max_position_embeddings": old,
+    }
+
+
+def _partial_rotary(cfg: dict[str, Any], file: str) -> float:
+    """``partial_rotary_factor`` at the top of the config or in ``rope_parameters``."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    f = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    f = 1.0 if f is None else f
+    if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+        raise ModelLoadError(file, "partial_rotary_factor", f"must be in (0, 1], got {f!r}")
+    return float(f)
 
 
 def _text_config(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
@@ -458,7 +547,7 @@ def _parse_windows(
             period = pos_int("sliding_window_pattern", period)
             types = [_SLIDING if (i + 1) % period else _FULL for i in range(num_layers)]
         return window, _check_layer_types(types, file, num_layers)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         on = window is not None
     elif arch.startswith(("Qwen2", "Qwen3")):
         on = bool(cfg.get("use_sliding_window", False)) and window is not None
@@ -467,7 +556,8 @@ def _parse_windows(
     if not on:
         return None, ()
     window = pos_int("sliding_window", window)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                "Qwen3MoeForCausalLM"):  # fmt: skip
         return window, ("sliding_attention",) * num_layers
     types = cfg.get("layer_types")
     if types is None:

@@ -97,10 +97,10 @@ class GemmaForCausalLM(CausalLM):
         )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
         self.rotary_local = None
         if config.local_rope_theta is not None:
-            self.rotary_local = RotaryEmbedding(config.head_dim, config.local_rope_theta, None)
+            self.rotary_local = RotaryEmbedding(config.rotary_dim, config.local_rope_theta, None)
 
     def trunk(
         self,

@@ -84,6 +84,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if scaling is None:
         return inv
     kind = scaling["rope_type"]
+    if kind == "longrope":  # Phi-3: one factor per dim pair (the short ones: see config.py)
+        return inv / torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
@@ -133,9 +135,12 @@ def _yarn_inv_freq(
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor YaRN multiplies cos and sin by (1.0 for every other rope type): the config's
-    ``attention_factor``, else ``0.1 * ln(factor) + 1`` (or the ratio of that with ``mscale``
-    and with ``mscale_all_dim``, DeepSeek's form, when both are given)."""
+    """The factor YaRN multiplies cos and sin by: the config's ``attention_factor``, else
+    ``0.1 * ln(factor) + 1`` (or the ratio of that with ``mscale`` and with ``mscale_all_dim``,
+    DeepSeek's form, when both are given); longrope's ``attention_factor`` (config.py works it
+    out); 1.0 for every other rope type."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return float(scaling["attention_factor"])
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -158,12 +163,13 @@ class RotaryEmbedding:
     frequencies. The table is fp32 and follows the device of the positions asked for.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2] fp32, CPU
+    def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        """``dim``: the dims of a head it rotates (head_dim, or its partial rotary share)."""
+        self.inv_freq = rope_inv_freq(dim, theta, scaling)  # [dim/2] fp32, CPU
         self.attention_factor = rope_attention_factor(scaling)  # YaRN's; 1.0 otherwise
         # explicit CPU: the model may be built under a ``torch.device("meta")`` context
-        self._cos = torch.empty(0, head_dim, device="cpu")
-        self._sin = torch.empty(0, head_dim, device="cpu")
+        self._cos = torch.empty(0, dim, device="cpu")
+        self._sin = torch.empty(0, dim, device="cpu")
 
     def _grow(self, length: int, device: torch.device) -> None:
         size = max(length, 2 * self._cos.shape[0], 256)
@@ -183,7 +189,12 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [T, H, D]`` rotated by ``cos``/``sin`` ``[T, D]`` (cast to x's dtype, as HF does)."""
+    """``x [T, H, D]`` rotated by ``cos``/``sin`` ``[T, R]`` (cast to x's dtype, as HF does):
+    the first ``R`` dims of each head (all of them, or a partial rotary factor's share), the
+    rest passed through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     cos = cos.to(x.dtype).unsqueeze(1)
     sin = sin.to(x.dtype).unsqueeze(1)
     half = x.shape[-1] // 2

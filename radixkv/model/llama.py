@@ -1,10 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, and the mixture-of-experts
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, and the mixture-of-experts
 Mixtral, Qwen2-MoE and Qwen3-MoE) as one module with flags.
 
 Tokens are ragged: the model sees ``input_ids [T]`` and ``positions [T]`` of all sequences of a
 step concatenated; attention (the only place where sequences matter) is delegated to an
 :class:`~radixkv.attention.base.AttentionBackend` that was planned for that layout.
-Parameter names equal Hugging Face's, so a checkpoint's state dict loads as is.
+Parameter names equal Hugging Face's, so a checkpoint's state dict loads as is (Phi-3's fused
+``qkv_proj`` and ``gate_up_proj`` are split into these modules by the loader).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class LlamaForCausalLM(CausalLM):
         )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
     def trunk(
         self,
@@ -169,6 +170,7 @@ class LlamaForCausalLM(CausalLM):
 
 # HF class names, all the same implementation.
 MistralForCausalLM = LlamaForCausalLM
+Phi3ForCausalLM = LlamaForCausalLM
 Qwen2ForCausalLM = LlamaForCausalLM
 Qwen3ForCausalLM = LlamaForCausalLM
 GraniteForCausalLM = LlamaForCausalLM

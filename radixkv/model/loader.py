@@ -264,11 +264,31 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def unfuse(key: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor under the model's names: Phi-3's fused projections split into the
+    modules radixkv has (``qkv_proj`` rows: q, then k, then v; ``gate_up_proj``: gate, then
+    up), anything else as it is."""
+    if key.endswith(".self_attn.qkv_proj.weight"):
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if tensor.shape[0] == q + 2 * kv:
+            stem = key.removesuffix("qkv_proj.weight")
+            parts = tensor.split([q, kv, kv])
+            return [(f"{stem}{n}_proj.weight", p) for n, p in zip("qkv", parts, strict=True)]
+    if key.endswith(".mlp.gate_up_proj.weight") and tensor.shape[0] % 2 == 0:
+        stem = key.removesuffix("gate_up_proj.weight")
+        gate, up = tensor.chunk(2)
+        return [(f"{stem}gate_proj.weight", gate), (f"{stem}up_proj.weight", up)]
+    return [(key, tensor)]
+
+
+def checkpoint_tensors(
+    folder: Path, config: ModelConfig
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """(file, name, tensor) for every tensor of the HF folder's safetensors files, in file
     order, but those the model recomputes (``IGNORED_SUFFIXES``); a multimodal checkpoint's
-    language model under the text model's names, its vision parts left out. ModelLoadError
-    naming the file (and tensor) when one cannot be read."""
+    language model under the text model's names, its vision parts left out; fused projections
+    split (:func:`unfuse`, by ``config``'s shapes). ModelLoadError naming the file (and tensor)
+    when one cannot be read."""
     from safetensors import SafetensorError, safe_open
 
     for path in weight_files(folder):
@@ -288,7 +308,8 @@ def checkpoint_tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]
                     if key.startswith(old):
                         key = new + key.removeprefix(old)
                         break
-                yield path, key, tensor
+                for name, part in unfuse(key, tensor, config):
+                    yield path, name, part
 
 
 def missing_weights_error(folder: Path, missing: list[str]) -> ModelLoadError:
@@ -302,7 +323,7 @@ def missing_weights_error(folder: Path, missing: list[str]) -> ModelLoadError:
 def _load_weights(model: CausalLM, folder: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
-    for path, key, tensor in checkpoint_tensors(folder):
+    for path, key, tensor in checkpoint_tensors(folder, model.config):
         if key not in params:
             raise ModelLoadError(
                 str(path), key, f"unexpected tensor for {model.config.architecture}"

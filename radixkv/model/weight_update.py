@@ -202,7 +202,7 @@ def _read_folder(
                 f"{getattr(new, f)!r} differs from the running model's {getattr(config, f)!r}",
             )
     out: dict[str, torch.Tensor] = {}
-    for path, key, value in checkpoint_tensors(folder):
+    for path, key, value in checkpoint_tensors(folder, config):
         try:
             out[key] = _check(key, value, params)
         except (ValueError, TypeError) as exc:
