@@ -59,6 +59,13 @@ TARGETS = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+# Phi-3's fused projections (what its PEFT adapters target) -> parent and the modules they are
+# split into at load (radixkv/model/loader.py unfuse): a fused LoRA's B splits the same way,
+# each part sharing the fused A (B A's rows are those parts' deltas, exactly)
+FUSED = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what is read (or fetched)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
@@ -112,6 +119,7 @@ def load_lora_adapter(
     rslora = bool(cfg.get("use_rslora", False))
     alpha_pattern: dict[str, Any] = cfg.get("alpha_pattern") or {}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    fused: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
@@ -119,6 +127,9 @@ def load_lora_adapter(
         layer, parent, module, ab = int(m[1]), m[2], m[3], m[4]
         if "expert" in module:  # PEFT's LoRA on a transformers MoE's fused expert weights
             raise ModelLoadError(str(weights_path), key, _unsupported_key(f".{module}."))
+        if module in FUSED and FUSED[module][0] == parent:
+            fused.setdefault((layer, module), {})[ab] = t
+            continue
         if TARGETS.get(module) != parent:
             raise ModelLoadError(
                 str(weights_path), key, f"LoRA on {parent}.{module} is not supported "
@@ -135,6 +146,22 @@ def load_lora_adapter(
                 f"no {module} (LoRA on experts is not supported; attention projections are)"
             )  # fmt: skip
         pairs.setdefault((layer, module), {})[ab] = t
+    for (layer, module), ab in sorted(fused.items()):
+        parts = FUSED[module][1]
+        sizes = [_shape(config, m)[1] for m in parts]
+        b = ab.get("B")
+        if "A" not in ab or b is None or b.dim() != 2 or b.shape[0] != sum(sizes):
+            raise ModelLoadError(
+                str(weights_path), f"model.layers.{layer}.{FUSED[module][0]}.{module}",
+                f"a fused LoRA needs lora_A and a lora_B of {sum(sizes)} rows ({' + '.join(parts)})",
+            )  # fmt: skip
+        for m, b_part in zip(parts, b.split(sizes), strict=True):
+            if (layer, m) in pairs:
+                raise ModelLoadError(
+                    str(weights_path), f"model.layers.{layer}.{TARGETS[m]}.{m}",
+                    f"given both on its own and inside {module}",
+                )  # fmt: skip
+            pairs[(layer, m)] = {"A": ab["A"], "B": b_part}
     if not pairs:
         raise ModelLoadError(str(weights_path), None, "no LoRA weights in the file")
 
