@@ -65,6 +65,9 @@ MOE: dict[str, dict[str, Any]] = {
 WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral_swa": ("mistral", {"sliding_window": 12}),
     "qwen2_swa": ("qwen2", {"use_sliding_window": True, "sliding_window": 9, "max_window_layers": 1}),
+    "ministral_swa": ("ministral", {"sliding_window": 10, "head_dim": 16,
+                                    "layer_types": ["sliding_attention", "full_attention"]}),
+    "smollm3_swa": ("smollm3", {"use_sliding_window": True, "sliding_window": 8}),
 }  # fmt: skip
 
 
@@ -99,6 +102,8 @@ def _classes(kind: str) -> tuple[Any, Any]:
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
@@ -116,6 +121,8 @@ def hf_config(kind: str, **overrides: Any) -> Any:
         kw["sliding_window"] = None
     kw.update(MOE.get(kind, {}))
     kw.update(GEMMA.get(kind, {}))
+    if kind == "smollm3":  # layer 1 of 2 without RoPE (SmolLM3-3B: every 4th)
+        kw.update(no_rope_layer_interval=2, pad_token_id=0)
     if kind == "phi3":  # Phi-4-mini's shape of RoPE: longrope, 3/4 of each head rotated
         half = 6  # dim pairs rotated: 0.75 of a 16-dim head is 12 dims
         kw.update(partial_rotary_factor=0.75, max_position_embeddings=2048, pad_token_id=0,

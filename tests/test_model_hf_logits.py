@@ -21,7 +21,8 @@ from radixkv.model.runner import ModelRunner, SeqInput
 
 ATOL = 1e-4
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
-         "mistral_swa", "qwen2_swa", "gemma", "gemma2", "gemma3", "phi3"]  # fmt: skip
+         "mistral_swa", "qwen2_swa", "gemma", "gemma2", "gemma3", "phi3", "smollm3",
+         "ministral_swa", "smollm3_swa"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -42,23 +42,32 @@ def _arch(kind: str) -> str:
                        "num_hidden_layers": 4}),
         ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6}),
         ("mixtral", {"sliding_window": 10}),
+        ("ministral", {"sliding_window": 10, "head_dim": 16,
+                       "layer_types": ["full_attention", "sliding_attention"]}),
+        ("smollm3", {"use_sliding_window": True, "sliding_window": 6, "num_hidden_layers": 4}),
+        ("smollm3", {"use_sliding_window": False, "sliding_window": 6}),
         ("llama", {}),
     ],
 )  # fmt: skip
 def test_layer_windows_as_transformers_reads_them(kind: str, overrides: dict[str, Any]) -> None:
     """Which layers have which window, from the config transformers saves (its own
     ``layer_types`` included) and from the same config without ``layer_types`` (older files
-    on the Hub): both equal the windows transformers' modules use."""
+    on the Hub): each equals the windows transformers' modules use for that config."""
     hf = build_hf_model(kind, **overrides)
-    # the window each attention module passes to its kernel (Mistral's and Mixtral's read the
-    # config's; Qwen2-MoE's have the attribute only when windowed)
+    saved = hf.config.to_dict() | {"architectures": [_arch(kind)]}
+    assert ModelConfig.from_hf(saved).layer_windows == _module_windows(kind, hf)
+    saved.pop("layer_types", None)
+    given = {k: v for k, v in overrides.items() if k != "layer_types"}
+    derived = build_hf_model(kind, **given) if "layer_types" in overrides else hf
+    assert ModelConfig.from_hf(saved).layer_windows == _module_windows(kind, derived)
+
+
+def _module_windows(kind: str, hf: Any) -> tuple[int, ...]:
+    """The window each attention module of ``hf`` passes to its kernel (Mistral's and
+    Mixtral's read the config's; Qwen2-MoE's have the attribute only when windowed)."""
     every = hf.config.sliding_window if kind in ("mistral", "mixtral") else None
     want = [getattr(layer.self_attn, "sliding_window", every) or 0 for layer in hf.model.layers]
-    want_t = tuple(want) if any(want) else ()
-    saved = hf.config.to_dict() | {"architectures": [_arch(kind)]}
-    assert ModelConfig.from_hf(saved).layer_windows == want_t
-    saved.pop("layer_types", None)
-    assert ModelConfig.from_hf(saved).layer_windows == want_t
+    return tuple(want) if any(want) else ()
 
 
 def test_context_is_not_capped_at_the_window() -> None:
@@ -139,12 +148,16 @@ def test_engine_greedy_equals_transformers(windowed: Any, cfg: dict[str, Any]) -
 
 
 def test_config_json_without_layer_types_loads(windowed: Any, tmp_path: Path) -> None:
-    """A checkpoint whose config.json predates ``layer_types`` gets the same windows."""
-    _, folder = windowed
-    lm = load_model(folder)
+    """A checkpoint whose config.json predates ``layer_types`` gets the windows transformers
+    derives for it (the same ones, but for Ministral, whose default windows every layer)."""
+    hf, folder = windowed
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("layer_types", None)
     for f in folder.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert load_model(tmp_path).config.layer_windows == lm.config.layer_windows
+    derived = type(hf.config)(**{k: v for k, v in cfg.items() if k != "architectures"})
+    # (Mistral's config has no layer_types: its window is every layer's)
+    types = getattr(derived, "layer_types", None) or ["sliding_attention"] * len(hf.model.layers)
+    want = tuple(derived.sliding_window if t == "sliding_attention" else 0 for t in types)
+    assert load_model(tmp_path).config.layer_windows == want

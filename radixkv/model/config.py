@@ -25,6 +25,8 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MinistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
@@ -193,6 +195,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # RoPE rotates the first partial_rotary_factor of each head's dims (Phi-4-mini: 0.75)
     partial_rotary_factor: float = 1.0
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's every 4th: "NoPE")
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -248,6 +251,10 @@ class ModelConfig:
                 isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
             ):
                 raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(
+                f"ModelConfig.nope_layers must be layer indices, got {self.nope_layers}"
+            )
         f = self.partial_rotary_factor
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
             raise ValueError(f"ModelConfig.partial_rotary_factor must be in (0, 1], got {f!r}")
@@ -362,7 +369,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_layers = pos_int("num_hidden_layers", req("num_hidden_layers"))
-        window, layer_types = _parse_windows(cfg, file, arch, num_layers, pos_int)
+        nope = _parse_nope(cfg, file, num_layers) if arch == "SmolLM3ForCausalLM" else ()
+        window, layer_types = _parse_windows(cfg, file, arch, num_layers, pos_int, nope)
         try:
             return cls(
                 architecture=arch,
@@ -393,6 +401,7 @@ class ModelConfig:
                 hidden_act=act,
                 local_rope_theta=local_theta,
                 partial_rotary_factor=_partial_rotary(cfg, file),
+                nope_layers=nope,
                 **(_parse_gemma(cfg, file, arch) if arch in GEMMA else {}),
             )
         except ValueError as exc:
@@ -528,14 +537,37 @@ def _text_config(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
     return out
 
 
+def _parse_nope(cfg: dict[str, Any], file: str, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` lists 1 (RoPE) or 0 (none) per
+    layer; left out, every ``no_rope_layer_interval``-th layer has none (transformers')."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ModelLoadError(file, "no_rope_layer_interval", f"must be > 0, got {every!r}")
+        flags = [int((i + 1) % every != 0) for i in range(num_layers)]
+    if (
+        not isinstance(flags, list)
+        or len(flags) != num_layers
+        or any(f not in (0, 1) for f in flags)
+    ):
+        raise ModelLoadError(
+            file, "no_rope_layers", f"must list 0 or 1 for each of {num_layers} layers"
+        )
+    return tuple(i for i, f in enumerate(flags) if not f)
+
+
 def _parse_windows(
-    cfg: dict[str, Any], file: str, arch: str, num_layers: int, pos_int: Any
-) -> tuple[int | None, tuple[str, ...]]:
+    cfg: dict[str, Any], file: str, arch: str, num_layers: int, pos_int: Any,
+    nope: tuple[int, ...] = (),
+) -> tuple[int | None, tuple[str, ...]]:  # fmt: skip
     """``(sliding_window, layer_types)`` as transformers reads them for ``arch``: Mistral and
     Mixtral window every layer when ``sliding_window`` is set, Qwen3-MoE when
     ``use_sliding_window`` is on too; Qwen2/Qwen3 (and Qwen2-MoE) follow ``use_sliding_window``
     and the config's ``layer_types``, else window the layers from ``max_window_layers`` on
-    (Qwen2-MoE: every other layer below it); Llama and Granite have no windows."""
+    (Qwen2-MoE: every other layer below it); Ministral follows its ``layer_types`` (else
+    every layer); SmolLM3 windows its NoPE layers (``nope``) when ``use_sliding_window``;
+    Llama and Granite have no windows."""
     window = cfg.get("sliding_window")
     if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         if window is None:
@@ -547,9 +579,10 @@ def _parse_windows(
             period = pos_int("sliding_window_pattern", period)
             types = [_SLIDING if (i + 1) % period else _FULL for i in range(num_layers)]
         return window, _check_layer_types(types, file, num_layers)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                "MinistralForCausalLM"):  # fmt: skip
         on = window is not None
-    elif arch.startswith(("Qwen2", "Qwen3")):
+    elif arch.startswith(("Qwen2", "Qwen3", "SmolLM3")):
         on = bool(cfg.get("use_sliding_window", False)) and window is not None
     else:
         on = False
@@ -560,6 +593,10 @@ def _parse_windows(
                 "Qwen3MoeForCausalLM"):  # fmt: skip
         return window, ("sliding_attention",) * num_layers
     types = cfg.get("layer_types")
+    if arch == "MinistralForCausalLM" and types is None:
+        types = [_SLIDING] * num_layers
+    if arch == "SmolLM3ForCausalLM" and types is None:
+        types = [_SLIDING if i in nope else _FULL for i in range(num_layers)]
     if types is None:
         first = cfg.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, and the mixture-of-experts
-Mixtral, Qwen2-MoE and Qwen3-MoE) as one module with flags.
+"""The Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) as one module with flags.
 
 Tokens are ragged: the model sees ``input_ids [T]`` and ``positions [T]`` of all sequences of a
 step concatenated; attention (the only place where sequences matter) is delegated to an
@@ -38,6 +38,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.use_rope = layer_idx not in cfg.nope_layers  # SmolLM3's NoPE layers: no RoPE
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -64,7 +65,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -171,6 +173,8 @@ class LlamaForCausalLM(CausalLM):
 # HF class names, all the same implementation.
 MistralForCausalLM = LlamaForCausalLM
 Phi3ForCausalLM = LlamaForCausalLM
+MinistralForCausalLM = LlamaForCausalLM
+SmolLM3ForCausalLM = LlamaForCausalLM
 Qwen2ForCausalLM = LlamaForCausalLM
 Qwen3ForCausalLM = LlamaForCausalLM
 GraniteForCausalLM = LlamaForCausalLM

@@ -77,6 +77,8 @@ COMPUTE_FIELDS = (
     "attn_logit_softcapping",
     "final_logit_softcapping",
     "local_rope_theta",
+    "partial_rotary_factor",
+    "nope_layers",
 )
 
 WeightSource = str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
