@@ -235,3 +235,20 @@ def test_random_forests_exact(seed: int) -> None:
     _check_exact(dec, entries, ps, h_q=4, h_kv=rng.choice([1, 2, 4]), d=8)
     if dec.use_cascade:
         assert dec.kv_tokens_cascade < dec.kv_tokens_plain
+
+
+@pytest.mark.parametrize(
+    ("windows", "cascade"),
+    [((), True), ((300, 300), True), ((276, 276), True), ((275, 275), False), ((275, 0), True),
+     ((100, 275), False)],
+)  # fmt: skip
+def test_sliding_windows_shorter_than_every_row_make_it_plain(
+    windows: tuple[int, ...], cascade: bool
+) -> None:
+    """A layer whose window a row outgrows attends without the cascade; when that is every
+    layer, the step is planned plain (the longest row here: 256 shared + 20 own tokens)."""
+    ids = PageIds(5)
+    trunk = FakeNode(None, ids.take(16), 16)  # 256 tokens
+    entries = [_entry(trunk, ids, 5 + 3 * r, 16) for r in range(6)]
+    planner = CascadePlanner(16, mode="on", layer_windows=windows)
+    assert planner.plan(entries).use_cascade is cascade

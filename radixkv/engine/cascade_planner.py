@@ -150,6 +150,7 @@ class CascadePlanner:
         min_saved_tokens: int = 512,
         min_step_saved_tokens: int = 4096,
         min_step_saved_fraction: float = 0.1,
+        layer_windows: Sequence[int] = (),
     ) -> None:
         if mode not in CASCADE_MODES:
             raise ValueError(f"cascade mode must be one of {CASCADE_MODES}, got {mode!r}")
@@ -164,6 +165,10 @@ class CascadePlanner:
         self.min_saved_tokens = min_saved_tokens
         self.min_step_saved_tokens = min_step_saved_tokens
         self.min_step_saved_fraction = min_step_saved_fraction
+        # the model's sliding windows (ModelConfig.layer_windows): a layer whose window is
+        # shorter than a decode row attends without the cascade (cascade_backend.py), so a step
+        # where every layer is such gets a plain decision
+        self.layer_windows = tuple(layer_windows)
         self._last: _Shared | None = None  # the last cascade plan's shared part (module doc)
 
     @staticmethod
@@ -199,6 +204,10 @@ class CascadePlanner:
             plain_tokens += e.seq_len
         if self.mode == "off" or len(entries) == 1:
             return self._plain(entries, plain_tokens)
+        if self.layer_windows:
+            longest = max(e.seq_len for e in entries)
+            if all(w and longest > w for w in self.layer_windows):
+                return self._plain(entries, plain_tokens)
         shared = self._shared_part(entries)
         if not shared.levels:  # nothing shared enough to keep
             return self._plain(entries, plain_tokens)

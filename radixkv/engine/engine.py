@@ -160,6 +160,7 @@ class Engine:
             cfg.page_size,
             mode=cfg.cascade,
             min_step_saved_tokens=CascadePlanner.min_step_tokens_for(token_values, value_bytes),
+            layer_windows=mc.layer_windows,
         )
         self.speculator: Speculator | None = None  # prompt-lookup drafts (speculative.py)
         if cfg.num_speculative_tokens:
