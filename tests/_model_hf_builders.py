@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
     "ministral_swa": ("ministral", {"sliding_window": 10, "head_dim": 16,
                                     "layer_types": ["sliding_attention", "full_attention"]}),
     "smollm3_swa": ("smollm3", {"use_sliding_window": True, "sliding_window": 8}),
+    "olmo3_swa": ("olmo3", {}),  # windowed as built (three layers of four)
 }  # fmt: skip
 
 
@@ -104,6 +106,8 @@ def _classes(kind: str) -> tuple[Any, Any]:
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
@@ -121,6 +125,15 @@ def hf_config(kind: str, **overrides: Any) -> Any:
         kw["sliding_window"] = None
     kw.update(MOE.get(kind, {}))
     kw.update(GEMMA.get(kind, {}))
+    if kind == "olmo3":  # 3 of 4 layers windowed; YaRN on the full layer only
+        kw.update(num_hidden_layers=4, sliding_window=9, pad_token_id=0,
+                  rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0,
+                                                      "rope_theta": 20000.0,
+                                                      "original_max_position_embeddings": 256},
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 5000.0}})  # fmt: skip
+    if kind == "olmo2":
+        kw.update(pad_token_id=0)
     if kind == "smollm3":  # layer 1 of 2 without RoPE (SmolLM3-3B: every 4th)
         kw.update(no_rope_layer_interval=2, pad_token_id=0)
     if kind == "phi3":  # Phi-4-mini's shape of RoPE: longrope, 3/4 of each head rotated
@@ -199,8 +212,22 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
-@torch.no_grad()
+# hf_greedy's results per model, by (prompt, tokens, dtype): the engine tests compare many
+# configurations of one model on the same prompts. Models are not changed in place after their
+# first generate (a dtype change is part of the key).
+_GREEDY: weakref.WeakKeyDictionary[Any, dict[Any, list[int]]] = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
+    memo = _GREEDY.setdefault(model, {})
+    key = (tuple(ids), max_new_tokens, next(model.parameters()).dtype)
+    if key not in memo:
+        memo[key] = _hf_greedy(model, ids, max_new_tokens)
+    return list(memo[key])
+
+
+@torch.no_grad()
+def _hf_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(

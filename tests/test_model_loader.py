@@ -148,10 +148,15 @@ def test_missing_config_field(folder: Path) -> None:
 
 
 def test_unsupported_rope_type(folder: Path) -> None:
-    _edit_json(folder / "config.json", rope_parameters={"rope_type": "longrope", "factor": 4.0})
+    _edit_json(folder / "config.json", rope_parameters={"rope_type": "mrope", "factor": 4.0})
     with pytest.raises(
-        ModelLoadError, match=r"field 'rope_parameters': unsupported rope type 'longrope'"
+        ModelLoadError, match=r"field 'rope_parameters': unsupported rope type 'mrope'"
     ):
+        load_model(folder)
+    # longrope (Phi-3) needs its factors
+    _edit_json(folder / "config.json", rope_parameters={"rope_type": "longrope", "factor": 4.0},
+               original_max_position_embeddings=128)  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"'rope_parameters\.short_factor': must list"):
         load_model(folder)
     # dynamic NTK is refused with the reason (a cached prefix would need re-rotating)
     _edit_json(folder / "config.json", rope_parameters={"rope_type": "dynamic", "factor": 2.0})

@@ -27,6 +27,8 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MinistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Olmo2ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "Olmo3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
@@ -34,6 +36,9 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
 # The Gemma family (radixkv/model/gemma.py): Gemma's RMSNorm, GeGLU, embeddings scaled by
 # sqrt(hidden); from Gemma 2 on, norms after attention and MLP too, and sliding windows
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The OLMo family (radixkv/model/olmo.py): norms after each sublayer instead of before it, q/k
+# normed over the whole projection; OLMo 3 adds sliding windows on three layers of four
+OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Multimodal checkpoints served as their text model (the vision tower's weights are skipped):
 # architecture -> the text model's, whose config is the checkpoint's text_config
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -353,8 +358,8 @@ class ModelConfig:
         head_dim = pos_int("head_dim", head_dim)
         max_pos = pos_int("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
         local_theta = None
-        if arch == "Gemma3ForCausalLM":
-            rope_theta, rope_scaling, local_theta = _parse_gemma3_rope(cfg, file, max_pos)
+        if arch in _TYPED_ROPE:
+            rope_theta, rope_scaling, local_theta = _parse_typed_rope(cfg, file, max_pos, arch)
         else:
             rope_theta, rope_scaling = _parse_rope(cfg, file, max_pos, head_dim)
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
@@ -569,13 +574,14 @@ def _parse_windows(
     every layer); SmolLM3 windows its NoPE layers (``nope``) when ``use_sliding_window``;
     Llama and Granite have no windows."""
     window = cfg.get("sliding_window")
-    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM"):
         if window is None:
             raise ModelLoadError(file, "sliding_window", f"missing for {arch}")
         window = pos_int("sliding_window", window)
         types = cfg.get("layer_types")
-        if types is None:  # Gemma 2: every other layer; Gemma 3: all but every 6th
-            period = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+        if types is None:  # Gemma 2: every other layer; Gemma 3: all but every 6th; OLMo 3: 4th
+            period = {"Gemma2ForCausalLM": 2, "Olmo3ForCausalLM": 4}.get(arch)
+            period = period or cfg.get("sliding_window_pattern", 6)
             period = pos_int("sliding_window_pattern", period)
             types = [_SLIDING if (i + 1) % period else _FULL for i in range(num_layers)]
         return window, _check_layer_types(types, file, num_layers)
@@ -654,12 +660,22 @@ def _parse_gemma(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
     return out
 
 
-def _parse_gemma3_rope(
-    cfg: dict[str, Any], file: str, max_pos: int
+# Per-layer-type RoPE (Gemma 3, OLMo 3): transformers' default bases of full and sliding layers
+# and the classic-layout field holding the sliding one (None: the default, as transformers
+# reads an OLMo 3 config without rope_parameters)
+_TYPED_ROPE: dict[str, tuple[float, float, str | None]] = {
+    "Gemma3ForCausalLM": (1_000_000.0, 10_000.0, "rope_local_base_freq"),
+    "Olmo3ForCausalLM": (500_000.0, 500_000.0, None),
+}
+
+
+def _parse_typed_rope(
+    cfg: dict[str, Any], file: str, max_pos: int, arch: str
 ) -> tuple[float, dict[str, Any] | None, float]:
-    """Gemma 3's two RoPEs: ``(theta, scaling)`` of the full layers and the base of the
-    sliding ones, from the classic layout (``rope_theta``, ``rope_scaling``,
-    ``rope_local_base_freq``) or the newer per-layer-type ``rope_parameters``."""
+    """The two RoPEs of Gemma 3 and OLMo 3: ``(theta, scaling)`` of the full layers and the
+    base of the sliding ones, from the classic layout (``rope_theta``, ``rope_scaling``, and
+    Gemma's ``rope_local_base_freq``) or the newer per-layer-type ``rope_parameters``."""
+    full_default, local_default, local_field = _TYPED_ROPE[arch]
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and (_FULL in params or _SLIDING in params):
         full = params.get(_FULL) or {}
@@ -673,18 +689,21 @@ def _parse_gemma3_rope(
                 f"only unscaled RoPE on sliding layers is supported, got {kind!r}",
             )  # fmt: skip
         theta, scaling = _parse_rope(
-            {"rope_parameters": {"rope_theta": 1_000_000.0, **full}}, file, max_pos
+            {"rope_parameters": {"rope_theta": full_default, **full}}, file, max_pos
         )
-        local_theta = local.get("rope_theta", 10_000.0)
+        local_theta = local.get("rope_theta", local_default)
     else:
-        theta, scaling = _parse_rope({"rope_theta": 1_000_000.0, **cfg}, file, max_pos)
-        local_theta = cfg.get("rope_local_base_freq", 10_000.0)
+        theta, scaling = _parse_rope({"rope_theta": full_default, **cfg}, file, max_pos)
+        local_theta = cfg.get(local_field, local_default) if local_field else local_default
     if (
         isinstance(local_theta, bool)
         or not isinstance(local_theta, int | float)
         or local_theta <= 0
     ):
-        raise ModelLoadError(file, "rope_local_base_freq", f"must be positive, got {local_theta!r}")
+        raise ModelLoadError(
+            file, local_field or f"rope_parameters.{_SLIDING}.rope_theta",
+            f"must be positive, got {local_theta!r}",
+        )  # fmt: skip
     return theta, scaling, float(local_theta)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from radixkv.attention.base import AttentionBackend
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import GemmaRMSNorm, RotaryEmbedding, SwiGLU
+from radixkv.model.layers import GemmaRMSNorm, LayerTypeRope, SwiGLU
 from radixkv.model.linear import Linear
 from radixkv.model.llama import Attention
 
@@ -97,10 +97,9 @@ class GemmaForCausalLM(CausalLM):
         )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
-        self.rotary_local = None
-        if config.local_rope_theta is not None:
-            self.rotary_local = RotaryEmbedding(config.rotary_dim, config.local_rope_theta, None)
+        self.rotary = LayerTypeRope(
+            config.rotary_dim, config.rope_theta, config.rope_scaling, config.local_rope_theta
+        )
 
     def trunk(
         self,
@@ -115,12 +114,7 @@ class GemmaForCausalLM(CausalLM):
         h = self.model.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the model's dtype first, as transformers multiplies
         h = h * torch.tensor(self.config.hidden_size**0.5, device=h.device).to(h.dtype)
-        cos, sin = self.rotary.cos_sin(positions, max_position)
-        rope = (cos.to(h.dtype), sin.to(h.dtype))
-        local = rope
-        if self.rotary_local is not None:
-            cos, sin = self.rotary_local.cos_sin(positions, max_position)
-            local = (cos.to(h.dtype), sin.to(h.dtype))
+        rope, local = self.rotary.tables(positions, max_position, h.dtype)
         for layer in self.model.layers:
             h = layer(h, local if layer.local else rope, attn)
         return h

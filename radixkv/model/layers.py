@@ -46,20 +46,32 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` (its checkpoints store the scale as an
-    offset from 1), all in fp32 and rounded once, as transformers computes it."""
+    """Gemma's RMSNorm: ``x / rms(x) * (offset + weight)`` with ``offset`` 1 (its checkpoints
+    store the scale as an offset from 1), all in fp32 and rounded once, as transformers
+    computes it."""
+
+    offset = 1.0
 
     def __init__(
         self, dim: int, eps: float, *, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.full((dim,), 1.0 - self.offset, device=device, dtype=dtype)
+        )
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return (h * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class OlmoRMSNorm(GemmaRMSNorm):
+    """OLMo's RMSNorm: ``x / rms(x) * weight`` with the weight multiplied in fp32 before the
+    one rounding (Llama's RMSNorm rounds first, then multiplies)."""
+
+    offset = 0.0
 
 
 def rms_norm_half(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -186,6 +198,30 @@ class RotaryEmbedding:
         if max_pos >= self._cos.shape[0] or self._cos.device != positions.device:
             self._grow(max_pos + 1, positions.device)
         return self._cos[positions], self._sin[positions]
+
+
+class LayerTypeRope:
+    """The RoPE tables of a model whose sliding-window layers have their own unscaled base
+    (Gemma 3, OLMo 3: ``ModelConfig.local_rope_theta``); without one, every layer reads the
+    same table."""
+
+    def __init__(
+        self, dim: int, theta: float, scaling: dict[str, Any] | None, local_theta: float | None
+    ) -> None:
+        self.full = RotaryEmbedding(dim, theta, scaling)
+        self.local = None if local_theta is None else RotaryEmbedding(dim, local_theta, None)
+
+    def tables(
+        self, positions: torch.Tensor, max_pos: int, dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """((cos, sin) of full layers, (cos, sin) of sliding layers), ``[T, dim]`` in ``dtype``
+        (cast once for all layers, as apply_rope would cast them)."""
+        cos, sin = self.full.cos_sin(positions, max_pos)
+        full = (cos.to(dtype), sin.to(dtype))
+        if self.local is None:
+            return full, full
+        cos, sin = self.local.cos_sin(positions, max_pos)
+        return full, (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from radixkv.model.causal_lm import CausalLM
-from radixkv.model.config import GEMMA, ModelConfig, parse_dtype
+from radixkv.model.config import GEMMA, OLMO, ModelConfig, parse_dtype
 from radixkv.model.dtype import AUTO, auto_dtype
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.gemma import GemmaForCausalLM
 from radixkv.model.hub import TOKENIZER_FILES, resolve_model_folder
 from radixkv.model.llama import LlamaForCausalLM
+from radixkv.model.olmo import OlmoForCausalLM
 from radixkv.model.tiny import (
     TINY_NAME,
     TINY_NAMES,
@@ -139,7 +140,9 @@ def load_tokenizer(
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
     """The module family that computes ``cfg.architecture``."""
-    return GemmaForCausalLM if cfg.architecture in GEMMA else LlamaForCausalLM
+    if cfg.architecture in GEMMA:
+        return GemmaForCausalLM
+    return OlmoForCausalLM if cfg.architecture in OLMO else LlamaForCausalLM
 
 
 def _no_revision(name: str, revision: str | None) -> None:

@@ -1,0 +1,139 @@
+"""The OLMo family (OLMo 2, OLMo 3) as one module with flags.
+
+What sets it apart from the Llama family (llama.py), as transformers computes it: each decoder
+layer norms its sublayers' outputs before the residual add instead of their inputs
+(``post_attention_layernorm`` after attention, ``post_feedforward_layernorm`` after the MLP;
+there is no input norm); q and k are RMS-normed over the whole projection (all heads at once)
+before RoPE; and RMSNorm multiplies its weight in fp32 before rounding (:class:`OlmoRMSNorm`).
+OLMo 3 adds sliding windows on three layers of four (config.layer_windows), whose RoPE is
+unscaled (``local_rope_theta``) where the full layers' is YaRN-scaled.
+
+Parameter names equal Hugging Face's, so LoRA and weight updates address the same modules as
+in the Llama family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixkv.attention.base import AttentionBackend
+from radixkv.model.causal_lm import CausalLM
+from radixkv.model.config import ModelConfig
+from radixkv.model.layers import LayerTypeRope, OlmoRMSNorm, SwiGLU, apply_rope
+from radixkv.model.linear import Linear
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rotary_dim]
+
+
+class OlmoAttention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        )  # fmt: skip
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
+        # over all heads of the projection, not per head (Qwen3's, Gemma 3's)
+        self.q_norm = OlmoRMSNorm(q_out, cfg.rms_norm_eps, **kw)
+        self.k_norm = OlmoRMSNorm(kv_out, cfg.rms_norm_eps, **kw)
+
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x)).view(t, self.num_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x)).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class OlmoDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.self_attn = OlmoAttention(cfg, layer_idx, **kw)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, **kw)
+        self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        # which RoPE table this layer reads (OLMo 3's sliding layers have their own)
+        self.local = bool(cfg.layer_types) and cfg.layer_types[layer_idx] == "sliding_attention"
+
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        """The residual stream ``x`` is updated in place when autograd is off (the caller owns
+        it: the embedding's output or the previous layer's)."""
+        a = self.post_attention_layernorm(self.self_attn(x, rope, attn))
+        x = x + a if torch.is_grad_enabled() else x.add_(a)
+        m = self.post_feedforward_layernorm(self.mlp(x))
+        return x + m if torch.is_grad_enabled() else x.add_(m)
+
+
+class OlmoModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            OlmoDecoderLayer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+
+class OlmoForCausalLM(CausalLM):
+    """Causal LM of the OLMo family; ``config.architecture`` selects OLMo 2 or 3."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        dtype = dtype or config.dtype
+        self.config = config
+        self.model = OlmoModel(config, device=device, dtype=dtype)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = LayerTypeRope(
+            config.rotary_dim, config.rope_theta, config.rope_scaling, config.local_rope_theta
+        )
+
+    def trunk(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        *,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        if max_position is None:
+            max_position = int(positions.max())
+        h = self.model.embed_tokens(input_ids)
+        rope, local = self.rotary.tables(positions, max_position, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, local if layer.local else rope, attn)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h)).float()
+
+
+Olmo2ForCausalLM = OlmoForCausalLM
+Olmo3ForCausalLM = OlmoForCausalLM
