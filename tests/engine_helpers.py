@@ -10,15 +10,42 @@ from typing import Any
 
 import pytest
 import torch
-from _model_hf_builders import build_hf_model, save_hf_folder
+from _model_hf_builders import build_hf_model, hf_greedy, save_hf_folder
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.outputs import Logprob, RequestOutput
 from radixkv.engine.params import SamplingParams
+from radixkv.model.loader import load_model
 
 VOCAB = 320  # _model_hf_builders.SMALL
 MAX_CONTEXT = 512
 LOGPROB_ATOL = 1e-4
+
+# engine shapes each model family's greedy test runs through (page size 4 and 600 pages unless
+# given): no prefix cache, small prefill chunks, page 16 with cascade decode forced on, a pool
+# small enough to preempt
+FAMILY_CONFIGS = [
+    pytest.param(dict(enable_prefix_cache=False), id="cache-off"),
+    pytest.param(dict(chunked_prefill_size=7, max_prefill_tokens=12), id="chunked"),
+    pytest.param(dict(page_size=16, num_pages=100, cascade="on"), id="page-16-cascade"),
+    pytest.param(dict(num_pages=40, max_running_requests=8), id="preempting"),
+]
+
+
+def engine_greedy_equals_transformers(
+    hf: Any, folder: Path, cfg: dict[str, Any], params: SamplingParams
+) -> Engine:
+    """An engine on the checkpoint ``folder`` with ``cfg``: two waves of shared-prefix prompts
+    (the second against a warm cache), invariants after every step, each output equal to
+    transformers' greedy ``generate`` on ``hf``. Returns the engine, for further checks."""
+    kw: dict[str, Any] = dict(page_size=4, num_pages=600) | cfg
+    eng = Engine(load_model(folder), **kw)
+    for wave in (0, 1):
+        prompts = shared_prefix_prompts(wave, 6)
+        for p, o in zip(prompts, run_checked(eng, prompts, params), strict=True):
+            assert o.token_ids == hf_greedy(hf, p, params.max_tokens), (cfg, wave, p)
+    return eng
+
 
 # engine shapes the logprob tests run through: one batch, small prefill chunks, a pool that preempts
 STEP_CONFIGS = [

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _model_hf_builders import build_hf_model, hf_greedy, save_hf_folder
-from engine_helpers import run_checked, shared_prefix_prompts
+from _model_hf_builders import build_hf_model, save_hf_folder
+from engine_helpers import FAMILY_CONFIGS, engine_greedy_equals_transformers
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
@@ -38,23 +38,10 @@ def test_config_reads_the_scalars(granite: tuple[Any, Path]) -> None:
     assert llama.attention_multiplier is None and llama.logits_scaling == 1.0
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        pytest.param(dict(enable_prefix_cache=False), id="cache-off"),
-        pytest.param(dict(chunked_prefill_size=7, max_prefill_tokens=12), id="chunked"),
-        pytest.param(dict(page_size=16, num_pages=100, cascade="on"), id="page-16-cascade"),
-    ],
-)
+@pytest.mark.parametrize("cfg", FAMILY_CONFIGS)
 def test_engine_greedy_equals_transformers(granite: tuple[Any, Path], cfg: dict[str, Any]) -> None:
     hf, folder = granite
-    kw: dict[str, Any] = dict(page_size=4, num_pages=600)
-    kw.update(cfg)
-    eng = Engine(load_model(folder), **kw)
-    for wave in (0, 1):  # the second against a warm cache
-        prompts = shared_prefix_prompts(wave, 6)
-        for p, o in zip(prompts, run_checked(eng, prompts, GREEDY), strict=True):
-            assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens), (cfg, wave, p)
+    engine_greedy_equals_transformers(hf, folder, cfg, GREEDY)
 
 
 def test_bad_scalars_name_the_field(granite: tuple[Any, Path], tmp_path: Path) -> None:

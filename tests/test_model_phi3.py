@@ -14,7 +14,11 @@ from typing import Any
 import pytest
 import torch
 from _model_hf_builders import build_hf_model, hf_config, hf_greedy, save_hf_folder
-from engine_helpers import run_checked, shared_prefix_prompts
+from engine_helpers import (
+    FAMILY_CONFIGS,
+    engine_greedy_equals_transformers,
+    shared_prefix_prompts,
+)
 from lora_helpers import make_peft_adapter, peft_logits
 
 from radixkv.engine.engine import Engine
@@ -92,24 +96,10 @@ def test_config_errors(change: dict[str, Any], where: str) -> None:
         ModelConfig.from_hf(d)
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        pytest.param(dict(enable_prefix_cache=False), id="cache-off"),
-        pytest.param(dict(chunked_prefill_size=7, max_prefill_tokens=12), id="chunked"),
-        pytest.param(dict(page_size=16, num_pages=100, cascade="on"), id="page-16-cascade"),
-        pytest.param(dict(num_pages=40, max_running_requests=8), id="preempting"),
-    ],
-)
+@pytest.mark.parametrize("cfg", FAMILY_CONFIGS)
 def test_engine_greedy_equals_transformers(phi3: tuple[Any, Path], cfg: dict[str, Any]) -> None:
     hf, folder = phi3
-    kw: dict[str, Any] = dict(page_size=4, num_pages=600)
-    kw.update(cfg)
-    eng = Engine(load_model(folder), **kw)
-    for wave in (0, 1):
-        prompts = shared_prefix_prompts(wave, 6)
-        for p, o in zip(prompts, run_checked(eng, prompts, GREEDY), strict=True):
-            assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens), (cfg, wave, p)
+    engine_greedy_equals_transformers(hf, folder, cfg, GREEDY)
 
 
 def test_prompts_past_the_capped_context_are_refused(phi3: tuple[Any, Path]) -> None:

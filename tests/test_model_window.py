@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _model_hf_builders import WINDOWED, build_hf_model, hf_config, hf_greedy, save_hf_folder
-from engine_helpers import run_checked, shared_prefix_prompts
+from _model_hf_builders import WINDOWED, build_hf_model, hf_config, save_hf_folder
+from engine_helpers import (
+    FAMILY_CONFIGS,
+    engine_greedy_equals_transformers,
+)
 
-from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
@@ -125,25 +127,11 @@ def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return hf, save_hf_folder(hf, tmp_path_factory.mktemp(request.param))
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        pytest.param(dict(enable_prefix_cache=False), id="cache-off"),
-        pytest.param(dict(chunked_prefill_size=7, max_prefill_tokens=12), id="chunked"),
-        pytest.param(dict(page_size=16, num_pages=100, cascade="on"), id="page-16-cascade"),
-        pytest.param(dict(num_pages=40, max_running_requests=8), id="preempting"),
-    ],
-)
+@pytest.mark.parametrize("cfg", FAMILY_CONFIGS)
 def test_engine_greedy_equals_transformers(windowed: Any, cfg: dict[str, Any]) -> None:
     hf, folder = windowed
-    kw: dict[str, Any] = dict(page_size=4, num_pages=600)
-    kw.update(cfg)
-    eng = Engine(load_model(folder), **kw)
+    eng = engine_greedy_equals_transformers(hf, folder, cfg, GREEDY)
     assert eng.model.config.layer_windows  # the windows reached the engine
-    for wave in (0, 1):  # the second against a warm cache
-        prompts = shared_prefix_prompts(wave, 6)
-        for p, o in zip(prompts, run_checked(eng, prompts, GREEDY), strict=True):
-            assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens), (cfg, wave, p)
     if cfg.get("cascade") == "on":
         cascade = eng.runner._cascade
         if all(eng.model.config.layer_windows):  # every layer windowed: cascade never pays

@@ -11,6 +11,7 @@ post-processing).
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,23 @@ from radixkv.model.config import ModelConfig
 from radixkv.model.linear import Linear
 
 
+class DecoderStack(nn.Module):
+    """What every family keeps under ``model.``: ``embed_tokens``, ``layers`` (``layer(cfg, i,
+    device=, dtype=)`` for each index) and the final ``norm`` (``norm(hidden, eps, ...)``)."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer: Any, norm: Any, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            layer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+
 class CausalLM(nn.Module):
     """A causal LM over ragged batches; ``config.architecture`` selects the family's flags.
 
@@ -27,9 +45,19 @@ class CausalLM(nn.Module):
     returns fp32 logits of the rows ``logits_indices`` (all rows when None).
     """
 
-    config: ModelConfig
-    model: nn.Module  # embed_tokens, layers, norm
-    lm_head: Linear
+    def __init__(
+        self, config: ModelConfig, layer: Any, norm: Any, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        """The family's :class:`DecoderStack` of ``layer`` modules and final ``norm``, and the
+        LM head (sharing the embedding's weight when the config ties them)."""
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, layer, norm, device=device, dtype=dtype)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def device(self) -> torch.device:

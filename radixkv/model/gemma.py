@@ -26,7 +26,6 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
 from radixkv.model.layers import GemmaRMSNorm, LayerTypeRope, SwiGLU
-from radixkv.model.linear import Linear
 from radixkv.model.llama import Attention
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
@@ -66,18 +65,6 @@ class GemmaDecoderLayer(nn.Module):
         return x + m if torch.is_grad_enabled() else x.add_(m)
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, device: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
-        )
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
-        )
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-
-
 class GemmaForCausalLM(CausalLM):
     """Causal LM of the Gemma family; ``config.architecture`` selects Gemma 1, 2 or 3."""
 
@@ -88,15 +75,9 @@ class GemmaForCausalLM(CausalLM):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        dtype = dtype or config.dtype
-        self.config = config
-        self.model = GemmaModel(config, device=device, dtype=dtype)
-        self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+        super().__init__(
+            config, GemmaDecoderLayer, GemmaRMSNorm, device=device, dtype=dtype or config.dtype
         )
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = LayerTypeRope(
             config.rotary_dim, config.rope_theta, config.rope_scaling, config.local_rope_theta
         )

@@ -110,18 +110,6 @@ class DecoderLayer(nn.Module):
         return x.add_(ffn(self.post_attention_layernorm(x)), alpha=m)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, device: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
-        )
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-
-
 class LlamaForCausalLM(CausalLM):
     """Causal LM of the whole family; ``config.architecture`` only selects flags."""
 
@@ -132,15 +120,7 @@ class LlamaForCausalLM(CausalLM):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        dtype = dtype or config.dtype
-        self.config = config
-        self.model = LlamaModel(config, device=device, dtype=dtype)
-        self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
-        )
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, DecoderLayer, RMSNorm, device=device, dtype=dtype or config.dtype)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
     def trunk(

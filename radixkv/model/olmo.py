@@ -80,18 +80,6 @@ class OlmoDecoderLayer(nn.Module):
         return x + m if torch.is_grad_enabled() else x.add_(m)
 
 
-class OlmoModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, device: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
-        )
-        self.layers = nn.ModuleList(
-            OlmoDecoderLayer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
-        )
-        self.norm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-
-
 class OlmoForCausalLM(CausalLM):
     """Causal LM of the OLMo family; ``config.architecture`` selects OLMo 2 or 3."""
 
@@ -102,15 +90,9 @@ class OlmoForCausalLM(CausalLM):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        dtype = dtype or config.dtype
-        self.config = config
-        self.model = OlmoModel(config, device=device, dtype=dtype)
-        self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
+        super().__init__(
+            config, OlmoDecoderLayer, OlmoRMSNorm, device=device, dtype=dtype or config.dtype
         )
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = LayerTypeRope(
             config.rotary_dim, config.rope_theta, config.rope_scaling, config.local_rope_theta
         )
