@@ -104,6 +104,8 @@ def test_engine_greedy_equals_transformers(phi3: tuple[Any, Path], cfg: dict[str
 
 def test_prompts_past_the_capped_context_are_refused(phi3: tuple[Any, Path]) -> None:
     _, folder = phi3
+    with pytest.raises(ValueError, match="LongRoPE models are served up to their original"):
+        Engine(load_model(folder), page_size=4, num_pages=200, max_model_len=512)
     eng = Engine(load_model(folder), page_size=4, num_pages=200)
     with pytest.raises(ValueError, match="256"):
         eng.add_request(list(range(3, 260)), GREEDY)

@@ -8,6 +8,7 @@ every paged path of the two windowed kinds (mistral_swa, qwen2_swa) against tran
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from engine_helpers import (
     engine_greedy_equals_transformers,
 )
 
+from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
@@ -155,3 +157,12 @@ def test_config_json_without_layer_types_loads(windowed: Any, tmp_path: Path) ->
     types = getattr(derived, "layer_types", None) or ["sliding_attention"] * len(hf.model.layers)
     want = tuple(derived.sliding_window if t == "sliding_attention" else 0 for t in types)
     assert load_model(tmp_path).config.layer_windows == want
+
+
+def test_startup_log_names_the_windows(windowed: Any, caplog: pytest.LogCaptureFixture) -> None:
+    _, folder = windowed
+    with caplog.at_level(logging.INFO, logger="radixkv.engine.engine"):
+        eng = Engine(load_model(folder), page_size=4, num_pages=64)
+    windows = eng.model.config.layer_windows
+    w = max(windows)
+    assert f"sliding window {w} on {sum(1 for x in windows if x)} of them" in caplog.text

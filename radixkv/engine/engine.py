@@ -62,6 +62,7 @@ from radixkv.engine.storage_tier import StorageTier
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.kv_pool import KVPool, parse_kv_cache_dtype
+from radixkv.model.config import ModelConfig
 from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
 from radixkv.model.runner import ModelRunner
@@ -113,7 +114,7 @@ class Engine:
         self.model = _load(model, cfg)
         mc = self.model.config
         self.tokenizer: Tokenizer = self.model.tokenizer
-        self.max_context: int = _max_context(mc.max_position_embeddings, cfg.max_model_len)
+        self.max_context: int = _max_context(mc, cfg.max_model_len)
         self.kv_pool = _kv_pool(self.model, cfg, self.max_context)
         self.pool = PagePool(self.kv_pool.num_pages)
         backend = _storage_backend(cfg)  # checked before any thread starts
@@ -219,13 +220,21 @@ class Engine:
             if packed
             else ""
         )
+        windows = self.model.config.layer_windows
+        window_note = (
+            f", sliding window {'/'.join(map(str, sorted(set(windows) - {0})))} on "
+            f"{sum(1 for w in windows if w)} of them"
+            if windows
+            else ""
+        )
         log.info(
-            "radixkv engine: model %s (%s, %d layers, max context %d tokens) on %s in %s; "
+            "radixkv engine: model %s (%s, %d layers%s, max context %d tokens) on %s in %s; "
             "attention %s (%s)%s; KV pool %d pages x %d tokens = %d tokens (%.1f MiB, %s); "
             "prefix cache %s%s",
             self.model.name,
             self.model.config.architecture,
             self.model.config.num_layers,
+            window_note,
             self.max_context,
             kv.device,
             str(kv.compute_dtype).removeprefix("torch."),
@@ -1099,15 +1108,22 @@ def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
     )
 
 
-def _max_context(model_max: int, max_model_len: int | None) -> int:
+def _max_context(mc: ModelConfig, max_model_len: int | None) -> int:
     """The longest prompt + output served: ``max_model_len`` when set (ValueError past what the
     model was built for), else the model's ``max_position_embeddings``."""
+    model_max = mc.max_position_embeddings
     if max_model_len is None:
         return model_max
     if max_model_len > model_max:
+        where = "max_position_embeddings in its config.json"
+        if mc.rope_scaling is not None and mc.rope_scaling["rope_type"] == "longrope":
+            where = (
+                "LongRoPE models are served up to their original_max_position_embeddings: "
+                "past it transformers re-rotates every cached token"
+            )
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's context length {model_max} "
-            "(max_position_embeddings in its config.json)"
+            f"({where})"
         )
     return max_model_len
 
