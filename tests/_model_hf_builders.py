@@ -107,6 +107,8 @@ def _classes(kind: str) -> tuple[Any, Any]:
         "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
+        "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
@@ -134,6 +136,10 @@ def hf_config(kind: str, **overrides: Any) -> Any:
                                                          "rope_theta": 5000.0}})  # fmt: skip
     if kind == "olmo2":
         kw.update(pad_token_id=0)
+    if kind == "cohere":  # Command R+'s per-head q/k LayerNorms
+        kw.update(use_qk_norm=True, logit_scale=0.25, pad_token_id=0)
+    if kind == "cohere2":  # 3 of 4 layers windowed (with RoPE), the 4th full without
+        kw.update(num_hidden_layers=4, sliding_window=7, logit_scale=0.5, pad_token_id=0)
     if kind == "smollm3":  # layer 1 of 2 without RoPE (SmolLM3-3B: every 4th)
         kw.update(no_rope_layer_interval=2, pad_token_id=0)
     if kind == "phi3":  # Phi-4-mini's shape of RoPE: longrope, 3/4 of each head rotated

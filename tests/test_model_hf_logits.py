@@ -22,7 +22,7 @@ from radixkv.model.runner import ModelRunner, SeqInput
 ATOL = 1e-4
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
          "mistral_swa", "qwen2_swa", "gemma", "gemma2", "gemma3", "phi3", "smollm3",
-         "ministral_swa", "smollm3_swa", "olmo2", "olmo3"]  # fmt: skip
+         "ministral_swa", "smollm3_swa", "olmo2", "olmo3", "cohere", "cohere2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -55,7 +55,7 @@ def test_architecture_flags(pair: Any) -> None:
     arch = type(hf).__name__
     assert lm.config.architecture == arch
     assert lm.config.qkv_bias == arch.startswith("Qwen2")
-    assert lm.config.qk_norm == arch.startswith(("Qwen3", "Gemma3", "Olmo"))
+    assert lm.config.qk_norm == arch.startswith(("Qwen3", "Gemma3", "Olmo", "CohereFor"))
     assert (lm.config.moe is not None) == ("Moe" in arch or arch == "MixtralForCausalLM")
 
 

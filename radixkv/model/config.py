@@ -28,6 +28,8 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MinistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Olmo2ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "CohereForCausalLM": {"qkv_bias": False, "qk_norm": False},  # (use_qk_norm: Command R+)
+    "Cohere2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Olmo3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -39,6 +41,9 @@ GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The OLMo family (radixkv/model/olmo.py): norms after each sublayer instead of before it, q/k
 # normed over the whole projection; OLMo 3 adds sliding windows on three layers of four
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# The Cohere family (radixkv/model/cohere.py): LayerNorm, parallel attention and MLP, RoPE on
+# adjacent dim pairs, logits times logit_scale; Cohere 2 adds windows and NoPE full layers
+COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Multimodal checkpoints served as their text model (the vision tower's weights are skipped):
 # architecture -> the text model's, whose config is the checkpoint's text_config
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -355,6 +360,8 @@ class ModelConfig:
         heads = pos_int("num_attention_heads", req("num_attention_heads"))
         kv_heads = pos_int("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
         head_dim = cfg.get("head_dim") or hidden // heads
+        if arch == "Cohere2ForCausalLM":  # transformers derives it whatever the config says
+            head_dim = hidden // heads
         head_dim = pos_int("head_dim", head_dim)
         max_pos = pos_int("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
         local_theta = None
@@ -376,6 +383,8 @@ class ModelConfig:
         num_layers = pos_int("num_hidden_layers", req("num_hidden_layers"))
         nope = _parse_nope(cfg, file, num_layers) if arch == "SmolLM3ForCausalLM" else ()
         window, layer_types = _parse_windows(cfg, file, arch, num_layers, pos_int, nope)
+        if arch == "Cohere2ForCausalLM":  # its full-attention layers have no RoPE
+            nope = tuple(i for i, t in enumerate(layer_types) if t == _FULL)
         try:
             return cls(
                 architecture=arch,
@@ -387,20 +396,28 @@ class ModelConfig:
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
                 max_position_embeddings=max_pos,
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(
+                    cfg.get("layer_norm_eps", 1e-5)
+                    if arch in COHERE
+                    else cfg.get("rms_norm_eps", 1e-6)
+                ),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 # transformers' default: tied for Gemma, untied for the others
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
+                tie_word_embeddings=bool(
+                    cfg.get("tie_word_embeddings", arch in GEMMA or arch in COHERE)
+                ),
                 qkv_bias=flags["qkv_bias"] or bool(cfg.get("attention_bias", False)),
                 o_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=flags["qk_norm"],
+                qk_norm=flags["qk_norm"]
+                or (arch == "CohereForCausalLM" and bool(cfg.get("use_qk_norm"))),
                 dtype=parse_dtype(dtype_value, file, dtype_field),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 moe=_parse_moe(cfg, file, arch, pos_int) if arch in MOE_STYLES else None,
                 **(_parse_granite(cfg, file) if arch == "GraniteForCausalLM" else {}),
+                **(_parse_cohere(cfg, file) if arch in COHERE else {}),
                 sliding_window=window,
                 layer_types=layer_types,
                 hidden_act=act,
@@ -574,13 +591,15 @@ def _parse_windows(
     every layer); SmolLM3 windows its NoPE layers (``nope``) when ``use_sliding_window``;
     Llama and Granite have no windows."""
     window = cfg.get("sliding_window")
-    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM"):
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Cohere2ForCausalLM"):
         if window is None:
             raise ModelLoadError(file, "sliding_window", f"missing for {arch}")
         window = pos_int("sliding_window", window)
         types = cfg.get("layer_types")
         if types is None:  # Gemma 2: every other layer; Gemma 3: all but every 6th; OLMo 3: 4th
             period = {"Gemma2ForCausalLM": 2, "Olmo3ForCausalLM": 4}.get(arch)
+            if arch == "Cohere2ForCausalLM":  # (Cohere 2: every 4th full, unless it says)
+                period = cfg.get("sliding_window_pattern", 4)
             period = period or cfg.get("sliding_window_pattern", 6)
             period = pos_int("sliding_window_pattern", period)
             types = [_SLIDING if (i + 1) % period else _FULL for i in range(num_layers)]
@@ -753,6 +772,15 @@ def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoECo
         dense_layers=tuple(dense),
         style=style,
     )
+
+
+def _parse_cohere(cfg: dict[str, Any], file: str) -> dict[str, float]:
+    """Cohere's ``logit_scale`` (logits are multiplied by it) as ``logits_scaling``, which
+    logits are divided by."""
+    scale = cfg.get("logit_scale", 0.0625)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
+        raise ModelLoadError(file, "logit_scale", f"must be a positive number, got {scale!r}")
+    return {"logits_scaling": 1.0 / scale}
 
 
 def _parse_granite(cfg: dict[str, Any], file: str) -> dict[str, float]:

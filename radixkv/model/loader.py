@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from radixkv.model.causal_lm import CausalLM
-from radixkv.model.config import GEMMA, OLMO, ModelConfig, parse_dtype
+from radixkv.model.cohere import CohereForCausalLM
+from radixkv.model.config import COHERE, GEMMA, OLMO, ModelConfig, parse_dtype
 from radixkv.model.dtype import AUTO, auto_dtype
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.gemma import GemmaForCausalLM
@@ -142,6 +143,8 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
     """The module family that computes ``cfg.architecture``."""
     if cfg.architecture in GEMMA:
         return GemmaForCausalLM
+    if cfg.architecture in COHERE:
+        return CohereForCausalLM
     return OlmoForCausalLM if cfg.architecture in OLMO else LlamaForCausalLM
 
 

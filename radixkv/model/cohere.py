@@ -1,0 +1,156 @@
+"""The Cohere family (Command R / Aya: CohereForCausalLM; Command R7B / Command A:
+Cohere2ForCausalLM) as one module with flags.
+
+What sets it apart from the Llama family (llama.py), as transformers computes it: LayerNorm
+(mean-centred, no bias, in fp32: :class:`CohereLayerNorm`) instead of RMSNorm; one norm per
+layer feeding attention and the MLP in parallel (``x + attn(n) + mlp(n)``, ``n = norm(x)``);
+RoPE rotating adjacent pairs of dims (``x[2i], x[2i+1]``) rather than halves, in fp32; logits
+multiplied by ``logit_scale`` (kept as ``ModelConfig.logits_scaling = 1 / logit_scale``).
+Command R+ normalises q and k per head with a LayerNorm whose weight differs per head
+(``use_qk_norm``). Cohere 2 windows three layers of four and gives its full layers no RoPE
+(``ModelConfig.nope_layers``).
+
+Parameter names equal Hugging Face's, so LoRA and weight updates address the same modules as
+in the Llama family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixkv.attention.base import AttentionBackend
+from radixkv.model.causal_lm import CausalLM
+from radixkv.model.config import ModelConfig
+from radixkv.model.layers import RotaryEmbedding, SwiGLU
+from radixkv.model.linear import Linear
+
+
+class CohereLayerNorm(nn.Module):
+    """``(x - mean) / std * weight`` over the last dim, in fp32, rounded once; ``shape`` is
+    the weight's (``dim``, or ``(heads, head_dim)`` for Command R+'s per-head q/k norms)."""
+
+    def __init__(
+        self, shape: int | tuple[int, ...], eps: float, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` with each pair ``(x[2i], x[2i+1])`` rotated by ``cos``/``sin`` ``[T,
+    D/2]`` (fp32), computed in fp32 and rounded once, as transformers' Cohere does."""
+    xf = x.float()
+    x1, x2 = xf[..., ::2], xf[..., 1::2]  # [T, H, D/2] each
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
+
+
+class CohereAttention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.use_rope = layer_idx not in cfg.nope_layers  # Cohere 2's full layers: none
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        )  # fmt: skip
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
+        self.q_norm: CohereLayerNorm | None = None
+        self.k_norm: CohereLayerNorm | None = None
+        if cfg.qk_norm:  # Command R+: a weight per head and dim
+            eps = cfg.rms_norm_eps
+            self.q_norm = CohereLayerNorm((cfg.num_heads, cfg.head_dim), eps, **kw)
+            self.k_norm = CohereLayerNorm((cfg.num_kv_heads, cfg.head_dim), eps, **kw)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
+        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class CohereDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.self_attn = CohereAttention(cfg, layer_idx, **kw)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, False, **kw)
+        self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """The residual stream ``x`` is updated in place when autograd is off (the caller owns
+        it: the embedding's output or the previous layer's)."""
+        n = self.input_layernorm(x)
+        a, m = self.self_attn(n, cos, sin, attn), self.mlp(n)
+        if torch.is_grad_enabled():
+            return x + a + m
+        return x.add_(a).add_(m)
+
+
+class CohereForCausalLM(CausalLM):
+    """Causal LM of the Cohere family; ``config.architecture`` selects Cohere or Cohere 2."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            config, CohereDecoderLayer, CohereLayerNorm, device=device, dtype=dtype or config.dtype
+        )
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+
+    def trunk(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        *,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = self.rotary.cos_sin(positions, max_position)  # [T, D]: (freqs, freqs)
+        half = cos.shape[-1] // 2
+        cos, sin = cos[:, :half], sin[:, :half]  # one entry per rotated pair, fp32
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, attn)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(h)).float()
+        return logits / self.config.logits_scaling  # times logit_scale
+
+
+Cohere2ForCausalLM = CohereForCausalLM
