@@ -70,6 +70,7 @@ WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
                                     "layer_types": ["sliding_attention", "full_attention"]}),
     "smollm3_swa": ("smollm3", {"use_sliding_window": True, "sliding_window": 8}),
     "olmo3_swa": ("olmo3", {}),  # windowed as built (three layers of four)
+    "cohere2_swa": ("cohere2", {}),  # likewise, its full layer without RoPE
 }  # fmt: skip
 
 

@@ -51,6 +51,7 @@ def _arch(kind: str) -> str:
         ("smollm3", {"use_sliding_window": True, "sliding_window": 6, "num_hidden_layers": 4}),
         ("smollm3", {"use_sliding_window": False, "sliding_window": 6}),
         ("olmo3", {"sliding_window": 5}),
+        ("cohere2", {"sliding_window": 5, "num_hidden_layers": 5}),
         ("olmo3", {"layer_types": ["full_attention", "sliding_attention"] * 2}),
         ("llama", {}),
     ],
