@@ -47,12 +47,18 @@ SMALL: dict[str, Any] = {
 
 # The mixture-of-experts families, each exercising its own options: Mixtral (every layer
 # sparse, weights always renormalized), Qwen2-MoE (a shared expert, only every 2nd layer
-# sparse), Qwen3-MoE (renormalized top-k, layer 1 kept dense by mlp_only_layers).
+# sparse), Qwen3-MoE (renormalized top-k, layer 1 kept dense by mlp_only_layers), GraniteMoE
+# (experts fused in the checkpoint, router over the top-k logits, Granite's scalars).
 MOE: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     "qwen2_moe": {
         "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
         "shared_expert_intermediate_size": 80, "decoder_sparse_step": 2, "norm_topk_prob": False,
+    },
+    "granitemoe": {
+        "num_local_experts": 5, "num_experts_per_tok": 2, "pad_token_id": 0,
+        "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.07,
+        "logits_scaling": 4.0,
     },
     "qwen3_moe": {
         "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 40,
@@ -104,6 +110,7 @@ def _classes(kind: str) -> tuple[Any, Any]:
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),

@@ -22,7 +22,7 @@ from radixkv.model.runner import ModelRunner, SeqInput
 ATOL = 1e-4
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
          "mistral_swa", "qwen2_swa", "gemma", "gemma2", "gemma3", "phi3", "smollm3",
-         "ministral_swa", "smollm3_swa", "olmo2", "olmo3", "cohere", "cohere2"]  # fmt: skip
+         "ministral_swa", "smollm3_swa", "olmo2", "olmo3", "cohere", "cohere2", "granitemoe"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=KINDS)

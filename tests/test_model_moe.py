@@ -29,7 +29,7 @@ from radixkv.model.lora import load_lora_adapter, save_random_adapter
 from radixkv.model.moe import SparseMoE
 from radixkv.model.runner import ModelRunner, SeqInput
 
-KINDS = list(MOE)  # mixtral, qwen2_moe, qwen3_moe
+KINDS = list(MOE)  # mixtral, qwen2_moe, granitemoe, qwen3_moe
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
@@ -90,9 +90,9 @@ def test_bf16_block_routes_and_sums_as_transformers(pair: Any) -> None:
             ours = getattr(ours_layer, ours_layer.ffn_name)
             if not isinstance(ours, SparseMoE):
                 continue
-            ref = ref_layer.mlp
+            ref = getattr(ref_layer, "mlp", None) or ref_layer.block_sparse_moe  # (GraniteMoE's)
             experts, weights = ours.route(x)
-            _, ref_weights, ref_experts = ref.gate(x)
+            _, ref_weights, ref_experts = (getattr(ref, "gate", None) or ref.router)(x)
             assert torch.equal(experts, ref_experts)
             assert weights.dtype == ref_weights.dtype
             assert torch.equal(weights, ref_weights)
@@ -158,7 +158,7 @@ def test_config_errors_name_the_field(pair: Any, tmp_path: Path) -> None:
         ({"num_experts_per_tok": 99}, r"'num_experts_per_tok': 99 exceeds the \d+ experts"),
         ({"num_experts_per_tok": 0}, r"'num_experts_per_tok': must be a positive integer"),
     ]
-    if kind != "mixtral":
+    if kind in ("qwen2_moe", "qwen3_moe"):
         cases += [
             ({"moe_intermediate_size": ...}, r"'moe_intermediate_size': missing"),
             ({"mlp_only_layers": [0, "x"]}, r"'mlp_only_layers': must be a list of layer"),
@@ -191,7 +191,7 @@ def test_model_config_needs_moe_exactly_for_moe_architectures() -> None:
         ModelConfig(architecture="LlamaForCausalLM", **base, moe=MoEConfig(4, 2, 32))
     with pytest.raises(ValueError, match=r"top_k \(5\) exceeds num_experts \(4\)"):
         MoEConfig(4, 5, 32)
-    with pytest.raises(ValueError, match="style must be 'qwen' or 'mixtral'"):
+    with pytest.raises(ValueError, match="style must be 'qwen', 'mixtral' or 'granite'"):
         MoEConfig(4, 2, 32, style="deepseek")
 
 

@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "GraniteMoeForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MinistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -65,6 +66,7 @@ GRANITE_SCALARS = {
 # The mixture-of-experts architectures and the weight-name style of their experts (MoEConfig)
 MOE_STYLES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
+    "GraniteMoeForCausalLM": "granite",
     "Qwen2MoeForCausalLM": "qwen",
     "Qwen3MoeForCausalLM": "qwen",
 }
@@ -130,7 +132,8 @@ class MoEConfig:
     sparse_step: int = 1  # every sparse_step-th layer is sparse (decoder_sparse_step)
     dense_layers: tuple[int, ...] = ()  # dense anyway (mlp_only_layers; width intermediate_size)
     # checkpoint names of the expert weights: "qwen" = mlp.experts.N.{gate,up,down}_proj,
-    # "mixtral" = block_sparse_moe.experts.N.{w1,w3,w2} (router: mlp.gate / block_sparse_moe.gate)
+    # "mixtral" = block_sparse_moe.experts.N.{w1,w3,w2} (router: mlp.gate / block_sparse_moe.gate);
+    # "granite": Mixtral's layout in memory, its experts fused in the checkpoint (loader.unfuse)
     style: str = "qwen"
 
     def __post_init__(self) -> None:
@@ -150,8 +153,10 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.dense_layers must be layer indices, got {self.dense_layers!r}"
             )
-        if self.style not in ("qwen", "mixtral"):
-            raise ValueError(f"MoEConfig.style must be 'qwen' or 'mixtral', got {self.style!r}")
+        if self.style not in ("qwen", "mixtral", "granite"):
+            raise ValueError(
+                f"MoEConfig.style must be 'qwen', 'mixtral' or 'granite', got {self.style!r}"
+            )
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has experts rather than a dense MLP."""
@@ -416,7 +421,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 moe=_parse_moe(cfg, file, arch, pos_int) if arch in MOE_STYLES else None,
-                **(_parse_granite(cfg, file) if arch == "GraniteForCausalLM" else {}),
+                **(_parse_granite(cfg, file) if arch.startswith("Granite") else {}),
                 **(_parse_cohere(cfg, file) if arch in COHERE else {}),
                 sliding_window=window,
                 layer_types=layer_types,
@@ -732,7 +737,7 @@ def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoECo
     style = MOE_STYLES[arch]
     key = next((k for k in ("num_experts", "num_local_experts") if k in cfg), "num_experts")
     if key not in cfg:
-        raise ModelLoadError(file, "num_local_experts" if style == "mixtral" else key, "missing")
+        raise ModelLoadError(file, "num_local_experts" if style != "qwen" else key, "missing")
     experts = pos_int(key, cfg[key])
     if "num_experts_per_tok" not in cfg:
         raise ModelLoadError(file, "num_experts_per_tok", "missing required field")
@@ -741,9 +746,9 @@ def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoECo
         raise ModelLoadError(
             file, "num_experts_per_tok", f"{top_k} exceeds the {experts} experts ({key})"
         )
-    if style == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+    if style != "qwen":  # Mixtral, GraniteMoE: every layer sparse, experts intermediate_size wide
         width = pos_int("intermediate_size", cfg.get("intermediate_size"))
-        return MoEConfig(experts, top_k, width, style="mixtral")
+        return MoEConfig(experts, top_k, width, style=style)
     if "moe_intermediate_size" not in cfg:
         raise ModelLoadError(file, "moe_intermediate_size", "missing required field")
     shared = 0

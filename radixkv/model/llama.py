@@ -1,5 +1,5 @@
 """The Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) as one module with flags.
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and GraniteMoE) as one module with flags.
 
 Tokens are ragged: the model sees ``input_ids [T]`` and ``positions [T]`` of all sequences of a
 step concatenated; attention (the only place where sequences matter) is delegated to an
@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
         # "block_sparse_moe"
         self.ffn_name = "mlp"
         if cfg.moe is not None and cfg.moe.is_sparse(layer_idx):
-            if cfg.moe.style == "mixtral":
+            if cfg.moe.style != "qwen":  # Mixtral's and GraniteMoE's name
                 self.ffn_name = "block_sparse_moe"
             self.add_module(self.ffn_name, SparseMoE(cfg, device=device, dtype=dtype))
         else:
@@ -159,5 +159,6 @@ Qwen2ForCausalLM = LlamaForCausalLM
 Qwen3ForCausalLM = LlamaForCausalLM
 GraniteForCausalLM = LlamaForCausalLM
 MixtralForCausalLM = LlamaForCausalLM
+GraniteMoeForCausalLM = LlamaForCausalLM
 Qwen2MoeForCausalLM = LlamaForCausalLM
 Qwen3MoeForCausalLM = LlamaForCausalLM

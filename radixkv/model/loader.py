@@ -273,13 +273,26 @@ def weight_files(folder: Path) -> list[Path]:
 def unfuse(key: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint tensor under the model's names: Phi-3's fused projections split into the
     modules radixkv has (``qkv_proj`` rows: q, then k, then v; ``gate_up_proj``: gate, then
-    up), anything else as it is."""
+    up), GraniteMoE's stacked experts into Mixtral's per-expert ``w1``/``w3``/``w2`` and its
+    router into ``gate``, anything else as it is."""
     if key.endswith(".self_attn.qkv_proj.weight"):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         if tensor.shape[0] == q + 2 * kv:
             stem = key.removesuffix("qkv_proj.weight")
             parts = tensor.split([q, kv, kv])
             return [(f"{stem}{n}_proj.weight", p) for n, p in zip("qkv", parts, strict=True)]
+    if key.endswith(".block_sparse_moe.router.layer.weight"):  # GraniteMoE's router
+        return [(key.removesuffix("router.layer.weight") + "gate.weight", tensor)]
+    if key.endswith(".block_sparse_moe.input_linear.weight") and tensor.dim() == 3:
+        stem = key.removesuffix("input_linear.weight")  # [E, 2I, H]: gate rows, then up
+        return [
+            (f"{stem}experts.{e}.{name}.weight", part)
+            for e in range(tensor.shape[0])
+            for name, part in zip(("w1", "w3"), tensor[e].chunk(2), strict=True)
+        ]
+    if key.endswith(".block_sparse_moe.output_linear.weight") and tensor.dim() == 3:
+        stem = key.removesuffix("output_linear.weight")  # [E, H, I]
+        return [(f"{stem}experts.{e}.w2.weight", tensor[e]) for e in range(tensor.shape[0])]
     if key.endswith(".mlp.gate_up_proj.weight") and tensor.shape[0] % 2 == 0:
         stem = key.removesuffix("gate_up_proj.weight")
         gate, up = tensor.chunk(2)

@@ -1,4 +1,5 @@
-"""SparseMoE: the mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""SparseMoE: the mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE, Qwen3-MoE and
+GraniteMoE.
 
 A router (``gate``, a bias-free linear layer) scores the experts for every token; each token
 goes to its ``top_k`` most probable experts (softmax in fp32, as Hugging Face computes it) and
@@ -45,8 +46,9 @@ class SparseMoE(nn.Module):
     """``x [T, hidden]`` -> ``[T, hidden]``: the routed experts' weighted sum (module docstring).
 
     Mixtral multiplies expert outputs by the fp32 routing weights and rounds the product once;
-    the Qwen models round the weights to the activations' dtype first. Both as transformers does,
-    which matters only in bf16/fp16."""
+    the Qwen models and GraniteMoE round the weights to the activations' dtype first. Both as
+    transformers does, which matters only in bf16/fp16. (GraniteMoE's softmax over the top-k
+    logits equals the renormalized top-k of the full softmax.)"""
 
     def __init__(self, cfg: ModelConfig, *, device: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -59,7 +61,7 @@ class SparseMoE(nn.Module):
         h = cfg.hidden_size
         self.gate = Linear(h, moe.num_experts, bias=False, **kw)  # the router
         experts: list[nn.Module]
-        if moe.style == "mixtral":
+        if moe.style != "qwen":
             experts = [MixtralExpert(h, moe.expert_size, **kw) for _ in range(moe.num_experts)]
         else:
             experts = [SwiGLU(h, moe.expert_size, False, **kw) for _ in range(moe.num_experts)]
