@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
 from radixkv.model.layers import RotaryEmbedding, SwiGLU
-from radixkv.model.linear import Linear
 
 
 class CohereLayerNorm(nn.Module):
@@ -55,51 +55,16 @@ def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
 
 
-class CohereAttention(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.use_rope = layer_idx not in cfg.nope_layers  # Cohere 2's full layers: none
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        )  # fmt: skip
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
-        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
-        self.q_norm: CohereLayerNorm | None = None
-        self.k_norm: CohereLayerNorm | None = None
-        if cfg.qk_norm:  # Command R+: a weight per head and dim
-            eps = cfg.rms_norm_eps
-            self.q_norm = CohereLayerNorm((cfg.num_heads, cfg.head_dim), eps, **kw)
-            self.k_norm = CohereLayerNorm((cfg.num_kv_heads, cfg.head_dim), eps, **kw)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
-            q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
-        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
-
-
 class CohereDecoderLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
     ) -> None:
         super().__init__()
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.self_attn = CohereAttention(cfg, layer_idx, **kw)
+        # Command R+'s q/k LayerNorms have a weight per head; RoPE turns adjacent dim pairs
+        self.self_attn = Attention(
+            cfg, layer_idx, norm=CohereLayerNorm, qk_norm_over="heads", rope=apply_rope_pairs, **kw
+        )
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, False, **kw)
         self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
 from radixkv.model.layers import GemmaRMSNorm, LayerTypeRope, SwiGLU
-from radixkv.model.llama import Attention
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
 

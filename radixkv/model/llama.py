@@ -16,59 +16,11 @@ import torch
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
-from radixkv.model.linear import Linear
+from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from radixkv.model.moe import SparseMoE
-
-
-class Attention(nn.Module):
-    """q/k/v projections, optional per-head q/k norms (``norm``: the family's RMSNorm), RoPE,
-    the backend's paged attention, the output projection."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layer_idx: int,
-        *,
-        device: Any,
-        dtype: torch.dtype,
-        norm: type[nn.Module] = RMSNorm,
-    ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.use_rope = layer_idx not in cfg.nope_layers  # SmolLM3's NoPE layers: no RoPE
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
-        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
-        self.q_norm: nn.Module | None = None
-        self.k_norm: nn.Module | None = None
-        if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
-            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
-            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):

@@ -20,42 +20,12 @@ import torch
 from torch import nn
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import LayerTypeRope, OlmoRMSNorm, SwiGLU, apply_rope
-from radixkv.model.linear import Linear
+from radixkv.model.layers import LayerTypeRope, OlmoRMSNorm, SwiGLU
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rotary_dim]
-
-
-class OlmoAttention(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, layer_idx: int, *, device: Any, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        )  # fmt: skip
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias, **kw)
-        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias, **kw)
-        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias, **kw)
-        # over all heads of the projection, not per head (Qwen3's, Gemma 3's)
-        self.q_norm = OlmoRMSNorm(q_out, cfg.rms_norm_eps, **kw)
-        self.k_norm = OlmoRMSNorm(kv_out, cfg.rms_norm_eps, **kw)
-
-    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        cos, sin = rope
-        q = self.q_norm(self.q_proj(x)).view(t, self.num_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x)).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class OlmoDecoderLayer(nn.Module):
@@ -64,7 +34,10 @@ class OlmoDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.self_attn = OlmoAttention(cfg, layer_idx, **kw)
+        # q/k normed over the whole projection, with OLMo's RMSNorm
+        self.self_attn = Attention(
+            cfg, layer_idx, norm=OlmoRMSNorm, qk_norm_over="projection", **kw
+        )
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, **kw)
         self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
@@ -74,7 +47,7 @@ class OlmoDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
         """The residual stream ``x`` is updated in place when autograd is off (the caller owns
         it: the embedding's output or the previous layer's)."""
-        a = self.post_attention_layernorm(self.self_attn(x, rope, attn))
+        a = self.post_attention_layernorm(self.self_attn(x, *rope, attn))
         x = x + a if torch.is_grad_enabled() else x.add_(a)
         m = self.post_feedforward_layernorm(self.mlp(x))
         return x + m if torch.is_grad_enabled() else x.add_(m)
