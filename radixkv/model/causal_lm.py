@@ -80,6 +80,8 @@ class CausalLM(nn.Module):
 
         ``max_position`` (the largest entry of ``positions``) lets the caller skip a device sync.
         """
+        if max_position is None:
+            max_position = int(positions.max())
         h = self.trunk(input_ids, positions, attn, max_position=max_position)
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)
@@ -92,10 +94,11 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
         *,
-        max_position: int | None = None,
+        max_position: int,
     ) -> torch.Tensor:
         """The decoder layers: ``[T]`` ids and positions -> hidden states ``[T, hidden]`` before
-        the final norm (writes the KV pool like ``forward``)."""
+        the final norm (writes the KV pool like ``forward``); ``max_position`` is the largest
+        entry of ``positions`` (it bounds the RoPE tables without a device sync)."""
 
     @abstractmethod
     def head(self, h: torch.Tensor) -> torch.Tensor:

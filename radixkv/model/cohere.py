@@ -25,7 +25,7 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import RotaryEmbedding, SwiGLU
+from radixkv.model.layers import RotaryEmbedding, SwiGLU, add_residual
 
 
 class CohereLayerNorm(nn.Module):
@@ -74,10 +74,7 @@ class CohereDecoderLayer(nn.Module):
         """The residual stream ``x`` is updated in place when autograd is off (the caller owns
         it: the embedding's output or the previous layer's)."""
         n = self.input_layernorm(x)
-        a, m = self.self_attn(n, cos, sin, attn), self.mlp(n)
-        if torch.is_grad_enabled():
-            return x + a + m
-        return x.add_(a).add_(m)
+        return add_residual(add_residual(x, self.self_attn(n, cos, sin, attn)), self.mlp(n))
 
 
 class CohereForCausalLM(CausalLM):
@@ -101,10 +98,8 @@ class CohereForCausalLM(CausalLM):
         positions: torch.Tensor,
         attn: AttentionBackend,
         *,
-        max_position: int | None = None,
+        max_position: int,
     ) -> torch.Tensor:
-        if max_position is None:
-            max_position = int(positions.max())
         cos, sin = self.rotary.cos_sin(positions, max_position)  # [T, D]: (freqs, freqs)
         half = cos.shape[-1] // 2
         cos, sin = cos[:, :half], sin[:, :half]  # one entry per rotated pair, fp32

@@ -26,7 +26,7 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import GemmaRMSNorm, LayerTypeRope, SwiGLU
+from radixkv.model.layers import GemmaRMSNorm, LayerTypeRope, SwiGLU, add_residual
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
 
@@ -56,13 +56,11 @@ class GemmaDecoderLayer(nn.Module):
         cos, sin = rope
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         if not self.sandwich:
-            x = x + a if torch.is_grad_enabled() else x.add_(a)
-            m = self.mlp(self.post_attention_layernorm(x))
-            return x + m if torch.is_grad_enabled() else x.add_(m)
-        a = self.post_attention_layernorm(a)
-        x = x + a if torch.is_grad_enabled() else x.add_(a)
+            x = add_residual(x, a)
+            return add_residual(x, self.mlp(self.post_attention_layernorm(x)))
+        x = add_residual(x, self.post_attention_layernorm(a))
         m = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + m if torch.is_grad_enabled() else x.add_(m)
+        return add_residual(x, m)
 
 
 class GemmaForCausalLM(CausalLM):
@@ -88,10 +86,8 @@ class GemmaForCausalLM(CausalLM):
         positions: torch.Tensor,
         attn: AttentionBackend,
         *,
-        max_position: int | None = None,
+        max_position: int,
     ) -> torch.Tensor:
-        if max_position is None:
-            max_position = int(positions.max())
         h = self.model.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the model's dtype first, as transformers multiplies
         h = h * torch.tensor(self.config.hidden_size**0.5, device=h.device).to(h.dtype)

@@ -45,6 +45,15 @@ class RMSNorm(nn.Module):
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def add_residual(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``x + alpha * y`` for a sublayer's output ``y`` on the residual stream ``x``: in place
+    when autograd is off (the decoder layers own ``x``: the embedding's output or the previous
+    layer's), a new tensor when autograd needs ``x`` kept."""
+    if torch.is_grad_enabled():
+        return x + alpha * y
+    return x.add_(y, alpha=alpha)
+
+
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: ``x / rms(x) * (offset + weight)`` with ``offset`` 1 (its checkpoints
     store the scale as an offset from 1), all in fp32 and rounded once, as transformers

@@ -19,7 +19,7 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from radixkv.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, add_residual
 from radixkv.model.moe import SparseMoE
 
 
@@ -55,11 +55,8 @@ class DecoderLayer(nn.Module):
         it: the embedding's output or the previous layer's)."""
         ffn = self.mlp if self.ffn_name == "mlp" else self.block_sparse_moe
         m = self.residual_multiplier
-        if torch.is_grad_enabled():
-            x = x + m * self.self_attn(self.input_layernorm(x), cos, sin, attn)
-            return x + m * ffn(self.post_attention_layernorm(x))
-        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attn), alpha=m)
-        return x.add_(ffn(self.post_attention_layernorm(x)), alpha=m)
+        x = add_residual(x, self.self_attn(self.input_layernorm(x), cos, sin, attn), m)
+        return add_residual(x, ffn(self.post_attention_layernorm(x)), m)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -81,10 +78,8 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         attn: AttentionBackend,
         *,
-        max_position: int | None = None,
+        max_position: int,
     ) -> torch.Tensor:
-        if max_position is None:
-            max_position = int(positions.max())
         cos, sin = self.rotary.cos_sin(positions, max_position)
         h = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:  # Granite

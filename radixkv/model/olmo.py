@@ -23,7 +23,7 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
-from radixkv.model.layers import LayerTypeRope, OlmoRMSNorm, SwiGLU
+from radixkv.model.layers import LayerTypeRope, OlmoRMSNorm, SwiGLU, add_residual
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rotary_dim]
 
@@ -47,10 +47,8 @@ class OlmoDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
         """The residual stream ``x`` is updated in place when autograd is off (the caller owns
         it: the embedding's output or the previous layer's)."""
-        a = self.post_attention_layernorm(self.self_attn(x, *rope, attn))
-        x = x + a if torch.is_grad_enabled() else x.add_(a)
-        m = self.post_feedforward_layernorm(self.mlp(x))
-        return x + m if torch.is_grad_enabled() else x.add_(m)
+        x = add_residual(x, self.post_attention_layernorm(self.self_attn(x, *rope, attn)))
+        return add_residual(x, self.post_feedforward_layernorm(self.mlp(x)))
 
 
 class OlmoForCausalLM(CausalLM):
@@ -76,10 +74,8 @@ class OlmoForCausalLM(CausalLM):
         positions: torch.Tensor,
         attn: AttentionBackend,
         *,
-        max_position: int | None = None,
+        max_position: int,
     ) -> torch.Tensor:
-        if max_position is None:
-            max_position = int(positions.max())
         h = self.model.embed_tokens(input_ids)
         rope, local = self.rotary.tables(positions, max_position, h.dtype)
         for layer in self.model.layers:
