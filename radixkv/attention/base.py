@@ -66,6 +66,11 @@ class BatchLayout:
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
+    @property
+    def longest(self) -> int:
+        """Tokens (past and new) of the batch's longest sequence."""
+        return max(p + n for p, n in zip(self.num_past, self.num_new, strict=True))
+
     def validate(self, page_size: int, num_pages: int) -> None:
         """Raise ValueError naming the sequence if it has no new token or a page table is short
         or out of range. A debug check: backends run it when their ``check_layouts`` is on."""
@@ -100,6 +105,13 @@ def check_layer_windows(layer_windows: Sequence[int], num_layers: int) -> tuple[
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"layer_windows[{i}] must be an int >= 0 (0: full), got {w!r}")
     return windows if any(windows) else ()
+
+
+def outgrown_windows(layer_windows: Sequence[int], longest: int) -> tuple[int, ...]:
+    """The distinct sliding windows (> 0) among ``layer_windows`` that a sequence of
+    ``longest`` tokens has outgrown, smallest first: the layers with them cannot attend as if
+    in full (a window no shorter than every sequence is the same computation as none)."""
+    return tuple(sorted({w for w in layer_windows if w and longest > w}))
 
 
 class AttentionBackend(ABC):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.attention.base import AttentionBackend, BatchLayout, outgrown_windows
 from radixkv.attention.cascade import CascadePlan, TorchCascadeAttention
 from radixkv.attention.torch_backend import TorchAttention
 
@@ -125,7 +125,8 @@ class CascadeDecodeBackend(AttentionBackend):
                 )
         dev = pool.device
         self._plan_slots(layout)
-        self._cut = frozenset(w for w in self.windows if any(layout.num_past[i] >= w for i in rows))
+        longest = max(layout.num_past[i] + 1 for i in rows)  # the planned rows' longest
+        self._cut = frozenset(outgrown_windows(self.windows, longest))
         if self._cut:
             if self._banded is None:
                 self._banded = type(self.inner)(

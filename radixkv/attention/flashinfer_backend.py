@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.attention.base import AttentionBackend, BatchLayout, outgrown_windows
 from radixkv.kv.kv_pool import KVPool
 from radixkv.pages import pages_for
 
@@ -186,15 +186,12 @@ class FlashInferAttention(AttentionBackend):
         dec = _Csr(dec_tables, dec_lens, ps, dev) if dec_tables else None
         qo = torch.tensor(pre_qo, dtype=torch.int32)
         self._plan_kernels(self._full, qo, pre, dec, -1)
-        longest = max(pre_lens + dec_lens)
         self._active = {}
-        for w in self.windows:
-            if longest > w:
-                kernels = self._by_window.get(w) or self._by_window.setdefault(
-                    w, self._new_kernels()
-                )
-                self._plan_kernels(kernels, qo, pre, dec, w - 1)
-                self._active[w] = kernels
+        for w in outgrown_windows(self.windows, layout.longest):
+            if w not in self._by_window:
+                self._by_window[w] = self._new_kernels()
+            self._active[w] = self._by_window[w]
+            self._plan_kernels(self._active[w], qo, pre, dec, w - 1)
 
     def _plan_kernels(
         self, kernels: _Kernels, qo: torch.Tensor, pre: _Csr | None, dec: _Csr | None,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention.base import AttentionBackend, BatchLayout
+from radixkv.attention.base import AttentionBackend, BatchLayout, outgrown_windows
 from radixkv.attention.matmul_attention import causal_matmul_attention, pays
 from radixkv.attention.paged_ops import (
     FLASH_CPU_WITH_LSE,
@@ -164,9 +164,9 @@ class TorchAttention(AttentionBackend):
             start += new
         self._prefills = prefills
         self._groups = self._plan_decode(decodes)
-        longest = max(p + n for p, n in zip(layout.num_past, layout.num_new, strict=True))
         self._windowed = {
-            w: self._plan_window(layout, w, prefills) for w in self.windows if longest > w
+            w: self._plan_window(layout, w, prefills)
+            for w in outgrown_windows(self.windows, layout.longest)
         }
 
     def _plan_window(

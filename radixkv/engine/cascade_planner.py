@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Protocol
 
+from radixkv.attention.base import outgrown_windows
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 
 CASCADE_MODES = ("auto", "on", "off")
@@ -205,8 +206,8 @@ class CascadePlanner:
         if self.mode == "off" or len(entries) == 1:
             return self._plain(entries, plain_tokens)
         if self.layer_windows:
-            longest = max(e.seq_len for e in entries)
-            if all(w and longest > w for w in self.layer_windows):
+            cut = outgrown_windows(self.layer_windows, max(e.seq_len for e in entries))
+            if all(w in cut for w in self.layer_windows):
                 return self._plain(entries, plain_tokens)
         shared = self._shared_part(entries)
         if not shared.levels:  # nothing shared enough to keep
