@@ -72,3 +72,24 @@ def peft_greedy(model: Any, ids: list[int], max_new_tokens: int, eos: int) -> li
         if tok == eos:
             break
     return out[len(ids) :]
+
+
+@torch.no_grad()
+def radixkv_adapter_logits(lm: Any, adapter: Any, ids: list[int]) -> torch.Tensor:
+    """fp32 logits of every position of ``ids`` through the loaded model ``lm`` (a
+    ``LoadedModel``) with the LoRA ``adapter`` (a ``LoRAAdapter``) in one prefill, torch
+    backend, page size 4."""
+    from radixkv.kv.kv_pool import KVPool
+    from radixkv.model.runner import ModelRunner, SeqInput
+
+    c = lm.config
+    pool = KVPool(
+        c.num_layers, -(-len(ids) // 4) + 1, 4, c.num_kv_heads, c.head_dim, c.dtype, "cpu"
+    )
+    runner = ModelRunner(lm.model, pool, backend="torch")
+    slot = runner.loras.add(adapter)
+    try:
+        table = list(range(pool.num_pages))
+        return runner.forward([SeqInput(ids, table, 0, slot)], all_logits=True)
+    finally:
+        runner.loras.remove(slot)  # the set is the model's: leave it as found

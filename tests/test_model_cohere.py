@@ -12,15 +12,13 @@ import pytest
 import torch
 from _model_hf_builders import build_hf_model, hf_config, save_hf_folder
 from engine_helpers import FAMILY_CONFIGS, engine_greedy_equals_transformers, shared_prefix_prompts
-from lora_helpers import make_peft_adapter, peft_logits
+from lora_helpers import make_peft_adapter, peft_logits, radixkv_adapter_logits
 
 from radixkv.engine.params import SamplingParams
-from radixkv.kv.kv_pool import KVPool
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.loader import load_model
 from radixkv.model.lora import load_lora_adapter
-from radixkv.model.runner import ModelRunner, SeqInput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -62,15 +60,9 @@ def test_engine_greedy_equals_transformers(cohere: tuple[Any, Path], cfg: dict[s
 def test_lora_matches_peft(cohere: tuple[Any, Path], tmp_path: Path) -> None:
     hf, folder = cohere
     lm = load_model(folder)
-    c = lm.config
     ref = make_peft_adapter(hf, tmp_path / "a", seed=10)
-    runner = ModelRunner(
-        lm.model, KVPool(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, c.dtype, "cpu"),
-        backend="torch",
-    )  # fmt: skip
-    slot = runner.loras.add(load_lora_adapter(tmp_path / "a", c))
     ids = shared_prefix_prompts(10, 1)[0][:40]
-    got = runner.forward([SeqInput(ids, list(range(10)), 0, slot)], all_logits=True)
+    got = radixkv_adapter_logits(lm, load_lora_adapter(tmp_path / "a", lm.config), ids)
     want = peft_logits(ref, ids)
     assert (got - want).abs().max().item() < 1e-4
     assert (want - peft_logits(hf, ids)).abs().max().item() > 0.1

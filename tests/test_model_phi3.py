@@ -19,16 +19,14 @@ from engine_helpers import (
     engine_greedy_equals_transformers,
     shared_prefix_prompts,
 )
-from lora_helpers import make_peft_adapter, peft_logits
+from lora_helpers import make_peft_adapter, peft_logits, radixkv_adapter_logits
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
-from radixkv.kv.kv_pool import KVPool
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.loader import load_model
 from radixkv.model.lora import load_lora_adapter
-from radixkv.model.runner import ModelRunner, SeqInput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -122,18 +120,12 @@ def test_lora_on_fused_projections_matches_peft(
     """PEFT adapters of Phi-3 target its fused modules: their B splits like the weights."""
     hf, folder = phi3
     lm = load_model(folder)
-    c = lm.config
     ref = make_peft_adapter(hf, tmp_path / "a", seed=8, target_modules=modules)
-    adapter = load_lora_adapter(tmp_path / "a", c)
+    adapter = load_lora_adapter(tmp_path / "a", lm.config)
     if "qkv_proj" in modules:
         assert {(0, "q_proj"), (0, "k_proj"), (0, "v_proj")} <= set(adapter.factors)
-    runner = ModelRunner(
-        lm.model, KVPool(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, c.dtype, "cpu"),
-        backend="torch",
-    )  # fmt: skip
-    slot = runner.loras.add(adapter)
     ids = shared_prefix_prompts(8, 1)[0][:40]
-    got = runner.forward([SeqInput(ids, list(range(10)), 0, slot)], all_logits=True)
+    got = radixkv_adapter_logits(lm, adapter, ids)
     want = peft_logits(ref, ids)
     assert (got - want).abs().max().item() < 1e-4
     assert (want - peft_logits(hf, ids)).abs().max().item() > 0.1
