@@ -141,10 +141,10 @@ def test_continuations_run_the_conversation_and_hit_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, st = server
+    # A conversation no other test has sent: the continuation's hit can only come from its
+    # first turn (prompt and reply cached when the first response finished).
     script_reply(st, monkeypatch, THOUGHT + CALL)
-    first = client.responses.create(
-        model=MODEL, instructions="Use tools.", input="Weather in Paris?", tools=TOOLS
-    )
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=TOOLS)
     (call,) = [o for o in first.output if o.type == "function_call"]
     script_reply(st, monkeypatch, "Sunny.")
     second = client.responses.create(
@@ -154,10 +154,43 @@ def test_continuations_run_the_conversation_and_hit_the_cache(
         tools=TOOLS,
     )
     assert second.output_text == "Sunny." and second.previous_response_id == first.id
-    # the conversation the model saw: the first turn (its instructions not carried on), the
-    # assistant's reasoning and call, the tool's result
-    turns = [
-        {"role": "user", "content": "Weather in Paris?"},
+    ids = encode_chat(st.tokenizer, seen_conversation(call))
+    assert second.usage is not None and second.usage.input_tokens == len(ids)
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    # the same from the whole conversation as input items
+    script_reply(st, monkeypatch, "Sunny.")
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Weather needs a tool."}]},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather",
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
+    ]  # fmt: skip
+    third = client.responses.create(model=MODEL, input=items, tools=TOOLS)
+    assert third.usage is not None and third.usage.input_tokens == len(ids)
+    # a first turn's instructions are not carried on to its continuation
+    script_reply(st, monkeypatch, THOUGHT + CALL)
+    told = client.responses.create(
+        model=MODEL, instructions="Use tools.", input="Weather in Oslo?", tools=TOOLS
+    )
+    (call,) = [o for o in told.output if o.type == "function_call"]
+    script_reply(st, monkeypatch, "Sunny.")
+    after = client.responses.create(
+        model=MODEL,
+        previous_response_id=told.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
+        tools=TOOLS,
+    )
+    assert told.usage is not None and after.usage is not None
+    assert after.usage.input_tokens == len(encode_chat(st.tokenizer, seen_conversation(call)))
+
+
+def seen_conversation(call: Any) -> list[dict[str, Any]]:
+    """The conversation the model sees in the continuation: the first user turn, the
+    assistant's reasoning and tool call, the tool's result."""
+    return [
+        {"role": "user", "content": "Weather in Oslo?"},
         {
             "role": "assistant",
             "content": "",
@@ -172,21 +205,6 @@ def test_continuations_run_the_conversation_and_hit_the_cache(
         },
         {"role": "tool", "tool_call_id": call.call_id, "content": "18 C"},
     ]
-    ids = encode_chat(st.tokenizer, turns)
-    assert second.usage is not None and second.usage.input_tokens == len(ids)
-    assert second.usage.input_tokens_details.cached_tokens > 0
-    # the same from the whole conversation as input items
-    script_reply(st, monkeypatch, "Sunny.")
-    items: list[Any] = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"type": "reasoning", "id": "rs_1", "summary": [],
-         "content": [{"type": "reasoning_text", "text": "Weather needs a tool."}]},
-        {"type": "function_call", "call_id": call.call_id, "name": "get_weather",
-         "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
-    ]  # fmt: skip
-    third = client.responses.create(model=MODEL, input=items, tools=TOOLS)
-    assert third.usage is not None and third.usage.input_tokens == len(ids)
 
 
 def test_stored_responses_read_deleted_and_not_kept(
