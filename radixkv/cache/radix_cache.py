@@ -376,12 +376,15 @@ class RadixCache:
         """Longest cached prefix of ``tokens`` whose length is a multiple of page_size.
 
         A query shorter than a page, or a namespace that holds nothing, matches nothing (the
-        result's node is then the global root). Token ids are range-checked only past the
-        matched part (it equals stored keys, checked when inserted); a bad id raises before
-        anything changes. Then: the query counts in the stats; the node the match ends inside
-        is split (so the returned node ends exactly at the match); the clock ticks once and
-        ``last_access``/``hit_count`` are refreshed along the path, and the eviction key of
-        its last node.
+        result's node is then the global root). ``tokens`` must be a flat sequence of ints
+        (TypeError/ValueError otherwise, before anything changes), but a lookup does not
+        range-check the ids: an id outside [0, 2**32) is in no stored key (``insert`` checks
+        every id it stores), so the match just ends before its page. Requests are validated
+        once where they enter (the engine's intake checks ids against the vocabulary), not on
+        every lookup a scheduler makes while they wait. Then: the query counts in the stats;
+        the node the match ends inside is split (so the returned node ends exactly at the
+        match); the clock ticks once and ``last_access``/``hit_count`` are refreshed along
+        the path, and the eviction key of its last node.
 
         With a host tier the walk also follows host-only nodes: the result's first three fields
         cover the device-resident part, the last three the host continuation below it. Loads
@@ -421,14 +424,6 @@ class RadixCache:
                     if m:
                         cut = (c, m)
                     break
-            # The matched part equals stored (validated) keys: only the rest needs checking.
-            start = off + cut[1] * pb if cut else off
-            n = nq - start  # check_range's short case inlined: a Python call less
-            if (
-                n > SHORT_CHECK
-                or qb.cast("I")[(start >> 2) + HIGH_HALF :: 2] != ZEROS_BY_LEN[n >> 3]
-            ):
-                check_range(qb, start)
             self._match_queries += 1
             self._query_tokens += nq >> TOKEN_SHIFT
             if cut is not None:
@@ -467,11 +462,9 @@ class RadixCache:
         limit = nq - nq % pb
         start = self.root if namespace is None else self._ns_roots.get(namespace)
         if start is None or limit == 0:
-            check_range(qb)
             path, off, partial = [], 0, None
         else:
             path, off, partial, _ = self._walk(start, qb, limit)
-            check_range(qb, off + (partial[1] * pb if partial else 0))
         self._match_queries += 1
         self._query_tokens += nq >> TOKEN_SHIFT
         if self._host is not None:
@@ -502,18 +495,17 @@ class RadixCache:
 
         That is its ``num_tokens``, the device-resident prefix; with ``host=True``, its
         ``num_tokens + num_host_tokens`` (what a load back could add; the same without a tier).
+        Ids are not range-checked, as in ``match_prefix``.
         """
         qb = encode_tokens(tokens)
         try:
             start = self.root if namespace is None else self._ns_roots.get(namespace)
             limit = len(qb) - len(qb) % self._pb
             if start is None or limit == 0:
-                check_range(qb)
                 return 0
             path, off, partial, _ = self._walk(start, qb, limit)
             if partial is not None:
                 off += partial[1] * self._pb
-            check_range(qb, off)
             if host or self._host is None or (partial is not None and partial[0]._pages):
                 return off >> TOKEN_SHIFT
             # the device-resident part ends at the last device-resident node of the path

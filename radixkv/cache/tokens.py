@@ -87,8 +87,8 @@ def check_range(key: bytes | memoryview, start: int = 0, what: str = "tokens") -
 def encode_tokens(tokens: Any, what: str = "tokens") -> memoryview:
     """The key encoding of ``tokens`` with types and shape checked but, for ``array('q')``,
     lists and tuples, the id *range* not yet checked: callers must ``check_range`` every part
-    they do not prove valid otherwise (the cache skips the part that equals a stored key,
-    which was validated when it was inserted).
+    they store and do not prove valid otherwise (insert skips the part that equals a stored
+    key, validated when it was inserted; lookups store nothing and check nothing).
 
     The result is a byte ``memoryview`` (slicing it copies nothing). An ``array('q')`` is not
     copied: the view reads it in place, and the caller must drop (or ``release()``) the view
