@@ -131,6 +131,27 @@ def test_lora_on_fused_projections_matches_peft(
     assert (want - peft_logits(hf, ids)).abs().max().item() > 0.1
 
 
+@torch.no_grad()
+def test_lora_alpha_pattern_names_the_fused_modules(phi3: tuple[Any, Path], tmp_path: Path) -> None:
+    """PEFT's alpha_pattern names a fused module (qkv_proj, gate_up_proj) as the checkpoint
+    does: its scale applies to every part split from it, and only there."""
+    hf, folder = phi3
+    lm = load_model(folder)
+    pattern = {"layers.0.self_attn.qkv_proj": 64, "gate_up_proj": 4}
+    ref = make_peft_adapter(
+        hf, tmp_path / "a", seed=9, target_modules=["qkv_proj", "gate_up_proj", "o_proj"],
+        alpha_pattern=pattern,
+    )  # fmt: skip
+    adapter = load_lora_adapter(tmp_path / "a", lm.config)
+    ids = shared_prefix_prompts(8, 1)[0][:40]
+    got = radixkv_adapter_logits(lm, adapter, ids)
+    assert (got - peft_logits(ref, ids)).abs().max().item() < 1e-4
+    plain = make_peft_adapter(
+        hf, tmp_path / "b", seed=9, target_modules=["qkv_proj", "gate_up_proj", "o_proj"]
+    )
+    assert (got - peft_logits(plain, ids)).abs().max().item() > 1e-2  # the pattern mattered
+
+
 def test_lora_fused_shape_errors(phi3: tuple[Any, Path], tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -120,6 +120,8 @@ def load_lora_adapter(
     alpha_pattern: dict[str, Any] = cfg.get("alpha_pattern") or {}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     fused: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    # the module name alpha_pattern sees: the checkpoint's (qkv_proj for Phi-3's q/k/v parts)
+    named: dict[tuple[int, str], str] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
@@ -162,6 +164,7 @@ def load_lora_adapter(
                     f"given both on its own and inside {module}",
                 )  # fmt: skip
             pairs[(layer, m)] = {"A": ab["A"], "B": b_part}
+            named[(layer, m)] = f"model.layers.{layer}.{FUSED[module][0]}.{module}"
     if not pairs:
         raise ModelLoadError(str(weights_path), None, "no LoRA weights in the file")
 
@@ -186,7 +189,7 @@ def load_lora_adapter(
                 str(weights_path), f"{where}.lora_B.weight",
                 f"shape {tuple(b.shape)} does not fit the model: expected ({fan_out}, {r})",
             )  # fmt: skip
-        a_mod = _pattern_value(alpha_pattern, f"{where}", alpha)
+        a_mod = _pattern_value(alpha_pattern, named.get((layer, module), where), alpha)
         scale = a_mod / math.sqrt(r) if rslora else a_mod / r
         factors[(layer, module)] = (
             _weight_linear(a.to(device=device, dtype=dtype)),
