@@ -120,7 +120,12 @@ class BeamSearch:
         if p.logprobs is not None:
             if history is None:
                 raise ValueError("BeamSearch.step: params.logprobs needs the beams' history")
-            entries = list(logprob_entries(raw[parents], tokens, [p.logprobs] * k, history[1]))
+            entries = list(
+                logprob_entries(
+                    raw[parents], tokens, [p.logprobs] * k, history[1],
+                    [p.logprob_token_ids] * k if p.logprob_token_ids else (),
+                )
+            )  # fmt: skip
         full = len(self.finished) == self.width
         if self._improvable and not (p.early_stopping is True and full):
             for j in range(min(self.width, k)):  # only the first W may finish

@@ -56,6 +56,7 @@ from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
 from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import sample
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
+from radixkv.engine.scoring import label_scores, score_params, score_prompts
 from radixkv.engine.session import Session
 from radixkv.engine.speculative import Speculator
 from radixkv.engine.storage_tier import StorageTier
@@ -558,6 +559,7 @@ class Engine:
         parts = [logits.index_select(0, idx)]
         ids: list[int] = []
         top: list[int] = []
+        asked: list[tuple[int, ...]] = []
         counts: list[int] = []
         for i in want:
             seq = seqs[i]
@@ -566,13 +568,16 @@ class Engine:
                 parts.append(draft_logits[seq].to(logits.device))
             ids += ahead
             top += [seq.params.logprobs or 0] * len(ahead)
+            asked += [seq.params.logprob_token_ids] * len(ahead)
             counts.append(len(ahead))
         # rows: the sampled tokens' (want order), then each sequence's kept drafts'
+        asked = [seqs[i].params.logprob_token_ids for i in want] + asked
         flat = step_logprobs(
             torch.cat(parts) if len(parts) > 1 else parts[0],
             [tokens[i] for i in want] + ids,
             [seqs[i].params.logprobs or 0 for i in want] + top,
             self._token_texts,
+            asked if any(asked) else (),
         )
         out: dict[Seq, list[dict[int, Logprob]]] = {}
         at = len(want)
@@ -603,6 +608,7 @@ class Engine:
                 seq.params.prompt_logprobs or 0,  # (set: the group owes them)
                 self._token_texts,
                 self.vocab_size,
+                seq.params.logprob_token_ids,
             )
 
     def _append_tokens(
@@ -777,6 +783,32 @@ class Engine:
             for p, sp, name in zip(plist, params_list, loras)
         ]
         return self._run_to_completion(groups, use_tqdm)
+
+    def score(
+        self,
+        query: Prompt,
+        items: Prompt | Sequence[Prompt],
+        label_token_ids: Sequence[int],
+        *,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        namespace: Namespace = None,
+        lora: str | None = None,
+    ) -> list[list[float]]:
+        """Score each item against ``query``: per item, the probability of each of
+        ``label_token_ids`` as the next token after ``query + item`` (``item + query`` with
+        ``item_first``), in label order; with ``apply_softmax`` renormalised over the labels
+        (SGLang's ``Engine.score``; scoring.py). Query and items are both text (concatenated,
+        then tokenized) or both token-id lists. With the query first, the prefix cache computes
+        it once for all items. Everything is validated before any item runs."""
+        prompts = score_prompts(query, items, item_first=item_first)
+        params = score_params(label_token_ids)
+        outs = self.generate(prompts, params, use_tqdm=False, namespace=namespace, lora=lora)
+        scores = []
+        for out in outs:
+            (entry,) = out.outputs[0].logprobs or [{}]
+            scores.append(label_scores(entry, params.logprob_token_ids, apply_softmax))
+        return scores
 
     def chat(
         self,

@@ -137,6 +137,11 @@ class RequestIntake:
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
+        bad = [t for t in params.logprob_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"logprob_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})"
+            )
         if params.guided is not None:
             self.guides.compile(params.guided)  # raises ValueError naming what cannot be used
         text, ids = normalise_prompt(prompt, self.tokenizer, self.vocab_size)

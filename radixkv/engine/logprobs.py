@@ -37,16 +37,21 @@ def step_logprobs(
     tokens: Sequence[int],
     num_top: Sequence[int],
     token_text: TokenTexts,
+    extra: Sequence[Sequence[int]] = (),
 ) -> list[dict[int, Logprob]]:
-    """Per row: {sampled token: Logprob, then the ``num_top[i]`` most likely tokens}.
+    """Per row: {sampled token: Logprob, then the ``num_top[i]`` most likely tokens, then the
+    ids of ``extra[i]`` not already there}.
 
     Args:
         logits: [S, V] logits of the rows that asked for logprobs (any float dtype).
         tokens: S sampled token ids.
         num_top: S counts of alternatives (0: the sampled token only).
         token_text: decodes one token id.
+        extra: S tuples of requested ids (``SamplingParams.logprob_token_ids``), or empty
+            when no row asks for any.
     """
-    return logprob_entries(torch.log_softmax(logits.float(), dim=-1), tokens, num_top, token_text)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return logprob_entries(lp, tokens, num_top, token_text, extra)
 
 
 def logprob_entries(
@@ -54,6 +59,7 @@ def logprob_entries(
     tokens: Sequence[int],
     num_top: Sequence[int],
     token_text: Callable[[int], str],
+    extra: Sequence[Sequence[int]] = (),
 ) -> list[dict[int, Logprob]]:
     """``step_logprobs`` from rows that are log probabilities already (``lp`` ``[S, V]`` fp32,
     ``log_softmax`` of each row's logits): beam search has them, and a second ``log_softmax``
@@ -61,6 +67,7 @@ def logprob_entries(
     chosen_ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, chosen_ids[:, None]).squeeze(1)  # [S]
     ranks = (lp > chosen[:, None]).sum(dim=-1) + 1  # [S]
+    asked = _asked(lp, extra)
     k = min(max(num_top, default=0), lp.shape[1])
     top_v: list[list[float]] = [[] for _ in tokens]
     top_i: list[list[int]] = [[] for _ in tokens]
@@ -74,8 +81,30 @@ def logprob_entries(
             alt = top_i[row][j]
             if alt not in entry:
                 entry[alt] = Logprob(top_v[row][j], j + 1, token_text(alt))
+        if asked:
+            for t, (v, r) in zip(extra[row], asked[row]):
+                if t not in entry:
+                    entry[t] = Logprob(v, r, token_text(t))
         out.append(entry)
     return out
+
+
+def _asked(lp: torch.Tensor, extra: Sequence[Sequence[int]]) -> list[list[tuple[float, int]]]:
+    """Per row, (logprob, rank) of each id ``extra[row]`` asks for; [] when none asks."""
+    n = max((len(e) for e in extra), default=0)
+    if not n:
+        return []
+    # [S, n] ids, rows with fewer padded with their first (or 0) and cut off again below
+    ids = torch.tensor(
+        [list(e) + [e[0] if e else 0] * (n - len(e)) for e in extra],
+        dtype=torch.long,
+        device=lp.device,
+    )
+    vals = lp.gather(1, ids)  # [S, n]
+    ranks = (lp[:, None, :] > vals[:, :, None]).sum(dim=-1) + 1  # [S, n]
+    return [
+        list(zip(v[: len(e)], r[: len(e)])) for e, v, r in zip(extra, vals.tolist(), ranks.tolist())
+    ]
 
 
 # Rows of [rows, vocab] fp32 logits a block of prompt logprobs holds at once (with its log_softmax
@@ -91,8 +120,10 @@ def prompt_logprobs(
     num_top: int,
     token_text: TokenTexts,
     vocab_size: int,
+    extra: Sequence[int] = (),
 ) -> list[dict[int, Logprob]]:
-    """Per row of ``hidden``: {the next prompt token: Logprob, then the ``num_top`` most likely}.
+    """Per row of ``hidden``: {the next prompt token: Logprob, then the ``num_top`` most likely,
+    then the ids of ``extra`` not already there}.
 
     Args:
         hidden: [R, hidden] trunk states of R consecutive prompt positions.
@@ -106,5 +137,8 @@ def prompt_logprobs(
     out: list[dict[int, Logprob]] = []
     for a in range(0, len(targets), block):
         rows = targets[a : a + block]
-        out += step_logprobs(head(hidden[a : a + block]), rows, [num_top] * len(rows), token_text)
+        asked = [extra] * len(rows) if extra else ()
+        out += step_logprobs(
+            head(hidden[a : a + block]), rows, [num_top] * len(rows), token_text, asked
+        )
     return out

@@ -174,6 +174,13 @@ class SamplingParams:
             reuses the cached context: only from ``start - 1`` on must the model's outputs be
             computed. 0 (default) and 1 both mean from the second token; needs
             ``prompt_logprobs``; must be less than the prompt's length (checked at submission).
+        logprob_token_ids: token ids whose log probability joins every logprobs entry the
+            request returns (output tokens with ``logprobs``, prompt tokens with
+            ``prompt_logprobs``), each with its rank, after the position's own token and its
+            top alternatives (SGLang's ``token_ids_logprob``): the probability of "Yes" and
+            "No" after a question, of each label after a document. Needs ``logprobs`` or
+            ``prompt_logprobs``; ids below the vocabulary size (checked at submission);
+            normalised to a tuple without repeats, in the given order.
         priority: the request's scheduling priority under ``schedule_policy="priority"``:
             lower values go first (vLLM's convention), arrival order among equals; a waiting
             request may preempt running ones of a lower priority (higher value) to get in.
@@ -225,6 +232,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
+    logprob_token_ids: tuple[int, ...] = field(default=())
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     presence_penalty: float = 0.0
@@ -269,6 +277,16 @@ class SamplingParams:
             )
         if self.prompt_logprobs_start and self.prompt_logprobs is None:
             raise ValueError("prompt_logprobs_start needs prompt_logprobs (None here)")
+        lt = self.logprob_token_ids
+        if lt is None:
+            lt = ()
+        if not isinstance(lt, Sequence) or isinstance(lt, str | bytes):
+            raise ValueError(f"logprob_token_ids must be a list of ints, got {type(lt).__name__}")
+        if not all(_is_int(t) and t >= 0 for t in lt):
+            raise ValueError(f"logprob_token_ids must be non-negative ints, got {list(lt)!r}")
+        if lt and self.logprobs is None and self.prompt_logprobs is None:
+            raise ValueError("logprob_token_ids needs logprobs or prompt_logprobs (both None here)")
+        object.__setattr__(self, "logprob_token_ids", tuple(dict.fromkeys(int(t) for t in lt)))
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
