@@ -33,6 +33,7 @@ ROUTES = {
     ("delete", "/v1/responses/{response_id}"),
     ("post", "/tokenize"),
     ("post", "/detokenize"),
+    ("post", "/v1/score"),
     ("get", "/v1/models"),
     ("get", "/health"),
     ("get", "/metrics"),
@@ -81,6 +82,7 @@ def _schema(doc: dict[str, Any], name: str) -> dict[str, Any]:
         ("/v1/chat/completions", P.ChatCompletionRequest),
         ("/tokenize", P.TokenizeRequest),
         ("/detokenize", P.DetokenizeRequest),
+        ("/v1/score", P.ScoreRequest),
     ],
 )
 def test_request_schemas_are_the_decoded_structs(doc: dict, path: str, kind: type) -> None:
@@ -96,7 +98,7 @@ def test_request_schemas_are_the_decoded_structs(doc: dict, path: str, kind: typ
     assert "additionalProperties" not in schema  # unknown fields are ignored (not strict)
     ok = doc["paths"][path]["post"]["responses"]
     assert {"200", "400", "401", "404", "413", "500"} <= set(ok)
-    assert ("503" in ok) == path.startswith("/v1/")  # only generation waits for the engine
+    assert ("503" in ok) == path.startswith("/v1/")  # only routes that run the engine wait
 
 
 def _validator(doc: dict[str, Any], name: str) -> jsonschema.Draft202012Validator:

@@ -26,6 +26,7 @@ _REQUESTS: list[Any] = [
     P.ChatCompletionRequest,
     P.TokenizeRequest,
     P.DetokenizeRequest,
+    P.ScoreRequest,
     P.LoadLoRAAdapterRequest,
     P.UnloadLoRAAdapterRequest,
     RS.ResponsesRequest,
@@ -36,6 +37,7 @@ _RESPONSES: list[Any] = [
     P.ChatCompletionChunk,
     P.TokenizeResponse,
     P.DetokenizeResponse,
+    P.ScoreResponse,
     P.ModelList,
     P.Status,
     RS.ResponseObject,
@@ -151,14 +153,18 @@ def responses_route() -> dict[str, Any]:
     }
 
 
-def json_route(request: str, response: str, summary: str) -> dict[str, Any]:
-    """``openapi_extra`` of a JSON-in, JSON-out route that does not generate (/tokenize)."""
+def json_route(
+    request: str, response: str, summary: str, *, runs_engine: bool = False
+) -> dict[str, Any]:
+    """``openapi_extra`` of a JSON-in, JSON-out route (/tokenize); ``runs_engine``: it submits
+    engine requests (/v1/score), so a full queue answers 503."""
+    errors = (400, 401, 404, 413, 500, 503) if runs_engine else (400, 401, 404, 413, 500)
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(request)},
         "responses": {
             "200": {"description": f"A {response}", "content": _json(response)},
-            **_errors(400, 401, 404, 413, 500),
+            **_errors(*errors),
         },
     }
 

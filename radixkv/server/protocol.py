@@ -425,6 +425,38 @@ class DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
+class ScoreRequest(msgspec.Struct, kw_only=True):
+    """SGLang's ``POST /v1/score``: for each item, the probability of each of
+    ``label_token_ids`` as the next token after ``query + item`` (``item + query`` with
+    ``item_first``); with ``apply_softmax`` renormalised over the labels. Query and items are
+    both text (concatenated, then tokenized) or both token ids. ``model`` names the base
+    model or a loaded LoRA adapter, as for generation."""
+
+    model: str
+    query: NonEmptyStr | Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    items: (
+        NonEmptyStr
+        | Annotated[
+            list[NonEmptyStr | Annotated[list[TokenId], msgspec.Meta(min_length=1)]],
+            msgspec.Meta(min_length=1),
+        ]
+    )
+    label_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    apply_softmax: bool = False
+    item_first: bool = False
+    cache_salt: str | None = None  # as for generation: a tenant's own prefix-cache namespace
+
+    def __post_init__(self) -> None:
+        text = isinstance(self.query, str)
+        items = [self.items] if isinstance(self.items, str) else self.items
+        if not all(isinstance(it, str) == text for it in items):
+            raise ValueError(
+                "items must be texts when the query is text, token-id lists when it is token ids"
+            )
+        if len(set(self.label_token_ids)) != len(self.label_token_ids):
+            raise ValueError(f"label_token_ids has repeated ids: {self.label_token_ids}")
+
+
 class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
     """vLLM's ``POST /v1/load_lora_adapter``: load the PEFT adapter folder ``lora_path`` (on the
     server's machine) and serve it as the model ``lora_name``."""
@@ -551,6 +583,13 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
+
+
+class ScoreResponse(msgspec.Struct):
+    scores: list[list[float]]  # per item, the labels' probabilities in label_token_ids order
+    model: str
+    usage: Usage
+    object: str = "scoring"
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -469,7 +469,7 @@ class ServerState:
                 raise
             if err is not None:
                 await slot.release()
-                raise self._submission_error(err, guided_param, lora)
+                raise self.submission_error(err, guided_param, lora)
         rid = responses.id if responses else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         namespace = principal.namespace(req.cache_salt)
         sub = Submission(
@@ -494,7 +494,7 @@ class ServerState:
             if req.stream:
                 err = await wait_or_disconnect(sub.wait_started(), request.receive)
                 if err is not None:
-                    raise self._submission_error(err, guided_param, lora)
+                    raise self.submission_error(err, guided_param, lora)
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 body: AsyncIterator[bytes]
                 if responses is not None:
@@ -523,7 +523,7 @@ class ServerState:
                 return response
             err = await wait_or_disconnect(sub.wait_finished(), request.receive)
             if err is not None:
-                raise self._submission_error(err, guided_param, lora)
+                raise self.submission_error(err, guided_param, lora)
             for i in range(len(sub.prompts)):
                 R.take_deltas(sub, i, self.metrics)
             if chat:
@@ -576,7 +576,7 @@ class ServerState:
         self.in_flight += seqs
         return Admission(self, seqs)
 
-    def _submission_error(
+    def submission_error(
         self, err: BaseException, guided_param: str | None, lora: str | None
     ) -> APIError:
         """The response to ``err``; an adapter unloaded between the model check and the
