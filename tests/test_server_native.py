@@ -35,8 +35,10 @@ from server_helpers import (
     in_loop,
     live_server,
     metric_values,
+    wait_drained,
 )
 
+from radixkv.engine.params import SamplingParams
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
 from radixkv.server.native import FLUSHED
@@ -519,6 +521,80 @@ def test_logprob_start_len_and_the_defaults(
     )["meta_info"]
     assert scored["input_token_logprobs"] == full["meta_info"]["input_token_logprobs"]
     assert scored["output_token_logprobs"] == []
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_token_ids_logprob_reports_the_asked_ids_at_every_position(
+    http: httpx.Client, server: tuple[BackgroundServer, ServerState], streamed: bool
+) -> None:
+    """SGLang's token_ids_logprob: [logprob, id, text] of each asked id, in the order asked,
+    at every output position and (from logprob_start_len) every input position; the values
+    the engine gives the same ids when it is asked for the whole vocabulary."""
+    st = server[1]
+    asked = [17, 5, 17, 90]  # a repeat is reported once
+    body = dict(
+        text=PROMPT,
+        sampling_params={**GREEDY, "max_new_tokens": 5},
+        return_logprob=True,
+        logprob_start_len=0,
+        token_ids_logprob=asked,
+        return_text_in_logprobs=True,
+    )
+    meta = (stream(http, **body)[-1] if streamed else generate(http, **body))["meta_info"]
+    ids = st.tokenizer.encode(PROMPT)
+    every = SamplingParams(
+        temperature=0.0, max_tokens=5, logprobs=st.vocab_size, prompt_logprobs=st.vocab_size
+    )
+
+    async def reference() -> Any:
+        return st.engine.engine.generate([ids], every, use_tqdm=False)[0]
+
+    wait_drained(st)  # no step runs while the engine is used directly in its loop
+    ref = in_loop(st, reference)
+    outs = meta["output_token_ids_logprobs"]
+    assert len(outs) == 5 == len(ref.outputs[0].logprobs)
+    for row, entry in zip(outs, ref.outputs[0].logprobs):
+        assert [i for _, i, _ in row] == [17, 5, 90]
+        for lp, i, t in row:
+            assert lp == pytest.approx(entry[i].logprob, abs=1e-5) and t == st.token_texts(i)
+    ins = meta["input_token_ids_logprobs"]
+    assert ins[0] is None and len(ins) == len(ids) == len(ref.prompt_logprobs)
+    for row, entry in zip(ins[1:], ref.prompt_logprobs[1:]):
+        assert {i: lp for lp, i, _ in row} == pytest.approx(
+            {i: entry[i].logprob for i in (17, 5, 90)}, abs=1e-5
+        )
+    per_prompt = http.post(
+        "/generate",
+        json=dict(
+            text=[PROMPT, PROMPT + " x"],
+            sampling_params={**GREEDY, "max_new_tokens": 2},
+            return_logprob=True,
+            token_ids_logprob=[[3], [4, 6]],
+        ),
+    )
+    assert per_prompt.status_code == 200, per_prompt.text
+    a, b = per_prompt.json()
+    assert [[i for _, i, _ in r] for r in a["meta_info"]["output_token_ids_logprobs"]] == [[3]] * 2
+    assert [[i for _, i, _ in r] for r in b["meta_info"]["output_token_ids_logprobs"]] == [
+        [4, 6]
+    ] * 2
+    plain = generate(http, text=PROMPT, sampling_params=GREEDY, token_ids_logprob=[3])["meta_info"]
+    assert "output_token_ids_logprobs" not in plain  # without return_logprob: none (SGLang's)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[10**8], [[1], "x"], "12", [True], [[1], [2]]],
+    ids=["outside", "mixed", "text", "bool", "per-prompt-for-one"],
+)
+def test_bad_token_ids_logprob_is_a_400(http: httpx.Client, value: Any) -> None:
+    err = error_of(
+        http.post(
+            "/generate", json={"text": PROMPT, "return_logprob": True, "token_ids_logprob": value}
+        ),
+        400,
+    )
+    assert err["param"] == "token_ids_logprob", err
 
 
 def test_finish_reasons(http: httpx.Client) -> None:

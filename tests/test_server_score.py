@@ -10,7 +10,14 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import MODEL, assert_clean, failing_forward, in_loop, live_server
+from server_helpers import (
+    MODEL,
+    assert_clean,
+    failing_forward,
+    in_loop,
+    live_server,
+    wait_drained,
+)
 
 from radixkv.server.background import BackgroundServer
 from radixkv.server.state import ServerState
@@ -34,7 +41,9 @@ def labels(st: ServerState) -> list[int]:
 
 
 def engine_scores(st: ServerState, query: Any, items: Any, labs: list[int], **kw: Any) -> Any:
-    """Engine.score on the server's own engine, run in its loop between requests."""
+    """Engine.score on the server's own engine, run in its loop once it is idle (no step
+    runs meanwhile)."""
+    wait_drained(st)
 
     async def run() -> Any:
         return st.engine.engine.score(query, items, labs, **kw)

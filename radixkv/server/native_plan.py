@@ -33,11 +33,13 @@ from radixkv.server.state import ServerState
 class LogprobPlan:
     """What a prompt returns of logprobs (``return_logprob``): ``start`` is SGLang's
     ``logprob_start_len`` resolved (the prompt's length: output tokens only), ``top`` is
-    ``top_logprobs_num``, ``text``: each entry carries its token's text."""
+    ``top_logprobs_num``, ``text``: each entry carries its token's text, ``token_ids``:
+    ``token_ids_logprob``, the ids whose logprobs every position reports."""
 
     start: int
     top: int
     text: bool
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ def _field(name: str, i: int | None) -> str:
 
 def _sampling_param(field: str, i: int | None) -> str:
     return f"{_field('sampling_params', i)}.{field}"
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _per_prompt(value: Any, name: str, count: int, batch: bool) -> list[Any]:
@@ -254,6 +260,7 @@ class Planner:
         flags = _per_prompt(req.return_logprob, "return_logprob", count, batch)
         starts = _per_prompt(req.logprob_start_len, "logprob_start_len", count, batch)
         tops = _per_prompt(req.top_logprobs_num, "top_logprobs_num", count, batch)
+        asked = self.token_ids_logprob(req.token_ids_logprob, count, batch)
         loras = _per_prompt(req.lora_path, "lora_path", count, batch)
         salts = _per_prompt(req.cache_salt, "cache_salt", count, batch)
         keys = _per_prompt(req.extra_key, "extra_key", count, batch)
@@ -261,7 +268,7 @@ class Planner:
         items = []
         for i, ids in enumerate(prompts):
             at = i if batch else None
-            logprobs = self.logprobs(ids, flags[i], starts[i], tops[i], req, at)
+            logprobs = self.logprobs(ids, flags[i], starts[i], tops[i], req, at, asked[i])
             sp = sps[i]
             sp_at = i if isinstance(raw_sp, list) else None  # the list entry errors name
             params, max_new, guided_param = self.sampling(
@@ -334,9 +341,10 @@ class Planner:
         top: int | None,
         req: GenerateRequest,
         at: int | None,
+        token_ids: tuple[int, ...] = (),
     ) -> LogprobPlan | None:
         if not flag:
-            return None  # SGLang ignores logprob_start_len and top_logprobs_num then
+            return None  # SGLang ignores logprob_start_len, top_logprobs_num, ... then
         top = top or 0
         if not 0 <= top <= P.MAX_LOGPROBS:
             raise bad_request(
@@ -356,7 +364,26 @@ class Planner:
                 "logprob_start_len.",
                 "logprob_start_len",
             )
-        return LogprobPlan(start, top, req.return_text_in_logprobs)
+        return LogprobPlan(start, top, req.return_text_in_logprobs, token_ids)
+
+    def token_ids_logprob(self, value: Any, count: int, batch: bool) -> list[tuple[int, ...]]:
+        """``token_ids_logprob`` per prompt: one list of ids for every prompt, or (a batch) one
+        list per prompt; ids in the vocabulary, repeats dropped."""
+        name = "token_ids_logprob"
+        if value is None:
+            return [()] * count
+        shape = f"{name} must be a list of token ids, or a list of them per prompt"
+        if not isinstance(value, list):
+            raise bad_request(shape, name)
+        if all(_is_id(t) for t in value):
+            lists = [value] * count
+        elif all(x is None or isinstance(x, list) for x in value):
+            lists = [x or [] for x in _per_prompt(value, name, count, batch)]
+            if not all(_is_id(t) for x in lists for t in x):
+                raise bad_request(shape, name)
+        else:
+            raise bad_request(shape, name)
+        return [tuple(dict.fromkeys(self.st.check_ids(list(x), name))) for x in lists]
 
     def sampling(
         self,
@@ -440,6 +467,7 @@ class Planner:
                 seed=sp.sampling_seed,
                 skip_special_tokens=sp.skip_special_tokens is not False,
                 logprobs=None if logprobs is None else logprobs.top,
+                logprob_token_ids=() if logprobs is None else logprobs.token_ids,
                 prompt_logprobs=prompt_logprobs,
                 prompt_logprobs_start=prompt_start or 0,
                 min_tokens=min_new,

@@ -81,12 +81,13 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     extra_key: str | list[str] | None = None
     priority: int | None = None
     return_prompt_token_ids: bool = False
+    # with return_logprob: these ids' logprobs at every position (one list, or one per prompt)
+    token_ids_logprob: list[Any] | None = None
     # refused when set: radixkv cannot honour them
     input_embeds: Any = None
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
-    token_ids_logprob: Any = None
     return_hidden_states: Any = None
     return_routed_experts: Any = None
     return_indexer_topk: Any = None
@@ -149,9 +150,8 @@ REFUSED = {
     "image_data": "radixkv serves text-only models",
     "video_data": "radixkv serves text-only models",
     "audio_data": "radixkv serves text-only models",
-    "token_ids_logprob": "logprobs of chosen token ids are not supported (use top_logprobs_num)",
     "return_hidden_states": "hidden states are not returned",
-    "return_routed_experts": "radixkv serves no mixture-of-experts models",
+    "return_routed_experts": "the experts each token was routed to are not returned",
     "return_indexer_topk": "radixkv has no sparse-attention indexer",
     "return_entropy": "entropies are not returned",
     "return_sampling_mask": "sampling masks are not returned",

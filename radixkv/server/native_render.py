@@ -33,12 +33,17 @@ def _top_row(entry: dict[int, Logprob], k: int, with_text: bool) -> list[list[An
     return [_entry(lp.logprob, t, lp.decoded_token if with_text else None) for t, lp in ranked]
 
 
+def _asked_row(entry: dict[int, Logprob], ids: tuple[int, ...], with_text: bool) -> list[Any]:
+    """The ``token_ids_logprob`` ids at one position, in the order asked."""
+    return [_entry(entry[t].logprob, t, entry[t].decoded_token if with_text else None) for t in ids]
+
+
 class Renderer:
     """Engine outputs as SGLang's ``{"text", "output_ids", "meta_info"}`` entries."""
 
     def __init__(self, st: ServerState) -> None:
         self.st = st
-        self._input_cache: dict[int, tuple[list[Any], list[Any] | None]] = {}
+        self._input_cache: dict[int, tuple[list[Any], list[Any] | None, list[Any] | None]] = {}
 
     def finish_reason(self, item: Item, c: CompletionOutput) -> dict[str, Any] | None:
         r = c.finish_reason
@@ -63,9 +68,12 @@ class Renderer:
             "err_type": "InternalServerError",
         }
 
-    def _inputs(self, k: int, item: Item, out: RequestOutput) -> tuple[list[Any], list[Any] | None]:
-        """input_token_logprobs and (with top_logprobs_num) input_top_logprobs of prompt ``k``,
-        from logprob_start_len on: its first entry has no value (as in SGLang)."""
+    def _inputs(
+        self, k: int, item: Item, out: RequestOutput
+    ) -> tuple[list[Any], list[Any] | None, list[Any] | None]:
+        """input_token_logprobs, (with top_logprobs_num) input_top_logprobs and (with
+        token_ids_logprob) input_token_ids_logprobs of prompt ``k``, from logprob_start_len
+        on: their first entry has no value (as in SGLang)."""
         cached = self._input_cache.get(k)
         if cached is not None:
             return cached
@@ -75,15 +83,17 @@ class Renderer:
         texts = self.st.token_texts
         tokens: list[Any] = []
         tops: list[Any] | None = [] if plan.top > 0 else None
+        asked: list[Any] | None = [] if plan.token_ids else None
         if plan.start < len(ids):
             first = ids[plan.start]
             tokens.append(_entry(None, first, texts(first) if plan.text else None))
-            if tops is not None:
-                tops.append(None)
+            for rows in (tops, asked):
+                if rows is not None:
+                    rows.append(None)
             entries = out.prompt_logprobs
             rest = ids[plan.start + 1 :]
             if rest and entries is None:
-                return tokens, tops  # not computed yet (the prefill is not complete): later
+                return tokens, tops, asked  # not computed yet (the prefill is not complete)
             for pos, tok in enumerate(rest, plan.start + 1):
                 assert entries is not None
                 entry = entries[pos]
@@ -92,8 +102,10 @@ class Renderer:
                 tokens.append(_entry(lp.logprob, tok, lp.decoded_token if plan.text else None))
                 if tops is not None:
                     tops.append(_top_row(entry, plan.top, plan.text))
-        self._input_cache[k] = (tokens, tops)
-        return tokens, tops
+                if asked is not None:
+                    asked.append(_asked_row(entry, plan.token_ids, plan.text))
+        self._input_cache[k] = (tokens, tops, asked)
+        return tokens, tops, asked
 
     def meta(
         self, k: int, item: Item, out: RequestOutput, c: CompletionOutput, sample_id: str
@@ -108,7 +120,7 @@ class Renderer:
         }
         plan = item.logprobs
         if plan is not None:
-            inputs, input_tops = self._inputs(k, item, out)
+            inputs, input_tops, input_asked = self._inputs(k, item, out)
             entries = [] if item.hidden else (c.logprobs or [])
             outputs = [
                 _entry(e[t].logprob, t, e[t].decoded_token if plan.text else None)
@@ -121,6 +133,11 @@ class Renderer:
                 meta["input_top_logprobs"] = input_tops
                 meta["output_top_logprobs"] = [
                     _top_row(e, plan.top, plan.text) for e in entries[: len(shown)]
+                ]
+            if plan.token_ids:
+                meta["input_token_ids_logprobs"] = input_asked
+                meta["output_token_ids_logprobs"] = [
+                    _asked_row(e, plan.token_ids, plan.text) for e in entries[: len(shown)]
                 ]
         if self.st.reasoning_parser is None:
             meta["reasoning_tokens"] = 0
