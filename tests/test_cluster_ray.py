@@ -236,6 +236,9 @@ def test_weight_update_through_the_ingress_reaches_every_replica(
     assert again["output_ids"] == before["output_ids"]
 
 
+# Last in this module on purpose: the fleet stays degraded after it (Ray Serve replaces the
+# replica in its own time, and fan-outs meanwhile meet a replica that is gone), while the tests
+# above reach "every replica" of the whole fleet.
 def test_replica_killed_mid_run(fleets: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     wl = SharedPrefixWorkload(groups=6, per_group=5, prefix_tokens=128, suffix_tokens=16, seed=3)
     killed: dict[str, Any] = {}

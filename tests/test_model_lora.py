@@ -102,6 +102,9 @@ def test_mixed_batch_rows_get_their_own_adapter(
     for i, ((name, _), p) in enumerate(zip(plan, prompts)):
         want = peft_logits(refs[name], p + nxt[i])[-1]
         assert (logits[i] - want).abs().max().item() < ATOL, (i, name)
+    for slot in slots.values():  # the module's model back without hooks (other tests share it)
+        runner.loras.remove(slot)
+    assert not any(getattr(m, "lora", None) for m in lm.model.modules())
 
 
 def test_adapter_in_bf16_close_to_peft(base: tuple[Any, Any], adapters: dict[str, Any]) -> None:
