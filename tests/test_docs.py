@@ -177,6 +177,17 @@ def test_embedding_sampling_snippet_runs(capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().out
 
 
+def test_embedding_label_scores_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The scoring example of docs/embedding.md runs: three items, each pair of label
+    probabilities sums to 1, and the query came from the cache after the first item."""
+    scope = run_embedding_example("eng.score(", "scoring")
+    assert len(scope["scores"]) == 3
+    assert all(abs(a + b - 1) < 1e-9 for a, b in scope["scores"])
+    assert len(scope["first"]) in (2, 3)  # the sampled token, unless it is T or F itself
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and int(lines[-1].split()[0]) > 0
+
+
 def test_embedding_structured_output_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The structured-output example of docs/embedding.md runs: each sample is JSON with the
     schema's required keys, and the label is one of the choices."""
