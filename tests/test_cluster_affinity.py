@@ -435,6 +435,12 @@ def test_weight_update_fanout_report() -> None:
     status, body = report({"u1": refused[names[0]], "u2": refused[names[1]]})
     assert status == 400 and body["success"] is False and body["message"] == "no such folder"
     assert body["updated"] == 0 and len(body["failed"]) == 2
+    # a refusal is the answer even with a replica gone (no one updated: nothing is mixed)
+    status, body = report({"u1": refused[names[0]], "u2": RuntimeError("ActorDiedError")})
+    assert status == 400 and body["message"] == "no such folder" and body["updated"] == 0
+    assert [f["replica"] for f in body["failed"]] == names
+    status, body = report({"u1": RuntimeError("ActorDiedError"), "u2": RuntimeError("gone")})
+    assert status == 503 and body["success"] is False and body["updated"] == 0
     status, body = report({"u1": ok(names[0], 0), "u2": RuntimeError("ActorDiedError")})
     assert status == 503 and body["success"] is False and "mixed weights" in str(body["message"])
     assert body["updated_replicas"] == [names[0]] and body["failed"][0]["replica"] == names[1]

@@ -216,10 +216,11 @@ def update_report(result: FanoutResult) -> tuple[int, dict[str, Any]]:
 
     Each replica's answer holds its app's ``status`` and JSON ``body``. Every replica updated:
     200 with SGLang's fields (``success``, ``message``, ``num_paused_requests`` summed).
-    Every replica answered the same refusal (a bad checkpoint or body, no admin key): that
-    status and the first refusal's body; nothing changed anywhere. Anything else (some updated,
-    some not, or unreachable): 503 with ``success`` false, as the fleet now serves mixed
-    weights (retry the update). The body also lists ``replicas``, ``updated``,
+    No replica updated and every one that answered gave the same refusal (a bad checkpoint or
+    body, no admin key), even with others unreachable: that status and the first refusal's body;
+    nothing changed anywhere, and retrying the same request cannot help. Anything else (some
+    updated, some not): 503 with ``success`` false, as the fleet now serves mixed weights (retry
+    the update); none answered at all: 503 too. The body also lists ``replicas``, ``updated``,
     ``updated_replicas`` and ``failed`` (replica and error)."""
     updated = sorted(n for n, a in result.answers.items() if a.get("status") == 200)
     refusals = {n: a for n, a in result.answers.items() if a.get("status") != 200}
@@ -242,7 +243,7 @@ def update_report(result: FanoutResult) -> tuple[int, dict[str, Any]]:
         )
         return 200, {"success": True, "message": message, "num_paused_requests": paused, **fleet}
     statuses = {a.get("status") for a in refusals.values()}
-    if refusals and not updated and not result.failed and len(statuses) == 1:
+    if refusals and not updated and len(statuses) == 1:
         first = min(refusals)
         return int(refusals[first]["status"]), {**bodies[first], **fleet}
     message = (
