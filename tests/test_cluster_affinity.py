@@ -273,6 +273,19 @@ def test_prompt_hasher_matches_the_server_tokenization() -> None:
     assert h.hashes == want and h.stream
     cont = b'{"model": "m", "input": "y", "previous_response_id": "resp_1"}'
     assert hasher.hint("/v1/responses", None, cont).hashes == []
+    # scoring: the first item's prompt (query + item: the query's pages lead every item's)
+    body = b'{"model": "m", "query": "%s", "items": ["a", "b"], "label_token_ids": [5]}' % (
+        b"q" * 40
+    )
+    h = hasher.hint("/v1/score", None, body)
+    assert h.hashes == page_hashes(tok.encode("q" * 40 + "a"), 16) and h.hashes and not h.stream
+    body = (
+        b'{"model": "m", "query": %s, "items": [[7, 8]], "label_token_ids": [5]}'
+        % str(ids).encode()
+    )
+    assert hasher.hint("/v1/score", None, body).hashes == page_hashes([*ids, 7, 8], 16)
+    bad_score = b'{"model": "m", "query": "q", "items": [[1]], "label_token_ids": [5]}'
+    assert hasher.hint("/v1/score", None, bad_score).hashes == []  # the replica answers 400
     # unparsable or non-generation requests: no hint, never an exception
     assert hasher.hint("/v1/completions", None, b"{bad").hashes == []
     assert hasher.hint("/v1/models", None, b"").hashes == []

@@ -4,7 +4,8 @@ The ingress holds the *same tokenizer* as the engine replicas (loaded from the s
 or folder) and computes, for each request, exactly the token ids the replica's server app will
 compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat, and responses
 without ``previous_response_id``: :func:`~radixkv.model.tokenizer.encode_chat`, the one chat
-path) and the namespace it will use (the
+path; scoring: its first item's prompt, which starts with the query every item shares) and the
+namespace it will use (the
 authenticated tenant plus ``cache_salt``; for a request naming a LoRA adapter as its ``model``,
 that namespace inside the adapter's, ``AdapterNamespace``, keyed by the digest of the adapter's
 files, which the ingress computes from the same ``lora_modules``). Their chained page hashes
@@ -23,6 +24,7 @@ from typing import Any
 
 from radixkv.cache.hashing import page_hashes
 from radixkv.engine.lora import AdapterNamespace
+from radixkv.engine.scoring import score_prompts
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.auth import Authenticator
@@ -83,6 +85,11 @@ class PromptHasher:
                 first = prompts[0]  # a batch is routed by its first prompt
                 ids = list(self.tokenizer.encode(first)) if isinstance(first, str) else first
                 return ids, req
+            if path == "/v1/score":  # every item's prompt starts with the query (or its item)
+                sreq = P.decode_request(body, P.ScoreRequest)
+                first = score_prompts(sreq.query, sreq.items, item_first=sreq.item_first)[0]
+                ids = list(self.tokenizer.encode(first)) if isinstance(first, str) else first
+                return ids, sreq
             if path == "/v1/responses":
                 rreq = P.decode_request(body, ResponsesRequest)
                 if rreq.previous_response_id is not None:
@@ -111,12 +118,12 @@ class PromptHasher:
         try:
             namespace = self.auth.authenticate(authorization).namespace(req.cache_salt)
         except APIError:
-            return RoutingHint(stream=bool(req.stream))
+            return RoutingHint(stream=bool(getattr(req, "stream", False)))
         digest = self.lora_digests.get(req.model)
         if digest is not None:
             namespace = AdapterNamespace(digest, namespace)
         return RoutingHint(
             hashes=page_hashes(ids, self.page_size, namespace),
             num_tokens=len(ids),
-            stream=bool(req.stream),
+            stream=bool(getattr(req, "stream", False)),  # /v1/score has no stream
         )
