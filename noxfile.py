@@ -77,6 +77,7 @@ def bench(session: nox.Session) -> None:
         ("bench_server.py",),
         ("bench_speculative_peers.py",),
         ("bench_beam_peers.py",),
+        ("bench_score_peers.py",),
         ("bench_lora_peers.py",),  # transformers + PEFT, from the test extra
     )
     for script, *args in runs:

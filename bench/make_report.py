@@ -220,6 +220,19 @@ SECTIONS: list[tuple[str, str, str]] = [
         "radixkv's on the same workload.",
     ),
     (
+        "bench_score_peers",
+        "Scoring items against a query against transformers",
+        "`bench/bench_score_peers.py` (`nox -s bench`): radixkv-tiny's trained weights in "
+        "float32, in radixkv and in transformers' `LlamaForCausalLM`; a ~1,000-token query (code) "
+        "and 64 items (lines of code), and for each item the probability of 3 label tokens as "
+        "the next token after query + item (SGLang's `/v1/score`). radixkv's `Engine.score` (one "
+        "request per item, the query computed once by the prefix cache, reset every round) "
+        "against transformers batched (16 prompts a forward, right-padded) and transformers "
+        "with the query prefilled once into a `DynamicCache` repeated to each batch of 16 "
+        "items. `max_abs_diff_vs_transformers`: the largest difference of a probability from "
+        "transformers batched. Medians over rotated rounds.",
+    ),
+    (
         "bench_structured_peers",
         "Structured output against llama.cpp's JSON-schema grammar",
         "`bench/bench_structured_peers.py` (`nox -s bench_peers`): the same checkpoint, 16 "
@@ -629,6 +642,19 @@ def plot_beam_peers(data: Any, fig: Any) -> None:
     fig.suptitle(f"Beam search (width {data.get('beam_width', '?')}), the same weights")
 
 
+def plot_score_peers(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    names = [r["system"] for r in rows]
+    ticks = [n.replace("transformers ", "transformers\n") for n in names]
+    _peer_bars(fig.subplots(), names, [r["seconds"] for r in rows], ticks,
+               "seconds (lower is better)", size=7)  # fmt: skip
+    w = data.get("workload", {})
+    fig.suptitle(
+        f"Scoring {w.get('items', '?')} items after a {w.get('query_tokens', '?')}-token query, "
+        "the same weights"
+    )
+
+
 def _lora_tick(system: str) -> str:
     lib, _, how = system.partition(", ")
     how = how.replace(" (no adapters)", "").replace(" (one mixed batch)", ", mixed")
@@ -670,6 +696,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_speculative_peers": [("", plot_speculative_peers)],
     "bench_lora_peers": [("", plot_lora_peers)],
     "bench_beam_peers": [("", plot_beam_peers)],
+    "bench_score_peers": [("", plot_score_peers)],
 }
 
 

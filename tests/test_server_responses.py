@@ -143,16 +143,7 @@ def test_continuations_run_the_conversation_and_hit_the_cache(
     _, st = server
     # A conversation no other test has sent: the continuation's hit can only come from its
     # first turn (prompt and reply cached when the first response finished).
-    script_reply(st, monkeypatch, THOUGHT + CALL)
-    first = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=TOOLS)
-    (call,) = [o for o in first.output if o.type == "function_call"]
-    script_reply(st, monkeypatch, "Sunny.")
-    second = client.responses.create(
-        model=MODEL,
-        previous_response_id=first.id,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
-        tools=TOOLS,
-    )
+    first, call, second = call_then_answer(st, monkeypatch, client)
     assert second.output_text == "Sunny." and second.previous_response_id == first.id
     ids = encode_chat(st.tokenizer, seen_conversation(call))
     assert second.usage is not None and second.usage.input_tokens == len(ids)
@@ -170,20 +161,27 @@ def test_continuations_run_the_conversation_and_hit_the_cache(
     third = client.responses.create(model=MODEL, input=items, tools=TOOLS)
     assert third.usage is not None and third.usage.input_tokens == len(ids)
     # a first turn's instructions are not carried on to its continuation
+    told, call, after = call_then_answer(st, monkeypatch, client, instructions="Use tools.")
+    assert told.usage is not None and after.usage is not None
+    assert after.usage.input_tokens == len(encode_chat(st.tokenizer, seen_conversation(call)))
+
+
+def call_then_answer(
+    st: ServerState, monkeypatch: pytest.MonkeyPatch, client: openai.OpenAI, **first_kw: Any
+) -> tuple[Any, Any, Any]:
+    """A first response that calls the weather tool (``first_kw`` passed on to it), then its
+    continuation by ``previous_response_id`` with the tool's result: (first, call, second)."""
     script_reply(st, monkeypatch, THOUGHT + CALL)
-    told = client.responses.create(
-        model=MODEL, instructions="Use tools.", input="Weather in Oslo?", tools=TOOLS
-    )
-    (call,) = [o for o in told.output if o.type == "function_call"]
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=TOOLS, **first_kw)
+    (call,) = [o for o in first.output if o.type == "function_call"]
     script_reply(st, monkeypatch, "Sunny.")
-    after = client.responses.create(
+    second = client.responses.create(
         model=MODEL,
-        previous_response_id=told.id,
+        previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
         tools=TOOLS,
     )
-    assert told.usage is not None and after.usage is not None
-    assert after.usage.input_tokens == len(encode_chat(st.tokenizer, seen_conversation(call)))
+    return first, call, second
 
 
 def seen_conversation(call: Any) -> list[dict[str, Any]]:
