@@ -17,6 +17,7 @@ weight updates address the same modules as in the Llama family.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,6 +30,13 @@ from radixkv.model.config import ModelConfig
 from radixkv.model.layers import GemmaRMSNorm, LayerTypeRope, SwiGLU, add_residual
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
+
+
+@functools.cache
+def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden) rounded to ``dtype`` first, as transformers multiplies (a Python float that
+    ``dtype`` holds exactly, so the product rounds the same as with its 0-dim tensor)."""
+    return float(torch.tensor(hidden_size**0.5, dtype=torch.float64).to(dtype))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -89,8 +97,7 @@ class GemmaForCausalLM(CausalLM):
         max_position: int,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
-        # sqrt(hidden) rounded to the model's dtype first, as transformers multiplies
-        h = h * torch.tensor(self.config.hidden_size**0.5, device=h.device).to(h.dtype)
+        h = h * _embed_scale(self.config.hidden_size, h.dtype)
         rope, local = self.rotary.tables(positions, max_position, h.dtype)
         for layer in self.model.layers:
             h = layer(h, local if layer.local else rope, attn)
