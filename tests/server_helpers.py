@@ -19,6 +19,23 @@ from radixkv.server.config import ServerConfig
 from radixkv.server.state import ServerState
 
 MODEL = "radixkv-tiny"
+# radixkv-tiny's format, plus tool calls and results and an assistant turn's reasoning (for
+# servers with a hermes tool-call parser and a qwen3 reasoning parser), and a reply that
+# reasons and then calls the weather tool
+TOOL_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|assistant|>"
+    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content or '' }}"
+    '{%- for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|end|>\n'
+    "{%- elif m.role == 'tool' %}<|tool|>{{ m.tool_call_id }}: {{ m.content }}<|end|>\n"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+THOUGHT = "<think>\nWeather needs a tool.\n</think>\n\n"
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
 @contextmanager

@@ -13,7 +13,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, assert_clean, checked_client, live_server, script_reply
+from server_helpers import (
+    CALL,
+    MODEL,
+    THOUGHT,
+    TOOL_TEMPLATE,
+    assert_clean,
+    checked_client,
+    live_server,
+    script_reply,
+)
 
 from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
@@ -23,19 +32,6 @@ from radixkv.server.response_store import ResponseStore, Stored
 from radixkv.server.responses import ResponsesRequest, input_messages, shell
 from radixkv.server.state import ServerState
 
-# radixkv-tiny's format, plus tool calls and results and an assistant turn's reasoning
-TEMPLATE = (
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|assistant|>"
-    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
-    "{{ m.content or '' }}"
-    '{%- for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", '
-    '"arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|end|>\n'
-    "{%- elif m.role == 'tool' %}<|tool|>{{ m.tool_call_id }}: {{ m.content }}<|end|>\n"
-    "{%- else %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 TOOLS: list[Any] = [
     {
         "type": "function",
@@ -43,14 +39,12 @@ TOOLS: list[Any] = [
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
     }
 ]
-THOUGHT = "<think>\nWeather needs a tool.\n</think>\n\n"
-CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
     config = ServerConfig(reasoning_parser="qwen3", tool_call_parser="hermes")
-    with live_server(config, chat_template=TEMPLATE, guided_jump_forward=False) as s:
+    with live_server(config, chat_template=TOOL_TEMPLATE, guided_jump_forward=False) as s:
         yield s
 
 

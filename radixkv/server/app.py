@@ -7,8 +7,9 @@ POST /detokenize, GET /v1/models, GET /health, GET /metrics, POST /reset_prefix_
 key), and with ``config.allow_runtime_lora_updating`` POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (vLLM's); a request's ``model`` is the served model or a loaded LoRA
 adapter's name. SGLang's native API (POST /generate, GET /get_model_info, /get_server_info,
-/health_generate, POST /flush_cache) is served too (server/native.py), and SGLang's POST
-/v1/score (server/score.py). GET /openapi.json
+/health_generate, POST /flush_cache) is served too (server/native.py), SGLang's POST
+/v1/score (server/score.py) and Anthropic's POST /v1/messages (server/messages.py). GET
+/openapi.json
 describes the OpenAI-style routes
 (server/openapi.py) and GET /docs renders it. Paths are exact: a trailing slash is 404 (no
 redirect, whose Location would echo the request's Host header).
@@ -53,6 +54,7 @@ from radixkv.server.errors import (
     unauthorized,
     unhandled_exception_handler,
 )
+from radixkv.server.messages import add_messages_routes
 from radixkv.server.native import add_native_routes
 from radixkv.server.responses import DeletedResponse, ResponsesRequest
 from radixkv.server.score import add_score_route
@@ -285,6 +287,7 @@ def build_app(
 
     add_native_routes(app, st)  # SGLang's /generate, /get_model_info, ... (server/native.py)
     add_score_route(app, st)  # SGLang's /v1/score (server/score.py)
+    add_messages_routes(app, st)  # Anthropic's /v1/messages (server/messages.py)
     return app
 
 

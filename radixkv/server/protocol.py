@@ -682,6 +682,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatResponseMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that matched
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -706,6 +707,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None  # as in ChatChoice, on the choice's last chunk
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -68,6 +68,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = field(default=None)  # None: not requested
     tool_calls: list[ToolCall] | None = None  # parsed out of the text (--tool-call-parser)
     reasoning: str | None = None  # read out of the text (--reasoning-parser); text: the rest
+    stop_reason: str | int | None = None  # with "stop": the stop string or token id matched
 
 
 def with_reasoning(
@@ -208,15 +209,15 @@ def _advance(
             generated = _token_logprobs(fmt, c.token_ids[start:], c.logprobs[start:], state)
             logprobs = generated if logprobs is None else logprobs + generated
             state.sent_logprobs = len(c.logprobs)
-    finish = None
+    finish, stop_reason = None, None
     if c.finish_reason is not None and state.finish_reason is None:
-        finish = c.finish_reason
+        finish, stop_reason = c.finish_reason, c.stop_reason
         if sub.echo_only and finish in ("stop", "length"):
-            finish = "length"  # max_tokens=0 reached (whatever ended the hidden token)
+            finish, stop_reason = "length", None  # max_tokens=0 reached (whatever ended it)
         state.finish_reason = finish
     if not (text or finish is not None or logprobs):
         return None
-    return Delta(prompt_index * sub.params.n + j, text, finish, logprobs)
+    return Delta(prompt_index * sub.params.n + j, text, finish, logprobs, stop_reason=stop_reason)
 
 
 def take_deltas(
@@ -408,7 +409,9 @@ def chat_response(
             )
             if calls:
                 finish = "tool_calls"
-        choices.append(P.ChatChoice(d.index, message, finish, chat_logprobs(d.logprobs)))
+        choices.append(
+            P.ChatChoice(d.index, message, finish, chat_logprobs(d.logprobs), d.stop_reason)
+        )
     plp = None
     if num_prompt_logprobs is not None:
         out = sub.prompts[0].latest
@@ -451,7 +454,9 @@ def chat_chunk(rid: str, model: str, created: int, deltas: list[Delta]) -> bytes
                 content=d.text or None, reasoning=d.reasoning, tool_calls=calls or None
             )
         choices.append(
-            P.ChatChunkChoice(d.index, delta, d.finish_reason, chat_logprobs(d.logprobs))
+            P.ChatChunkChoice(
+                d.index, delta, d.finish_reason, chat_logprobs(d.logprobs), d.stop_reason
+            )
         )
     return sse(P.ChatCompletionChunk(rid, created, model, choices))
 

@@ -43,6 +43,19 @@ class SSEResponse(StreamingResponse):
         self._cleanup = cleanup
         self._on_client_gone = on_client_gone
 
+    def with_body(
+        self, rewrite: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]
+    ) -> SSEResponse:
+        """The same stream in another wire format (another API's events): a response over
+        ``rewrite(this body)`` that takes over this one's headers, cleanup and disconnect
+        callback; this one must not be sent."""
+        body: AsyncIterator[bytes] = self.body_iterator  # type: ignore[assignment]
+        headers = {k: v for k, v in self.headers.items() if k.startswith("x-")}
+        return SSEResponse(
+            rewrite(body), headers=headers, cleanup=self._cleanup,
+            on_client_gone=self._on_client_gone,
+        )  # fmt: skip
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.create_task(self.stream_response(send))
         listen = asyncio.create_task(self.listen_for_disconnect(receive))
