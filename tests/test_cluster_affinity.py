@@ -286,6 +286,17 @@ def test_prompt_hasher_matches_the_server_tokenization() -> None:
     assert hasher.hint("/v1/score", None, body).hashes == page_hashes([*ids, 7, 8], 16)
     bad_score = b'{"model": "m", "query": "q", "items": [[1]], "label_token_ids": [5]}'
     assert hasher.hint("/v1/score", None, bad_score).hashes == []  # the replica answers 400
+    # Anthropic's messages: the chat they run as (the system prompt a system message)
+    body = (
+        b'{"model": "m", "max_tokens": 4, "system": "s", "messages": [{"role": "user", "content": "%s"}]}'
+        % (b"x" * 50)
+    )
+    chat = [{"role": "system", "content": "s"}, *msgs]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True)
+    want = page_hashes(tok.encode(text, add_special_tokens=False), 16)
+    assert hasher.hint("/v1/messages", None, body).hashes == want and want
+    bad_msgs = b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]}'
+    assert hasher.hint("/v1/messages", None, bad_msgs).hashes == []
     # unparsable or non-generation requests: no hint, never an exception
     assert hasher.hint("/v1/completions", None, b"{bad").hashes == []
     assert hasher.hint("/v1/models", None, b"").hashes == []

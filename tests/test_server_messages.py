@@ -24,6 +24,7 @@ from server_helpers import (
 )
 
 from radixkv.model.tokenizer import encode_chat
+from radixkv.server.auth import request_authorization
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
 from radixkv.server.state import ServerState
@@ -258,6 +259,9 @@ def test_errors_are_anthropic_shaped_and_run_nothing(
 
 
 def test_keys_come_as_x_api_key_or_bearer(server: tuple[BackgroundServer, ServerState]) -> None:
+    assert request_authorization({"x-api-key": "k1"}) == "Bearer k1"
+    assert request_authorization({"authorization": "Bearer k2", "x-api-key": "k1"}) == "Bearer k2"
+    assert request_authorization({}) is None
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     assert _post(server, body).status_code == 200
     denied = _post(server, body, **{"x-api-key": "not-a-key-at-all"})

@@ -51,6 +51,7 @@ from radixkv.cluster.hinting import PromptHasher, load_tokenizer  # noqa: E402
 from radixkv.cluster.summary import CacheSummary  # noqa: E402
 from radixkv.engine.lora import parse_lora_modules  # noqa: E402
 from radixkv.model.lora import adapter_digest  # noqa: E402
+from radixkv.server.auth import request_authorization  # noqa: E402
 from radixkv.server.errors import APIError  # noqa: E402
 
 log = logging.getLogger("radixkv.cluster")
@@ -234,7 +235,7 @@ class RadixKVIngress:
         if fwd.method == "POST" and fwd.path == WEIGHTS_PATH:  # every replica checks the key
             status, report = await update_fleet(self.replicas, fwd)
             return Response(json.dumps(report).encode(), status, None, "application/json")
-        hint = self.hasher.hint(fwd.path, request.headers.get("authorization"), body)
+        hint = self.hasher.hint(fwd.path, request_authorization(request.headers), body)
         if hint.stream:
             return await self._streamed(fwd, hint.hashes)
         return await self._buffered(fwd, hint.hashes)

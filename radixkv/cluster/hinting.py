@@ -3,8 +3,8 @@
 The ingress holds the *same tokenizer* as the engine replicas (loaded from the same model name
 or folder) and computes, for each request, exactly the token ids the replica's server app will
 compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat, and responses
-without ``previous_response_id``: :func:`~radixkv.model.tokenizer.encode_chat`, the one chat
-path; scoring: its first item's prompt, which starts with the query every item shares) and the
+without ``previous_response_id``, and Anthropic messages as the chat they run as:
+:func:`~radixkv.model.tokenizer.encode_chat`, the one chat path; scoring: its first item's prompt, which starts with the query every item shares) and the
 namespace it will use (the
 authenticated tenant plus ``cache_salt``; for a request naming a LoRA adapter as its ``model``,
 that namespace inside the adapter's, ``AdapterNamespace``, keyed by the digest of the adapter's
@@ -29,6 +29,7 @@ from radixkv.model.tokenizer import encode_chat
 from radixkv.server import protocol as P
 from radixkv.server.auth import Authenticator
 from radixkv.server.errors import APIError
+from radixkv.server.messages import MessagesRequest, to_chat
 from radixkv.server.responses import ResponsesRequest
 
 
@@ -90,7 +91,9 @@ class PromptHasher:
                 first = score_prompts(sreq.query, sreq.items, item_first=sreq.item_first)[0]
                 ids = list(self.tokenizer.encode(first)) if isinstance(first, str) else first
                 return ids, sreq
-            if path == "/v1/responses":
+            if path == "/v1/messages":  # Anthropic's: the chat it runs as
+                req = to_chat(P.decode_request(body, MessagesRequest))
+            elif path == "/v1/responses":
                 rreq = P.decode_request(body, ResponsesRequest)
                 if rreq.previous_response_id is not None:
                     return None  # its conversation is stored on a replica, not known here
@@ -106,7 +109,7 @@ class PromptHasher:
                 chat_template_kwargs=req.chat_template_kwargs,
             )
             return ids, req
-        except (P.ProtocolError, ValueError, TypeError):
+        except (P.ProtocolError, APIError, ValueError, TypeError):
             return None
         return None
 

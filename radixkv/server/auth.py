@@ -61,6 +61,15 @@ def validate_api_keys(raw: object) -> dict[str, str]:
     return out
 
 
+def request_authorization(headers: Mapping[str, str]) -> str | None:
+    """A request's credentials as an ``Authorization`` value: its bearer token, or
+    Anthropic's ``x-api-key`` header as one (its SDKs send the key there)."""
+    value = headers.get("authorization")
+    if value is None and headers.get("x-api-key"):
+        value = f"Bearer {headers.get('x-api-key')}"
+    return value
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who is calling: the tenant name (ANONYMOUS when keys are off) and whether they are admin."""

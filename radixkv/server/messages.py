@@ -33,6 +33,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from radixkv.server import protocol as P
+from radixkv.server.auth import request_authorization
 from radixkv.server.errors import APIError, bad_request
 from radixkv.server.state import ServerState
 from radixkv.server.transport import SSEResponse, read_body
@@ -367,17 +368,11 @@ def _error(err: APIError) -> Response:
     )  # fmt: skip
 
 
-def _authorization(request: Request) -> str | None:
-    """The request's key: Anthropic's ``x-api-key``, or a bearer token."""
-    key = request.headers.get("x-api-key")
-    return f"Bearer {key}" if key else request.headers.get("authorization")
-
-
 def add_messages_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/messages", include_in_schema=False)
     async def messages(request: Request) -> Response:
         try:
-            principal = st.auth.authenticate(_authorization(request))
+            principal = st.auth.authenticate(request_authorization(request.headers))
             req = st.decode(await read_body(request, st.config.max_body_bytes), MessagesRequest)
             chat = to_chat(req)
             input_tokens = len(st.chat_ids(chat)) if req.stream else 0
@@ -398,7 +393,7 @@ def add_messages_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/messages/count_tokens", include_in_schema=False)
     async def count_tokens(request: Request) -> Response:
         try:
-            st.auth.authenticate(_authorization(request))
+            st.auth.authenticate(request_authorization(request.headers))
             req = st.decode(await read_body(request, st.config.max_body_bytes), CountTokensRequest)
             st.check_model(req.model)
             _check_thinking(req.thinking)
