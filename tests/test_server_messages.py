@@ -19,6 +19,7 @@ from server_helpers import (
     TOOL_TEMPLATE,
     assert_clean,
     checked_client,
+    in_loop,
     live_server,
     script_reply,
 )
@@ -272,3 +273,28 @@ def test_keys_come_as_x_api_key_or_bearer(server: tuple[BackgroundServer, Server
     )  # fmt: skip
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
     assert_clean(server[1])
+
+
+def test_a_client_that_leaves_releases_everything(
+    server: tuple[BackgroundServer, ServerState],
+) -> None:
+    """A stream closed after its first event, and a whole answer the client stops waiting for:
+    both aborted, nothing held (the Messages stream took over the chat stream's cleanup)."""
+    srv, st = server
+    body = {
+        "model": MODEL,
+        "max_tokens": 400,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
+    headers = {"x-api-key": KEY}
+    with (
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+        c.stream("POST", "/v1/messages", json={**body, "stream": True}, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        assert next(r.iter_lines()) == "event: message_start"  # then the client goes
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=0.5) as c:
+        c.post("/v1/messages", json={**body, "max_tokens": 2000}, headers=headers)
+    assert_clean(st)
+    st_after = in_loop(st, st.engine.stats)
+    assert st_after.num_aborted >= 2

@@ -151,3 +151,17 @@ def test_an_engine_failure_is_a_500_and_leaves_it_clean(
     assert_clean(st)
     again = post(server, body)  # and the next request is served
     assert again.status_code == 200 and len(again.json()["scores"]) == len(ITEMS)
+
+
+def test_a_client_that_leaves_releases_everything(
+    server: tuple[BackgroundServer, ServerState],
+) -> None:
+    """The client stops waiting: every item still running is aborted, nothing is held."""
+    _, st = server
+    before = in_loop(st, st.engine.stats).num_aborted
+    items = [f"# item {i}: " + "x = 1\n" * 60 for i in range(48)]
+    body = {"model": MODEL, "query": QUERY * 4, "items": items, "label_token_ids": [5, 6]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server[0].url + "/v1/score", json=body, timeout=0.3)
+    assert_clean(st)
+    assert in_loop(st, st.engine.stats).num_aborted > before
