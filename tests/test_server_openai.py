@@ -215,6 +215,15 @@ def test_stop_string(client: openai.OpenAI) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: which stop matched
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=["@@", stop],
+        extra_body={"ignore_eos": True}, stream=True,
+    )  # fmt: skip
+    last = [c for c in streamed if c.choices][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert plain.choices[0].model_extra["stop_reason"] is None  # length: no stop matched
 
 
 def _err(exc: openai.APIStatusError) -> dict[str, Any]:

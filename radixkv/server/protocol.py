@@ -622,6 +622,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     # only in whole responses (null unless asked for), never in stream chunks
     prompt_logprobs: PromptLogprobs | msgspec.UnsetType | None = msgspec.UNSET
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that matched
 
 
 class CompletionResponse(msgspec.Struct):

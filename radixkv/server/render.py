@@ -369,7 +369,12 @@ def completion_response(
         plp = shown[d.index // sub.params.n]
         choices.append(
             P.CompletionChoice(
-                d.index, d.text, d.finish_reason, completion_logprobs(d.logprobs), plp
+                d.index,
+                d.text,
+                d.finish_reason,
+                completion_logprobs(d.logprobs),
+                plp,
+                d.stop_reason,
             )
         )
     return P.CompletionResponse(rid, created, model, choices, usage(sub))
@@ -435,7 +440,13 @@ def sse_event(event: dict[str, object]) -> bytes:
 
 def completion_chunk(rid: str, model: str, created: int, deltas: list[Delta]) -> bytes:
     choices = [
-        P.CompletionChoice(d.index, d.text, d.finish_reason, completion_logprobs(d.logprobs))
+        P.CompletionChoice(
+            d.index,
+            d.text,
+            d.finish_reason,
+            completion_logprobs(d.logprobs),
+            stop_reason=d.stop_reason,
+        )
         for d in deltas
     ]
     return sse(P.CompletionResponse(rid, created, model, choices, None))
