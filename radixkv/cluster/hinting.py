@@ -2,10 +2,10 @@
 
 The ingress holds the *same tokenizer* as the engine replicas (loaded from the same model name
 or folder) and computes, for each request, exactly the token ids the replica's server app will
-compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat, and responses
-without ``previous_response_id``, and Anthropic messages as the chat they run as:
-:func:`~radixkv.model.tokenizer.encode_chat`, the one chat path; scoring: its first item's prompt, which starts with the query every item shares) and the
-namespace it will use (the
+compute (completions: ``tokenizer.encode(prompt)`` or the given ids; chat, responses without
+``previous_response_id`` and Anthropic messages, as the chat they run as:
+:func:`~radixkv.model.tokenizer.encode_chat`, the one chat path; scoring: its first item's
+prompt, which starts with the query every item shares) and the namespace it will use (the
 authenticated tenant plus ``cache_salt``; for a request naming a LoRA adapter as its ``model``,
 that namespace inside the adapter's, ``AdapterNamespace``, keyed by the digest of the adapter's
 files, which the ingress computes from the same ``lora_modules``). Their chained page hashes

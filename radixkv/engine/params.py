@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An int that is not a bool (JSON's true would pass as 1 otherwise)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -245,7 +246,7 @@ class SamplingParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.temperature, int | float) or isinstance(self.temperature, bool):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
@@ -255,7 +256,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number, got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(
                 f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}"
             )
@@ -263,15 +264,15 @@ class SamplingParams:
             raise ValueError(f"min_p must be a number, got {self.min_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
-            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
+            not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
         ):
             raise ValueError(
                 f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}"
             )
-        if not _is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 0:
+        if not is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 0:
             raise ValueError(
                 f"prompt_logprobs_start must be an integer >= 0, got {self.prompt_logprobs_start!r}"
             )
@@ -282,12 +283,12 @@ class SamplingParams:
             lt = ()
         if not isinstance(lt, Sequence) or isinstance(lt, str | bytes):
             raise ValueError(f"logprob_token_ids must be a list of ints, got {type(lt).__name__}")
-        if not all(_is_int(t) and t >= 0 for t in lt):
+        if not all(is_int(t) and t >= 0 for t in lt):
             raise ValueError(f"logprob_token_ids must be non-negative ints, got {list(lt)!r}")
         if lt and self.logprobs is None and self.prompt_logprobs is None:
             raise ValueError("logprob_token_ids needs logprobs or prompt_logprobs (both None here)")
         object.__setattr__(self, "logprob_token_ids", tuple(dict.fromkeys(int(t) for t in lt)))
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         ids = self.stop_token_ids
@@ -295,7 +296,7 @@ class SamplingParams:
             ids = ()
         if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
             raise ValueError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
-        if not all(_is_int(t) and t >= 0 for t in ids):
+        if not all(is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {list(ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -309,9 +310,9 @@ class SamplingParams:
             raise ValueError(
                 f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
@@ -328,7 +329,7 @@ class SamplingParams:
         if rp <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {rp!r}")
         object.__setattr__(self, "repetition_penalty", float(rp))
-        if not _is_int(self.priority):
+        if not is_int(self.priority):
             raise ValueError(f"priority must be an int, got {self.priority!r}")
         g = self.guided
         if isinstance(g, Mapping):
@@ -346,7 +347,7 @@ class SamplingParams:
 
     def _check_beam_search(self) -> None:
         w, lp, es = self.beam_width, self.length_penalty, self.early_stopping
-        if not _is_int(w) or w < 0:
+        if not is_int(w) or w < 0:
             raise ValueError(f"beam_width must be an integer >= 0 (0: no beam search), got {w!r}")
         if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
             raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
@@ -430,7 +431,7 @@ def _normalise_bias(bias: object) -> tuple[tuple[int, float], ...]:
         if not isinstance(pair, tuple | list) or len(pair) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
         t, v = pair
-        if not _is_int(t) or t < 0:
+        if not is_int(t) or t < 0:
             raise ValueError(f"logit_bias token ids must be non-negative ints, got {t!r}")
         if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
             raise ValueError(f"logit_bias values must be finite numbers, got {v!r} for {t}")

@@ -20,15 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixkv.engine.outputs import Logprob
-from radixkv.engine.params import SamplingParams
+from radixkv.engine.params import SamplingParams, is_int
 
 __all__ = ["label_scores", "score_params", "score_prompts"]
 
 
 def _is_ids(x: object) -> bool:
-    return isinstance(x, list | tuple) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x
-    )
+    return isinstance(x, list | tuple) and all(is_int(t) for t in x)
 
 
 def score_prompts(query: Any, items: Any, *, item_first: bool = False) -> list[Any]:

@@ -193,21 +193,18 @@ def _check_thinking(thinking: dict[str, Any] | None) -> None:
         )
 
 
-def to_chat(req: MessagesRequest) -> P.ChatCompletionRequest:
-    """The chat completion request ``req`` means (400 naming the Messages field otherwise)."""
+def _chat_request(
+    req: MessagesRequest | CountTokensRequest, **sampling: Any
+) -> P.ChatCompletionRequest:
+    """The chat completion request of ``req``'s conversation and tools, with ``sampling``'s
+    fields (None: not given); 400 naming the Messages field otherwise."""
     _check_thinking(req.thinking)
     data = {
         "model": req.model,
         "messages": _messages(req),
-        "max_tokens": req.max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "stop": req.stop_sequences,
-        "stream": req.stream,
-        "stream_options": {"include_usage": True} if req.stream else None,
         "tools": _tools(req),
         "tool_choice": _tool_choice(req.tool_choice),
+        **sampling,
     }
     try:
         return msgspec.convert(
@@ -215,6 +212,20 @@ def to_chat(req: MessagesRequest) -> P.ChatCompletionRequest:
         )
     except msgspec.ValidationError as e:
         raise bad_request(f"the request does not make a valid chat: {e}", None) from None
+
+
+def to_chat(req: MessagesRequest) -> P.ChatCompletionRequest:
+    """The chat completion request ``req`` means (400 naming the Messages field otherwise)."""
+    return _chat_request(
+        req,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=req.stop_sequences,
+        stream=req.stream,
+        stream_options={"include_usage": True} if req.stream else None,
+    )
 
 
 def _usage(u: dict[str, Any] | None) -> dict[str, int]:
@@ -396,15 +407,7 @@ def add_messages_routes(app: FastAPI, st: ServerState) -> None:
             st.auth.authenticate(request_authorization(request.headers))
             req = st.decode(await read_body(request, st.config.max_body_bytes), CountTokensRequest)
             st.check_model(req.model)
-            _check_thinking(req.thinking)
-            data = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
-                    "tool_choice": _tool_choice(req.tool_choice), "max_tokens": 1}  # fmt: skip
-            chat = msgspec.convert(
-                {k: v for k, v in data.items() if v is not None}, P.ChatCompletionRequest
-            )
-            n = len(st.chat_ids(chat))
+            n = len(st.chat_ids(_chat_request(req, max_tokens=1)))
         except APIError as e:
             return _error(e)
-        except msgspec.ValidationError as e:
-            return _error(bad_request(str(e), None))
         return Response(json.dumps({"input_tokens": n}), media_type="application/json")

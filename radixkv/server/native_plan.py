@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from radixkv.engine.params import GuidedDecodingParams, SamplingParams
+from radixkv.engine.params import GuidedDecodingParams, SamplingParams, is_int
 from radixkv.server import protocol as P
 from radixkv.server.auth import Principal
 from radixkv.server.errors import bad_request
@@ -79,10 +79,6 @@ def _field(name: str, i: int | None) -> str:
 
 def _sampling_param(field: str, i: int | None) -> str:
     return f"{_field('sampling_params', i)}.{field}"
-
-
-def _is_id(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _per_prompt(value: Any, name: str, count: int, batch: bool) -> list[Any]:
@@ -375,11 +371,11 @@ class Planner:
         shape = f"{name} must be a list of token ids, or a list of them per prompt"
         if not isinstance(value, list):
             raise bad_request(shape, name)
-        if all(_is_id(t) for t in value):
+        if all(is_int(t) for t in value):
             lists = [value] * count
         elif all(x is None or isinstance(x, list) for x in value):
             lists = [x or [] for x in _per_prompt(value, name, count, batch)]
-            if not all(_is_id(t) for x in lists for t in x):
+            if not all(is_int(t) for x in lists for t in x):
                 raise bad_request(shape, name)
         else:
             raise bad_request(shape, name)
