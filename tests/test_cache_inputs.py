@@ -171,4 +171,25 @@ def test_array_input_is_not_kept_or_locked() -> None:
     bad.append(8)
     with pytest.raises(ValueError):
         cache.insert(array("q", [1, 2, 3, 4, -1, 0]), cache.alloc(3))
+    # keys past SHORT_CHECK are checked by a numpy array over the caller's view: it goes
+    # with the call, raised or not
+    cache = make_cache(num_pages=4096, page_size=2)
+    long = array("q", range(100, 100 + 2 * 1500))
+    long[-1] = 2**32
+    with pytest.raises(ValueError, match=r"2\*\*32") as kept:
+        cache.insert(long, cache.alloc(1500))
+    long.append(1)  # BufferError if the failed insert still held a view, here through the
+    assert kept.tb is not None  # traceback the caller keeps
+    short = array("q", [1, 2, 3, -4])
+    with pytest.raises(ValueError, match="non-negative") as kept:
+        cache.insert(short, cache.alloc(2))
+    short.append(1)
+    del long[-3:]  # the appended id, the bad one and one more: 1,499 whole pages
+    with pytest.raises(ValueError, match=r"not HELD|is free") as kept:  # valid ids, bad pages
+        cache.insert(long, list(range(4096 - 1499, 4096)))
+    long.append(1)
+    del long[-1:]
+    r = cache.insert(long, cache.alloc(1499))
+    long.append(1)
+    assert cache.match_prefix(long).pages == r.pages
     cache.check_invariants()

@@ -597,14 +597,20 @@ class RadixCache:
             # the new leaf's key (a copy of the caller's tokens); the cached part equals stored
             # keys, so only this part needs its ids checked
             cached_b = nold * pb  # bytes of the query already cached
-            newkey = qb[cached_b:].tobytes()
-            n = nq - cached_b  # check_range inlined, both cases (the short one on the view)
+            n = nq - cached_b  # check_range inlined, both cases on the caller's view: a long
+            # check first reads the (often cold) tokens at streaming speed, so the copy after
+            # it reads them from the cache (about 0.6 us less for a 2,432-token key)
+            # (ids exports the caller's view: it goes before any error, so that the handler
+            # below can release the view even while the caller keeps the traceback)
             if n > SHORT_CHECK:
-                ids = _frombuffer(newkey, _UINT64)  # negative ids wrap to huge values
+                ids = _frombuffer(qb, _UINT64, -1, cached_b)  # negative ids wrap to huge values
                 if ids.item(ids.argmax()) > MAX_TOKEN_ID:
-                    check_range(newkey)  # raises
+                    ids = None
+                    check_range(qb[cached_b:].tobytes())  # raises (on a copy: no export)
+                del ids
             elif qb.cast("I")[(cached_b >> 2) + HIGH_HALF :: 2] != ZEROS_BY_LEN[n >> 3]:
-                check_range(newkey)  # raises
+                check_range(qb[cached_b:].tobytes())  # raises
+            newkey = qb[cached_b:].tobytes()
             pool = self.pool
             # The last check of the call: pages that are the cached ones followed by a run of
             # HELD pages (what match + alloc hand out) are checked and adopted at once, and the
