@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.kv.kv_pool import KVPool
 
 BACKENDS = ("auto", "torch", "flashinfer")
@@ -36,12 +37,12 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def pool_device_type(kv_pool: KVPool) -> str:
+def pool_device_type(kv_pool: KVPool | HybridKVPool) -> str:
     """``"cuda"``, ``"cpu"``, ...: where the pool's buffers live (what "auto" decides on)."""
     return kv_pool.device.type
 
 
-def choose_backend(name: str, kv_pool: KVPool) -> BackendChoice:
+def choose_backend(name: str, kv_pool: KVPool | HybridKVPool) -> BackendChoice:
     """Resolve ``name`` for ``kv_pool``: explicit names are kept; "auto" is flashinfer on a CUDA
     pool in fp16/bf16 with flashinfer installed, else torch. ValueError on an unknown name."""
     if name not in BACKENDS:
@@ -75,13 +76,13 @@ def choose_backend(name: str, kv_pool: KVPool) -> BackendChoice:
     return BackendChoice("flashinfer", f"auto: CUDA pool in {dtype} and flashinfer is installed")
 
 
-def resolve_backend_name(name: str, kv_pool: KVPool) -> str:
+def resolve_backend_name(name: str, kv_pool: KVPool | HybridKVPool) -> str:
     return choose_backend(name, kv_pool).name
 
 
 def get_backend(
     name: str,
-    kv_pool: KVPool,
+    kv_pool: KVPool | HybridKVPool,
     *,
     num_qo_heads: int,
     num_kv_heads: int,
@@ -92,7 +93,21 @@ def get_backend(
 ) -> AttentionBackend:
     """Construct the named backend over ``kv_pool``; ``layer_windows``: each layer's sliding
     window (see :class:`AttentionBackend`; empty: every layer attends in full); ``softcap``:
-    the tanh cap of attention scores (None: none)."""
+    the tanh cap of attention scores (None: none). A :class:`HybridKVPool` gets a
+    :class:`HybridAttention` holding a backend of that kind per pool (attention/hybrid.py)."""
+    if isinstance(kv_pool, HybridKVPool):
+        from radixkv.attention.hybrid import HybridAttention
+
+        def make(pool: KVPool, windows: tuple[int, ...]) -> AttentionBackend:
+            return get_backend(
+                name, pool, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, scale=scale, layer_windows=windows, softcap=softcap,
+            )  # fmt: skip
+
+        return HybridAttention(
+            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
+            make=make, layer_windows=layer_windows, softcap=softcap,
+        )  # fmt: skip
     resolved = resolve_backend_name(name, kv_pool)
     if resolved == "torch":
         from radixkv.attention.torch_backend import TorchAttention

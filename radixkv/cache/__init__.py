@@ -1,4 +1,5 @@
-"""The cache layer (torch-free): page pool, radix trie, eviction, hashing, events, host tier."""
+"""The cache layer (torch-free): page pool, radix trie, eviction, hashing, events, host tier,
+window slots."""
 
 from radixkv.cache.errors import (
     ForeignNodeError,
@@ -14,6 +15,7 @@ from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.results import InsertResult, MatchResult
 from radixkv.cache.stats import CacheStats
 from radixkv.cache.tiers import CompletedCopy, Copier, CopyHandle, LoadBack
+from radixkv.cache.window_slots import WindowSlots
 
 __all__ = [
     "AllBlocksCleared",
@@ -33,5 +35,6 @@ __all__ = [
     "PagePool",
     "RadixCache",
     "TreeNode",
+    "WindowSlots",
     "page_hashes",
 ]

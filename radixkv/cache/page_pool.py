@@ -7,7 +7,7 @@ cache does with CACHED pages is stated in RadixCache's (radix_cache.py).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import itemgetter
 
 from radixkv.cache.errors import InvariantError, OutOfPages
@@ -35,9 +35,13 @@ class PagePool:
     ``check_held`` accepted or that the trie owns. ``adopt_run`` checks and adopts an
     ascending run of HELD pages at once, or changes nothing. Every error leaves the pool
     unchanged. Not thread-safe.
+
+    ``on_free`` (None by default), when set, is called with every list of pages that just
+    became FREE (by ``free``, ``release_held`` or ``release_cached``), after the move: what
+    other per-page resources follow the pages (window slots, window_slots.py) let go of theirs.
     """
 
-    __slots__ = ("_free", "_ids", "_num_cached", "_state", "num_pages")
+    __slots__ = ("_free", "_ids", "_num_cached", "_state", "num_pages", "on_free")
 
     def __init__(self, num_pages: int) -> None:
         if type(num_pages) is not int or num_pages < 0:
@@ -52,6 +56,7 @@ class PagePool:
         self._free: list[int] = self._ids[::-1]
         self._state = bytearray(num_pages)
         self._num_cached = 0
+        self.on_free: Callable[[list[int]], None] | None = None
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -229,12 +234,16 @@ class PagePool:
         """HELD -> FREE for pages ``check_held`` accepted."""
         self._set_state(pages, FREE)
         self._free.extend(reversed(pages))
+        if self.on_free is not None:
+            self.on_free(pages)
 
     def release_cached(self, pages: list[int]) -> None:
         """CACHED -> FREE for pages the trie gives up."""
         self._set_state(pages, FREE)
         self._free.extend(reversed(pages))
         self._num_cached -= len(pages)
+        if self.on_free is not None:
+            self.on_free(pages)
 
     def _set_state(self, pages: list[int], s: int) -> None:
         a = self._run_start(pages)

@@ -59,6 +59,9 @@ KEYWORD_ALIASES: dict[str, str] = {
     "context_length": "max_model_len",  # SGLang
 }
 
+# EngineConfig.window_kv: how sliding-window layers keep K/V (radixkv/cache/window_slots.py)
+WINDOW_KV_MODES = ("auto", "hybrid", "full")
+
 # "auto" and the names parse_dtype knows (vLLM's --dtype choices)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
@@ -309,6 +312,31 @@ class EngineConfig:
             choices=KV_CACHE_DTYPES,
         ),
     )
+    # Hybrid window KV (radixkv/cache/window_slots.py): a model mixing sliding-window and
+    # full-attention layers keeps its windowed layers' K/V only for the tokens a window can
+    # still read, plus what fits as cache, so the same memory holds more pages. "auto" is
+    # hybrid for such a model unless a host or storage tier is set (they copy whole pages)
+    window_kv: str = field(
+        default="auto",
+        metadata=_cli(
+            "sliding-window layers' K/V: hybrid keeps it only for tokens a window can still "
+            "read (more pages in the same memory), full for every cached token (auto: hybrid "
+            "for models with sliding-window layers, without a host or storage tier)",
+            choices=WINDOW_KV_MODES,
+        ),
+    )
+    # Window slots per page under hybrid window KV. A slot costs the windowed layers' share of
+    # a page; fewer slots leave more memory to pages, but cache less windowed K/V (a cached
+    # prefix serves only as far as its last window still has slots). Half: Gemma 3's pages
+    # (5 windowed layers of 6) cost 0.58 of a full page, so 1.7x the pages fit
+    window_kv_ratio: float = field(
+        default=0.5,
+        metadata=_cli(
+            "window slots per KV page under hybrid window KV, in (0, 1] (each holds a "
+            "page's K/V in the sliding-window layers)",
+            type=float,
+        ),
+    )
     # Model source: a Hugging Face repo id is fetched through huggingface_hub (model/hub.py)
     revision: str | None = field(
         default=None,
@@ -396,6 +424,10 @@ class EngineConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         _check_dtype(self.dtype)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("window_kv", self.window_kv, WINDOW_KV_MODES)
+        r = self.window_kv_ratio
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
+            raise ValueError(f"window_kv_ratio must be a number in (0, 1], got {r!r}")
         if self.lora_modules is not None:
             pairs = parse_lora_modules(self.lora_modules)
             object.__setattr__(self, "lora_modules", pairs or None)

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Collection, Generator, Iterator, Sequence
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from radixkv.attention.registry import BackendChoice, choose_backend
-from radixkv.cache import PagePool, RadixCache
+from radixkv.cache import PagePool, RadixCache, WindowSlots
 from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
 from radixkv.engine.beam_runner import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
@@ -62,6 +63,7 @@ from radixkv.engine.speculative import Speculator
 from radixkv.engine.storage_tier import StorageTier
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
+from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.kv.kv_pool import KVPool, parse_kv_cache_dtype
 from radixkv.model.config import ModelConfig
 from radixkv.model.fingerprint import model_fingerprint
@@ -118,6 +120,11 @@ class Engine:
         self.max_context: int = _max_context(mc, cfg.max_model_len)
         self.kv_pool = _kv_pool(self.model, cfg, self.max_context)
         self.pool = PagePool(self.kv_pool.num_pages)
+        # hybrid window KV: window slots follow their pages out of the pool
+        self.window_slots: WindowSlots | None = None
+        if isinstance(self.kv_pool, HybridKVPool):
+            self.window_slots = self.kv_pool.slots
+            self.pool.on_free = self.window_slots.release
         backend = _storage_backend(cfg)  # checked before any thread starts
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
         # what the storage tier keys pages by: the weights' identity (None: no storage tier)
@@ -145,6 +152,8 @@ class Engine:
             enable_prefix_cache=cfg.enable_prefix_cache,
             storage=self.storage,
             prefetch_threshold=cfg.kv_storage_prefetch_threshold,
+            window=self.window_slots,
+            window_tokens=max(mc.layer_windows, default=0),
         )
         if self.storage is not None:  # host pages reach storage as the cache reports them
             self.cache.set_host_observer(self.storage.observe)
@@ -228,6 +237,12 @@ class Engine:
             if windows
             else ""
         )
+        window_kv_note = (
+            f"; hybrid window KV: the {kv.window.num_layers} windowed layers keep "
+            f"{kv.num_slots} window slots (window_kv_ratio {cfg.window_kv_ratio})"
+            if isinstance(kv, HybridKVPool)
+            else ""
+        )
         log.info(
             "radixkv engine: model %s (%s, %d layers%s, max context %d tokens) on %s in %s; "
             "attention %s (%s)%s; KV pool %d pages x %d tokens = %d tokens (%.1f MiB, %s); "
@@ -245,10 +260,10 @@ class Engine:
             kv.num_pages,
             cfg.page_size,
             kv.num_pages * cfg.page_size,
-            kv.num_pages * kv.bytes_per_page / 2**20,
+            kv.total_bytes / 2**20,
             str(kv.dtype).removeprefix("torch."),
             f"on ({cfg.eviction_policy} eviction)" if cfg.enable_prefix_cache else "off",
-            packed_note,
+            packed_note + window_kv_note,
         )
         if choice.fallback:
             log.warning(
@@ -1223,14 +1238,37 @@ def _storage_tier(
     )
 
 
-def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool:
+def _hybrid_window_kv(lm: LoadedModel, cfg: EngineConfig) -> bool:
+    """Whether the windowed layers keep their K/V in window slots (``window_kv``); ValueError
+    naming the field when "hybrid" cannot be."""
+    windows = lm.config.layer_windows
+    tiers = cfg.host_cache_memory is not None or cfg.kv_storage is not None
+    if cfg.window_kv == "hybrid":
+        if not windows:
+            raise ValueError(
+                f"window_kv='hybrid' needs a model with sliding-window layers; {lm.name} has none"
+            )
+        if tiers:
+            raise ValueError(
+                "window_kv='hybrid' does not combine with a host or storage KV tier "
+                "(host_cache_memory, kv_storage): those copy whole pages; use window_kv='full'"
+            )
+        return True
+    return cfg.window_kv == "auto" and bool(windows) and not tiers
+
+
+def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool | HybridKVPool:
     """The paged K/V buffers: ``num_pages`` pages, else as many as ``kv_cache_memory`` bytes
     hold (default: 1 GiB on a CPU, half the free GPU memory), on the model's device, storing
-    ``kv_cache_dtype`` (default: the model's dtype) and computing in the model's."""
+    ``kv_cache_dtype`` (default: the model's dtype) and computing in the model's. With hybrid
+    window KV, a :class:`HybridKVPool` whose window slots are ``window_kv_ratio`` of the pages
+    (at least one sequence's window and a page more) and share that budget with them."""
     mc = lm.config
     param = next(lm.model.parameters())
     device, compute = param.device, param.dtype
     dtype = parse_kv_cache_dtype(cfg.kv_cache_dtype, compute)
+    if _hybrid_window_kv(lm, cfg):
+        return _hybrid_pool(lm, cfg, max_context, dtype, device, compute)
     if cfg.num_pages is not None:
         return KVPool(
             mc.num_layers,
@@ -1242,13 +1280,7 @@ def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool:
             device,
             compute_dtype=compute,
         )
-    budget = cfg.kv_cache_memory
-    if budget is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * _DEFAULT_GPU_KV_FRACTION)
-        else:
-            budget = _DEFAULT_CPU_KV_BYTES
+    budget = _kv_budget(cfg, device)
     # more pages than the context could ever address across max_running is waste
     cap = pages_for(max_context, cfg.page_size) * cfg.max_running_requests
     return KVPool.from_memory_budget(
@@ -1262,6 +1294,46 @@ def _kv_pool(lm: LoadedModel, cfg: EngineConfig, max_context: int) -> KVPool:
         max_pages=cap,
         compute_dtype=compute,
     )
+
+
+def _kv_budget(cfg: EngineConfig, device: torch.device) -> int:
+    """Bytes for K/V: ``kv_cache_memory``, else 1 GiB on a CPU or half the free GPU memory."""
+    if cfg.kv_cache_memory is not None:
+        return int(cfg.kv_cache_memory)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * _DEFAULT_GPU_KV_FRACTION)
+    return _DEFAULT_CPU_KV_BYTES
+
+
+def _hybrid_pool(
+    lm: LoadedModel,
+    cfg: EngineConfig,
+    max_context: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    compute: torch.dtype,
+) -> HybridKVPool:
+    mc = lm.config
+    windows, ps, ratio = mc.layer_windows, cfg.page_size, cfg.window_kv_ratio
+    if cfg.num_pages is not None:
+        pages = cfg.num_pages
+    else:
+        pages, _ = HybridKVPool.sizes(
+            windows, _kv_budget(cfg, device), ratio, ps, mc.num_kv_heads, mc.head_dim, dtype
+        )
+        pages = min(pages, pages_for(max_context, ps) * cfg.max_running_requests)
+    # a lone sequence must fit: its window's pages, its partial page and one new page
+    least = pages_for(max(windows) - 1, ps) + 2
+    slots = min(pages, max(least, math.ceil(ratio * pages)))
+    if pages < 1:
+        raise ValueError(
+            f"kv_cache_memory {cfg.kv_cache_memory} holds no page with hybrid window KV"
+        )
+    return HybridKVPool.build(
+        windows, pages, slots, ps, mc.num_kv_heads, mc.head_dim, dtype, device,
+        compute_dtype=compute,
+    )  # fmt: skip
 
 
 def _one_params(params: Any, sampling_params: Any) -> Any:

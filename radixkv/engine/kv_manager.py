@@ -11,6 +11,14 @@ With a storage tier (storage_tier.py), a queued request's prefix past its device
 looked up in storage in the background (``start_prefetch``), and what was found is put in the
 host tier at the start of a step (``land_prefetches``), so that admission loads it back like
 any host hit.
+
+With hybrid window KV (``window``: radixkv/cache/window_slots.py) each new page also gets a
+window slot (its sliding-window layers' K/V), and a sequence pins the slots of
+``page_table[window_lo:]``, the pages its windows read next step: from the page holding token
+``num_computed - window + 1`` on. After each step (``commit``) the pages its windows left are
+unpinned and stay cached (or, with the prefix cache off, give their slots back). A cached
+prefix is matched only as far as its last window still has slots. Each new page needs a page
+and a slot, so ``available_pages`` is the smaller supply of the two.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ import contextlib
 import logging
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable
 
-from radixkv.cache import OutOfPages, RadixCache, TreeNode
+from radixkv.cache import OutOfPages, RadixCache, TreeNode, WindowSlots
 from radixkv.engine.request import Namespace, RequestGroup, Sequence
 from radixkv.engine.storage_tier import PrefetchJob, StorageTier
 from radixkv.pages import pages_for
@@ -44,6 +53,8 @@ class SeqKV:
         enable_prefix_cache: bool,
         storage: StorageTier | None = None,
         prefetch_threshold: int = 0,
+        window: WindowSlots | None = None,
+        window_tokens: int = 0,
     ) -> None:
         self.cache = cache
         self.page_size: int = cache.page_size
@@ -61,6 +72,14 @@ class SeqKV:
         self.prefetch_threshold = prefetch_threshold
         self._jobs: list[PrefetchJob] = []
         self.last_storage_tokens = 0
+        # hybrid window KV: the window slots, and how many tokens before a query its largest
+        # window reaches back (window - 1)
+        self.window = window
+        self.window_reach = window_tokens - 1
+        # cached tokens matches gave up because the window before them had lost its slots
+        self.window_trimmed_tokens = 0
+        if window is not None and window_tokens < 1:
+            raise ValueError("SeqKV: window slots need the model's largest window (window_tokens)")
 
     # ------------------------------------------------------------------ lookups
     def peek_match_len(self, seq: Sequence) -> int:
@@ -74,8 +93,15 @@ class SeqKV:
         )
 
     def available_pages(self) -> int:
-        """Pages an allocation could get now: free ones plus cached ones eviction could free."""
-        return self.cache.pool.num_free + self.cache.num_evictable_pages
+        """Pages an allocation could get now: free ones plus cached ones eviction could free
+        (with window slots, no more than the slots ``attach`` could give)."""
+        n = self.cache.pool.num_free + self.cache.num_evictable_pages
+        return n if self.window is None else min(n, self.window.num_available)
+
+    def window_first_page(self, num_tokens: int) -> int:
+        """The first page a sequence's windows read when its next query is token
+        ``num_tokens`` (hybrid window KV)."""
+        return max(0, num_tokens - self.window_reach) // self.page_size
 
     # ------------------------------------------------------------------ admission
     def acquire(self, seq: Sequence) -> int:
@@ -91,6 +117,7 @@ class SeqKV:
         whose earlier load failed (``skip_host``) hits its device prefix only."""
         assert not seq.page_table and seq.locked_node is None, seq
         self.last_loaded_tokens = self.last_storage_tokens = 0
+        seq.window_lo = 0
         if not self.enabled or len(seq.token_ids) <= 1:
             seq.num_computed = 0
             return 0
@@ -105,12 +132,26 @@ class SeqKV:
                 seq.load = lb
                 self.last_loaded_tokens = lb.num_loaded_tokens
             self.load_back_seconds += time.perf_counter() - t
+        window = self.window
+        if window is not None and pages:
+            # the tokens after the prefix read its last window in the windowed layers: it
+            # serves only as far as that window has slots
+            k = window.usable_prefix(pages, self.window_reach + 1, self.page_size)
+            if k < len(pages):
+                self.window_trimmed_tokens += hit - k * self.page_size
+                m = cache.match_prefix(
+                    seq.token_ids[: k * self.page_size], namespace=seq.namespace
+                )
+                node, pages, hit = m.node, m.pages, m.num_tokens
         cache.lock(node)
         self.last_storage_tokens = self.storage_hit_tokens(seq, hit, self.last_loaded_tokens)
         seq.locked_node = node
         seq.page_table = list(pages)
         seq.num_shared_pages = len(pages)
         seq.num_computed = hit
+        if window is not None:
+            seq.window_lo = self.window_first_page(hit)
+            window.pin(pages[seq.window_lo :])
         return hit
 
     def finish_loads(self, seqs: Iterable[Sequence]) -> list[Sequence]:
@@ -134,36 +175,70 @@ class SeqKV:
         self.load_back_seconds += time.perf_counter() - t
         return failed
 
+    def max_chunk(self, seq: Sequence) -> int | None:
+        """Most tokens one step could ever compute for the sequence: with window slots, as
+        many as fit in all of them beside the pages it pins already (each new page takes one,
+        pinned through the step); None: no limit but the pool's."""
+        if self.window is None:
+            return None
+        return max(0, (self.window.num_slots + seq.window_lo) * self.page_size - seq.num_computed)
+
     def pages_needed(self, seq: Sequence, num_new: int) -> int:
         """Private pages to allocate so ``num_new`` more tokens have slots."""
         return max(0, pages_for(seq.num_computed + num_new, self.page_size) - len(seq.page_table))
 
     def reserve(self, seq: Sequence, num_new: int) -> None:
         """Give the sequence slots for ``num_new`` more tokens (may evict unlocked cache
-        entries). Raises OutOfPages and changes nothing if the pool cannot supply them."""
+        entries; with window slots, each new page gets one, pinned). Raises OutOfPages and
+        changes nothing if the pool cannot supply them."""
         n = self.pages_needed(seq, num_new)
         if n:
-            seq.page_table.extend(self.cache.alloc(n))
+            self._check_window_slots(n)
+            pages = self.cache.alloc(n)
+            if self.window is not None:
+                self.window.attach(pages)  # cannot fail: checked above (evicting pages
+                # frees their slots, leaving free + cached slots as they were)
+            seq.page_table.extend(pages)
             self.num_private_pages += n
+
+    def _check_window_slots(self, n: int) -> None:
+        if self.window is not None and self.window.num_available < n:
+            raise OutOfPages(n, self.window.num_available, "free or cached window slot")
 
     # ------------------------------------------------------------------ publishing
     def commit(self, seq: Sequence) -> None:
         """Insert the sequence's computed full pages not yet in the trie; from then on it uses
         the canonical pages (duplicates computed concurrently by another sequence are freed by
-        the cache) and holds its lock on the deeper node."""
-        if not self.enabled:
-            return
+        the cache) and holds its lock on the deeper node. With window slots, then unpin the
+        pages its windows no longer read."""
+        if self.enabled:
+            self._publish(seq)
+        window = self.window
+        if window is not None:
+            lo = self.window_first_page(seq.num_computed)
+            if lo > seq.window_lo:
+                window.unpin(seq.page_table[seq.window_lo : lo], keep=self.enabled)
+                seq.window_lo = lo
+
+    def _publish(self, seq: Sequence) -> None:
         ps = self.page_size
         k = seq.num_computed // ps  # whole pages computed
-        if k <= seq.num_shared_pages:
+        shared = seq.num_shared_pages
+        if k <= shared:
             return
+        mine = seq.page_table[shared:k]
         r = self.cache.insert(seq.token_ids[: k * ps], seq.page_table[:k], namespace=seq.namespace)
         self.cache.lock(r.node)
         if seq.locked_node is not None:
             self.cache.unlock(seq.locked_node)
         seq.locked_node = r.node
+        if self.window is not None:  # a pinned duplicate hands its pins (and slot) over
+            lo = seq.window_lo
+            for j, (old, new) in enumerate(zip(mine, r.pages[shared:k]), start=shared):
+                if old != new and j >= lo:
+                    self.window.replace(old, new)
         seq.page_table[:k] = r.pages
-        self.num_private_pages -= k - seq.num_shared_pages
+        self.num_private_pages -= k - shared
         seq.num_shared_pages = k
 
     def fork(
@@ -178,11 +253,19 @@ class SeqKV:
         partial tail page is private once ``commit`` ran). Sets the child's page fields and
         ``num_computed``. False, changing nothing, when the pool cannot supply the copies."""
         assert not child.page_table and child.locked_node is None, child
-        private = parent.page_table[parent.num_shared_pages :]
+        shared = parent.num_shared_pages
+        private = parent.page_table[shared:]
+        lo = parent.window_lo
+        # with window slots, the copies of pages the parent's windows read get slots too
+        windowed = len(private) - max(0, lo - shared)
         try:
+            self._check_window_slots(windowed)
             pages = self.cache.alloc(len(private)) if private else []
         except OutOfPages:
             return False
+        window = self.window
+        if window is not None:
+            window.attach(pages[len(pages) - windowed :])
         if pages:
             copy_pages(private, pages)
             self.num_private_pages += len(pages)
@@ -190,9 +273,12 @@ class SeqKV:
         if node is not None:
             self.cache.lock(node)
         child.locked_node = node
-        child.page_table = parent.page_table[: parent.num_shared_pages] + pages
-        child.num_shared_pages = parent.num_shared_pages
+        child.page_table = parent.page_table[:shared] + pages
+        child.num_shared_pages = shared
         child.num_computed = parent.num_computed
+        if window is not None:
+            child.window_lo = lo
+            window.pin(child.page_table[lo:shared])
         return True
 
     # ------------------------------------------------------------------ release
@@ -205,6 +291,9 @@ class SeqKV:
                 self.commit(seq)
         # a load still in flight keeps its own lock until the cache retires it (poll)
         seq.load = None
+        if self.window is not None:  # private pages' slots go back with the pages
+            self.window.unpin(seq.page_table[seq.window_lo :], keep=self.enabled)
+            seq.window_lo = 0
         private = seq.page_table[seq.num_shared_pages :]
         if private:
             self.cache.pool.free(private)
@@ -221,6 +310,8 @@ class SeqKV:
         keep = max(seq.num_shared_pages, pages_for(seq.num_computed, self.page_size))
         extra = seq.page_table[keep:]
         if extra:
+            if self.window is not None:
+                self.window.unpin(extra, keep=False)
             self.cache.pool.free(extra)
             self.num_private_pages -= len(extra)
             del seq.page_table[keep:]
@@ -385,6 +476,24 @@ class SeqKV:
         if self._jobs:
             self.land_prefetches()
 
+    def _check_window(self, running: Iterable[Sequence], *, idle: bool) -> None:
+        """The window slots' own invariants, and the pins are exactly the running sequences':
+        each pins ``page_table[window_lo:]``, which starts no later than what its windows
+        read next step."""
+        window = self.window
+        assert window is not None
+        window.check_invariants(self.cache.pool)
+        want: Counter[int] = Counter()
+        for s in running:
+            assert s.window_lo <= self.window_first_page(s.num_computed), (
+                f"{s}: pins from page {s.window_lo}, its windows read from "
+                f"{self.window_first_page(s.num_computed)}"
+            )
+            want.update(s.page_table[s.window_lo :])
+        assert want == window.pinned(), "window slot pins differ from the running sequences'"
+        if idle:
+            assert not window.num_pinned, "window slots pinned after drain"
+
     @property
     def num_free_pages(self) -> int:
         return self.cache.pool.num_free
@@ -464,6 +573,8 @@ class SeqKV:
             private_total += len(private)
         assert private_total == self.num_private_pages, "private page count out of sync"
         assert len(seen) + pool.num_free == pool.num_pages, "a page is held twice"
+        if self.window is not None:
+            self._check_window(running, idle=idle)
         if self.tiered:  # host pages are held only inside a call (a backup, a landing)
             assert cache.host_pool.num_held == 0, "host pages held outside a call"
         if idle and not self.num_pins:

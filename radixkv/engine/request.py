@@ -53,6 +53,8 @@ class Sequence:
             by the lock on ``locked_node``; the rest are this sequence's private pages.
         num_computed: tokens whose K/V are in the pool (once ``load``, a host-tier copy in
             flight, has landed: ``SeqKV.finish_loads``).
+        window_lo: with hybrid window KV, ``page_table[window_lo:]`` are the pages whose
+            window slots this sequence pins (its windowed layers read them next step).
     """
 
     __slots__ = (
@@ -82,6 +84,7 @@ class Sequence:
         "status",
         "stop_reason",
         "token_ids",
+        "window_lo",
     )
 
     def __init__(
@@ -115,6 +118,7 @@ class Sequence:
         self.page_table: list[int] = []
         self.num_shared_pages = 0
         self.locked_node: TreeNode | None = None
+        self.window_lo = 0
         self.num_computed = 0
         self.num_cached_tokens = -1  # set at first admission
         # host tier: the load back started at admission, waited for before the forward

@@ -13,9 +13,11 @@ import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade_backend import CascadeDecodeBackend
+from radixkv.attention.hybrid import HybridAttention
 from radixkv.attention.registry import get_backend
 from radixkv.attention.torch_backend import TorchAttention
 from radixkv.debug import debug_checks_enabled
+from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.cpu_malloc import keep_freed_memory
@@ -67,7 +69,7 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv_pool: KVPool,
+        kv_pool: KVPool | HybridKVPool,
         backend: str = "auto",
         *,
         check_inputs: bool | None = None,
@@ -108,7 +110,10 @@ class ModelRunner:
         )
         self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
         self.attn.check_layouts = self.check_inputs  # the backend validates each layout
-        self._cascade: CascadeDecodeBackend | None = None  # created on the first cascade step
+        # created on the first cascade step: the backend a cascade step runs, and the cascade
+        # backend in it (the same object, or with hybrid window KV its full layers' part)
+        self._cascade: AttentionBackend | None = None
+        self._cascade_inner: CascadeDecodeBackend | None = None
         # LoRA adapters attached to the model (radixkv/model/lora.py); SeqInput.lora_slot
         # picks one per sequence
         self.loras = LoRASet.of(model)  # shared by the runners of one model
@@ -222,22 +227,35 @@ class ModelRunner:
         return torch.tensor(last, dtype=torch.int64).to(self.device)
 
     @property
+    def _cascaded(self) -> AttentionBackend | None:
+        """The backend a cascade wraps: the full layers' one with hybrid window KV (the
+        windowed layers read their windows alone; None: every layer is windowed)."""
+        return self.attn.full if isinstance(self.attn, HybridAttention) else self.attn
+
+    @property
     def supports_cascade(self) -> bool:
         """Whether cascade decode can run this model (its kernels do not soft-cap scores, so
-        not Gemma 2)."""
-        return self.attn.softcap is None
+        not Gemma 2; with hybrid window KV, only when some layer attends in full)."""
+        return self.attn.softcap is None and self._cascaded is not None
 
     @property
     def supports_mixed_cascade(self) -> bool:
         """Whether a cascade plan may cover just the decode sequences of a mixed batch (the
         torch backend; FlashInfer's cascade runs decode-only steps)."""
-        return isinstance(self.attn, TorchAttention)
+        return isinstance(self._cascaded, TorchAttention)
 
     def _cascade_attn(
         self, decision: CascadeSchedule, rows: Sequence[int] | None
     ) -> AttentionBackend:
         if self._cascade is None:
-            self._cascade = CascadeDecodeBackend(self.attn)
-            self._cascade.check_layouts = self.check_inputs
-        self._cascade.set_plan(decision.plan, decision.order, rows)
+            inner = self._cascaded
+            assert inner is not None  # the engine asks supports_cascade first
+            self._cascade_inner = CascadeDecodeBackend(inner)
+            self._cascade_inner.check_layouts = self.check_inputs
+            self._cascade = (
+                self.attn.with_full(self._cascade_inner)
+                if isinstance(self.attn, HybridAttention)
+                else self._cascade_inner
+            )
+        self._cascade_inner.set_plan(decision.plan, decision.order, rows)
         return self._cascade
