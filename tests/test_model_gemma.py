@@ -26,6 +26,7 @@ from lora_helpers import make_peft_adapter, peft_logits, radixkv_adapter_logits
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
+from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
@@ -110,17 +111,26 @@ def test_config_errors_name_the_field(kind: str, change: dict[str, Any], where: 
         ModelConfig.from_hf(d)
 
 
+@pytest.mark.parametrize("window_kv", ["auto", "full"])
 @pytest.mark.parametrize("cfg", FAMILY_CONFIGS)
-def test_engine_greedy_equals_transformers(pair: Any, cfg: dict[str, Any]) -> None:
+def test_engine_greedy_equals_transformers(pair: Any, cfg: dict[str, Any], window_kv: str) -> None:
+    """Each config, with the windowed layers' K/V in window slots (auto: hybrid for Gemma 2
+    and 3, which have windows) and kept for every token (full)."""
     kind, hf, folder = pair
-    eng = engine_greedy_equals_transformers(hf, folder, cfg, GREEDY)
+    eng = engine_greedy_equals_transformers(hf, folder, cfg | {"window_kv": window_kv}, GREEDY)
+    hybrid = isinstance(eng.kv_pool, HybridKVPool)
+    assert hybrid == (window_kv == "auto" and kind != "gemma")
     if cfg.get("cascade") == "on":
         cascade = eng.runner._cascade
         if kind == "gemma2":  # soft-capped scores: cascade never planned
             assert cascade is None and eng.stats().cascade_steps == 0
         else:
             assert cascade is not None and eng.stats().cascade_steps > 0
-            assert (cascade._banded is not None) == (kind == "gemma3")
+            # hybrid: the cascade wraps the full layers only, and the windowed layers read
+            # their windows from their own backend; full: the windowed layers go around it
+            banded = eng.runner._cascade_inner._banded is not None
+            assert banded == (kind == "gemma3" and not hybrid)
+            assert (cascade is not eng.runner._cascade_inner) == hybrid
 
 
 def test_bf16_against_transformers_bf16(pair: Any) -> None:

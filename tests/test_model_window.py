@@ -21,6 +21,7 @@ from engine_helpers import (
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
+from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.model.config import ModelConfig
 from radixkv.model.errors import ModelLoadError
 from radixkv.model.loader import load_model
@@ -130,18 +131,26 @@ def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return hf, save_hf_folder(hf, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.mark.parametrize("window_kv", ["hybrid", "full"])
 @pytest.mark.parametrize("cfg", FAMILY_CONFIGS)
-def test_engine_greedy_equals_transformers(windowed: Any, cfg: dict[str, Any]) -> None:
+def test_engine_greedy_equals_transformers(
+    windowed: Any, cfg: dict[str, Any], window_kv: str
+) -> None:
+    """Each config with the windowed layers' K/V in window slots (hybrid) and kept for every
+    token (full)."""
     hf, folder = windowed
-    eng = engine_greedy_equals_transformers(hf, folder, cfg, GREEDY)
+    eng = engine_greedy_equals_transformers(hf, folder, cfg | {"window_kv": window_kv}, GREEDY)
     assert eng.model.config.layer_windows  # the windows reached the engine
+    assert isinstance(eng.kv_pool, HybridKVPool) == (window_kv == "hybrid")
     if cfg.get("cascade") == "on":
         cascade = eng.runner._cascade
         if all(eng.model.config.layer_windows):  # every layer windowed: cascade never pays
             assert cascade is None and eng.stats().cascade_steps == 0
-        else:  # the windowed layers went around the shared-prefix levels
-            assert cascade is not None and cascade._banded is not None
-            assert eng.stats().cascade_steps > 0
+        else:
+            assert cascade is not None and eng.stats().cascade_steps > 0
+            # full: the windowed layers go around the shared-prefix levels; hybrid: the
+            # cascade wraps the full layers' backend only
+            assert (eng.runner._cascade_inner._banded is not None) == (window_kv == "full")
 
 
 def test_config_json_without_layer_types_loads(windowed: Any, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ reads ``slot_of`` to address the windowed layers' storage. Not thread-safe.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from radixkv.cache.errors import InvariantError, OutOfPages
@@ -42,7 +43,16 @@ NO_SLOT = -1
 class WindowSlots:
     """``num_slots`` window slots for the pages ``[0, num_pages)`` of one page pool."""
 
-    __slots__ = ("_free", "_lru", "_page_of", "_pins", "evicted", "num_pages", "num_slots", "slot_of")
+    __slots__ = (
+        "_free",
+        "_lru",
+        "_page_of",
+        "_pins",
+        "evicted",
+        "num_pages",
+        "num_slots",
+        "slot_of",
+    )
 
     def __init__(self, num_slots: int, num_pages: int) -> None:
         for name, v in (("num_slots", num_slots), ("num_pages", num_pages)):
@@ -110,15 +120,19 @@ class WindowSlots:
         least recently unpinned first, when free ones are short; OutOfPages (nothing changed)
         when free + cached slots are fewer than ``pages``."""
         n = len(pages)
-        short = n - len(self._free)
+        self._check_pages(pages)
+        slot_of, page_of, free, pins = self.slot_of, self._page_of, self._free, self._pins
+        bad = next((p for p in pages if slot_of[p] >= 0), None)
+        if bad is not None:
+            raise ValueError(f"page {bad} already has window slot {slot_of[bad]}")
+        if len(set(pages)) != n:
+            raise ValueError(f"attach lists a page twice: {list(pages)[:8]}")
+        short = n - len(free)
         if short > 0:
             if short > len(self._lru):
                 raise OutOfPages(n, self.num_available, "free or cached window slot")
             self._evict(short)
-        slot_of, page_of, free, pins = self.slot_of, self._page_of, self._free, self._pins
         for p in pages:
-            if slot_of[p] >= 0:
-                raise ValueError(f"page {p} already has window slot {slot_of[p]}")
             s = free.pop()
             slot_of[p] = s
             page_of[s] = p
@@ -127,6 +141,7 @@ class WindowSlots:
     def pin(self, pages: Iterable[int]) -> None:
         """One more pin on each page; ValueError (nothing changed) if one has no slot."""
         pages = list(pages)
+        self._check_pages(pages)
         slot_of = self.slot_of
         bad = next((p for p in pages if slot_of[p] < 0), None)
         if bad is not None:
@@ -139,14 +154,18 @@ class WindowSlots:
             pins[p] = c + 1
 
     def unpin(self, pages: Iterable[int], *, keep: bool = True) -> None:
-        """One pin less on each page. A page left unpinned is cached (``keep``) or gives its
-        slot back now (``keep=False``: KV no later sequence can match, as with the prefix
-        cache off). ValueError on a page not pinned (checked as it goes)."""
+        """One pin less on each page (as often as it is listed). A page left unpinned is
+        cached (``keep``) or gives its slot back now (``keep=False``: KV no later sequence
+        can match, as with the prefix cache off). ValueError (nothing changed) when a page
+        is listed more often than it is pinned."""
+        pages = list(pages)
         pins, lru = self._pins, self._lru
+        want = Counter(pages) if len(pages) > 1 else {p: 1 for p in pages}
+        bad = next((p for p, c in want.items() if pins.get(p, 0) < c), None)
+        if bad is not None:
+            raise ValueError(f"unpin of page {bad}, which is not pinned that often")
         for p in pages:
-            c = pins.get(p, 0)
-            if c <= 0:
-                raise ValueError(f"unpin of page {p}, which is not pinned")
+            c = pins[p]
             if c > 1:
                 pins[p] = c - 1
                 continue
@@ -188,6 +207,11 @@ class WindowSlots:
         self._evict(n)
         return n
 
+    def _check_pages(self, pages: Sequence[int]) -> None:
+        if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
+            bad = next(p for p in pages if not 0 <= p < self.num_pages)
+            raise ValueError(f"page {bad} is out of range [0, {self.num_pages})")
+
     def _evict(self, n: int) -> None:
         lru = self._lru
         for _ in range(n):
@@ -221,7 +245,9 @@ class WindowSlots:
             if s in free:
                 raise InvariantError(f"window slot {s} is free and attached to page {p}")
             if self.slot_of[p] != s:
-                raise InvariantError(f"window slot {s} names page {p}, which names {self.slot_of[p]}")
+                raise InvariantError(
+                    f"window slot {s} names page {p}, which names {self.slot_of[p]}"
+                )
             attached += 1
         if sum(1 for s in self.slot_of if s != NO_SLOT) != attached:
             raise InvariantError("a page names a window slot that does not name it")
@@ -237,7 +263,9 @@ class WindowSlots:
         if pool is not None:
             if pool.num_pages != self.num_pages:
                 raise InvariantError("window slots and page pool differ in num_pages")
-            bad = [p for p, s in enumerate(self.slot_of) if s != NO_SLOT and pool.state(p) == "free"]
+            bad = [
+                p for p, s in enumerate(self.slot_of) if s != NO_SLOT and pool.state(p) == "free"
+            ]
             if bad:
                 raise InvariantError(f"free pages {bad[:8]} still have window slots")
 

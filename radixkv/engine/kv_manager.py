@@ -139,9 +139,7 @@ class SeqKV:
             k = window.usable_prefix(pages, self.window_reach + 1, self.page_size)
             if k < len(pages):
                 self.window_trimmed_tokens += hit - k * self.page_size
-                m = cache.match_prefix(
-                    seq.token_ids[: k * self.page_size], namespace=seq.namespace
-                )
+                m = cache.match_prefix(seq.token_ids[: k * self.page_size], namespace=seq.namespace)
                 node, pages, hit = m.node, m.pages, m.num_tokens
         cache.lock(node)
         self.last_storage_tokens = self.storage_hit_tokens(seq, hit, self.last_loaded_tokens)

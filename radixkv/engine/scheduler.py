@@ -380,9 +380,9 @@ class Scheduler:
             remaining = len(seq.token_ids) - seq.num_computed
             first = used == 0 and budget == self.step_budget
             n = self._chunk(remaining, budget - used, seq.num_computed, first=first)
-            cap = self.kv.max_chunk(seq)  # window slots: a chunk must fit in them
-            if cap is not None:
-                n = min(n, cap)
+            most = self.kv.max_chunk(seq)  # window slots: a chunk must fit in them
+            if most is not None:
+                n = min(n, most)
             if n <= 0 or not self._has_room(seq, n):
                 self.kv.release(seq, insert=False)
                 break

@@ -149,7 +149,9 @@ class HybridKVPool:
         """Copy pages ``src[i]`` to ``dst[i]`` in the full layers, and their window slots in
         the windowed ones where ``src[i]`` has one (``dst[i]`` must then have one too)."""
         if len(src) != len(dst):
-            raise ValueError(f"HybridKVPool.copy_pages: {len(src)} source pages, {len(dst)} targets")
+            raise ValueError(
+                f"HybridKVPool.copy_pages: {len(src)} source pages, {len(dst)} targets"
+            )
         if self.full is not None:
             self.full.copy_pages(src, dst)
         slot_of = self.slots.slot_of
