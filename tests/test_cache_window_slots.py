@@ -52,6 +52,25 @@ def test_attach_takes_the_least_recently_unpinned_first() -> None:
     w.check_invariants()
 
 
+def test_pages_a_window_passed_are_taken_before_the_others() -> None:
+    w = WindowSlots(4, 10)
+    w.attach([1, 2, 3, 4])
+    w.unpin([1])  # kept: a window before a sequence's end or a branch point
+    w.unpin([2, 3], passed=True)  # a window slid past them
+    w.unpin([4])
+    w.attach([5, 6])  # the two passed pages go first, though 1 was unpinned before them
+    assert w.slot_of[2] == w.slot_of[3] == NO_SLOT
+    assert w.slot_of[1] != NO_SLOT and w.slot_of[4] != NO_SLOT
+    w.attach([7])  # then the others, least recently unpinned first
+    assert w.slot_of[1] == NO_SLOT and w.slot_of[4] != NO_SLOT
+    w.pin([4])
+    w.unpin([4], passed=True)  # pinned again, then passed: it moves to that order
+    w.unpin([5])
+    w.attach([8])
+    assert w.slot_of[4] == NO_SLOT and w.slot_of[5] != NO_SLOT
+    w.check_invariants()
+
+
 def test_errors_change_nothing() -> None:
     w = WindowSlots(2, 6)
     w.attach([0])
@@ -150,8 +169,19 @@ class SlotsMachine(RuleBasedStateMachine):
         self.w = WindowSlots(5, 12)
         self.pool.on_free = self.w.release
         self.pins: dict[int, int] = {}  # reference: pinned page -> count
-        self.cached: list[int] = []  # reference: cached pages, least recently unpinned first
+        # reference: cached pages, least recently unpinned first (passed ones, then the others)
+        self.passed: list[int] = []
+        self.kept: list[int] = []
         self.held: list[int] = []  # pages alloc'd and not freed
+
+    @property
+    def cached(self) -> list[int]:
+        return self.passed + self.kept  # the order attach takes them in
+
+    def uncache(self, p: int) -> None:
+        for order in (self.passed, self.kept):
+            if p in order:
+                order.remove(p)
 
     def attached(self) -> set[int]:
         return set(self.pins) | set(self.cached)
@@ -168,29 +198,28 @@ class SlotsMachine(RuleBasedStateMachine):
                 self.w.attach(pages)
             return
         self.w.attach(pages)
-        for _ in range(max(0, n - free)):
-            self.cached.pop(0)
+        for p in self.cached[: max(0, n - free)]:
+            self.uncache(p)
         for p in pages:
             self.pins[p] = 1
 
     @precondition(lambda self: self.pins)
-    @rule(data=st.data(), keep=st.booleans())
-    def unpin(self, data: st.DataObject, keep: bool) -> None:
+    @rule(data=st.data(), keep=st.booleans(), passed=st.booleans())
+    def unpin(self, data: st.DataObject, keep: bool, passed: bool) -> None:
         p = data.draw(st.sampled_from(sorted(self.pins)))
-        self.w.unpin([p], keep=keep)
+        self.w.unpin([p], keep=keep, passed=passed)
         self.pins[p] -= 1
         if not self.pins[p]:
             del self.pins[p]
             if keep:
-                self.cached.append(p)
+                (self.passed if passed else self.kept).append(p)
 
     @precondition(lambda self: self.pins or self.cached)
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
         p = data.draw(st.sampled_from(sorted(self.attached())))
         self.w.pin([p])
-        if p in self.cached:
-            self.cached.remove(p)
+        self.uncache(p)
         self.pins[p] = self.pins.get(p, 0) + 1
 
     @precondition(lambda self: self.held)
@@ -201,8 +230,7 @@ class SlotsMachine(RuleBasedStateMachine):
             return
         self.pool.free([p])
         self.held.remove(p)
-        if p in self.cached:
-            self.cached.remove(p)
+        self.uncache(p)
 
     @precondition(lambda self: self.pins and self.pool.num_free)
     @rule(data=st.data(), new_attached=st.booleans())
@@ -211,7 +239,7 @@ class SlotsMachine(RuleBasedStateMachine):
         old = data.draw(st.sampled_from(sorted(self.pins)))
         if old not in self.held:
             return
-        candidates = [p for p in self.cached] if new_attached else []
+        candidates = self.cached if new_attached else []
         if new_attached and not candidates:
             return
         if new_attached:
@@ -223,8 +251,7 @@ class SlotsMachine(RuleBasedStateMachine):
         self.held.remove(old)
         self.w.replace(old, new)
         c = self.pins.pop(old)
-        if new in self.cached:
-            self.cached.remove(new)
+        self.uncache(new)
         self.pins[new] = self.pins.get(new, 0) + c
 
     @invariant()

@@ -154,6 +154,12 @@ class TreeNode:
     def is_leaf(self) -> bool:
         return not self._children
 
+    @property
+    def is_branch(self) -> bool:
+        """Whether two or more children continue this node (cached sequences diverge here)."""
+        kids = self._children
+        return len(kids) > 1 or (len(kids) == 1 and type(next(iter(kids.values()))) is list)
+
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.node_id}, tokens={self.num_tokens}, pages={len(self._pages)}, "

@@ -13,8 +13,11 @@ A page is in one of three window states here:
 * no slot: its windowed layers' K/V is gone (the full layers' stays with the page);
 * attached and pinned (a count > 0): a running sequence reads it through a window next step;
   never taken away;
-* attached and unpinned: cached. Slots are taken from cached pages, least recently unpinned
-  first, when ``attach`` finds too few free ones.
+* attached and unpinned: cached. Slots are taken from cached pages when ``attach`` finds too
+  few free ones: first from those unpinned as ``passed`` (a window slid past them in the middle
+  of a cached run: only a match ending right after them would read them), then from the others
+  (windows before the end of a cached sequence or a branch point, where matches end), least
+  recently unpinned first within each.
 
 A cached prefix serves a new sequence only up to where the window before its end still has
 slots (``usable_prefix``): the tokens after it attend that window in the windowed layers.
@@ -47,6 +50,7 @@ class WindowSlots:
         "_free",
         "_lru",
         "_page_of",
+        "_passed",
         "_pins",
         "evicted",
         "num_pages",
@@ -65,8 +69,9 @@ class WindowSlots:
         self._page_of: list[int] = [NO_SLOT] * num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pops slot 0 first
         self._pins: dict[int, int] = {}  # pinned page -> count
-        # cached (attached, unpinned) pages, least recently unpinned first: a dict keeps
-        # insertion order, and re-inserting moves a page to the end
+        # cached (attached, unpinned) pages, least recently unpinned first (a dict keeps
+        # insertion order): those unpinned as passed, taken first, and the others
+        self._passed: dict[int, None] = {}
         self._lru: dict[int, None] = {}
         self.evicted = 0  # slots taken from cached pages since construction
 
@@ -78,7 +83,7 @@ class WindowSlots:
     @property
     def num_cached(self) -> int:
         """Attached, unpinned pages: their slots are what ``attach`` may take."""
-        return len(self._lru)
+        return len(self._passed) + len(self._lru)
 
     @property
     def num_pinned(self) -> int:
@@ -88,7 +93,7 @@ class WindowSlots:
     @property
     def num_available(self) -> int:
         """Slots ``attach`` can give now: free ones plus those of cached pages."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + len(self._passed) + len(self._lru)
 
     def pins(self, page: int) -> int:
         return self._pins.get(page, 0)
@@ -129,7 +134,7 @@ class WindowSlots:
             raise ValueError(f"attach lists a page twice: {list(pages)[:8]}")
         short = n - len(free)
         if short > 0:
-            if short > len(self._lru):
+            if short > self.num_cached:
                 raise OutOfPages(n, self.num_available, "free or cached window slot")
             self._evict(short)
         for p in pages:
@@ -146,20 +151,22 @@ class WindowSlots:
         bad = next((p for p in pages if slot_of[p] < 0), None)
         if bad is not None:
             raise ValueError(f"page {bad} has no window slot to pin")
-        pins, lru = self._pins, self._lru
+        pins = self._pins
         for p in pages:
             c = pins.get(p, 0)
             if not c:
-                lru.pop(p, None)
+                self._uncache(p)
             pins[p] = c + 1
 
-    def unpin(self, pages: Iterable[int], *, keep: bool = True) -> None:
+    def unpin(self, pages: Iterable[int], *, keep: bool = True, passed: bool = False) -> None:
         """One pin less on each page (as often as it is listed). A page left unpinned is
-        cached (``keep``) or gives its slot back now (``keep=False``: KV no later sequence
-        can match, as with the prefix cache off). ValueError (nothing changed) when a page
-        is listed more often than it is pinned."""
+        cached (``keep``; ``passed``: among those taken first, see the module docstring) or
+        gives its slot back now (``keep=False``: KV no later sequence can match, as with the
+        prefix cache off). ValueError (nothing changed) when a page is listed more often than
+        it is pinned."""
         pages = list(pages)
-        pins, lru = self._pins, self._lru
+        pins = self._pins
+        lru = self._passed if passed else self._lru
         want = Counter(pages) if len(pages) > 1 else {p: 1 for p in pages}
         bad = next((p for p, c in want.items() if pins.get(p, 0) < c), None)
         if bad is not None:
@@ -181,7 +188,7 @@ class WindowSlots:
         slot_of, pins = self.slot_of, self._pins
         for p in pages:
             if slot_of[p] >= 0 and p not in pins:
-                self._lru.pop(p, None)
+                self._uncache(p)
                 self._detach(p)
 
     def replace(self, old: int, new: int) -> None:
@@ -203,9 +210,13 @@ class WindowSlots:
 
     def clear_cached(self) -> int:
         """Give back every cached page's slot; returns how many."""
-        n = len(self._lru)
+        n = self.num_cached
         self._evict(n)
         return n
+
+    def _uncache(self, p: int) -> None:
+        if self._passed.pop(p, 1):  # (None when it was there)
+            self._lru.pop(p, None)
 
     def _check_pages(self, pages: Sequence[int]) -> None:
         if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
@@ -213,8 +224,8 @@ class WindowSlots:
             raise ValueError(f"page {bad} is out of range [0, {self.num_pages})")
 
     def _evict(self, n: int) -> None:
-        lru = self._lru
         for _ in range(n):
+            lru = self._passed or self._lru
             p = next(iter(lru))
             del lru[p]
             self._detach(p)
@@ -255,10 +266,12 @@ class WindowSlots:
             if c <= 0 or self.slot_of[p] == NO_SLOT:
                 raise InvariantError(f"page {p} pinned {c} times with slot {self.slot_of[p]}")
         cached = {p for p, s in enumerate(self.slot_of) if s != NO_SLOT} - self._pins.keys()
-        if cached != self._lru.keys():
+        if self._passed.keys() & self._lru.keys():
+            raise InvariantError("a cached window page is in both eviction orders")
+        if cached != self._passed.keys() | self._lru.keys():
             raise InvariantError(
-                f"cached window pages {sorted(cached)[:8]} != the eviction order's "
-                f"{sorted(self._lru)[:8]}"
+                f"cached window pages {sorted(cached)[:8]} != the eviction orders' "
+                f"{sorted(self._passed.keys() | self._lru.keys())[:8]}"
             )
         if pool is not None:
             if pool.num_pages != self.num_pages:

@@ -1088,6 +1088,8 @@ class Engine:
             load_back_seconds=kv.load_back_seconds,
             storage=None if self.storage is None else self.storage.stats(),
             loras=(len(self.loras.infos()), sorted(run_loras), sorted(wait_loras)),
+            window=self.window_slots,
+            window_trimmed_tokens=kv.window_trimmed_tokens,
         )
 
     def check_invariants(self) -> None:

@@ -211,12 +211,35 @@ class SeqKV:
         pages its windows no longer read."""
         if self.enabled:
             self._publish(seq)
-        window = self.window
-        if window is not None:
+        if self.window is not None:
             lo = self.window_first_page(seq.num_computed)
             if lo > seq.window_lo:
-                window.unpin(seq.page_table[seq.window_lo : lo], keep=self.enabled)
+                self._unpin_window(seq, seq.window_lo, lo, final=False)
                 seq.window_lo = lo
+
+    def _unpin_window(self, seq: Sequence, a: int, b: int, *, final: bool) -> None:
+        """Unpin ``seq.page_table[a:b]``. Cached, they keep their slots longer where a later
+        match may end after them: in the window before the end of a node on the sequence's
+        path that branches, or (``final``: the sequence is done) before its own end; the
+        others a window merely passed are taken first (WindowSlots' two orders)."""
+        window = self.window
+        assert window is not None
+        pages = seq.page_table[a:b]
+        if not self.enabled:  # no match will ever read them
+            window.unpin(pages, keep=False)
+            return
+        ps, reach = self.page_size, self.window_reach
+        keep: set[int] = set()
+        node, last = seq.locked_node, final
+        # node ends deeper than this reach no page below b; walking up, depths only shrink
+        while node is not None and node.depth_tokens > a * ps:
+            end = node.depth_tokens
+            if (last or node.is_branch) and end <= b * ps + reach:
+                keep.update(range(max(a, max(0, end - reach) // ps), min(b, pages_for(end, ps))))
+            node, last = node.parent, False
+        if keep:
+            window.unpin([p for i, p in enumerate(pages, a) if i in keep])
+        window.unpin([p for i, p in enumerate(pages, a) if i not in keep], passed=True)
 
     def _publish(self, seq: Sequence) -> None:
         ps = self.page_size
@@ -290,7 +313,7 @@ class SeqKV:
         # a load still in flight keeps its own lock until the cache retires it (poll)
         seq.load = None
         if self.window is not None:  # private pages' slots go back with the pages
-            self.window.unpin(seq.page_table[seq.window_lo :], keep=self.enabled)
+            self._unpin_window(seq, seq.window_lo, len(seq.page_table), final=True)
             seq.window_lo = 0
         private = seq.page_table[seq.num_shared_pages :]
         if private:

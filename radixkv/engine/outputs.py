@@ -12,6 +12,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from radixkv.cache.stats import CacheStats
+    from radixkv.cache.window_slots import WindowSlots
     from radixkv.engine.storage_tier import StorageStats
 
 
@@ -207,6 +208,16 @@ class EngineStats(msgspec.Struct, kw_only=True):
     host_pages_total: int = 0
     host_pages_used: int = 0
     host_usage: float = 0.0
+    # hybrid window KV (all 0 without it): window slots (a page's K/V in the sliding-window
+    # layers), those free, pinned by running sequences' windows and cached; slots taken from
+    # cached pages; cached prompt tokens a match gave up (recomputed) because the window
+    # before them had lost its slots
+    window_slots_total: int = 0
+    window_slots_free: int = 0
+    window_slots_pinned: int = 0
+    window_slots_cached: int = 0
+    window_slots_evicted: int = 0
+    window_trimmed_tokens: int = 0
     # storage tier (all 0 without one): prefetch lookups and the pages they put in the host
     # tier, reader seconds and seconds putting them in the host tier, lookups cut short by the
     # timeout; pages written, writes dropped
@@ -303,6 +314,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
         load_back_seconds: float = 0.0,
         storage: StorageStats | None = None,
         loras: tuple[int, list[str], list[str]] = (0, [], []),
+        window: WindowSlots | None = None,
+        window_trimmed_tokens: int = 0,
     ) -> EngineStats:
         """An independent copy with the gauges set from the engine's current state (the host
         tier's from the cache's ``cache`` stats)."""
@@ -319,6 +332,15 @@ class EngineStats(msgspec.Struct, kw_only=True):
                 host_pages_total=host_total,
                 host_pages_used=cache.host_cached_pages,
                 host_usage=cache.host_cached_pages / host_total if host_total else 0.0,
+            )
+        if window is not None:
+            tier.update(
+                window_slots_total=window.num_slots,
+                window_slots_free=window.num_free,
+                window_slots_pinned=window.num_pinned,
+                window_slots_cached=window.num_cached,
+                window_slots_evicted=window.evicted,
+                window_trimmed_tokens=window_trimmed_tokens,
             )
         if storage is not None:
             tier.update(

@@ -109,6 +109,31 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
         "Fraction of KV pages in use",
         "kv_usage",
     ),
+    "window_slots_total": (
+        "gauge",
+        "Window slots (a KV page's K/V in the sliding-window layers; hybrid window KV only)",
+        "window_slots_total",
+    ),
+    "window_slots_pinned": (
+        "gauge",
+        "Window slots the windows of running requests read",
+        "window_slots_pinned",
+    ),
+    "window_slots_cached": (
+        "gauge",
+        "Window slots kept for cached pages (taken when slots run short)",
+        "window_slots_cached",
+    ),
+    "window_slots_evicted": (
+        "counter",
+        "Window slots taken from cached pages",
+        "window_slots_evicted",
+    ),
+    "prefix_cache_window_trimmed_tokens": (
+        "counter",
+        "Cached prompt tokens recomputed because the window before them had lost its slots",
+        "window_trimmed_tokens",
+    ),
     "prefix_cache_device_hits_tokens": (
         "counter",
         "Prompt tokens served from the device KV pool",
