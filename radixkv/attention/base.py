@@ -120,8 +120,10 @@ class AttentionBackend(ABC):
     Sliding windows: ``layer_windows[l] = W > 0`` makes layer ``l`` attend, from a query at
     position ``i``, only the keys at positions ``i - W + 1 .. i`` (W keys, itself included: what
     Hugging Face configs call ``sliding_window``); 0, or an empty tuple for all layers, means
-    every earlier key. Every token's K/V is still written and kept (the prefix cache shares
-    pages between layers of both kinds), so a window saves attention work, not KV memory.
+    every earlier key. A backend over a plain :class:`KVPool` writes and keeps every token's
+    K/V in every layer (pages are shared by layers of both kinds): there a window saves
+    attention work. Hybrid window KV (radixkv/attention/hybrid.py) saves the memory too: it
+    gives the windowed layers their own pool of window slots and a backend of their own.
     ``softcap`` (Gemma 2): scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before
     the softmax.
 

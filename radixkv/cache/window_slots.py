@@ -182,6 +182,16 @@ class WindowSlots:
             else:
                 self._detach(p)
 
+    def keep(self, pages: Iterable[int]) -> None:
+        """Cached pages unpinned as passed move to the other order (as if just unpinned
+        there): a sequence ended soon after them, so a later match may well end near them.
+        Pages pinned, kept already or without a slot are left as they are."""
+        passed, lru = self._passed, self._lru
+        for p in pages:
+            if p in passed:
+                del passed[p]
+                lru[p] = None
+
     def release(self, pages: Iterable[int]) -> None:
         """The page pool freed ``pages`` (``PagePool.on_free``): the unpinned ones give their
         slots back; a pinned one keeps its slot until its sequence calls :meth:`replace`."""

@@ -220,8 +220,10 @@ class SeqKV:
     def _unpin_window(self, seq: Sequence, a: int, b: int, *, final: bool) -> None:
         """Unpin ``seq.page_table[a:b]``. Cached, they keep their slots longer where a later
         match may end after them: in the window before the end of a node on the sequence's
-        path that branches, or (``final``: the sequence is done) before its own end; the
-        others a window merely passed are taken first (WindowSlots' two orders)."""
+        path that branches, or (``final``: the sequence is done) in the window and a quarter
+        before its own end (the next turn of a conversation continues at the end; another
+        question on the same document branches a little before it); the others, a window
+        merely passed, are taken first (WindowSlots' two orders)."""
         window = self.window
         assert window is not None
         pages = seq.page_table[a:b]
@@ -230,16 +232,21 @@ class SeqKV:
             return
         ps, reach = self.page_size, self.window_reach
         keep: set[int] = set()
-        node, last = seq.locked_node, final
+        node, back = seq.locked_node, (reach + (reach + 1) // 4 if final else 0)
         # node ends deeper than this reach no page below b; walking up, depths only shrink
         while node is not None and node.depth_tokens > a * ps:
             end = node.depth_tokens
-            if (last or node.is_branch) and end <= b * ps + reach:
-                keep.update(range(max(a, max(0, end - reach) // ps), min(b, pages_for(end, ps))))
-            node, last = node.parent, False
+            if back or node.is_branch:
+                lo = max(0, end - (back or reach)) // ps
+                keep.update(range(max(a, lo), min(b, pages_for(end, ps))))
+            node, back = node.parent, 0
         if keep:
             window.unpin([p for i, p in enumerate(pages, a) if i in keep])
         window.unpin([p for i, p in enumerate(pages, a) if i not in keep], passed=True)
+        if final:  # the part of that span its window passed before the end
+            end = seq.locked_node.depth_tokens if seq.locked_node is not None else 0
+            lo = max(0, end - reach - (reach + 1) // 4) // ps
+            window.keep(seq.page_table[lo : min(a, seq.num_shared_pages)])
 
     def _publish(self, seq: Sequence) -> None:
         ps = self.page_size
