@@ -79,6 +79,7 @@ def bench(session: nox.Session) -> None:
         ("bench_beam_peers.py",),
         ("bench_score_peers.py",),
         ("bench_lora_peers.py",),  # transformers + PEFT, from the test extra
+        ("bench_window_kv.py",),  # hybrid window KV against full KV, one budget
     )
     for script, *args in runs:
         session.run("python", f"bench/{script}", *args, *session.posargs)

@@ -180,6 +180,21 @@ SECTIONS: list[tuple[str, str, str]] = [
         "`vs_transformers`: requests whose greedy tokens all equal transformers'.",
     ),
     (
+        "bench_window_kv",
+        "Hybrid window KV: more cached prefixes in the same memory",
+        "`bench/bench_window_kv.py` (`nox -s bench`): a random checkpoint in Qwen3's layout with "
+        "Gemma 3's mix of layers (6 layers, the first five with a 512-token sliding window, the "
+        "last in full; hidden 512, float32). 8 documents of 1,536 tokens asked 3 questions each "
+        "(16 tokens, 8 greedy tokens answered), document 1 to 8 in turn, then again, one request "
+        "at a time, under one KV budget that holds about 5 documents with every layer's K/V. "
+        'radixkv with `window_kv="full"` and with hybrid window KV at three '
+        "`window_kv_ratio`s on the same budget; medians of interleaved rounds. `hit_rate`: "
+        "prompt tokens served from the cache; `mean_request_s`: per request, mostly its prefill "
+        "(its time to first token); `same_outputs_as_full`: every output equal to the full-KV "
+        "system's; `first_round_vs_transformers`: of the first 8 outputs, those equal to "
+        "transformers' greedy `generate`.",
+    ),
+    (
         "bench_serving_peers",
         "Serving against llama.cpp's server",
         "`bench/bench_serving_peers.py` (`nox -s bench_peers`, after the above): the same "
@@ -584,6 +599,23 @@ def plot_window(data: Any, fig: Any) -> None:
     fig.suptitle(f"Sliding window {data.get('sliding_window', '?')}, long prompts")
 
 
+def plot_window_kv(data: Any, fig: Any) -> None:
+    rows = data["summary"]
+    names = [r["system"] for r in rows]
+    ticks = [
+        "full KV" if "full" in n else "hybrid\n" + n.split("ratio ")[1].replace(" (default)", "*")
+        for n in names
+    ]
+    for ax, key, title in zip(
+        fig.subplots(1, 3),
+        ("cacheable_tokens", "hit_rate", "seconds"),
+        ("tokens the pool caches", "prefix-cache hit rate", "seconds (lower is better)"),
+        strict=True,
+    ):
+        _peer_bars(ax, names, [r[key] for r in rows], ticks, title, size=7)
+    fig.suptitle(f"One KV budget ({data.get('kv_budget_mib', '?')} MiB), Gemma 3's layer mix")
+
+
 def plot_serving_peers(data: Any, fig: Any) -> None:
     rows = data["summary"]
     names = [r["server"] for r in rows]
@@ -691,6 +723,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_peers": [("", plot_peers)],
     "bench_moe_peers": [("", plot_peers)],
     "bench_window": [("", plot_window)],
+    "bench_window_kv": [("", plot_window_kv)],
     "bench_serving_peers": [("", plot_serving_peers)],
     "bench_structured_peers": [("", plot_structured_peers)],
     "bench_speculative_peers": [("", plot_speculative_peers)],
