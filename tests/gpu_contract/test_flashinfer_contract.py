@@ -24,7 +24,9 @@ from radixkv.attention.base import BatchLayout
 from radixkv.attention.cascade import CascadePlan, TorchCascadeAttention
 from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
 from radixkv.attention.flashinfer_backend import FlashInferAttention, decode_uses_tensor_cores
+from radixkv.attention.hybrid import HybridAttention
 from radixkv.attention.registry import get_backend
+from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.kv.kv_pool import KVPool
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -216,6 +218,57 @@ def test_sliding_windows(fake: FakeFlashInfer, kind: str, softcap: float | None)
     backend.plan(short)
     assert {c.args.get("window_left", -1) for c in rec.calls[before:]
             if c.name.endswith(".plan")} == {-1}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_hybrid_window_kv(fake: FakeFlashInfer, kind: str) -> None:
+    """Hybrid window KV on FlashInfer: a HybridKVPool gets a FlashInfer backend per pool, the
+    windowed layers' planned on slot tables (slots a shuffle of the pages, only the pages the
+    windows read attached); outputs as the torch backend's over one pool of every layer."""
+    ps, hq, hkv, d, dtype = 4, 4, 2, 64, torch.bfloat16
+    windows = (0, 5, 9)
+    tables, past, new, num_pages = _batch(kind, ps, seed=11)
+    layout = BatchLayout.build(tables, past, new)
+    dev = fake.device
+    hybrid = HybridKVPool.build(windows, num_pages, num_pages, ps, hkv, d, dtype, dev)
+    need = {
+        pt[i]
+        for pt, p, n in zip(tables, past, new, strict=True)
+        for i in range(max(0, p - max(windows) + 1) // ps, -(-(p + n) // ps))
+    }
+    order = sorted(need)
+    random.Random(3).shuffle(order)
+    hybrid.slots.attach(order)  # slot i to order[i]: slot ids are not page ids
+    ref_pool = KVPool(3, num_pages, ps, hkv, d, torch.float32, "cpu")
+    if dev.type == "cpu":
+        g = torch.Generator().manual_seed(1)
+        ref_pool.k.copy_(torch.randn(ref_pool.k.shape, generator=g).to(dtype))
+        ref_pool.v.copy_(torch.randn(ref_pool.v.shape, generator=g).to(dtype))
+        hybrid.full.k[0].copy_(ref_pool.k[0])
+        hybrid.full.v[0].copy_(ref_pool.v[0])
+        slots = torch.tensor([hybrid.slots.slot_of[p] for p in order])
+        pages = torch.tensor(order)
+        for j, layer in enumerate((1, 2)):
+            hybrid.window.k[j, slots] = ref_pool.k[layer, pages].to(dtype)
+            hybrid.window.v[j, slots] = ref_pool.v[layer, pages].to(dtype)
+    kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, layer_windows=windows)
+    backend = get_backend("flashinfer", hybrid, **kw)
+    assert isinstance(backend, HybridAttention)
+    assert isinstance(backend.window, FlashInferAttention)
+    assert isinstance(backend.full, FlashInferAttention)
+    ref = get_backend("torch", ref_pool, **kw)
+    backend.check_layouts = True  # slot tables checked against the slot pool
+    backend.plan(layout)
+    ref.plan(layout)
+    t = layout.num_tokens
+    for layer in range(3):
+        g = torch.Generator().manual_seed(20 + layer)
+        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+        out = backend.forward(layer, q.to(dev), k.to(dev), v.to(dev))
+        assert out.shape == (t, hq, d) and out.device == dev
+        if dev.type == "cpu":
+            want = ref.forward(layer, q.float(), k.float(), v.float())
+            assert (out.float() - want).abs().max().item() <= TOL[dtype], layer
 
 
 def test_tiny_model_end_to_end(fake_cpu: FakeFlashInfer) -> None:
