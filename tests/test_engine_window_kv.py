@@ -117,6 +117,31 @@ def test_windows_before_sequence_ends_and_branches_outlast_passed_ones(
     assert run(system + tok(20)).num_cached_tokens == (0 if plain_lru else 40)
 
 
+def test_a_session_pin_keeps_its_window(swa: tuple[Any, Any]) -> None:
+    """A session's pin keeps its state cached (a lock) and, with window slots, the window before
+    the state's end: ten unrelated prompts later (their kept windows alone would fill the 32
+    slots), the next turn still hits the whole state; closing the session lets go of both."""
+    hf, lm = swa
+    eng = Engine(lm, page_size=4, num_pages=600, window_kv_ratio=32 / 600)
+    rng = random.Random(4)
+    tok = lambda n: [rng.randrange(3, 320) for _ in range(n)]  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    session = eng.session(tok(40))
+    session.generate(params)  # the state is 48 tokens; the 11 whole pages computed are pinned
+    assert eng.stats().window_slots_pinned == 2  # the pages of tokens 36..43 (window 9)
+    evicted = eng.stats().window_slots_evicted
+    run_checked(eng, [tok(80) for _ in range(10)], params)
+    assert eng.stats().window_slots_evicted > evicted
+    state = list(session.tokens)
+    session.extend(tok(5))
+    out = session.generate(params)
+    assert out.num_cached_tokens == 44
+    assert out.token_ids == hf_greedy(hf, state + session.tokens[len(state) : -8], 8)
+    session.close()
+    eng.check_invariants()
+    assert eng.stats().window_slots_pinned == 0
+
+
 def test_a_prompt_longer_than_all_slots_runs_in_chunks(swa: tuple[Any, Any]) -> None:
     """A 300-token prompt needs 75 pages; 6 slots hold a window and a few new pages, so its
     prefill goes in chunks that fit them (whatever chunked_prefill_size allows)."""

@@ -60,8 +60,10 @@ class SeqKV:
         self.page_size: int = cache.page_size
         self.enabled = enable_prefix_cache
         self.num_private_pages = 0  # pages held privately by sequences (for invariants/stats)
-        # locks held by pin() and not yet unpinned, per node (drop_pins() releases them all)
+        # locks held by pin() and not yet unpinned, per node (drop_pins() releases them all),
+        # and with window slots the pages whose slots each of those pins holds
         self._pins: dict[TreeNode, int] = {}
+        self._pin_windows: dict[TreeNode, list[list[int]]] = {}
         self.tiered = cache.host_pool is not None
         # host tier: tokens the last acquire() loaded back, and cumulative load-back wait time
         self.last_loaded_tokens = 0
@@ -347,12 +349,23 @@ class SeqKV:
     # ------------------------------------------------------------------ pins (sessions)
     def pin(self, tokens: list[int], namespace: Namespace) -> TreeNode | None:
         """Lock the deepest cached node of ``tokens`` so its pages stay cached until
-        :meth:`unpin`; None (nothing pinned) with the prefix cache off."""
+        :meth:`unpin`; None (nothing pinned) with the prefix cache off. With window slots,
+        the window before the node's end keeps its slots too (when it still has them all),
+        so the state can be continued from there."""
         if not self.enabled:
             return None
-        node = self.cache.match_prefix(tokens, namespace=namespace).node
+        m = self.cache.match_prefix(tokens, namespace=namespace)
+        node = m.node
         self.cache.lock(node)
         self._pins[node] = self._pins.get(node, 0) + 1
+        window = self.window
+        if window is not None:
+            pages = m.pages
+            held: list[int] = []
+            if window.usable_prefix(pages, self.window_reach + 1, self.page_size) == len(pages):
+                held = pages[self.window_first_page(len(pages) * self.page_size) :]
+                window.pin(held)
+            self._pin_windows.setdefault(node, []).append(held)
         return node
 
     def unpin(self, node: TreeNode) -> None:
@@ -364,7 +377,15 @@ class SeqKV:
             del self._pins[node]
         else:
             self._pins[node] = count - 1
+        self._unpin_pin_window(node)
         self.cache.unlock(node)
+
+    def _unpin_pin_window(self, node: TreeNode) -> None:
+        if self.window is not None:
+            held = self._pin_windows[node].pop()
+            if not self._pin_windows[node]:
+                del self._pin_windows[node]
+            self.window.unpin(held)
 
     @property
     def num_pins(self) -> int:
@@ -377,6 +398,7 @@ class SeqKV:
         n = 0
         for node, count in self._pins.items():
             for _ in range(count):
+                self._unpin_pin_window(node)
                 self.cache.unlock(node)
             n += count
         self._pins.clear()
@@ -518,8 +540,11 @@ class SeqKV:
                 f"{self.window_first_page(s.num_computed)}"
             )
             want.update(s.page_table[s.window_lo :])
+        for held in self._pin_windows.values():  # sessions' pins
+            for pages in held:
+                want.update(pages)
         assert want == window.pinned(), "window slot pins differ from the running sequences'"
-        if idle:
+        if idle and not self._pins:
             assert not window.num_pinned, "window slots pinned after drain"
 
     @property
