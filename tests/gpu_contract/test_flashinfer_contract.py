@@ -20,7 +20,7 @@ from cascade_helpers import level, reference_decode
 from standins import ContractError, FakeFlashInfer
 
 from radixkv.attention import flashinfer_backend as fib
-from radixkv.attention.base import BatchLayout
+from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade import CascadePlan, TorchCascadeAttention
 from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
 from radixkv.attention.flashinfer_backend import FlashInferAttention, decode_uses_tensor_cores
@@ -172,6 +172,29 @@ def test_replanning_reuses_wrappers(fake: FakeFlashInfer) -> None:
     assert fake.recorder.count(f"{DECODE}.__init__") == 1
 
 
+def _layers_match(
+    backend: AttentionBackend,
+    ref: AttentionBackend,
+    layout: BatchLayout,
+    num_layers: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+) -> None:
+    """Plan both on ``layout``, run every layer on the same random q/k/v: outputs on ``dev``
+    with the right shape, and (on the CPU) as the fp32 reference's within ``TOL``."""
+    backend.plan(layout)
+    ref.plan(layout)
+    t, hq, hkv, d = layout.num_tokens, ref.num_qo_heads, ref.num_kv_heads, ref.head_dim
+    for layer in range(num_layers):
+        g = torch.Generator().manual_seed(20 + layer)
+        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+        out = backend.forward(layer, q.to(dev), k.to(dev), v.to(dev))
+        assert out.shape == (t, hq, d) and out.device == dev
+        if dev.type == "cpu":
+            want = ref.forward(layer, q.float(), k.float(), v.float())
+            assert (out.float() - want).abs().max().item() <= TOL[dtype], layer
+
+
 @pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 def test_sliding_windows(fake: FakeFlashInfer, kind: str, softcap: float | None) -> None:
@@ -196,17 +219,7 @@ def test_sliding_windows(fake: FakeFlashInfer, kind: str, softcap: float | None)
     kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, layer_windows=windows,
               softcap=softcap)  # fmt: skip
     backend = get_backend("flashinfer", pool, **kw)
-    ref = get_backend("torch", ref_pool, **kw)
-    backend.plan(layout)
-    ref.plan(layout)
-    t = layout.num_tokens
-    for layer in range(3):
-        g = torch.Generator().manual_seed(20 + layer)
-        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
-        out = backend.forward(layer, q.to(dev), k.to(dev), v.to(dev))
-        if dev.type == "cpu":
-            want = ref.forward(layer, q.float(), k.float(), v.float())
-            assert (out.float() - want).abs().max().item() <= TOL[dtype], layer
+    _layers_match(backend, get_backend("torch", ref_pool, **kw), layout, 3, dtype, dev)
     rec = fake.recorder
     plans = [c for c in rec.calls if c.name.endswith(".plan")]
     assert all(c.args.get("logits_soft_cap") == softcap for c in plans)
@@ -256,19 +269,8 @@ def test_hybrid_window_kv(fake: FakeFlashInfer, kind: str) -> None:
     assert isinstance(backend, HybridAttention)
     assert isinstance(backend.window, FlashInferAttention)
     assert isinstance(backend.full, FlashInferAttention)
-    ref = get_backend("torch", ref_pool, **kw)
     backend.check_layouts = True  # slot tables checked against the slot pool
-    backend.plan(layout)
-    ref.plan(layout)
-    t = layout.num_tokens
-    for layer in range(3):
-        g = torch.Generator().manual_seed(20 + layer)
-        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
-        out = backend.forward(layer, q.to(dev), k.to(dev), v.to(dev))
-        assert out.shape == (t, hq, d) and out.device == dev
-        if dev.type == "cpu":
-            want = ref.forward(layer, q.float(), k.float(), v.float())
-            assert (out.float() - want).abs().max().item() <= TOL[dtype], layer
+    _layers_match(backend, get_backend("torch", ref_pool, **kw), layout, 3, dtype, dev)
 
 
 def test_tiny_model_end_to_end(fake_cpu: FakeFlashInfer) -> None:
