@@ -24,7 +24,7 @@ import torch
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.kv.kv_pool import KVPool
-from radixkv.pages import pages_for
+from radixkv.pages import pages_for, window_start_page
 
 # (pool, its layers' windows) -> a backend of the chosen kind over that pool
 BackendFactory = Callable[[KVPool, tuple[int, ...]], AttentionBackend]
@@ -84,12 +84,12 @@ class HybridAttention(AttentionBackend):
         """``layout`` as the windowed layers see it: each sequence from the page holding its
         first new query's first window key, in slot ids, with ``num_past`` shifted to match."""
         pool = self.hybrid_pool
-        ps, reach = pool.page_size, pool.window_tokens - 1
+        ps, window = pool.page_size, pool.window_tokens
         slot_of = pool.slots.slot_of
         tables: list[tuple[int, ...]] = []
         pasts: list[int] = []
         for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
-            first = max(0, past - reach) // ps
+            first = window_start_page(past, window, ps)
             tables.append(tuple([slot_of[p] for p in pt[first : pages_for(past + new, ps)]]))
             pasts.append(past - first * ps)
         return BatchLayout(tuple(tables), tuple(pasts), layout.num_new)

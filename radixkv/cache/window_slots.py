@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 
 from radixkv.cache.errors import InvariantError, OutOfPages
 from radixkv.cache.page_pool import PagePool
+from radixkv.pages import window_start_page
 
 NO_SLOT = -1
 
@@ -110,7 +111,7 @@ class WindowSlots:
         slot_of = self.slot_of
         k = len(pages)
         while k > 0:
-            first = max(0, k * page_size - window + 1) // page_size
+            first = window_start_page(k * page_size, window, page_size)
             j = k - 1
             while j >= first and slot_of[pages[j]] >= 0:
                 j -= 1

@@ -122,9 +122,11 @@ class Engine:
         self.pool = PagePool(self.kv_pool.num_pages)
         # hybrid window KV: window slots follow their pages out of the pool
         self.window_slots: WindowSlots | None = None
+        window_tokens = 0  # the largest window, with window slots
         if isinstance(self.kv_pool, HybridKVPool):
             self.window_slots = self.kv_pool.slots
             self.pool.on_free = self.window_slots.release
+            window_tokens = self.kv_pool.window_tokens
         backend = _storage_backend(cfg)  # checked before any thread starts
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
         # what the storage tier keys pages by: the weights' identity (None: no storage tier)
@@ -153,7 +155,7 @@ class Engine:
             storage=self.storage,
             prefetch_threshold=cfg.kv_storage_prefetch_threshold,
             window=self.window_slots,
-            window_tokens=max(mc.layer_windows, default=0),
+            window_tokens=window_tokens,
         )
         if self.storage is not None:  # host pages reach storage as the cache reports them
             self.cache.set_host_observer(self.storage.observe)
@@ -1321,7 +1323,7 @@ def _hybrid_pool(
     if cfg.num_pages is not None:
         pages = cfg.num_pages
     else:
-        pages, _ = HybridKVPool.sizes(
+        pages = HybridKVPool.pages_in_budget(
             windows, _kv_budget(cfg, device), ratio, ps, mc.num_kv_heads, mc.head_dim, dtype
         )
         pages = min(pages, pages_for(max_context, ps) * cfg.max_running_requests)

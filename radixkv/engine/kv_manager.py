@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from radixkv.cache import OutOfPages, RadixCache, TreeNode, WindowSlots
 from radixkv.engine.request import Namespace, RequestGroup, Sequence
 from radixkv.engine.storage_tier import PrefetchJob, StorageTier
-from radixkv.pages import pages_for
+from radixkv.pages import pages_for, window_start_page
 
 log = logging.getLogger("radixkv.storage")
 
@@ -74,10 +74,11 @@ class SeqKV:
         self.prefetch_threshold = prefetch_threshold
         self._jobs: list[PrefetchJob] = []
         self.last_storage_tokens = 0
-        # hybrid window KV: the window slots, and how many tokens before a query its largest
-        # window reaches back (window - 1)
+        # hybrid window KV: the window slots and the model's largest window (tokens); a
+        # finished sequence keeps the slots of that window and a quarter before its end
         self.window = window
-        self.window_reach = window_tokens - 1
+        self.window_tokens = window_tokens
+        self._final_window = window_tokens + window_tokens // 4
         # cached tokens matches gave up because the window before them had lost its slots
         self.window_trimmed_tokens = 0
         if window is not None and window_tokens < 1:
@@ -103,7 +104,7 @@ class SeqKV:
     def window_first_page(self, num_tokens: int) -> int:
         """The first page a sequence's windows read when its next query is token
         ``num_tokens`` (hybrid window KV)."""
-        return max(0, num_tokens - self.window_reach) // self.page_size
+        return window_start_page(num_tokens, self.window_tokens, self.page_size)
 
     # ------------------------------------------------------------------ admission
     def acquire(self, seq: Sequence) -> int:
@@ -138,7 +139,7 @@ class SeqKV:
         if window is not None and pages:
             # the tokens after the prefix read its last window in the windowed layers: it
             # serves only as far as that window has slots
-            k = window.usable_prefix(pages, self.window_reach + 1, self.page_size)
+            k = window.usable_prefix(pages, self.window_tokens, self.page_size)
             if k < len(pages):
                 self.window_trimmed_tokens += hit - k * self.page_size
                 m = cache.match_prefix(seq.token_ids[: k * self.page_size], namespace=seq.namespace)
@@ -232,23 +233,25 @@ class SeqKV:
         if not self.enabled:  # no match will ever read them
             window.unpin(pages, keep=False)
             return
-        ps, reach = self.page_size, self.window_reach
+        ps = self.page_size
         keep: set[int] = set()
-        node, back = seq.locked_node, (reach + (reach + 1) // 4 if final else 0)
-        # node ends deeper than this reach no page below b; walking up, depths only shrink
-        while node is not None and node.depth_tokens > a * ps:
-            end = node.depth_tokens
-            if back or node.is_branch:
-                lo = max(0, end - (back or reach)) // ps
+        tail = 0
+        if final:  # the span it keeps
+            end = seq.locked_node.depth_tokens if seq.locked_node is not None else 0
+            tail = window_start_page(end, self._final_window, ps)
+            keep.update(range(max(a, tail), min(b, pages_for(end, ps))))
+        node = seq.locked_node
+        while node is not None and node.depth_tokens > a * ps:  # depths shrink going up
+            if node.is_branch:
+                end = node.depth_tokens
+                lo = window_start_page(end, self.window_tokens, ps)
                 keep.update(range(max(a, lo), min(b, pages_for(end, ps))))
-            node, back = node.parent, 0
+            node = node.parent
         if keep:
             window.unpin([p for i, p in enumerate(pages, a) if i in keep])
         window.unpin([p for i, p in enumerate(pages, a) if i not in keep], passed=True)
-        if final:  # the part of that span its window passed before the end
-            end = seq.locked_node.depth_tokens if seq.locked_node is not None else 0
-            lo = max(0, end - reach - (reach + 1) // 4) // ps
-            window.keep(seq.page_table[lo : min(a, seq.num_shared_pages)])
+        if final:  # the part of that span its window passed already goes to the kept order
+            window.keep(seq.page_table[tail : min(a, seq.num_shared_pages)])
 
     def _publish(self, seq: Sequence) -> None:
         ps = self.page_size
@@ -362,7 +365,7 @@ class SeqKV:
         if window is not None:
             pages = m.pages
             held: list[int] = []
-            if window.usable_prefix(pages, self.window_reach + 1, self.page_size) == len(pages):
+            if window.usable_prefix(pages, self.window_tokens, self.page_size) == len(pages):
                 held = pages[self.window_first_page(len(pages) * self.page_size) :]
                 window.pin(held)
             self._pin_windows.setdefault(node, []).append(held)

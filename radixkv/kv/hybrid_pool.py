@@ -23,6 +23,12 @@ from radixkv.cache.window_slots import NO_SLOT, WindowSlots
 from radixkv.kv.kv_pool import KVPool, check_positive
 
 
+def layer_counts(layer_windows: Sequence[int]) -> tuple[int, int]:
+    """(full layers, windowed layers) of a model with these per-layer windows (0: full)."""
+    num_window = sum(1 for w in layer_windows if w)
+    return len(layer_windows) - num_window, num_window
+
+
 class HybridKVPool:
     """``layer_windows[l] > 0``: layer ``l`` keeps its K/V in ``window`` (at its position among
     the windowed layers); 0: in ``full`` (at its position among the full layers)."""
@@ -35,17 +41,16 @@ class HybridKVPool:
         slots: WindowSlots,
     ) -> None:
         windows = tuple(layer_windows)
-        num_window = sum(1 for w in windows if w)
+        num_full, num_window = layer_counts(windows)
         if not num_window:
             raise ValueError("HybridKVPool: no layer has a sliding window")
         if window.num_layers != num_window:
             raise ValueError(
                 f"HybridKVPool: {num_window} windowed layers, window pool has {window.num_layers}"
             )
-        num_full = len(windows) - num_window
         if (full.num_layers if full is not None else 0) != num_full:
             raise ValueError(f"HybridKVPool: {num_full} full layers, full pool does not match")
-        if window.num_pages != slots.num_slots or slots.num_pages <= 0:
+        if window.num_pages != slots.num_slots:
             raise ValueError(
                 f"HybridKVPool: window pool has {window.num_pages} pages for "
                 f"{slots.num_slots} window slots"
@@ -99,8 +104,7 @@ class HybridKVPool:
         """Zeroed pools of ``num_pages`` pages and ``num_slots`` window slots."""
         check_positive("HybridKVPool", "num_pages", num_pages)
         check_positive("HybridKVPool", "num_slots", num_slots)
-        num_window = sum(1 for w in layer_windows if w)
-        num_full = len(layer_windows) - num_window
+        num_full, num_window = layer_counts(layer_windows)
         shape = (page_size, num_kv_heads, head_dim, dtype, device)
         full = (
             KVPool(num_full, num_pages, *shape, compute_dtype=compute_dtype) if num_full else None
@@ -109,7 +113,7 @@ class HybridKVPool:
         return cls(layer_windows, full, window, WindowSlots(num_slots, num_pages))
 
     @staticmethod
-    def sizes(
+    def pages_in_budget(
         layer_windows: Sequence[int],
         num_bytes: int,
         slots_per_page: float,
@@ -117,14 +121,12 @@ class HybridKVPool:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-    ) -> tuple[int, int]:
-        """(pages, window slots) that fit ``num_bytes`` with ``slots_per_page`` slots a page."""
-        num_window = sum(1 for w in layer_windows if w)
-        num_full = len(layer_windows) - num_window
+    ) -> int:
+        """Pages that fit ``num_bytes`` together with ``slots_per_page`` window slots each."""
+        num_full, num_window = layer_counts(layer_windows)
         per_page = KVPool.page_bytes(num_full, page_size, num_kv_heads, head_dim, dtype)
         per_slot = KVPool.page_bytes(num_window, page_size, num_kv_heads, head_dim, dtype)
-        pages = int(num_bytes // (per_page + slots_per_page * per_slot))
-        return pages, int(pages * slots_per_page)
+        return int(num_bytes // (per_page + slots_per_page * per_slot))
 
     # ---- what every pool answers -------------------------------------------------------------
     @property
@@ -170,4 +172,4 @@ class HybridKVPool:
         )
 
 
-__all__ = ["HybridKVPool"]
+__all__ = ["HybridKVPool", "layer_counts"]
