@@ -96,9 +96,6 @@ class WindowSlots:
         """Slots ``attach`` can give now: free ones plus those of cached pages."""
         return len(self._free) + len(self._passed) + len(self._lru)
 
-    def pins(self, page: int) -> int:
-        return self._pins.get(page, 0)
-
     def pinned(self) -> dict[int, int]:
         """A copy of the pin counts by page."""
         return dict(self._pins)
@@ -218,12 +215,6 @@ class WindowSlots:
         self.slot_of[new] = s
         self._page_of[s] = new
         self._pins[new] = c
-
-    def clear_cached(self) -> int:
-        """Give back every cached page's slot; returns how many."""
-        n = self.num_cached
-        self._evict(n)
-        return n
 
     def _uncache(self, p: int) -> None:
         if self._passed.pop(p, 1):  # (None when it was there)
