@@ -12,6 +12,7 @@ import pytest
 import torch
 from cache_helpers import HASH_FNS, fill, make_cache, snapshot
 
+from radixkv.cache import page_hashes
 from radixkv.cache.tokens import key_to_list, to_token_bytes
 
 TOKS = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -50,18 +51,19 @@ def test_empty_and_range_inputs() -> None:
     assert key_to_list(to_token_bytes(range(4))) == [0, 1, 2, 3]
     with pytest.raises(TypeError, match="float32"):  # the dtype is wrong even when empty
         to_token_bytes(np.zeros(0, np.float32))
-    assert key_to_list(to_token_bytes([2**32 - 1])) == [2**32 - 1]
+    # a token id is any int64 (the trie compares ids; it never reads them as uint32)
+    wide = [2**32 - 1, 2**32, -1, -(2**63), 2**63 - 1]
+    for tokens in (wide, array("q", wide), np.array(wide), torch.tensor(wide)):
+        assert key_to_list(to_token_bytes(tokens)) == wide
+    assert key_to_list(to_token_bytes(np.array([2**63 - 1], np.uint64))) == [2**63 - 1]
 
 
 BAD: list[tuple[Any, type[Exception], str]] = [
-    ([1, -2, 3], ValueError, "non-negative"),
-    (array("q", [1, -2]), ValueError, "non-negative"),
-    (np.array([1, -2]), ValueError, "non-negative"),
-    (torch.tensor([1, -2]), ValueError, "non-negative"),
-    ([1, 2**32], ValueError, "2\\*\\*32"),
-    (array("q", [2**40]), ValueError, "2\\*\\*32"),
-    ([1, 2**70], ValueError, "2\\*\\*32"),
-    (np.array([2**40], np.uint64), ValueError, "2\\*\\*32"),
+    ([1, 2**63], ValueError, "int64"),
+    ([1, -(2**63) - 1], ValueError, "int64"),
+    ((1, 2**70), ValueError, "int64"),
+    (np.array([2**63], np.uint64), ValueError, "int64"),
+    (array("Q", [1, 2**64 - 1]), ValueError, "int64"),
     ([1.0, 2.0], TypeError, "ints"),
     ([1, "2"], TypeError, "ints"),
     ([[1, 2], [3, 4]], TypeError, "ints"),
@@ -81,14 +83,6 @@ BAD: list[tuple[Any, type[Exception], str]] = [
 ]
 
 
-def reaches_lookup(bad: Any, exc: type) -> bool:
-    """Ids out of range in a list or array('q') that still fit in int64: they reach a lookup,
-    which does not range-check (no stored key holds such an id); insert does."""
-    return (
-        exc is ValueError and type(bad) in (list, array) and all(-(2**63) <= t < 2**63 for t in bad)
-    )
-
-
 @pytest.mark.parametrize(("bad", "exc", "msg"), BAD, ids=[repr(b)[:30] for b, _, _ in BAD])
 @pytest.mark.parametrize("hash_name", list(HASH_FNS))
 def test_bad_tokens_leave_cache_unchanged(bad: Any, exc: type, msg: str, hash_name: str) -> None:
@@ -96,15 +90,10 @@ def test_bad_tokens_leave_cache_unchanged(bad: Any, exc: type, msg: str, hash_na
     fill(cache, [1, 2, 3, 4])
     held = cache.alloc(2)
     before = snapshot(cache)
-    if reaches_lookup(bad, exc):
-        assert cache.peek_prefix(bad) == 0
-        assert cache.match_prefix(bad).num_tokens == 0
-        before = snapshot(cache)  # the match counted in the stats, nothing else changed
-    else:
-        with pytest.raises(exc, match=msg):
-            cache.match_prefix(bad)
-        with pytest.raises(exc, match=msg):
-            cache.peek_prefix(bad)
+    with pytest.raises(exc, match=msg):
+        cache.match_prefix(bad)
+    with pytest.raises(exc, match=msg):
+        cache.peek_prefix(bad)
     assert snapshot(cache) == before
     with pytest.raises(exc, match=msg):
         cache.insert(bad, held)
@@ -125,28 +114,42 @@ def test_cache_module_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("tail_len", [1, 511, 512, 513, 1023, 1024, 1025, 2000])
-@pytest.mark.parametrize("bad", [-1, 2**32, -(2**63), 2**63 - 1])
+WIDE = [-1, 2**32, -(2**63), 2**63 - 1, 2**32 + 5]
+
+
+@pytest.mark.parametrize("tail_len", [1, 511, 1024, 2000])
+@pytest.mark.parametrize("wide", WIDE)
 @pytest.mark.parametrize("hash_name", list(HASH_FNS))
-def test_bad_id_after_a_cached_prefix(tail_len: int, bad: int, hash_name: str) -> None:
-    """A lookup's match ends before the page holding a bad id (and splits nothing past it);
-    an insert checks every id it would store (the uncached tail, on both sides of the short
-    check's length) and fails before any change."""
-    cache = make_cache(num_pages=2000, page_size=2, hash_fn=HASH_FNS[hash_name])
+def test_any_int64_id_is_a_key(tail_len: int, wide: int, hash_name: str) -> None:
+    """Ids outside [0, 2**32) are keys like any other: stored, matched exactly (never as their
+    uint32 wrap), split at, evicted, and published with hashes no uint32 page has."""
+    cache = make_cache(num_pages=2100, page_size=2, hash_fn=HASH_FNS[hash_name])
+    events: list[Any] = []
+    cache.add_listener(events.append)
     fill(cache, [1, 2, 3, 4, 7, 7])
-    query = array("q", [1, 2, 3, 4, *([7] * (tail_len - 1)), bad])
-    bad_page = (len(query) - 1) // 2  # the page the bad id is in
-    assert cache.peek_prefix(query) == min(6, 2 * bad_page)
-    m = cache.match_prefix(query)
-    assert m.num_tokens == min(6, 2 * bad_page)
-    assert all(0 <= t < 2**32 for n in cache.iter_nodes() for t in n.tokens)
+    key = array("q", [1, 2, 3, 4, *([7] * (tail_len - 1)), wide])
+    key = key[: len(key) // 2 * 2]
+    key[-1] = wide
+    m = cache.match_prefix(key)
+    assert m.num_tokens == min(6, len(key) - 2)
+    cache.lock(m.node)
+    r = cache.insert(key, m.pages + cache.alloc(len(key) // 2 - len(m.pages)))
+    cache.unlock(m.node)
     cache.check_invariants()
-    n = len(query) // 2 * 2
-    pages = cache.alloc(n // 2)
-    before = snapshot(cache)
-    with pytest.raises(ValueError, match=r"non-negative|2\*\*32"):
-        cache.insert(query[:n] if n == len(query) else query[: n - 2] + query[-2:], pages)
-    assert snapshot(cache) == before
+    assert cache.match_prefix(key).pages == r.pages
+    assert cache.peek_prefix(key) == len(key)
+    wrapped = array("q", key)
+    wrapped[-1] = wide & (2**32 - 1)  # what a uint32 reading of the id gives
+    assert cache.match_prefix(wrapped).num_tokens == len(key) - 2
+    stored = events[-1]
+    assert stored.token_ids[-1] == wide and stored.block_hashes[-1] == page_hashes(key, 2)[-1]
+    assert page_hashes(key, 2)[:-1] == page_hashes(wrapped, 2)[:-1]
+    assert page_hashes(key, 2)[-1] != page_hashes(wrapped, 2)[-1]
+    # the other half of the same page (the wide id moved to the first slot) hashes apart too
+    swapped = array("q", key[:-2]) + array("q", [wide, key[-2]])
+    assert page_hashes(swapped, 2)[-1] not in (page_hashes(key, 2)[-1], page_hashes(wrapped, 2)[-1])
+    assert cache.evict(cache.num_evictable_pages) > 0
+    assert cache.match_prefix(key).num_tokens == 0
     cache.check_invariants()
 
 
@@ -163,33 +166,22 @@ def test_array_input_is_not_kept_or_locked() -> None:
     toks.append(6)
     assert all(type(n.key) is bytes for n in cache.iter_nodes())
     assert cache.match_prefix([1, 2, 3, 4]).pages == r.pages
-    bad = array("q", [1, 2, -3])
-    assert cache.match_prefix(bad).num_tokens == 2  # a lookup does not range-check
-    bad.append(7)
-    with pytest.raises(ValueError):
-        cache.insert(bad, cache.alloc(2))
-    bad.append(8)
-    with pytest.raises(ValueError):
-        cache.insert(array("q", [1, 2, 3, 4, -1, 0]), cache.alloc(3))
-    # keys past SHORT_CHECK are checked by a numpy array over the caller's view: it goes
-    # with the call, raised or not
+    odd = array("q", [1, 2, 3])  # not whole pages
+    with pytest.raises(ValueError, match="page_size"):
+        cache.insert(odd, cache.alloc(2))
+    odd.append(7)
+    # a failed insert releases its view of the array even while the caller keeps the traceback
     cache = make_cache(num_pages=4096, page_size=2)
     long = array("q", range(100, 100 + 2 * 1500))
-    long[-1] = 2**32
-    with pytest.raises(ValueError, match=r"2\*\*32") as kept:
-        cache.insert(long, cache.alloc(1500))
+    with pytest.raises(ValueError, match=r"not held|free") as kept:  # pages the caller lacks
+        cache.insert(long, list(range(4096 - 1500, 4096)))
     long.append(1)  # BufferError if the failed insert still held a view, here through the
     assert kept.tb is not None  # traceback the caller keeps
-    short = array("q", [1, 2, 3, -4])
-    with pytest.raises(ValueError, match="non-negative") as kept:
-        cache.insert(short, cache.alloc(2))
-    short.append(1)
-    del long[-3:]  # the appended id, the bad one and one more: 1,499 whole pages
-    with pytest.raises(ValueError, match=r"not HELD|is free") as kept:  # valid ids, bad pages
-        cache.insert(long, list(range(4096 - 1499, 4096)))
+    with pytest.raises(ValueError, match="page_size") as kept:
+        cache.insert(long, cache.alloc(1500))
     long.append(1)
-    del long[-1:]
-    r = cache.insert(long, cache.alloc(1499))
+    del long[-2:]
+    r = cache.insert(long, cache.alloc(1500))
     long.append(1)
     assert cache.match_prefix(long).pages == r.pages
     cache.check_invariants()

@@ -13,7 +13,9 @@ Two different hashes live here:
   of a page is XXH3-64 (seed 1337) of its token ids as little-endian uint32 bytes; the sequence
   hash of page 0 is its local hash and the sequence hash of page i is XXH3-64 (seed 1337) of
   the two little-endian uint64s ``[sequence_hash(i - 1), local_hash(i)]``. A sequence hash thus
-  names the whole prefix up to and including that page. When ``namespace`` is not None the
+  names the whole prefix up to and including that page. Token ids are int64 in the cache: a
+  page with an id outside ``[0, 2**32)`` has a local hash of its int64 bytes instead (seed
+  WIDE_SEED), never the uint32 one of the wrapped ids. When ``namespace`` is not None the
   chain starts from ``namespace_hash(namespace)`` as if it were a parent page, so two tenants
   never publish the same hash for the same tokens (Dynamo mixes its cache namespace into a
   seed instead; with ``namespace=None`` the hashes are Dynamo's exactly).
@@ -31,6 +33,9 @@ import xxhash
 from radixkv.cache.tokens import TOKEN_BYTES, to_token_bytes
 
 DYNAMO_SEED = 1337
+# The local hash of a page with an id outside [0, 2**32) (see local_hashes_of_key): another
+# seed, over other bytes, so that it is not the hash Dynamo gives any page of uint32 ids.
+WIDE_SEED = 0x5261_6469_784B_5600  # "RadixKV\0"
 HashFn = Callable[[bytes], int]
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -58,10 +63,23 @@ def namespace_hash(namespace: Any) -> int:
 
 
 def local_hashes_of_key(key: bytes, page_size: int) -> list[int]:
-    """Dynamo local block hash of every whole page of ``key`` (key encoding bytes)."""
-    u32 = np.frombuffer(key, np.int64).astype("<u4").tobytes()
+    """Dynamo local block hash of every whole page of ``key`` (key encoding bytes).
+
+    A page holding an id outside ``[0, 2**32)`` (no Dynamo router sends one) is hashed from its
+    int64 bytes with WIDE_SEED instead: reading it as uint32 would wrap the id and give the
+    hash of another page's tokens.
+    """
+    ids = np.frombuffer(key, np.int64)
+    ids = ids[: len(ids) // page_size * page_size]
+    u32 = ids.astype("<u4").tobytes()
     step = 4 * page_size
-    return [_xxh3(u32[i : i + step], DYNAMO_SEED) for i in range(0, len(u32) - step + 1, step)]
+    out = [_xxh3(u32[i : i + step], DYNAMO_SEED) for i in range(0, len(u32), step)]
+    wide = ids >> 32  # 0 exactly for the ids in [0, 2**32)
+    if wide.any():
+        step = TOKEN_BYTES * page_size
+        for i in np.flatnonzero(wide.reshape(-1, page_size).any(axis=1)).tolist():
+            out[i] = _xxh3(key[i * step : (i + 1) * step], WIDE_SEED)
+    return out
 
 
 def chain_hashes(parent: int | None, local: list[int]) -> list[int]:

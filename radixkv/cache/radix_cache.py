@@ -16,8 +16,6 @@ from array import array
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-import numpy as np
-
 from radixkv.cache.errors import ForeignNodeError, InvariantError, LockError, OutOfPages
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEmitter, Listener
 from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, HostEvictionIndex, get_policy
@@ -51,13 +49,8 @@ from radixkv.cache.tiers import (
     check_tier_args,
 )
 from radixkv.cache.tokens import (
-    HIGH_HALF,
-    MAX_TOKEN_ID,
-    SHORT_CHECK,
     TOKEN_BYTES,
     TOKEN_SHIFT,
-    ZEROS_BY_LEN,
-    check_range,
     encode_tokens,
     key_to_list,
 )
@@ -72,8 +65,6 @@ ALL_NAMESPACES: Any = object()
 # __new__ / __init__; the type and the fields are the same.
 _new_tuple = tuple.__new__
 _new_object = object.__new__
-_frombuffer = np.frombuffer
-_UINT64 = np.uint64
 
 
 def _common_pages(key: bytes, mv: memoryview, off: int, limit: int, pb: int) -> int:
@@ -377,11 +368,7 @@ class RadixCache:
 
         A query shorter than a page, or a namespace that holds nothing, matches nothing (the
         result's node is then the global root). ``tokens`` must be a flat sequence of ints
-        (TypeError/ValueError otherwise, before anything changes), but a lookup does not
-        range-check the ids: an id outside [0, 2**32) is in no stored key (``insert`` checks
-        every id it stores), so the match just ends before its page. Requests are validated
-        once where they enter (the engine's intake checks ids against the vocabulary), not on
-        every lookup a scheduler makes while they wait. Then: the query counts in the stats;
+        (TypeError/ValueError otherwise, before anything changes); an id is any int64. Then: the query counts in the stats;
         the node the match ends inside is split (so the returned node ends exactly at the
         match); the clock ticks once and ``last_access``/``hit_count`` are refreshed along
         the path, and the eviction key of its last node.
@@ -495,7 +482,6 @@ class RadixCache:
 
         That is its ``num_tokens``, the device-resident prefix; with ``host=True``, its
         ``num_tokens + num_host_tokens`` (what a load back could add; the same without a tier).
-        Ids are not range-checked, as in ``match_prefix``.
         """
         qb = encode_tokens(tokens)
         try:
@@ -545,7 +531,6 @@ class RadixCache:
             pb = self._pb
             nq = len(qb)
             if nq != len(pages) * pb:
-                check_range(qb)  # a bad token id is the more useful error
                 raise ValueError(
                     f"insert needs len(tokens) == len(pages) * page_size: got "
                     f"{nq >> TOKEN_SHIFT} tokens and {len(pages)} pages with page_size "
@@ -594,22 +579,8 @@ class RadixCache:
             nold = ncached
             if host is not None:
                 nold = off // pb + (partial[1] if partial is not None else 0)
-            # the new leaf's key (a copy of the caller's tokens); the cached part equals stored
-            # keys, so only this part needs its ids checked
+            # the new leaf's key: a copy of the caller's tokens past the cached part
             cached_b = nold * pb  # bytes of the query already cached
-            n = nq - cached_b  # check_range inlined, both cases on the caller's view: a long
-            # check first reads the (often cold) tokens at streaming speed, so the copy after
-            # it reads them from the cache (about 0.6 us less for a 2,432-token key)
-            # (ids exports the caller's view: it goes before any error, so that the handler
-            # below can release the view even while the caller keeps the traceback)
-            if n > SHORT_CHECK:
-                ids = _frombuffer(qb, _UINT64, -1, cached_b)  # negative ids wrap to huge values
-                if ids.item(ids.argmax()) > MAX_TOKEN_ID:
-                    ids = None
-                    check_range(qb[cached_b:].tobytes())  # raises (on a copy: no export)
-                del ids
-            elif qb.cast("I")[(cached_b >> 2) + HIGH_HALF :: 2] != ZEROS_BY_LEN[n >> 3]:
-                check_range(qb[cached_b:].tobytes())  # raises
             newkey = qb[cached_b:].tobytes()
             pool = self.pool
             # The last check of the call: pages that are the cached ones followed by a run of
@@ -1294,7 +1265,6 @@ class RadixCache:
             pb = self._pb
             total = len(qb) // pb
             if len(qb) % pb or len(host_pages) > total:
-                check_range(qb)
                 raise ValueError(
                     f"insert_host needs whole pages of tokens covering the {len(host_pages)} "
                     f"host pages: got {len(qb) >> TOKEN_SHIFT} tokens with page_size "
@@ -1302,7 +1272,6 @@ class RadixCache:
                 )
             if namespace is not None:
                 hash(namespace)
-            check_range(qb)
             pages = host.check_held(host_pages)  # raises: nothing changed yet
             first = total - len(pages)  # index of the first passed page
             start = self.root if namespace is None else self._ns_roots.get(namespace)

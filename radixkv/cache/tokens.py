@@ -2,19 +2,20 @@
 
 The cache stores every key as ``bytes`` holding native int64 token ids (8 bytes a token), so
 keys are compared with one ``memcmp`` (``bytes.startswith``) and sliced without per-token
-Python objects. Token ids must lie in ``[0, 2**32)``: they are hashed as uint32 for KV-event
-compatibility (see hashing.py), and no tokenizer has more ids than that.
+Python objects. A token id is any int64, as in SGLang's and vLLM's caches: the trie compares
+ids, it never interprets them. (The engine checks prompts against the model's vocabulary where
+they enter; page hashes read ids in ``[0, 2**32)`` as Dynamo's uint32 and hash a page holding
+any other id from its int64 bytes, see hashing.py, so no id needs refusing here.)
 
-Accepted inputs: ``array('q')`` (the fast path: one copy, one vectorised range check),
+Accepted inputs: ``array('q')`` (the fast path: read in place, no copy, no check),
 ``list``/``tuple`` of ints, any other ``array.array`` of integers, 1-D integer numpy arrays and
 1-D integer torch tensors. torch is never imported here: tensors are recognised duck-typed by
-their module name. Everything else (floats, bools arrays, 2-D input, strings, bytes) raises
-TypeError/ValueError naming the problem.
+their module name. Everything else (floats, bools arrays, 2-D input, strings, bytes, ids that
+do not fit in an int64) raises TypeError/ValueError naming the problem.
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
 from typing import Any
 
@@ -22,19 +23,7 @@ import numpy as np
 
 TOKEN_BYTES = 8  # bytes per token in a key (native int64)
 TOKEN_SHIFT = 3  # log2(TOKEN_BYTES): byte offsets >> TOKEN_SHIFT are token counts
-MAX_TOKEN_ID = 2**32 - 1
-# A token id is in [0, 2**32) exactly when the high 32-bit half of its int64 is zero (negative
-# ids have it all ones). Up to SHORT_CHECK bytes, one strided memoryview of those halves
-# compared with zeros (no copy, no allocation of the data) beats a numpy call's fixed cost:
-#     key.cast("I")[(start >> 2) + HIGH_HALF :: 2] == ZEROS_BY_LEN[(len(key) - start) >> 3]
-# for a key (byte view) checked from byte offset ``start`` (a token boundary). RadixCache's hot
-# paths inline that line; check_range is the reference and raises.
-SHORT_CHECK = 8192  # bytes (1,024 tokens)
-HIGH_HALF = 1 if sys.byteorder == "little" else 0  # index of the high uint32 of a token's two
-ZERO_HALVES = memoryview(bytes(SHORT_CHECK // 2)).cast("I")
-# ZEROS_BY_LEN[n]: n zero halves, the other side of that compare for an n-token key (a list
-# lookup instead of slicing a view on every check)
-ZEROS_BY_LEN: list[memoryview] = [ZERO_HALVES[:n] for n in range(SHORT_CHECK // 8 + 1)]
+INT64_MAX = 2**63 - 1
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -50,45 +39,22 @@ def _from_numpy(a: np.ndarray, what: str) -> bytes:
         raise TypeError(f"{what} must be integer token ids, got a bool array")
     if kind not in "iu":
         raise TypeError(f"{what} must be integer token ids, got dtype {a.dtype}")
-    if a.size:
-        if kind == "i" and int(a.min()) < 0:
-            raise ValueError(f"{what} must be non-negative, got {int(a.min())}")
-        if int(a.max()) > MAX_TOKEN_ID:
-            raise ValueError(f"{what} must be < 2**32, got {int(a.max())}")
+    if kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) > INT64_MAX:
+        raise ValueError(f"{what} must fit in an int64 (< 2**63), got {int(a.max())}")
     return a.astype(np.int64, copy=False).tobytes()
 
 
 def to_token_bytes(tokens: Any, what: str = "tokens") -> bytes:
     """Return ``tokens`` as the compact key encoding (native int64 bytes), validated.
 
-    Raises TypeError for non-integer input and ValueError for negative ids, ids >= 2**32 or
-    input that is not one-dimensional. The input is never mutated.
+    Raises TypeError for non-integer input and ValueError for ids that do not fit in an int64
+    or input that is not one-dimensional. The input is never mutated.
     """
-    key = encode_tokens(tokens, what)
-    check_range(key, 0, what)
-    return bytes(key)
-
-
-def check_range(key: bytes | memoryview, start: int = 0, what: str = "tokens") -> None:
-    """ValueError unless every token of ``key[start:]`` (a byte offset) is in [0, 2**32)."""
-    n = len(key) - start
-    if n <= 0:
-        return
-    if n <= SHORT_CHECK:
-        ok = memoryview(key).cast("I")[(start >> 2) + HIGH_HALF :: 2] == ZEROS_BY_LEN[n >> 3]
-    else:  # one vectorised pass: negative ids wrap to huge uint64 values. argmax, not max: a
-        # plain C loop without the ufunc reduction's setup (about 2 us less on a cold cache)
-        ids = np.frombuffer(key, np.uint64, offset=start)
-        ok = ids.item(ids.argmax()) <= MAX_TOKEN_ID
-    if not ok:
-        _from_numpy(np.frombuffer(key, np.int64, offset=start), what)  # raises
+    return bytes(encode_tokens(tokens, what))
 
 
 def encode_tokens(tokens: Any, what: str = "tokens") -> memoryview:
-    """The key encoding of ``tokens`` with types and shape checked but, for ``array('q')``,
-    lists and tuples, the id *range* not yet checked: callers must ``check_range`` every part
-    they store and do not prove valid otherwise (insert skips the part that equals a stored
-    key, validated when it was inserted; lookups store nothing and check nothing).
+    """The key encoding of ``tokens``, types, shape and the int64 range checked.
 
     The result is a byte ``memoryview`` (slicing it copies nothing). An ``array('q')`` is not
     copied: the view reads it in place, and the caller must drop (or ``release()``) the view
@@ -108,7 +74,7 @@ def _encode(tokens: Any, what: str) -> bytes | memoryview:
         except TypeError as e:
             raise TypeError(f"{what} must be a flat sequence of ints: {e}") from None
         except OverflowError as e:
-            raise ValueError(f"{what} must be < 2**32: {e}") from None
+            raise ValueError(f"{what} must fit in an int64 (-2**63 <= id < 2**63): {e}") from None
     if isinstance(tokens, str | bytes | bytearray | memoryview):
         raise TypeError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
