@@ -48,17 +48,22 @@ from radixkv.cache.tiers import (
     HostRun,
 )
 
-# Trunks over a tiny alphabet so sequences share prefixes and diverge at every offset.
+# Trunks over a tiny alphabet so sequences share prefixes and diverge at every offset. Token ids
+# are any int64: the last trunk and some tail ids lie outside [0, 2**32), among them 2**32 and
+# 2**32 + 1, which read as uint32 would be 0 and 1 (a key or a page hash that confused them
+# would break the model's exact prefixes or the events' hashes).
+WIDE = 2**32
 TRUNKS = [
     [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2],
     [0, 1, 2, 0, 2, 2, 1, 0, 1, 2, 2, 0],
     [1, 1, 0, 0, 2, 1, 0, 2, 1, 1, 0, 0],
+    [WIDE, 0, -1, WIDE - 1, 2**63 - 1, -(2**63), WIDE, 0, 1, -1, WIDE + 1, 2],
 ]
 token_seqs = st.builds(
     lambda t, cut, tail: TRUNKS[t][:cut] + tail,
     st.integers(0, len(TRUNKS) - 1),
     st.integers(0, 12),
-    st.lists(st.integers(0, 2), max_size=6),
+    st.lists(st.integers(0, 3).map(lambda i: WIDE if i == 3 else i), max_size=6),
 )
 namespaces = st.sampled_from([None, "a", 3])
 Prefix = tuple[int, ...]
