@@ -90,10 +90,20 @@ def test_peek_prefix_changes_nothing(hash_fn: Any) -> None:
     assert cache.peek_prefix([1, 2, 3, 4, 9]) == 4  # would split, but does not
     assert cache.peek_prefix([1, 2, 3, 4, 5, 6, 7]) == 6
     assert cache.peek_prefix([1]) == 0 and cache.peek_prefix([1, 2], namespace="x") == 0
+    full = cache.match_prefix([1, 2, 3, 4, 5, 6]).pages
+    before = snapshot(cache)
+    assert cache.peek_pages([1, 2, 3, 4, 9]) == full[:2]  # the pages, without the split
+    peeked = cache.peek_pages([1, 2, 3, 4, 5, 6, 7])
+    assert peeked == full and peeked is not cache.peek_pages([1, 2, 3, 4, 5, 6])
+    peeked.clear()  # the caller's own list
+    assert cache.peek_pages([1, 2, 3, 4, 5, 6]) == full
+    assert cache.peek_pages([1]) == [] == cache.peek_pages([1, 2], namespace="x")
     assert snapshot(cache) == before and cache.num_nodes == 2
-    assert cache.peek_prefix([1, 2, 3, 4, -5, 6]) == 4  # a lookup does not range-check ids
+    assert cache.peek_prefix([1, 2, 3, 4, -5, 6]) == 4  # -5 is a key like any other: not cached
     with pytest.raises(TypeError):
         cache.peek_prefix([1, 2, 3, 4, 5.0])
+    with pytest.raises(TypeError):
+        cache.peek_pages([1, 2, 3, 4, 5.0])
     assert cache.match_prefix([1, 2, 3, 4, 9]).num_tokens == 4
 
 

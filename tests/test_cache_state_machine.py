@@ -217,8 +217,9 @@ class CacheMachine(SharedRules):
     def match(self, ns: Any, tokens: list[int]) -> None:
         before = snapshot(self.cache)
         assert self.cache.peek_prefix(tokens, ns) == len(self.longest(ns, tokens)) * self.ps
+        peeked = self.cache.peek_pages(tokens, ns)
         assert snapshot(self.cache) == before  # peeking changes nothing
-        self.check_match(ns, tokens)
+        assert self.check_match(ns, tokens).pages == peeked
 
     @rule(ns=namespaces, tokens=token_seqs)
     def lock(self, ns: Any, tokens: list[int]) -> None:
@@ -485,11 +486,14 @@ class TieredCacheMachine(SharedRules):
     def match(self, ns: Any, tokens: list[int]) -> None:
         before = snapshot(self.cache)
         d, h = self.expect(ns, tokens)
+        peeked = None
         if not self.cache.copies_in_flight:  # else the model may lag the trie (loads in flight)
             assert self.cache.peek_prefix(tokens, ns) == d * self.ps
             assert self.cache.peek_prefix(tokens, ns, host=True) == (d + h) * self.ps
+            peeked = self.cache.peek_pages(tokens, ns)
             assert snapshot(self.cache) == before  # peeking changes nothing
-        self.check_match(ns, tokens)
+        m = self.check_match(ns, tokens)
+        assert peeked is None or m.pages == peeked
 
     @rule(ns=namespaces, tokens=token_seqs, host=st.booleans())
     def lock(self, ns: Any, tokens: list[int], host: bool) -> None:

@@ -122,6 +122,7 @@ def test_evicted_backed_node_stays_host_only_and_matches_as_continuation(hash_fn
     assert m.num_host_tokens == 4 and m.host_node.tokens == [12, 13, 14, 15]
     assert [cp.host[h] for h in m.host_pages] == [(None, tuple(A[:4])), (None, tuple(A))]
     assert cache.peek_prefix(A) == 2 and cache.peek_prefix(A, host=True) == 6
+    assert cache.peek_pages(A) == m.pages  # the device-resident part only
     assert cache.peek_prefix(A[:4]) == 2 and cache.peek_prefix(A[:4], host=True) == 4
     st = cache.stats
     assert st.hit_tokens >= 2 and st.host_hit_tokens == 4 and st.demoted_pages == 4

@@ -77,6 +77,29 @@ def test_few_slots_evict_and_cut_matches_and_outputs_stay_transformers(
     assert st.window_slots_pinned == 0 and st.window_slots_free + st.window_slots_cached == 6
 
 
+def test_the_lpm_estimate_counts_only_what_a_match_keeps(swa: tuple[Any, Any]) -> None:
+    """``peek_match_len`` (the lpm order and priority preemption read it) is the hit a match
+    keeps, not the whole cached prefix: six slots, one request at a time, each prompt's estimate
+    taken just before its admission equals its ``num_cached_tokens``, and some are below what
+    the trie holds (their windows had lost slots)."""
+    _, lm = swa
+    eng = Engine(lm, page_size=4, num_pages=600, window_kv_ratio=0.01)
+    kv = eng.scheduler.kv
+    cut = 0
+    for prompt in shared_prefix_prompts(7, 12):
+        rid = eng.add_request(prompt, GREEDY, stream=False)
+        (seq,) = eng.scheduler.waiting
+        estimate = kv.peek_match_len(seq)
+        cached = eng.cache.peek_prefix(seq.token_ids[: seq.reuse_limit])
+        assert estimate <= cached
+        cut += estimate < cached
+        outs = [o for _ in range(100) if eng.has_unfinished() for o in eng.step() if o.finished]
+        eng.check_invariants()
+        assert [o.request_id for o in outs] == [rid]
+        assert outs[0].num_cached_tokens == estimate, prompt
+    assert cut > 0 and eng.stats().window_trimmed_tokens > 0
+
+
 @pytest.mark.parametrize("plain_lru", [False, True])
 def test_windows_before_sequence_ends_and_branches_outlast_passed_ones(
     swa: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, plain_lru: bool

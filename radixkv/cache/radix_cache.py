@@ -500,6 +500,30 @@ class RadixCache:
             if type(qb) is memoryview:
                 _release(qb)
 
+    def peek_pages(self, tokens: Any, namespace: Any = None) -> list[int]:
+        """The pages ``match_prefix`` would return now (its device-resident ``pages``),
+        changing nothing, like ``peek_prefix``: for schedulers whose estimate depends on which
+        pages a hit would reuse (hybrid window KV asks whether their window slots survive).
+        A new list the caller owns; the pages stay the trie's (nothing is locked)."""
+        qb = encode_tokens(tokens)
+        try:
+            start = self.root if namespace is None else self._ns_roots.get(namespace)
+            limit = len(qb) - len(qb) % self._pb
+            if start is None or limit == 0:
+                return []
+            path, _, partial, _ = self._walk(start, qb, limit)
+            pages: list[int] = []
+            for n in path:  # a device-resident node's ancestors are device-resident
+                if not n._pages:
+                    return pages
+                pages += n._pages
+            if partial is not None:
+                pages += partial[0]._pages[: partial[1]]
+            return pages
+        finally:
+            if type(qb) is memoryview:
+                _release(qb)
+
     # ======================================================================== insert
     def insert(self, tokens: Any, pages: Any, namespace: Any = None) -> InsertResult:
         """Cache ``tokens`` (whole pages) held in ``pages``; takes ownership of ``pages``.

@@ -87,13 +87,19 @@ class SeqKV:
     # ------------------------------------------------------------------ lookups
     def peek_match_len(self, seq: Sequence) -> int:
         """Tokens a fresh ``acquire`` would hit now (no lock taken, nothing in the cache changes:
-        no split, no recency or hit-count refresh, so LFU/LRU order and stats stay honest)."""
+        no split, no recency or hit-count refresh, so LFU/LRU order and stats stay honest).
+        With window slots, only as far as ``acquire`` would keep the match: where the window
+        before its end still has slots."""
         if not self.enabled or len(seq.token_ids) <= 1:
             return 0
+        tokens = seq.token_ids[: seq.reuse_limit]
+        if self.window is not None:
+            pages = self.cache.peek_pages(tokens, namespace=seq.namespace)
+            return self.window.usable_prefix(pages, self.window_tokens, self.page_size) * (
+                self.page_size
+            )
         # a host continuation counts: loading it back is a copy, not a forward
-        return self.cache.peek_prefix(
-            seq.token_ids[: seq.reuse_limit], namespace=seq.namespace, host=True
-        )
+        return self.cache.peek_prefix(tokens, namespace=seq.namespace, host=True)
 
     def available_pages(self) -> int:
         """Pages an allocation could get now: free ones plus cached ones eviction could free
