@@ -67,16 +67,39 @@ TIMING_DTYPE = torch.bfloat16
 DEV = "cuda"
 
 
-def kernel_variants() -> list[tuple[torch.dtype, int, int, int]]:
-    """``(dtype, num_qo_heads, num_kv_heads, head_dim)`` of every attention this check runs: the
-    kernel comparisons, cascade and timings in both dtypes, and radixkv-tiny end to end.
-    bench/gpu_kit.py compiles exactly the kernels these need."""
+# Sliding-window and soft-capped attention (check_window, check_hybrid): a window every batch of
+# _random_batch outgrows, and Gemma 2's cap of attention scores, in one dtype (each variant is
+# FlashInfer kernels of its own: minutes of nvcc per variant for the kit)
+WINDOW = 256
+SOFTCAP = 50.0
+WINDOW_DTYPE = torch.bfloat16
+# case -> (each layer's window, 0 = full; soft cap): Mistral-style (a full and a windowed layer)
+# and Gemma 2-style (the same, every score soft-capped)
+WINDOW_CASES: dict[str, tuple[tuple[int, ...], float | None]] = {
+    "window": ((0, WINDOW), None),
+    "window_softcap": ((0, WINDOW), SOFTCAP),
+}
+
+# (dtype, num_qo_heads, num_kv_heads, head_dim, sliding window, logits soft cap): the attention
+# shapes and the two kernel switches FlashInfer compiles separately
+Variant = tuple[torch.dtype, int, int, int, bool, bool]
+
+
+def kernel_variants() -> list[Variant]:
+    """Every attention this check runs: the kernel comparisons, cascade and timings in both
+    dtypes, radixkv-tiny end to end, and the window cases' layers (windowed or not, capped or
+    not). bench/gpu_kit.py compiles exactly the kernels these need."""
     from radixkv.model.tiny import tiny_config
 
     tiny = tiny_config()
-    return [(dt, HQ, HKV, D) for dt in DTYPES] + [
-        (TINY_DTYPE, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim)
-    ]
+    out: list[Variant] = [(dt, HQ, HKV, D, False, False) for dt in DTYPES]
+    out.append((TINY_DTYPE, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim, False, False))
+    for windows, softcap in WINDOW_CASES.values():
+        for w in windows:
+            v = (WINDOW_DTYPE, HQ, HKV, D, w > 0, softcap is not None)
+            if v not in out:
+                out.append(v)
+    return out
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -149,6 +172,102 @@ def check_paged(kind: str, dtype: torch.dtype, page_size: int, seed: int = 0) ->
         "kind": kind, "dtype": _name(dtype), "page_size": page_size, "num_seqs": len(new),
         "num_tokens": t, "max_abs_diff": diff, "tolerance": TOL[dtype],
         "kv_written_equal": kv_equal, "ok": diff <= TOL[dtype] and kv_equal and math.isfinite(diff),
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# sliding windows and soft caps, and hybrid window KV, vs torch
+def _window_inputs(
+    kind: str, page_size: int, seed: int, num_layers: int
+) -> tuple[BatchLayout, list[list[int]], list[int], list[int], int, list[tuple[torch.Tensor, ...]]]:
+    tables, past, new, num_pages = _random_batch(kind, page_size, seed)
+    layout = BatchLayout.build(tables, past, new)
+    gen = torch.Generator(device=DEV).manual_seed(seed + 1)
+    t = layout.num_tokens
+    qkv = [
+        (_rand((t, HQ, D), gen, WINDOW_DTYPE), _rand((t, HKV, D), gen, WINDOW_DTYPE),
+         _rand((t, HKV, D), gen, WINDOW_DTYPE))
+        for _ in range(num_layers)
+    ]  # fmt: skip
+    return layout, tables, past, new, num_pages, qkv
+
+
+def _layers_diff(
+    fi: Any, ref: Any, layout: BatchLayout, qkv: list[tuple[torch.Tensor, ...]]
+) -> float:
+    """Largest difference of every layer's output, FlashInfer against the fp32 torch backend
+    (both plan the same layout; each forward also writes the layer's new K/V)."""
+    fi.plan(layout)
+    ref.plan(layout)
+    worst = 0.0
+    for layer, (q, k, v) in enumerate(qkv):
+        want = ref.forward(layer, q.float(), k.float(), v.float())
+        got = fi.forward(layer, q, k, v).float()
+        worst = max(worst, (want - got).abs().max().item())
+    return worst
+
+
+def check_window(case: str, kind: str, page_size: int, seed: int = 0) -> dict[str, Any]:
+    """A full layer and a windowed one (``WINDOW_CASES``), soft-capped or not, on FlashInfer's
+    kernels planned with ``window_left``/``logits_soft_cap`` against the torch backend's banded
+    attention: the paths of Mistral-, Gemma 2- and Gemma 3-style models."""
+    windows, softcap = WINDOW_CASES[case]
+    layout, _, past, new, num_pages, qkv = _window_inputs(kind, page_size, seed, len(windows))
+    fi_kv = KVPool(len(windows), num_pages, page_size, HKV, D, WINDOW_DTYPE, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    fi_kv.k.copy_(torch.randn(fi_kv.k.shape, generator=gen, device=DEV))
+    fi_kv.v.copy_(torch.randn(fi_kv.v.shape, generator=gen, device=DEV))
+    ref_kv = KVPool(len(windows), num_pages, page_size, HKV, D, torch.float32, DEV)
+    ref_kv.k.copy_(fi_kv.k)
+    ref_kv.v.copy_(fi_kv.v)
+    kw = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, layer_windows=windows, softcap=softcap)
+    diff = _layers_diff(get_backend("flashinfer", fi_kv, **kw), get_backend("torch", ref_kv, **kw),
+                        layout, qkv)  # fmt: skip
+    tol = TOL[WINDOW_DTYPE]
+    longest = max(p + n for p, n in zip(past, new, strict=True))
+    return {
+        "case": case, "kind": kind, "dtype": _name(WINDOW_DTYPE), "page_size": page_size,
+        "window": WINDOW, "softcap": softcap, "longest": longest, "max_abs_diff": diff,
+        "tolerance": tol, "ok": longest > WINDOW and diff <= tol and math.isfinite(diff),
+    }  # fmt: skip
+
+
+def check_hybrid(kind: str, page_size: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Hybrid window KV on FlashInfer: the windowed layer's K/V live in window slots (a shuffle
+    of the pages its windows read, so slot ids are not page ids), planned on slot tables by a
+    backend of its own; outputs as the torch backend's over one pool holding every layer."""
+    from radixkv.kv.hybrid_pool import HybridKVPool
+
+    windows, softcap = WINDOW_CASES["window"]
+    layout, tables, past, new, num_pages, qkv = _window_inputs(kind, page_size, seed, 2)
+    hybrid = HybridKVPool.build(windows, num_pages, num_pages, page_size, HKV, D, WINDOW_DTYPE, DEV)
+    need = {
+        pt[i]
+        for pt, p, n in zip(tables, past, new, strict=True)
+        for i in range(max(0, p - WINDOW + 1) // page_size, -(-(p + n) // page_size))
+    }
+    order = sorted(need)
+    random.Random(seed).shuffle(order)
+    hybrid.slots.attach(order)
+    ref_kv = KVPool(2, num_pages, page_size, HKV, D, torch.float32, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    ref_kv.k.copy_(torch.randn(ref_kv.k.shape, generator=gen, device=DEV).to(WINDOW_DTYPE))
+    ref_kv.v.copy_(torch.randn(ref_kv.v.shape, generator=gen, device=DEV).to(WINDOW_DTYPE))
+    hybrid.full.k[0].copy_(ref_kv.k[0])
+    hybrid.full.v[0].copy_(ref_kv.v[0])
+    slots = torch.tensor([hybrid.slots.slot_of[p] for p in order], device=DEV)
+    pages = torch.tensor(order, device=DEV)
+    hybrid.window.k[0, slots] = ref_kv.k[1, pages].to(WINDOW_DTYPE)
+    hybrid.window.v[0, slots] = ref_kv.v[1, pages].to(WINDOW_DTYPE)
+    kw = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, layer_windows=windows, softcap=softcap)
+    fi = get_backend("flashinfer", hybrid, **kw)
+    fi.check_layouts = True  # slot tables checked against the slot pool
+    diff = _layers_diff(fi, get_backend("torch", ref_kv, **kw), layout, qkv)
+    tol = TOL[WINDOW_DTYPE]
+    return {
+        "case": "hybrid", "kind": kind, "dtype": _name(WINDOW_DTYPE), "page_size": page_size,
+        "window": WINDOW, "slots": len(order), "pages": num_pages, "max_abs_diff": diff,
+        "tolerance": tol, "ok": diff <= tol and math.isfinite(diff),
     }  # fmt: skip
 
 
@@ -685,7 +804,7 @@ def _table(result: dict[str, Any]) -> str:
         f"flashinfer {result.get('flashinfer')}, {result.get('elapsed_s')} s"
     )
     lines += ["", "| section | cases | failed | worst diff |", "|---|---|---|---|"]
-    for key in ("paged", "cascade"):
+    for key in ("paged", "cascade", "window"):
         rows = result.get(key)
         if isinstance(rows, list):
             bad = [r for r in rows if not r["ok"]]
@@ -784,6 +903,10 @@ def main() -> int:
             check_cascade(case, dt, ps) for dt in DTYPES for ps in PAGE_SIZES
             for case in ("two_level", "three_level", "three_partial")
         ])  # fmt: skip
+        _section(result, "window", lambda: [
+            check_window(case, kind, ps) for case in WINDOW_CASES for ps in PAGE_SIZES
+            for kind in ("decode", "prefill", "mixed")
+        ] + [check_hybrid(kind) for kind in ("decode", "prefill", "mixed")])  # fmt: skip
         _section(result, "tiny_model", check_tiny_model)
         _section(result, "engine_tiers", check_engine_tiers)
         _section(result, "sampling", check_sampling)
@@ -794,7 +917,7 @@ def main() -> int:
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
     sections = (
-        "paged", "cascade", "tiny_model", "engine_tiers", "sampling", "prompt_logprobs",
+        "paged", "cascade", "window", "tiny_model", "engine_tiers", "sampling", "prompt_logprobs",
         "speculative", "lora", "moe", "timings", "cascade_timing",
     )  # fmt: skip
     result["ok"] = "error" not in result and all(

@@ -113,15 +113,16 @@ def _set_build_env() -> None:
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
 
-def required_specs(variants: list[tuple[Any, int, int, int]]) -> dict[str, Any]:
-    """flashinfer JIT specs (by module name) the backends can load for these attention shapes
-    ``(dtype, num_qo_heads, num_kv_heads, head_dim)`` on Hopper.
+def required_specs(variants: list[tuple[Any, int, int, int, bool, bool]]) -> dict[str, Any]:
+    """flashinfer JIT specs (by module name) the backends can load for these attention variants
+    ``(dtype, num_qo_heads, num_kv_heads, head_dim, sliding_window, logits_soft_cap)`` on Hopper.
 
     Per shape: the FA2 prefill kernel (the backends pin ``KERNEL_BACKEND = "fa2"``; prefill,
     chunked prefill, every cascade level and tensor-core decode use it) and, for GQA groups
     1/2/4, the CUDA-core decode kernel :class:`FlashInferAttention` picks there. Plus the
-    cascade module (``merge_state``/``merge_state_in_place``). Index tensors are int32,
-    positional encoding off, no sliding window, no soft cap: what the backends plan.
+    cascade module (``merge_state``/``merge_state_in_place``). Index tensors are int32 and
+    positional encoding off, what the backends plan; a sliding window (``window_left >= 0``)
+    and a soft cap (``logits_soft_cap > 0``) are each a kernel switch of their own.
     """
     _set_build_env()
     import torch
@@ -143,8 +144,8 @@ def required_specs(variants: list[tuple[Any, int, int, int]]) -> dict[str, Any]:
         specs.setdefault(spec.name, spec)
 
     add(gen_cascade_module())
-    for dtype, hq, hkv, d in variants:
-        base = (dtype, dtype, dtype, torch.int32, d, d, 0, False, False)
+    for dtype, hq, hkv, d, window, softcap in variants:
+        base = (dtype, dtype, dtype, torch.int32, d, d, 0, window, softcap)
         prefill = (*base, False, False)  # no fp16 QK reduction, no token-head scales
         add(_gen_batch_prefill_primary_module(KERNEL_BACKEND, *prefill))
         if not decode_uses_tensor_cores(hq, hkv):
@@ -156,7 +157,7 @@ def required_modules() -> list[str]:
     return sorted(required_specs(_check_module().kernel_variants()))
 
 
-def load_kernels(variants: list[tuple[Any, int, int, int]]) -> list[Any]:
+def load_kernels(variants: list[tuple[Any, int, int, int, bool, bool]]) -> list[Any]:
     """Ask flashinfer for every kernel of ``variants`` the way the wrappers' ``plan`` does
     (``get_batch_prefill_module`` / ``get_batch_decode_module`` / ``get_cascade_module``), so
     with the kit's kernels in place and JIT disabled this loads them or raises."""
@@ -168,8 +169,8 @@ def load_kernels(variants: list[tuple[Any, int, int, int]]) -> list[Any]:
     from radixkv.attention.flashinfer_backend import KERNEL_BACKEND, decode_uses_tensor_cores
 
     mods = [get_cascade_module()]
-    for dtype, hq, hkv, d in variants:
-        base = (dtype, dtype, dtype, torch.int32, d, d, 0, False, False)
+    for dtype, hq, hkv, d, window, softcap in variants:
+        base = (dtype, dtype, dtype, torch.int32, d, d, 0, window, softcap)
         mods.append(get_batch_prefill_module(KERNEL_BACKEND, *base, False, False))
         if not decode_uses_tensor_cores(hq, hkv):
             mods.append(get_batch_decode_module(*base))
@@ -427,8 +428,10 @@ def build(kit: Path, *, rebuild: bool = False) -> dict[str, Any]:
                 "num_qo_heads": hq,
                 "num_kv_heads": hkv,
                 "head_dim": d,
+                "sliding_window": window,
+                "logits_soft_cap": softcap,
             }
-            for dt, hq, hkv, d in _check_module().kernel_variants()
+            for dt, hq, hkv, d, window, softcap in _check_module().kernel_variants()
         ],
         "modules": sorted(modules, key=lambda m: m["name"]),
         "python_files": n_py,

@@ -30,12 +30,17 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFlashInfer:
     return stand_in
 
 
-def _shapes_used(fake: FakeFlashInfer) -> set[tuple[torch.dtype, int, int, int]]:
+def _shapes_used(fake: FakeFlashInfer) -> set[gpu_check.Variant]:
+    """Every planned kernel variant: shape, and the two switches FlashInfer compiles apart
+    (``window_left >= 0``: sliding window; ``logits_soft_cap > 0``: soft cap)."""
     used = set()
     for c in fake.recorder.calls:
         if c.name.endswith(".plan"):
-            d = c.args.get("head_dim_qk", c.args.get("head_dim"))
-            used.add((c.args["q_data_type"], c.args["num_qo_heads"], c.args["num_kv_heads"], d))
+            a = c.args
+            d = a.get("head_dim_qk", a.get("head_dim"))
+            window = a.get("window_left", -1) >= 0
+            softcap = (a.get("logits_soft_cap") or 0.0) > 0
+            used.add((a["q_data_type"], a["num_qo_heads"], a["num_kv_heads"], d, window, softcap))
     return used
 
 
@@ -53,6 +58,25 @@ def test_cascade_section(fake: FakeFlashInfer, case: str, page_size: int) -> Non
     assert row["ok"], row
     assert row["levels"] == (2 if case == "two_level" else 3)
     assert row["mode"] == ("per_level" if case == "three_partial" else "multi")
+    assert _shapes_used(fake) <= set(gpu_check.kernel_variants())
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", list(gpu_check.WINDOW_CASES))
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_window_section(fake: FakeFlashInfer, case: str, kind: str, page_size: int) -> None:
+    row = gpu_check.check_window(case, kind, page_size)
+    assert row["ok"], row
+    used = _shapes_used(fake)
+    assert used <= set(gpu_check.kernel_variants())
+    softcap = case == "window_softcap"
+    assert {(v[4], v[5]) for v in used} == {(False, softcap), (True, softcap)}  # both layers
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_hybrid_section(fake: FakeFlashInfer, kind: str) -> None:
+    row = gpu_check.check_hybrid(kind)
+    assert row["ok"], row
     assert _shapes_used(fake) <= set(gpu_check.kernel_variants())
 
 

@@ -36,9 +36,10 @@ def test_manifest_covers_every_kernel_the_check_needs(manifest: dict) -> None:
 def test_required_kernels_follow_the_check_parameters() -> None:
     names = gpu_kit.required_modules()
     assert "cascade" in names  # merge_state / merge_state_in_place
-    for dtype, hq, hkv, d in gpu_check.kernel_variants():
+    for dtype, hq, hkv, d, window, softcap in gpu_check.kernel_variants():
         tag = f"dtype_q_{SHORT[dtype]}_dtype_kv_{SHORT[dtype]}_dtype_o_{SHORT[dtype]}_dtype_idx_i32_head_dim_qk_{d}_"
-        mine = [n for n in names if tag in n]
+        switches = f"use_swa_{window}_use_logits_cap_{softcap}"
+        mine = [n for n in names if tag in n and switches in n]
         assert any(n.startswith("batch_prefill") and n.endswith("kv_stride_equal") for n in mine), (
             dtype,
             d,
@@ -50,8 +51,9 @@ def test_required_kernels_follow_the_check_parameters() -> None:
 
 def test_manifest_records_the_check_variants(manifest: dict) -> None:
     want = [
-        {"dtype": str(dt).removeprefix("torch."), "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d}
-        for dt, hq, hkv, d in gpu_check.kernel_variants()
+        {"dtype": str(dt).removeprefix("torch."), "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d,
+         "sliding_window": w, "logits_soft_cap": c}
+        for dt, hq, hkv, d, w, c in gpu_check.kernel_variants()
     ]  # fmt: skip
     assert manifest["variants"] == want
     assert manifest["flashinfer"] == gpu_kit.FLASHINFER_VERSION
@@ -109,7 +111,7 @@ def test_kit_kernels_load_without_jit(tmp_path: Path) -> None:
     from radixkv.attention.flashinfer_backend import decode_uses_tensor_cores
 
     variants = gpu_check.kernel_variants()
-    cuda_core = sum(not decode_uses_tensor_cores(hq, hkv) for _, hq, hkv, _ in variants)
+    cuda_core = sum(not decode_uses_tensor_cores(v[1], v[2]) for v in variants)
     assert f"loaded {1 + len(variants) + cuda_core}" in proc.stdout  # cascade, FA2s, decodes
 
 
