@@ -80,7 +80,12 @@ from pathlib import Path
 kit, site = Path(sys.argv[1]), Path(sys.argv[2])
 with tarfile.open(kit / "flashinfer-py.tar.xz") as tar:
     tar.extractall(site, filter="data")
+here = f"cp{{sys.version_info[0]}}{{sys.version_info[1]}}"
 for wheel in sorted(kit.glob("*.whl")):
+    abi = wheel.name.split("-")[-2]  # cp312, or abi3 / none (any CPython 3)
+    if abi.startswith("cp") and abi != here:  # built for another Python: keep this one's own
+        print(f"gpu kit: skipped {{wheel.name}} (this Python is {{here}})", flush=True)
+        continue
     zipfile.ZipFile(wheel).extractall(site)
 shutil.copytree(kit / "aot", site / "flashinfer" / "data" / "aot")
 print(f"gpu kit: unpacked into {{site}}", flush=True)

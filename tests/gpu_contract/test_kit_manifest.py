@@ -132,4 +132,11 @@ def test_run_sh_unpacks_and_starts_the_check(tmp_path: Path) -> None:
     assert "no CUDA device" in proc.stdout
     aot = site / "flashinfer" / "data" / "aot"
     assert sorted(p.name for p in aot.iterdir()) == sorted(gpu_kit.required_modules())
-    assert (site / "tvm_ffi").is_dir() and (site / "flashinfer" / "data" / "csrc").is_dir()
+    assert (site / "flashinfer" / "data" / "csrc").is_dir()
+    # the kit's cp312 wheels (tvm-ffi, msgspec, outlines-core) unpack only for a Python 3.12;
+    # any other Python keeps its own copies (here: this nox session's)
+    if sys.version_info[:2] == (3, 12):
+        assert (site / "tvm_ffi").is_dir() and (site / "msgspec").is_dir()
+    else:
+        assert not (site / "msgspec").exists() and "skipped msgspec-" in proc.stdout
+    assert (site / "llguidance").is_dir()  # abi3: every CPython 3
