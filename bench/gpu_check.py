@@ -56,6 +56,7 @@ from radixkv.attention.base import BatchLayout  # noqa: E402
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan  # noqa: E402
 from radixkv.attention.registry import get_backend  # noqa: E402
 from radixkv.kv.kv_pool import KVPool  # noqa: E402
+from radixkv.pages import pages_for, window_start_page  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 LSE_TOL = 1e-2
@@ -110,8 +111,10 @@ def _rand(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> t
     return torch.randn(shape, generator=gen, device=DEV).to(dtype)
 
 
-def _pool(page_size: int, num_pages: int, dtype: torch.dtype, seed: int) -> KVPool:
-    kv = KVPool(1, num_pages, page_size, HKV, D, dtype, DEV)
+def _pool(
+    page_size: int, num_pages: int, dtype: torch.dtype, seed: int, num_layers: int = 1
+) -> KVPool:
+    kv = KVPool(num_layers, num_pages, page_size, HKV, D, dtype, DEV)
     gen = torch.Generator(device=DEV).manual_seed(seed)
     kv.k.copy_(torch.randn(kv.k.shape, generator=gen, device=DEV))
     kv.v.copy_(torch.randn(kv.v.shape, generator=gen, device=DEV))
@@ -213,10 +216,7 @@ def check_window(case: str, kind: str, page_size: int, seed: int = 0) -> dict[st
     attention: the paths of Mistral-, Gemma 2- and Gemma 3-style models."""
     windows, softcap = WINDOW_CASES[case]
     layout, _, past, new, num_pages, qkv = _window_inputs(kind, page_size, seed, len(windows))
-    fi_kv = KVPool(len(windows), num_pages, page_size, HKV, D, WINDOW_DTYPE, DEV)
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    fi_kv.k.copy_(torch.randn(fi_kv.k.shape, generator=gen, device=DEV))
-    fi_kv.v.copy_(torch.randn(fi_kv.v.shape, generator=gen, device=DEV))
+    fi_kv = _pool(page_size, num_pages, WINDOW_DTYPE, seed, len(windows))
     ref_kv = KVPool(len(windows), num_pages, page_size, HKV, D, torch.float32, DEV)
     ref_kv.k.copy_(fi_kv.k)
     ref_kv.v.copy_(fi_kv.v)
@@ -244,7 +244,7 @@ def check_hybrid(kind: str, page_size: int = 16, seed: int = 0) -> dict[str, Any
     need = {
         pt[i]
         for pt, p, n in zip(tables, past, new, strict=True)
-        for i in range(max(0, p - WINDOW + 1) // page_size, -(-(p + n) // page_size))
+        for i in range(window_start_page(p, WINDOW, page_size), pages_for(p + n, page_size))
     }
     order = sorted(need)
     random.Random(seed).shuffle(order)

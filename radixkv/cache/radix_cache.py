@@ -367,11 +367,11 @@ class RadixCache:
         """Longest cached prefix of ``tokens`` whose length is a multiple of page_size.
 
         A query shorter than a page, or a namespace that holds nothing, matches nothing (the
-        result's node is then the global root). ``tokens`` must be a flat sequence of ints
-        (TypeError/ValueError otherwise, before anything changes); an id is any int64. Then: the query counts in the stats;
-        the node the match ends inside is split (so the returned node ends exactly at the
-        match); the clock ticks once and ``last_access``/``hit_count`` are refreshed along
-        the path, and the eviction key of its last node.
+        result's node is then the global root). ``tokens`` must be a flat sequence of ints, each
+        any int64 (TypeError/ValueError otherwise, before anything changes). Then: the query
+        counts in the stats; the node the match ends inside is split (so the returned node ends
+        exactly at the match); the clock ticks once and ``last_access``/``hit_count`` are
+        refreshed along the path, and the eviction key of its last node.
 
         With a host tier the walk also follows host-only nodes: the result's first three fields
         cover the device-resident part, the last three the host continuation below it. Loads
@@ -483,43 +483,42 @@ class RadixCache:
         That is its ``num_tokens``, the device-resident prefix; with ``host=True``, its
         ``num_tokens + num_host_tokens`` (what a load back could add; the same without a tier).
         """
-        qb = encode_tokens(tokens)
-        try:
-            start = self.root if namespace is None else self._ns_roots.get(namespace)
-            limit = len(qb) - len(qb) % self._pb
-            if start is None or limit == 0:
-                return 0
-            path, off, partial, _ = self._walk(start, qb, limit)
-            if partial is not None:
-                off += partial[1] * self._pb
-            if host or self._host is None or (partial is not None and partial[0]._pages):
-                return off >> TOKEN_SHIFT
-            # the device-resident part ends at the last device-resident node of the path
-            return next((n.depth_tokens for n in reversed(path) if n._pages), 0)
-        finally:
-            if type(qb) is memoryview:
-                _release(qb)
+        path, off, partial = self._peek_walk(tokens, namespace)
+        if partial is not None:
+            off += partial[1] * self._pb
+        if host or self._host is None or (partial is not None and partial[0]._pages):
+            return off >> TOKEN_SHIFT
+        # the device-resident part ends at the last device-resident node of the path
+        return next((n.depth_tokens for n in reversed(path) if n._pages), 0)
 
     def peek_pages(self, tokens: Any, namespace: Any = None) -> list[int]:
         """The pages ``match_prefix`` would return now (its device-resident ``pages``),
         changing nothing, like ``peek_prefix``: for schedulers whose estimate depends on which
         pages a hit would reuse (hybrid window KV asks whether their window slots survive).
         A new list the caller owns; the pages stay the trie's (nothing is locked)."""
+        path, _, partial = self._peek_walk(tokens, namespace)
+        pages: list[int] = []
+        for n in path:  # a device-resident node's ancestors are device-resident
+            if not n._pages:
+                return pages
+            pages += n._pages
+        if partial is not None:
+            pages += partial[0]._pages[: partial[1]]
+        return pages
+
+    def _peek_walk(
+        self, tokens: Any, namespace: Any
+    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
+        """``_walk`` of the whole pages of ``tokens`` under ``namespace`` (nothing when the
+        namespace holds nothing): the path, matched bytes and partial node of the peeks."""
         qb = encode_tokens(tokens)
         try:
             start = self.root if namespace is None else self._ns_roots.get(namespace)
             limit = len(qb) - len(qb) % self._pb
             if start is None or limit == 0:
-                return []
-            path, _, partial, _ = self._walk(start, qb, limit)
-            pages: list[int] = []
-            for n in path:  # a device-resident node's ancestors are device-resident
-                if not n._pages:
-                    return pages
-                pages += n._pages
-            if partial is not None:
-                pages += partial[0]._pages[: partial[1]]
-            return pages
+                return [], 0, None
+            path, off, partial, _ = self._walk(start, qb, limit)
+            return path, off, partial
         finally:
             if type(qb) is memoryview:
                 _release(qb)

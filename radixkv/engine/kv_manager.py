@@ -95,9 +95,8 @@ class SeqKV:
         tokens = seq.token_ids[: seq.reuse_limit]
         if self.window is not None:
             pages = self.cache.peek_pages(tokens, namespace=seq.namespace)
-            return self.window.usable_prefix(pages, self.window_tokens, self.page_size) * (
-                self.page_size
-            )
+            usable = self.window.usable_prefix(pages, self.window_tokens, self.page_size)
+            return usable * self.page_size
         # a host continuation counts: loading it back is a copy, not a forward
         return self.cache.peek_prefix(tokens, namespace=seq.namespace, host=True)
 
