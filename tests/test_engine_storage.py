@@ -363,3 +363,36 @@ def test_an_adapters_pages_are_stored_for_that_adapter_only(
         assert [o.token_ids for o in again] == outs
         assert eng.stats().prefix_cache_storage_hit_tokens >= 96
         eng.check_invariants()
+
+
+def test_storage_write_threshold_is_its_own(tiny: LoadedModel, tmp_path: Path) -> None:
+    """kv_storage_write_threshold counts for storage alone (default: write_through_threshold,
+    as when one knob drove both tiers); a value the cache cannot report is refused."""
+    import argparse
+
+    p = EngineConfig.add_cli_arguments(argparse.ArgumentParser())
+    assert EngineConfig.from_cli_args(p.parse_args([])).kv_storage_write_threshold is None
+    args = p.parse_args(["--kv-storage-write-threshold", "3"])
+    assert EngineConfig.from_cli_args(args).kv_storage_write_threshold == 3
+    with pytest.raises(ValueError, match="kv_storage_write_threshold must be an int >= 1"):
+        EngineConfig(kv_storage_write_threshold=0)
+    both = dict(
+        write_policy="write_through_selective", kv_storage_write_policy="write_through_selective"
+    )
+    with pytest.raises(ValueError, match="kv_storage_write_threshold 3 exceeds write_through"):
+        EngineConfig(write_through_threshold=2, kv_storage_write_threshold=3, **both)
+    EngineConfig(write_through_threshold=3, kv_storage_write_threshold=2, **both)
+    url = f"file://{tmp_path}"
+    with Engine(tiny, kv_storage=url, write_through_threshold=3, **OPTS) as eng:
+        assert eng.storage is not None and eng.storage.write_threshold == 3  # the default
+    opts = dict(OPTS, kv_storage_write_policy="write_through_selective")
+    with Engine(tiny, kv_storage=url, kv_storage_write_threshold=2, **opts) as eng:
+        assert eng.storage is not None and eng.storage.write_threshold == 2
+        prompt = prompts(3, n=1)
+        for runs in range(1, 4):
+            run(eng, prompt)
+            assert eng.flush_storage()
+            written = eng.stats().storage_write_pages
+            # the host tier backs the prompt up at once (write_through), storage waits for
+            # the second match through it (the second and third runs)
+            assert (written > 0) == (runs == 3), (runs, written)

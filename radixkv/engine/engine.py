@@ -328,7 +328,8 @@ class Engine:
         request.weight_version = self.weight_version
         self._stats.record_request()
         if self.storage is not None:  # look the prompt up in storage meanwhile
-            self.storage.start_prefetch(request)
+            ids = request.seqs[0].token_ids
+            request.prefetch = self.storage.start_prefetch(request.cache_namespace, ids)
         for seq in request.seqs:
             self.scheduler.add(seq)
         return rid
@@ -1038,11 +1039,12 @@ class Engine:
             else:  # only some tensors: the exact digest of what changed
                 fp = hashlib.blake2b(self._fingerprint + staged.digest(), digest_size=16).digest()
             self._fingerprint = fp
-            self.storage.rekey(_kv_format(fp, self.kv_pool), live)
+            self.storage.rekey(_kv_format(fp, self.kv_pool))
         if weight_version is not None:
             self.weight_version = weight_version
         for group in live:
             group.weight_version = self.weight_version
+            group.prefetch = None  # what it brings is of the old weights' KV format
         update = WeightUpdate(
             weight_version=self.weight_version,
             tensors=len(staged.tensors),
@@ -1081,16 +1083,16 @@ class Engine:
         for g in self._live.values():
             if g.lora is not None:
                 (run_loras if id(g) in groups else wait_loras).add(g.lora.name)
-        cache = kv.cache_stats()
+        counters = kv.cache_stats()
         return self._stats.snapshot(
             cached_pages=kv.num_cached_pages,
-            evicted_pages=cache.evicted_pages,
+            evicted_pages=counters.evicted_pages,
             kv_pages_free=kv.num_free_pages,
             num_running=running,
             num_waiting=len(self._live) - running,
             locked_pages=kv.num_locked_pages,
             private_pages=kv.num_private_pages,
-            cache=cache if kv.tiered else None,
+            cache=counters if kv.tiered else None,
             load_back_seconds=kv.load_back_seconds,
             storage=None if self.storage is None else self.storage.stats(),
             loras=(len(self.loras.infos()), sorted(run_loras), sorted(wait_loras)),

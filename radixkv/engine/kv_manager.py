@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from radixkv.cache import CacheStats, OutOfPages, RadixCache, TreeNode, WindowSlots
+from radixkv.cache.events import Listener
 from radixkv.engine.request import Namespace, Sequence
 from radixkv.pages import pages_for, window_start_page
 
@@ -461,6 +462,16 @@ class SeqKV:
     def num_locked_pages(self) -> int:
         """Cached pages that locks protect from eviction (running requests', pins')."""
         return self.cache.num_locked_pages
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(event)`` for every KV event of the cache (BlockStored, BlockRemoved,
+        AllBlocksCleared), synchronously, in the thread that steps the engine: add and remove
+        listeners from that thread too."""
+        self.cache.add_listener(fn)
+
+    def remove_listener(self, fn: Listener) -> None:
+        """Stop calling ``fn`` (added by :meth:`add_listener`)."""
+        self.cache.remove_listener(fn)
 
     def cache_stats(self) -> CacheStats:
         """A snapshot of every cache counter (a report's; it builds some 30 fields, so hot

@@ -40,8 +40,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
@@ -58,9 +57,6 @@ from radixkv.cache.tiers import (
     HostRun,
 )
 from radixkv.kv.host_pool import HostKVPool
-
-if TYPE_CHECKING:
-    from radixkv.engine.request import RequestGroup
 
 __all__ = ["PrefetchJob", "StorageIO", "StorageStats", "StorageTier"]
 
@@ -226,25 +222,26 @@ class StorageTier:
         cache.set_host_observer(self.observe)
 
     # ------------------------------------------------------------------ prefetch
-    def start_prefetch(self, group: RequestGroup) -> None:
-        """Look the request's prompt up in storage past its device + host hit, in the
-        background, when at least ``prefetch_threshold`` tokens could be found there; the job
-        goes to ``group.prefetch`` (the scheduler holds the request back while it runs, up to
-        the storage timeout: ``PrefetchJob.holds_back``). Changes nothing in the cache."""
-        ids = group.seqs[0].token_ids
+    def start_prefetch(self, namespace: Any, token_ids: array[int]) -> PrefetchJob | None:
+        """Look a queued request's prompt (``token_ids``, cached under ``namespace``) up in
+        storage past its device + host hit, in the background, when at least
+        ``prefetch_threshold`` tokens could be found there; returns the job (the request's
+        ``prefetch``: the scheduler holds it back while the job runs, up to the storage
+        timeout, ``PrefetchJob.holds_back``), or None when no lookup is worth it. Changes
+        nothing in the cache."""
         ps = self.page_size
-        total = (len(ids) - 1) // ps  # whole pages of what SeqKV.acquire may match
+        total = (len(token_ids) - 1) // ps  # whole pages of what SeqKV.acquire may match
         if total <= 0:
-            return
+            return None
         hit = self.cache.peek_prefix(
-            ids[: len(ids) - 1], namespace=group.cache_namespace, host=True
+            token_ids[: len(token_ids) - 1], namespace=namespace, host=True
         )
         start = hit // ps
         if (total - start) * ps < max(1, self.prefetch_threshold):
-            return
-        job = self.io.prefetch(group.cache_namespace, ids[: total * ps].tobytes(), start, total)
-        group.prefetch = job
+            return None
+        job = self.io.prefetch(namespace, token_ids[: total * ps].tobytes(), start, total)
         self._jobs.append(job)
+        return job
 
     @property
     def prefetches(self) -> list[PrefetchJob]:
@@ -344,14 +341,12 @@ class StorageTier:
         return self.io.flush(timeout)
 
     # ------------------------------------------------------------------ lifecycle, stats
-    def rekey(self, format_id: bytes, groups: Iterable[RequestGroup]) -> None:
+    def rekey(self, format_id: bytes) -> None:
         """Serve the KV format ``format_id`` from now on (the weights changed) and forget every
-        prefetch not landed yet, the jobs of ``groups`` (the live requests) too: the pages they
-        bring are of a format no longer served. What storage holds stays (other engines may
+        prefetch not landed yet: the pages they bring are of a format no longer served (the
+        caller drops its requests' jobs too). What storage holds stays (other engines may
         still serve the old format)."""
         self._jobs = []
-        for g in groups:
-            g.prefetch = None
         self.io.rekey(format_id)
 
     def close(self, timeout: float | None = 30.0) -> None:
