@@ -52,6 +52,7 @@ from radixkv.cache.tiers import (
     HOST_LEAVING,
     HOST_STORED,
     WRITE_BACK,
+    WRITE_POLICIES,
     WRITE_THROUGH,
     WRITE_THROUGH_SELECTIVE,
     HostRun,
@@ -195,7 +196,7 @@ class StorageTier:
             raise ValueError(
                 f"storage I/O page_size {io.page_size} != the cache's {cache.page_size}"
             )
-        if write_policy not in (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK):
+        if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown storage write policy {write_policy!r}")
         if type(write_threshold) is not int or write_threshold < 1:
             raise ValueError(
