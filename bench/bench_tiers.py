@@ -198,12 +198,12 @@ def lookup_bench(lm: LoadedModel, url: str, page_size: int, n: int = 200) -> dic
     import time as _time
 
     from radixkv.cache.storage import kv_format_id, open_storage
-    from radixkv.engine.storage_tier import StorageTier
+    from radixkv.engine.storage_tier import StorageIO
     from radixkv.kv.host_pool import HostKVPool
 
     mc = lm.config
     host = HostKVPool(mc.num_layers, 8, page_size, mc.num_kv_heads, mc.head_dim)
-    tier = StorageTier(open_storage(url), host, format_id=kv_format_id(b"x", "f", 1, 1, 1, 1),
+    tier = StorageIO(open_storage(url), host, format_id=kv_format_id(b"x", "f", 1, 1, 1, 1),
                        page_size=page_size, timeout=5.0)  # fmt: skip
     rng = random.Random(1)
     times = []
