@@ -27,7 +27,7 @@ from radixkv.model.packaged import PACKAGED, PackagedModel
 from radixkv.model.runner import ModelRunner, SeqInput
 from radixkv.model.tokenizer import encode_chat
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # every 2-D weight a multiple of 256 wide (the K-quants' block); Qwen3's head_dim decoupled
 SHAPE = {"vocab_size": 300, "hidden_size": 256, "intermediate_size": 256}
 KINDS = {
@@ -99,6 +99,19 @@ def test_engine_greedy_equals_transformers(files: Any) -> None:
         cached.append(out.num_cached_tokens)
     assert cached == [0, 32]
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_q5_legacy_types_dequantize_near_the_weights(tmp_path: Path, qtype: str) -> None:
+    """Q5_0 / Q5_1 (which transformers does not read): every loaded weight within a 5-bit
+    step of the weight that was quantized."""
+    hf = build_hf_model("llama", seed=1, **SHAPE)
+    lm = load_model(write_gguf(tmp_path / "q5.gguf", hf, "llama", (qtype,)))
+    ours = dict(lm.model.named_parameters())
+    for name, ref in hf.named_parameters():
+        if ref.dim() == 2:
+            step = ref.detach().abs().max() / 15
+            assert (ours[name].detach() - ref.detach()).abs().max() <= step, name
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
