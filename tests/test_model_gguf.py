@@ -141,6 +141,22 @@ def test_config_from_metadata(tmp_path: Path) -> None:
     assert cfg.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)
     assert not cfg.tie_word_embeddings
     assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, (2,))
+    yarn = write_gguf(
+        tmp_path / "yarn.gguf",
+        hf,
+        "llama",
+        ("Q8_0",),
+        metadata={
+            "rope_scaling_type": gguf.RopeScalingType.YARN,
+            "rope_scaling_factor": 4.0,
+            "rope_scaling_orig_ctx_len": 128,
+        },
+    )
+    assert GGUFCheckpoint(yarn).config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
 
 
 def test_llama3_rope_freqs_fitted(tmp_path: Path) -> None:
