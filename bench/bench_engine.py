@@ -38,6 +38,7 @@ from radixkv.engine.benchmark import (  # noqa: E402
     measure,
     shared_prefix_tokens,
 )
+
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.params import SamplingParams  # noqa: E402
 from radixkv.model.loader import load_model  # noqa: E402
