@@ -171,6 +171,8 @@ def _bench_cache(argv: list[str]) -> int:
     if not path.is_file():
         print(f"bench-cache: {path} not found (run from a source checkout)", file=sys.stderr)
         return 2
+    if str(path.parent) not in sys.path:  # its shared helpers (bench/peerkit/) sit beside it
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("radixkv_bench_cache", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

@@ -40,7 +40,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "hf": ("hf_generate", "hf_model", "quiet", "tiny_hf_model", "transformers_systems"),
     "llamacpp": ("LlamaCppServer", "free_port", "llama_cpp_system", "open_llama"),
     "record": ("CACHE", "RESULTS_DIR", "ROOT", "cpu_name", "load_average", "machine_dict",
-               "machine_line", "print_rows", "results_path", "utc_now", "versions",
+               "machine_line", "pip_download", "print_rows", "results_path", "utc_now", "versions",
                "write_json"),
     "rounds": ("add_round_arguments", "medians", "rotated_rounds", "rotated_rounds_all",
                "rounds_of", "timed"),

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .random_checkpoint import LLAMA, checkpoint
-from .record import CACHE
+from .record import CACHE, pip_download
 
 
 def fetch_converter(dest: Path) -> Path:
@@ -26,11 +26,7 @@ def fetch_converter(dest: Path) -> Path:
     if script.is_file() and (out / "gguf-py" / "gguf").is_dir():
         return script
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={version}", "-d", tmp],
-            check=True,
-        )  # fmt: skip
+        pip_download(Path(tmp), "--no-binary", ":all:", f"llama-cpp-python=={version}")
         return extract_converter(next(Path(tmp).glob("llama_cpp_python-*.tar.gz")), out)
 
 

@@ -80,3 +80,16 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     """Each summary row on a line, as the peer scripts print them."""
     for row in rows:
         print(row)
+
+
+def pip_download(dest: Path, *requirement: str) -> None:
+    """``pip download --no-deps`` of ``requirement`` (a spec, with any other pip flags) into
+    ``dest``: a peer's files fetched without installing it or its dependencies."""
+    import subprocess
+    import sys
+
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), *requirement],
+        check=True,
+    )
