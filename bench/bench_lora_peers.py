@@ -47,7 +47,6 @@ import json
 import platform
 import random
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -67,6 +66,7 @@ from peerkit import (
     medians,
     peer_engine,
     print_rows,
+    quiet,
     random_ids,
     results_path,
     rotated_rounds,
@@ -112,16 +112,14 @@ def make_adapters(checkpoint: Path, cache: Path, n: int) -> list[Path]:
             lora_dropout=0.0,
             init_lora_weights=False,
         )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             model = get_peft_model(copy.deepcopy(base), cfg)
         gen = torch.Generator().manual_seed(SEED + i)
         for name, p in sorted(model.named_parameters()):
             if "lora_" in name:  # A [r, in], B [out, r]
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
         folder.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             model.save_pretrained(folder)
         tag = _adapter_tag(checkpoint, i)
         (folder / "radixkv_bench.json").write_text(json.dumps({"tag": tag}))
@@ -189,8 +187,7 @@ def peft_model(checkpoint: Path, loras: dict[str, Path]) -> Any:
     from peft import PeftModel
 
     names = list(loras)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         model = PeftModel.from_pretrained(
             hf_model(checkpoint), str(loras[names[0]]), adapter_name=names[0]
         )
