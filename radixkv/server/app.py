@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -49,16 +49,19 @@ from radixkv.server import protocol as P
 from radixkv.server.config import ServerConfig
 from radixkv.server.errors import (
     APIError,
-    api_error_handler,
-    http_exception_handler,
-    unauthorized,
-    unhandled_exception_handler,
+    ContainErrors,
+    ErrorShapes,
+    http_error,
+    unhandled_error,
 )
-from radixkv.server.messages import add_messages_routes
+from radixkv.server.hosts import HostCheck
+from radixkv.server.messages import MESSAGES_PATHS, add_messages_routes, anthropic_error
 from radixkv.server.native import add_native_routes
+from radixkv.server.native_render import native_error
 from radixkv.server.responses import DeletedResponse, ResponsesRequest
 from radixkv.server.score import add_score_route
 from radixkv.server.state import ServerState
+from radixkv.server.timeouts import BodyDeadline
 from radixkv.server.transport import ClientGone, read_body
 
 __all__ = ["ServerState", "build_app"]
@@ -92,10 +95,37 @@ def build_app(
         redirect_slashes=False,
     )
     app.state.radixkv = st
-    app.add_exception_handler(APIError, _counting(st, api_error_handler))
-    app.add_exception_handler(StarletteHTTPException, _counting(st, http_exception_handler))
+    shapes = ErrorShapes()  # filled in below, once the routes with their own shapes exist
+
+    def respond(path: str, err: APIError) -> Response:
+        st.metrics.count_http_error(err.status)
+        return shapes.response(path, err)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return respond(request.url.path, exc)
+
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return respond(request.url.path, http_error(request, exc))
+
+    async def on_unhandled(request: Request, exc: Exception) -> Response:
+        return respond(request.url.path, unhandled_error(request, exc))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(ClientGone, _client_gone(st))
-    app.add_exception_handler(Exception, _counting(st, unhandled_exception_handler))
+    # the last resort (Starlette's, outermost), for an error in the middleware below itself
+    app.add_exception_handler(Exception, on_unhandled)
+    # outermost first: contain errors; refuse foreign Hosts; time out slow bodies
+    app.add_middleware(BodyDeadline, timeout=config.body_timeout_s)
+    app.add_middleware(
+        HostCheck,
+        allowed_hosts=config.allowed_hosts,
+        active=lambda: not st.auth.enabled,
+        reject=respond,
+    )
+    app.add_middleware(ContainErrors, handler=on_unhandled)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -260,7 +290,7 @@ def build_app(
             raise APIError(503, f"engine unavailable: {type(e).__name__}: {e}") from None
         return Response(_OK, media_type="application/json")
 
-    metrics_errors = (401,) if config.metrics_require_key else ()
+    metrics_errors = (401,) if config.metrics_key_required else ()
 
     @app.get(
         "/metrics",
@@ -269,8 +299,8 @@ def build_app(
         ),
     )
     async def metrics(request: Request) -> Response:
-        if config.metrics_require_key and not st.auth.is_key(request.headers.get("authorization")):
-            raise unauthorized("/metrics needs an API key or the admin key")
+        if config.metrics_key_required:
+            st.auth.require_key(request.headers.get("authorization"), "/metrics")
         st.last_stats = await asyncio.wait_for(engine.stats(), timeout=10)
         return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -285,9 +315,12 @@ def build_app(
         await engine.reset_prefix_cache()
         return Response(_OK, media_type="application/json")
 
+    before = len(app.routes)
     add_native_routes(app, st)  # SGLang's /generate, /get_model_info, ... (server/native.py)
+    shapes.add((getattr(r, "path", "") for r in app.routes[before:]), native_error)
     add_score_route(app, st)  # SGLang's /v1/score (server/score.py)
     add_messages_routes(app, st)  # Anthropic's /v1/messages (server/messages.py)
+    shapes.add(MESSAGES_PATHS, anthropic_error)
     return app
 
 
@@ -298,15 +331,6 @@ def _response_not_found(response_id: str) -> APIError:
         param="response_id",
         code="response_not_found",
     )
-
-
-def _counting(st: ServerState, handler: Callable[[Request, Exception], Awaitable[Response]]) -> Any:
-    async def wrapped(request: Request, exc: Exception) -> Response:
-        response = await handler(request, exc)
-        st.metrics.count_http_error(response.status_code)
-        return response
-
-    return wrapped
 
 
 def _client_gone(st: ServerState) -> Any:

@@ -3,10 +3,12 @@
 Routes read their bodies themselves (server/transport.py, strict size limits and msgspec
 decoding), so FastAPI cannot infer their schemas; this module states them from the same msgspec
 Structs the routes decode and encode (``msgspec.json.schema_components``), so the document
-cannot drift from what the server accepts: a field added to a Struct appears here. Two things
-the decoder does that JSON Schema derived from the Structs would not say are added: every
-optional request field also accepts ``null`` (it means "not given"), and unknown fields are
-allowed unless the server runs with ``strict_api``.
+cannot drift from what the server accepts: a field added to a Struct appears here. What the
+decoder does that JSON Schema derived from the Structs would not say is added: every optional
+request field also accepts ``null`` (it means "not given"), unknown fields are allowed unless
+the server runs with ``strict_api``, and a Struct's cross-field rule (``json_schema_extra``:
+/tokenize's "prompt or messages, exactly one") is merged into its schema. (JSON Schema's
+``integer`` takes ``1.0``: so does the decoder, protocol.decode_request.)
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ _ERROR_TEXT = {
         "Unknown model (code model_not_found), LoRA adapter (code lora_not_found) or stored "
         "response (code previous_response_not_found, response_not_found)"
     ),
+    408: "Request body not received in time (the connection is closed)",
     413: "Request body over the size limit",
+    415: "Content-Type is not application/json",
     500: "The server failed while serving the request",
     503: "Server at capacity (code queue_full, retry-after), or the engine is unavailable",
 }
@@ -112,7 +116,7 @@ def generation_route(request: str, response: str, chunk: str, summary: str) -> d
                     "text/event-stream": {"schema": sse_event(chunk)},
                 },
             },
-            **_errors(400, 401, 404, 413, 500, 503),
+            **_errors(400, 401, 404, 408, 413, 415, 500, 503),
         },
     }
 
@@ -148,7 +152,7 @@ def responses_route() -> dict[str, Any]:
                 "description": "A ResponseObject; with stream=true, its events",
                 "content": {**_json("ResponseObject"), "text/event-stream": {"schema": event}},
             },
-            **_errors(400, 401, 404, 413, 500, 503),
+            **_errors(400, 401, 404, 408, 413, 415, 500, 503),
         },
     }
 
@@ -158,7 +162,7 @@ def json_route(
 ) -> dict[str, Any]:
     """``openapi_extra`` of a JSON-in, JSON-out route (/tokenize); ``runs_engine``: it submits
     engine requests (/v1/score), so a full queue answers 503."""
-    errors = (400, 401, 404, 413, 500, 503) if runs_engine else (400, 401, 404, 413, 500)
+    errors = (400, 401, 404, 408, 413, 415, 500) + ((503,) if runs_engine else ())
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(request)},
@@ -180,7 +184,7 @@ def text_route(request: str, summary: str, ok: str, *errors: int) -> dict[str, A
                 "description": f"Done: the text `{ok}`",
                 "content": {"text/plain": {"schema": {"type": "string"}}},
             },
-            **_errors(*errors),
+            **_errors(*sorted({408, 415, *errors})),
         },
     }
 
@@ -220,6 +224,10 @@ def components(*, strict: bool) -> dict[str, Any]:
             _nullable_optionals(schema)
             if strict:
                 schema["additionalProperties"] = False
+    for kind in _REQUESTS:  # cross-field rules a Struct states next to its check
+        extra = getattr(kind, "json_schema_extra", None)
+        if extra is not None:
+            requests[kind.__name__].update(extra)
     overlap = requests.keys() & responses.keys()
     assert not overlap, f"request and response schemas share names: {overlap}"
     return {**requests, **responses}

@@ -38,10 +38,11 @@ tool calls, without a ``--tool-call-parser``); at most one source of constraint 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
+import numpy as np
 
 from radixkv.server.structured import request_constraint
 
@@ -51,6 +52,11 @@ MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1 - MAX_N  # sample i uses seed + i
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs
 MAX_REPETITION_PENALTY = 10.0  # a divisor of logits: beyond ~2 it already forbids repeats
+# Deepest nesting of arrays and objects a request body may have. Real requests stay far below
+# (a JSON schema 30 levels deep in response_format is about 64); what reads a body (msgspec,
+# the schema compiler, templates) recurses, and a body nested thousands deep would exhaust
+# the interpreter's stack: a 400 naming the limit instead.
+MAX_JSON_DEPTH = 128
 
 
 class ProtocolError(ValueError):
@@ -389,6 +395,14 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     /v1/chat/completions renders them, with ``tools`` and ``chat_template_kwargs``); exactly
     one of the two."""
 
+    # what __post_init__ checks, said in /openapi.json too (server/openapi.py merges it)
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "oneOf": [
+            {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+            for name in ("prompt", "messages")
+        ]
+    }
+
     model: str
     prompt: NonEmptyStr | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
@@ -441,7 +455,9 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
             msgspec.Meta(min_length=1),
         ]
     )
-    label_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    label_token_ids: Annotated[
+        list[TokenId], msgspec.Meta(min_length=1, extra_json_schema={"uniqueItems": True})
+    ]
     apply_softmax: bool = False
     item_first: bool = False
     cache_salt: str | None = None  # as for generation: a tenant's own prefix-cache namespace
@@ -491,9 +507,20 @@ def _unwrap(t: mi.Type) -> mi.Type:
     return t
 
 
+def _integral(value: Any, t: mi.Type) -> Any:
+    """An integral float (``1.0``, ``2e3``) as an int where ``t`` takes an int and no float:
+    JSON Schema's ``integer`` includes them, msgspec's ``int`` does not."""
+    if type(value) is not float or not value.is_integer():
+        return value
+    members = t.types if isinstance(t, mi.UnionType) else (t,)
+    kinds = {type(_unwrap(m)) for m in members}
+    return int(value) if mi.IntType in kinds and mi.FloatType not in kinds else value
+
+
 def _prune(value: Any, t: mi.Type, path: str, unknown: list[str]) -> Any:
-    """``value`` (decoded JSON) with unknown keys dropped (their paths appended to ``unknown``)
-    and nulls of optional fields dropped, at every depth the Struct types describe."""
+    """``value`` (decoded JSON) with unknown keys dropped (their paths appended to ``unknown``),
+    nulls of optional fields dropped and integral floats of int fields made ints, at every
+    depth the Struct types describe."""
     t = _unwrap(t)
     if isinstance(t, mi.UnionType):  # pick the member matching the JSON value's shape
         for member in map(_unwrap, t.types):
@@ -501,7 +528,9 @@ def _prune(value: Any, t: mi.Type, path: str, unknown: list[str]) -> Any:
                 isinstance(value, list) and isinstance(member, mi.ListType)
             ):
                 return _prune(value, member, path, unknown)
-        return value
+        return _integral(value, t)
+    if isinstance(t, mi.IntType):
+        return _integral(value, t)
     if isinstance(t, mi.StructType) and isinstance(value, dict):
         fields = {f.encode_name: f for f in t.fields}
         out = {}
@@ -518,17 +547,43 @@ def _prune(value: Any, t: mi.Type, path: str, unknown: list[str]) -> Any:
     return value
 
 
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply the arrays and objects of a JSON text nest (exact for valid JSON), without
+    parsing it, in a few C-speed passes: escaped backslashes, then escaped quotes are dropped,
+    so every quote left opens or closes a string; brackets outside strings are counted."""
+    text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), dtype=np.uint8)
+    outside = np.cumsum(text == ord('"'), dtype=np.int64) % 2 == 0
+    steps = _STEP[text[outside]]
+    return int(np.cumsum(steps, dtype=np.int64).max()) if steps.any() else 0
+
+
 def decode_request(
     body: bytes, kind: type[R], *, strict: bool = False, ignored: list[str] | None = None
 ) -> R:
     """Decode and validate a JSON request body; raises ProtocolError (never returns a bad Struct).
 
     Unknown fields (named like ``foo``, ``stream_options.foo``, ``messages[].foo``) are dropped
-    and appended to ``ignored`` when given, or, with ``strict``, rejected."""
+    and appended to ``ignored`` when given, or, with ``strict``, rejected. A body nested
+    deeper than ``MAX_JSON_DEPTH`` is rejected before it is parsed."""
+    # fewer brackets than the limit cannot nest deeper (the common case: no second pass)
+    depth = 0 if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH else json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise ProtocolError(
+            f"Invalid JSON body: nested {depth} levels deep; the limit is {MAX_JSON_DEPTH}"
+        )
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"Invalid JSON body: {e}") from None
+    except RecursionError:  # json_depth reads valid JSON exactly; this is invalid JSON
+        raise ProtocolError(
+            f"Invalid JSON body: nested deeper than the limit of {MAX_JSON_DEPTH}"
+        ) from None
     unknown: list[str] = []
     data = _prune(raw, mi.type_info(kind), "", unknown)
     if unknown and strict:

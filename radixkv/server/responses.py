@@ -64,7 +64,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     """The request body (module docstring for what maps to what)."""
 
     model: str
-    input: str | list[dict[str, Any]]
+    input: P.NonEmptyStr | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -95,8 +95,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
                 "truncation 'auto' is not supported: a conversation longer than the context is "
                 "a 400, never cut (truncation must be 'disabled')"
             )
-        if isinstance(self.input, str) and not self.input:
-            raise ValueError("input must not be empty")
         if self.metadata is not None and len(self.metadata) > 16:
             raise ValueError("metadata holds at most 16 keys")
 
