@@ -177,8 +177,9 @@ class Authenticator:
             self._file_digest = None
             if self._revoked_because != str(e):
                 log.error(
-                    "API keys revoked: %s; every tenant key is refused until the file holds "
-                    "valid keys again (the admin key still works)",
+                    "API keys revoked (key file %s): %s; every tenant key is refused until the "
+                    "file holds valid keys again (the admin key still works)",
+                    self._file,
                     e,
                 )
             self._revoked_because = str(e)
