@@ -137,7 +137,12 @@ def build_app(
                 description=app.description,
                 routes=app.routes,
             )
-            app.openapi_schema = OA.complete(doc, strict=config.strict_api)
+            app.openapi_schema = OA.complete(
+                doc,
+                strict=config.strict_api,
+                vocab_size=st.vocab_size,
+                priorities=engine.engine.config.schedule_policy == "priority",
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ the server runs with ``strict_api``, and a Struct's cross-field rule (``json_sch
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import msgspec
@@ -215,8 +216,22 @@ def _nullable_optionals(schema: dict[str, Any]) -> None:
         schema["properties"][name] = {"anyOf": [inner, {"type": "null"}], **outer}
 
 
-def components(*, strict: bool) -> dict[str, Any]:
-    """The schemas of every request and response Struct, adjusted to what the decoder accepts."""
+def _bound_token_ids(node: Any, vocab_size: int | None) -> None:
+    """Every token id schema (marked ``P.TOKEN_ID_MARK``) bounded by the vocabulary, in place:
+    the server answers 400 to an id the model does not have."""
+    if isinstance(node, dict):
+        if node.pop(P.TOKEN_ID_MARK, False) and vocab_size is not None:
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
+
+
+def components(*, strict: bool, vocab_size: int | None = None) -> dict[str, Any]:
+    """The schemas of every request and response Struct, adjusted to what the decoder accepts
+    (and, given ``vocab_size``, to the served model's token ids)."""
     _, requests = msgspec.json.schema_components(_REQUESTS, ref_template=REF)
     _, responses = msgspec.json.schema_components(_RESPONSES, ref_template=REF)
     for schema in requests.values():
@@ -227,13 +242,27 @@ def components(*, strict: bool) -> dict[str, Any]:
     for kind in _REQUESTS:  # cross-field rules a Struct states next to its check
         extra = getattr(kind, "json_schema_extra", None)
         if extra is not None:
-            requests[kind.__name__].update(extra)
+            requests[kind.__name__].update(copy.deepcopy(extra))
+    _bound_token_ids(requests, vocab_size)
+    _bound_token_ids(responses, None)
     overlap = requests.keys() & responses.keys()
     assert not overlap, f"request and response schemas share names: {overlap}"
     return {**requests, **responses}
 
 
-def complete(doc: dict[str, Any], *, strict: bool) -> dict[str, Any]:
-    """FastAPI's document of the routes, plus the components their ``openapi_extra`` refer to."""
-    doc.setdefault("components", {}).setdefault("schemas", {}).update(components(strict=strict))
+def complete(
+    doc: dict[str, Any],
+    *,
+    strict: bool,
+    vocab_size: int | None = None,
+    priorities: bool = True,
+) -> dict[str, Any]:
+    """FastAPI's document of the routes, plus the components their ``openapi_extra`` refer to.
+    What the server's settings decide is stated too: token ids below ``vocab_size``, and,
+    unless ``priorities`` (the priority scheduling policy), ``priority`` 0 only."""
+    schemas = components(strict=strict, vocab_size=vocab_size)
+    if not priorities:
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            schemas[name].setdefault("allOf", []).append(P.only("priority", {"const": 0}))
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
     return doc

@@ -59,6 +59,31 @@ MAX_REPETITION_PENALTY = 10.0  # a divisor of logits: beyond ~2 it already forbi
 MAX_JSON_DEPTH = 128
 
 
+# ---------------------------------------------------------------- cross-field rules in JSON Schema
+# A request Struct's ``json_schema_extra`` states the cross-field checks of its __post_init__
+# that JSON Schema can say, next to them; server/openapi.py merges it into /openapi.json.
+NULL = {"type": "null"}
+
+
+def given(name: str) -> dict[str, Any]:
+    """Schema: ``name`` is present and not null."""
+    return {"required": [name], "properties": {name: {"not": NULL}}}
+
+
+def equals(name: str, value: Any) -> dict[str, Any]:
+    """Schema: ``name`` is present and equal to ``value``."""
+    return {"required": [name], "properties": {name: {"const": value}}}
+
+
+def when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {"if": condition, "then": then}
+
+
+def only(name: str, *options: dict[str, Any]) -> dict[str, Any]:
+    """Schema: ``name``, when present, is null or matches one of ``options``."""
+    return {"properties": {name: {"anyOf": [*options, NULL]}}}
+
+
 class ProtocolError(ValueError):
     """A request that does not match the schema; ``param`` names the field when known."""
 
@@ -124,8 +149,41 @@ def _check_sampling(req: _SamplingFields) -> None:
 
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# a token id; /openapi.json bounds it by the served model's vocabulary (server/openapi.py)
+TOKEN_ID_MARK = "x-radixkv-token-id"
+TokenId = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={TOKEN_ID_MARK: True})]
+# logit_bias's keys: token ids as strings (ASCII digits: str.isdigit also takes "²")
+TokenIdKey = Annotated[str, msgspec.Meta(pattern="^[0-9]{1,18}$")]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+# (one if/then/else per condition: schemathesis cannot generate from many separate ones)
+SAMPLING_RULES: list[dict[str, Any]] = [
+    {  # stream_options and prompt_logprobs each need stream to be the other way
+        "if": equals("stream", True),
+        "then": only("prompt_logprobs"),
+        "else": only("stream_options"),
+    },
+    {
+        "if": equals("use_beam_search", True),
+        "then": {  # what SamplingParams refuses with beam search
+            "allOf": [
+                only("stop", {"type": "array", "maxItems": 0}),
+                only("presence_penalty", {"const": 0}),
+                only("frequency_penalty", {"const": 0}),
+                only("repetition_penalty", {"const": 1}),
+                only("logit_bias", {"type": "object", "maxProperties": 0}),
+            ]
+        },
+        "else": {  # beam search's own parameters
+            "allOf": [
+                only("length_penalty", {"const": 1.0}),
+                only("early_stopping", {"const": False}),
+            ]
+        },
+    },
+]
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -140,13 +198,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: (
+        NonEmptyStr | Annotated[list[NonEmptyStr], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None
+    ) = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     ignore_eos: bool = False
     user: str | None = None
-    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
     return_tokens_as_token_ids: bool = False
     # vLLM's: each prompt token's logprob and the k most likely tokens at its position
     prompt_logprobs: NumLogprobs | None = None
@@ -155,7 +215,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
     # OpenAI's: token id (as a string) -> bias added to its logit; vLLM's min_tokens
-    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[TokenIdKey, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     # vLLM's: scheduling priority, lower first (radixkv serve --schedule-policy priority)
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
@@ -181,7 +241,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 # the request fields a SamplingParams error can name (its message starts with the name)
 SAMPLING_FIELDS = frozenset(_SamplingFields.__struct_fields__) | {"logprobs", "top_logprobs"}
 
-NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 PromptType = (
     NonEmptyStr
     | Annotated[
@@ -191,7 +250,47 @@ PromptType = (
 )
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, TOKEN_ID_MARK: True}}
+
+
 class CompletionRequest(_SamplingFields, kw_only=True):
+    # what __post_init__ checks across fields, said in /openapi.json too
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [
+            *SAMPLING_RULES,
+            # one prompt: text, texts, token ids or lists of token ids, never a mixture
+            {
+                "properties": {
+                    "prompt": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {"type": "array", "items": {"type": "string"}},
+                            _TOKEN_IDS,
+                            {"type": "array", "items": {**_TOKEN_IDS, "minItems": 1}},
+                        ]
+                    }
+                }
+            },
+            only("suffix"),
+            when(
+                equals("max_tokens", 0),
+                {"allOf": [equals("echo", True), only("min_tokens", {"const": 0})]},
+            ),
+            when(
+                {
+                    "required": ["prompt_logprobs_start"],
+                    "properties": {"prompt_logprobs_start": {"type": "integer", "minimum": 1}},
+                },
+                {
+                    "anyOf": [
+                        given("prompt_logprobs"),
+                        {"allOf": [equals("echo", True), given("logprobs")]},
+                    ]
+                },
+            ),
+        ]
+    }
+
     prompt: PromptType
     # 0 only with echo: the prompt is scored (echo's logprobs), nothing generated
     max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
@@ -317,6 +416,19 @@ class ChatMessage(msgspec.Struct):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [
+            *SAMPLING_RULES,
+            when(
+                {
+                    "required": ["top_logprobs"],
+                    "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                },
+                equals("logprobs", True),
+            ),
+        ]
+    }
+
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     logprobs: bool = False
@@ -397,10 +509,18 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
     # what __post_init__ checks, said in /openapi.json too (server/openapi.py merges it)
     json_schema_extra: ClassVar[dict[str, Any]] = {
-        "oneOf": [
-            {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-            for name in ("prompt", "messages")
-        ]
+        "oneOf": [given("prompt"), given("messages")],
+        "allOf": [
+            when(
+                given("prompt"),
+                {
+                    "allOf": [
+                        only("tools", {"maxItems": 0}),
+                        only("chat_template_kwargs", {"maxProperties": 0}),
+                    ]
+                },
+            )
+        ],
     }
 
     model: str
@@ -455,6 +575,28 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
             msgspec.Meta(min_length=1),
         ]
     )
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [  # items are of the query's kind
+            when(
+                {"properties": {"query": {"type": "string"}}},
+                {
+                    "properties": {
+                        "items": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {"type": "array", "items": {"type": "string"}},
+                            ]
+                        }
+                    }
+                },
+            ),
+            when(
+                {"properties": {"query": {"type": "array"}}},
+                {"properties": {"items": {"type": "array", "items": {"type": "array"}}}},
+            ),
+        ]
+    }
+
     label_token_ids: Annotated[
         list[TokenId], msgspec.Meta(min_length=1, extra_json_schema={"uniqueItems": True})
     ]

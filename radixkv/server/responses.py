@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -63,6 +63,15 @@ class ReasoningConfig(msgspec.Struct, kw_only=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """The request body (module docstring for what maps to what)."""
 
+    # what __post_init__ checks, said in /openapi.json too (server/openapi.py merges it)
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [
+            P.only("background", {"const": False}),
+            P.only("truncation", {"const": "disabled"}),
+            P.only("metadata", {"type": "object", "maxProperties": 16}),
+        ]
+    }
+
     model: str
     input: P.NonEmptyStr | list[dict[str, Any]]
     instructions: str | None = None
@@ -79,7 +88,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as on chat completions
-    cache_salt: str | None = None  # as on chat completions
+    cache_salt: P.CacheSalt | None = None  # as on chat completions
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
     background: bool = False
