@@ -35,7 +35,7 @@ LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def _set(body: dict[str, Any], key: str) -> bool:
-    return body.get(key) not in (None, [], {})
+    return body.get(key) is not None
 
 
 @schemathesis.hook

@@ -101,7 +101,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "strict_api": server.strict_api or None,
         "metrics_require_key": server.metrics_require_key,  # None: as keys are configured
         "allowed_hosts": server.allowed_hosts or None,
-        "body_timeout_s": server.body_timeout_s,
         "tool_call_parser": server.tool_call_parser,
         "reasoning_parser": server.reasoning_parser,
         "responses_store_size": server.responses_store_size,

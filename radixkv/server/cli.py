@@ -82,13 +82,6 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "and its own address (others get 400: DNS rebinding); '*' allows any",
     )
     p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="a request body not complete this long after its headers is a 408 (default: 60)",
-    )
-    p.add_argument(
         "--tool-call-parser",
         default=None,
         choices=TOOL_CALL_PARSERS,
@@ -150,8 +143,9 @@ def server_config_from_args(
         strict_api=args.strict_api,
         metrics_require_key=args.metrics_require_key,
         allowed_hosts=tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()),
-        body_timeout_s=args.body_timeout,
-        header_timeout_s=getattr(args, "header_timeout", 30.0),  # radixkv serve's flag
+        # radixkv serve's flags (serve-ray's requests are read by Ray's HTTP proxy)
+        body_timeout_s=getattr(args, "body_timeout", 60.0),
+        header_timeout_s=getattr(args, "header_timeout", 30.0),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size,
@@ -187,6 +181,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="close a connection that has not sent a request's headers this long after it "
         "opened or got its previous response (default: 30)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request body not complete this long after its headers is a 408 (default: 60)",
     )
     p.add_argument(
         "--kv-events",
