@@ -637,6 +637,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 _AT_PATH = re.compile(r"- at `\$\.?([^`]*)`")
+_AT_KEY = re.compile(r"- at `key` in `\$\.?([^`]*)`")  # a dict's key: name the dict
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 _FIRST_WORD = re.compile(r"[a-z_]+")
 
@@ -740,7 +741,7 @@ def decode_request(
     except msgspec.ValidationError as e:
         msg = str(e)
         param = None
-        for pattern in (_AT_PATH, _MISSING):
+        for pattern in (_AT_PATH, _AT_KEY, _MISSING):
             m = pattern.search(msg)
             if m:
                 # a dict value's path ends in [...] (msgspec): name the dict
