@@ -9,11 +9,13 @@ Requests are decoded the way real OpenAI clients send them (``decode_request``):
 - unknown fields are dropped and reported to the caller (the app logs one warning per field
   name), or, with ``strict=True`` (``radixkv serve --strict-api``), rejected with 400;
 - wrong JSON types and out-of-range values are a ``ProtocolError`` naming the parameter, which
-  the app turns into an OpenAI-shaped 400.
+  the app turns into an OpenAI-shaped 400; an integral number (``1.0``) is an integer, as JSON
+  Schema has it; a body nested deeper than ``MAX_JSON_DEPTH`` is refused before it is parsed.
 
 Range checks are msgspec ``Meta`` constraints (so the OpenAPI schema, server/openapi.py, states
 them too) plus cross-field checks in ``__post_init__`` whose messages start with the field's
-name; a Struct that exists is a valid one. Responses are Structs too, encoded with
+name, stated in JSON Schema too where it can say them (a Struct's ``json_schema_extra``); a
+Struct that exists is a valid one. Responses are Structs too, encoded with
 ``msgspec.json``.
 
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
