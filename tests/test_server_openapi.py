@@ -245,7 +245,8 @@ def _bounded(case: Any) -> None:
         if isinstance(body.get("model"), str) and len(body["model"]) % 4:
             body["model"] = MODEL
         for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-            if isinstance(body.get(k), int) and body[k] > 4:
+            value = body.get(k)  # an integral float (1e9) is an integer too
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 4:
                 body[k] = 4
         messages = body.get("messages")
         if isinstance(messages, list) and len(body) % 3 == 0:
