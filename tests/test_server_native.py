@@ -951,7 +951,11 @@ def test_api_keys_are_enforced(guarded: tuple[BackgroundServer, ServerState]) ->
         for path in ("/get_model_info", "/get_server_info"):
             error_of(c.get(path), 401)
             assert c.get(path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-        assert c.get("/health_generate").status_code == 200  # probes need no key (as SGLang)
+        # with keys, the probe that runs the engine needs one too (SGLang's needs none)
+        error_of(c.get("/health_generate"), 401)
+        assert (
+            c.get("/health_generate", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        )
         error_of(c.post("/flush_cache", headers={"Authorization": f"Bearer {KEY}"}), 401)
         auth = {"Authorization": f"Bearer {KEY}"}
         r = c.post("/generate", json={"text": "hi", "sampling_params": GREEDY}, headers=auth)

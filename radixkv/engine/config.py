@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.attention.registry import BACKENDS
 from radixkv.cache.eviction import POLICIES
-from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH
+from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE
 from radixkv.engine.cascade_planner import CASCADE_MODES
 from radixkv.engine.lora import parse_lora_modules
 from radixkv.engine.prefill_cost import PREFILL_BUDGETS
@@ -176,8 +176,19 @@ class EngineConfig:
         default=WRITE_THROUGH,
         metadata=_cli(
             "when host-tier pages are written to storage: once in the host tier, once hit "
-            "--write-through-threshold times, or when evicted from the host tier (and at close)",
+            "--kv-storage-write-threshold times, or when evicted from the host tier (and at "
+            "close)",
             choices=WRITE_POLICIES,
+        ),
+    )
+    # None: --write-through-threshold, as before the storage tier had a threshold of its own
+    kv_storage_write_threshold: int | None = field(
+        default=None,
+        metadata=_cli(
+            "hits before write_through_selective writes a host-tier prefix to storage "
+            "(default: --write-through-threshold; with --write-policy write_through_selective "
+            "too, at most that)",
+            type=int,
         ),
     )
     # 16 tokens (a page at the default page size): a missed lookup costs 63 us (directory) or
@@ -342,6 +353,14 @@ class EngineConfig:
         default=None,
         metadata=_cli("branch, tag or commit of a Hugging Face repo id (default: main)", type=str),
     )
+    gguf_file: str | None = field(
+        default=None,
+        metadata=_cli(
+            "the GGUF file to load from the model folder or Hugging Face repo id (a *.gguf "
+            "path or a packaged model's name needs none)",
+            type=str,
+        ),
+    )
     tokenizer: str | None = field(
         default=None,
         metadata=_cli("folder or Hugging Face repo id to take the tokenizer from", type=str),
@@ -386,6 +405,19 @@ class EngineConfig:
         ):
             raise ValueError(f"kv_storage must be a storage URL, got {self.kv_storage!r}")
         _one_of("kv_storage_write_policy", self.kv_storage_write_policy, WRITE_POLICIES)
+        st = self.kv_storage_write_threshold
+        if st is not None:
+            _pos_int("kv_storage_write_threshold", st)
+            both = self.write_policy == self.kv_storage_write_policy == WRITE_THROUGH_SELECTIVE
+            if both and st > self.write_through_threshold:
+                # the cache reports a host page's hits at one count, the host tier's
+                raise ValueError(
+                    f"kv_storage_write_threshold {st} exceeds write_through_threshold "
+                    f"{self.write_through_threshold} while write_policy and "
+                    "kv_storage_write_policy are both write_through_selective: a page reaches "
+                    "the host tier at write_through_threshold hits and its later hits are not "
+                    "counted for storage; raise write_through_threshold or lower this"
+                )
         _pos_int("kv_storage_prefetch_threshold", self.kv_storage_prefetch_threshold)
         t = self.kv_storage_timeout
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 600:
@@ -431,7 +463,7 @@ class EngineConfig:
         if self.lora_modules is not None:
             pairs = parse_lora_modules(self.lora_modules)
             object.__setattr__(self, "lora_modules", pairs or None)
-        for name in ("revision", "tokenizer", "chat_template"):
+        for name in ("revision", "gguf_file", "tokenizer", "chat_template"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")

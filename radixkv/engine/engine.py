@@ -41,6 +41,7 @@ from radixkv.attention.registry import BackendChoice, choose_backend
 from radixkv.cache import PagePool, RadixCache, WindowSlots
 from radixkv.cache.events import Listener
 from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
+from radixkv.cache.tiers import WRITE_THROUGH_SELECTIVE
 from radixkv.engine.beam_runner import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
 from radixkv.engine.config import EngineConfig, canonical_options
@@ -61,7 +62,7 @@ from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.scoring import label_scores, score_params, score_prompts
 from radixkv.engine.session import Session
 from radixkv.engine.speculative import Speculator
-from radixkv.engine.storage_tier import StorageTier
+from radixkv.engine.storage_tier import StorageIO, StorageTier
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.hybrid_pool import HybridKVPool
@@ -95,7 +96,9 @@ class Engine:
 
     ``model`` is a name (``"radixkv-tiny"``), a local Hugging Face folder, a Hugging Face repo id
     (``"Qwen/Qwen2.5-0.5B-Instruct"``, fetched through the Hub cache; ``revision=`` picks a
-    branch, tag or commit), or an already loaded ``LoadedModel``. The knobs are
+    branch, tag or commit), a GGUF file (``"path/to/model.gguf"``, a folder or repo id with
+    ``gguf_file=``, or the packaged ``"smollm2-135m-instruct"``), or an already loaded
+    ``LoadedModel``. The knobs are
     :class:`EngineConfig`'s: pass ``config=EngineConfig(...)``, its fields as keyword arguments
     (``Engine(model, page_size=8, cascade="off")``; vLLM's / SGLang's spellings such as
     ``enable_prefix_caching`` are accepted too), or both (the keywords override the config's
@@ -132,9 +135,6 @@ class Engine:
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
         # what the storage tier keys pages by: the weights' identity (None: no storage tier)
         self._fingerprint = None if backend is None else model_fingerprint(self.model.model, mc)
-        self.storage = _storage_tier(
-            self.kv_pool, self.host_kv_pool, cfg, backend, self._fingerprint
-        )
         self.cache = RadixCache(
             self.pool,
             page_size=cfg.page_size,
@@ -142,24 +142,26 @@ class Engine:
             host_pool=None if self.host_kv_pool is None else PagePool(self.host_kv_pool.num_pages),
             copier=self.copier,
             write_policy=cfg.write_policy,
-            write_through_threshold=cfg.write_through_threshold,
+            write_through_threshold=_host_hit_threshold(cfg),
+        )
+        # the engine's door to storage (storage_tier.py): prefetches into the host tier,
+        # writes of host pages (it observes the cache's host tier from here on)
+        self.storage = _storage_tier(
+            self.cache, self.kv_pool, self.host_kv_pool, cfg, backend, self._fingerprint
         )
         self.backend_choice: BackendChoice = choose_backend(cfg.attention_backend, self.kv_pool)
         self.runner = ModelRunner(self.model.model, self.kv_pool, backend=self.backend_choice.name)
         self.page_size = cfg.page_size
         self.vocab_size: int = mc.vocab_size
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
-        # the only engine code that calls the cache (kv_manager.py)
+        # the engine's door to the cache (kv_manager.py); the storage tier is the only other
+        # engine code that calls it
         self.seq_kv = SeqKV(
             self.cache,
             enable_prefix_cache=cfg.enable_prefix_cache,
-            storage=self.storage,
-            prefetch_threshold=cfg.kv_storage_prefetch_threshold,
             window=self.window_slots,
             window_tokens=window_tokens,
         )
-        if self.storage is not None:  # host pages reach storage as the cache reports them
-            self.cache.set_host_observer(self.storage.observe)
         self.scheduler = Scheduler(
             cfg,
             self.seq_kv,
@@ -328,7 +330,9 @@ class Engine:
         self._live[rid] = request
         request.weight_version = self.weight_version
         self._stats.record_request()
-        self.seq_kv.start_prefetch(request)  # storage tier: look the prompt up meanwhile
+        if self.storage is not None:  # look the prompt up in storage meanwhile
+            ids = request.seqs[0].token_ids
+            request.prefetch = self.storage.start_prefetch(request.cache_namespace, ids)
         for seq in request.seqs:
             self.scheduler.add(seq)
         return rid
@@ -364,7 +368,9 @@ class Engine:
         If the forward raises, the batch's requests end with "error", their final outputs wait
         for :meth:`drain` (or the next step) and the exception propagates."""
         t0 = time.perf_counter()
-        self.seq_kv.poll()  # retire finished host-tier copies, land storage prefetches
+        self.seq_kv.poll()  # retire finished host-tier copies
+        if self.storage is not None:  # found pages join the host tier before admission
+            self.storage.land_prefetches()
         batch = self.scheduler.schedule()
         # host-tier loads started at admission must land before the forward reads them
         failed = self.seq_kv.finish_loads(batch.seqs)
@@ -374,7 +380,7 @@ class Engine:
         if not batch.seqs:
             # requests waiting for their storage prefetch: wait a little for it (nothing else
             # to run), else the queue's head cannot be admitted at all
-            if not failed and not self.seq_kv.wait_prefetch():
+            if not failed and (self.storage is None or not self.storage.wait_prefetch()):
                 self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()
@@ -955,7 +961,7 @@ class Engine:
         if users:
             more = f" and {len(users) - 1} more" if len(users) > 1 else ""
             raise ValueError(f"LoRA adapter {name!r} is in use by request {users[0]!r}{more}")
-        stale = self.loras.namespaces_of(info, self.cache.namespaces)
+        stale = self.loras.namespaces_of(info, self.seq_kv.namespaces())
         self.loras.unload(name)
         self.seq_kv.reset_cache(stale)
         return info
@@ -1029,7 +1035,7 @@ class Engine:
             retracted = len(self.scheduler.retract_all())
         apply_weights(self.model.model, staged)
         pins = self.seq_kv.num_pins
-        dropped, dropped_host = self.seq_kv.invalidate(live)
+        dropped, dropped_host = self.seq_kv.invalidate()
         if self.storage is not None and self._fingerprint is not None:
             if staged.complete:  # as a fresh load of these weights: a fleet shares their pages
                 fp = model_fingerprint(self.model.model, self.model.config)
@@ -1041,6 +1047,7 @@ class Engine:
             self.weight_version = weight_version
         for group in live:
             group.weight_version = self.weight_version
+            group.prefetch = None  # what it brings is of the old weights' KV format
         update = WeightUpdate(
             weight_version=self.weight_version,
             tensors=len(staged.tensors),
@@ -1079,15 +1086,16 @@ class Engine:
         for g in self._live.values():
             if g.lora is not None:
                 (run_loras if id(g) in groups else wait_loras).add(g.lora.name)
+        counters = kv.cache_stats()
         return self._stats.snapshot(
             cached_pages=kv.num_cached_pages,
-            evicted_pages=kv.num_evicted_pages,
+            evicted_pages=counters.evicted_pages,
             kv_pages_free=kv.num_free_pages,
             num_running=running,
             num_waiting=len(self._live) - running,
             locked_pages=kv.num_locked_pages,
             private_pages=kv.num_private_pages,
-            cache=self.cache.stats if kv.tiered else None,
+            cache=counters if kv.tiered else None,
             load_back_seconds=kv.load_back_seconds,
             storage=None if self.storage is None else self.storage.stats(),
             loras=(len(self.loras.infos()), sorted(run_loras), sorted(wait_loras)),
@@ -1111,19 +1119,18 @@ class Engine:
     def add_cache_listener(self, listener: Listener) -> None:
         """Call ``listener(event)`` for every cache event (cache/events.py), on the thread
         that drives the engine: add it from there too (AsyncEngine does)."""
-        self.cache.add_listener(listener)
+        self.seq_kv.add_listener(listener)
 
     def remove_cache_listener(self, listener: Listener) -> None:
         """Stop calling ``listener`` (ValueError if it was not added)."""
-        self.cache.remove_listener(listener)
+        self.seq_kv.remove_listener(listener)
 
     def flush_storage(self, timeout: float | None = 30.0) -> bool:
         """Wait until the pages queued for the storage tier are written (True), or ``timeout``
         seconds passed (False); True at once without a storage tier."""
         if self.storage is None:
             return True
-        self.cache.wait_all()  # backups in flight report their pages when retired
-        return self.storage.flush(timeout)
+        return self.storage.flush(timeout)  # backups in flight report their pages first
 
     def close(self) -> None:
         """Stop the background threads: finish the storage writes queued (under the
@@ -1134,12 +1141,9 @@ class Engine:
             return
         self._closed = True
         if self.storage is not None:
-            self.cache.wait_all()
-            if self.storage.write_policy == "write_back":
-                self.storage.write_all(self.cache.host_runs())
             self.storage.close()
         if self.copier is not None:
-            self.cache.wait_all()
+            self.seq_kv.wait_copies()
             self.copier.close()
 
     def __enter__(self) -> Engine:
@@ -1151,7 +1155,9 @@ class Engine:
 
 def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
     if isinstance(model, LoadedModel):
-        given = [n for n in ("revision", "tokenizer", "chat_template") if getattr(cfg, n)]
+        given = [
+            n for n in ("revision", "gguf_file", "tokenizer", "chat_template") if getattr(cfg, n)
+        ]
         if given:
             raise ValueError(
                 f"{', '.join(given)} apply when the engine loads the model; pass them to "
@@ -1166,6 +1172,7 @@ def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
         revision=cfg.revision,
         tokenizer=cfg.tokenizer,
         chat_template=cfg.chat_template,
+        gguf_file=cfg.gguf_file,
     )
 
 
@@ -1228,28 +1235,55 @@ def _kv_format(fingerprint: bytes, kv: KVPool) -> bytes:
     )
 
 
+def _storage_write_threshold(cfg: EngineConfig) -> int:
+    """Matches through a host page before ``write_through_selective`` writes it to storage:
+    ``kv_storage_write_threshold``, by default ``write_through_threshold``."""
+    s = cfg.kv_storage_write_threshold
+    return cfg.write_through_threshold if s is None else s
+
+
+def _host_hit_threshold(cfg: EngineConfig) -> int:
+    """The cache's ``write_through_threshold``: the host tier's when its write policy counts
+    hits, else the storage tier's, since the cache reports a host page's hits to its observer
+    at that one count (EngineConfig refuses a storage threshold above the host tier's when
+    both count hits: it could not be honoured)."""
+    if cfg.write_policy == WRITE_THROUGH_SELECTIVE or cfg.kv_storage is None:
+        return cfg.write_through_threshold
+    return _storage_write_threshold(cfg)
+
+
 def _storage_tier(
+    cache: RadixCache,
     kv: KVPool,
     host: HostKVPool | None,
     cfg: EngineConfig,
     backend: StorageBackend | None,
     fingerprint: bytes | None,
 ) -> StorageTier | None:
-    """The storage tier over ``backend`` (None: no storage tier), keyed by the KV format of
-    the weights with ``fingerprint``."""
+    """The storage tier over ``backend`` and ``cache`` (None: no storage tier), keyed by the
+    KV format of the weights with ``fingerprint``."""
     if backend is None or fingerprint is None:
         return None
     assert host is not None  # _host_tier gives storage a host tier
-    return StorageTier(
+    io = StorageIO(
         backend,
         host,
         format_id=_kv_format(fingerprint, kv),
         page_size=kv.page_size,
-        write_policy=cfg.kv_storage_write_policy,
-        write_threshold=cfg.write_through_threshold,
         timeout=float(cfg.kv_storage_timeout),
         write_queue_pages=cfg.kv_storage_write_queue,
     )
+    try:
+        return StorageTier(
+            cache,
+            io,
+            write_policy=cfg.kv_storage_write_policy,
+            write_threshold=_storage_write_threshold(cfg),
+            prefetch_threshold=cfg.kv_storage_prefetch_threshold,
+        )
+    except Exception:
+        io.close()  # its threads run already
+        raise
 
 
 def _hybrid_window_kv(lm: LoadedModel, cfg: EngineConfig) -> bool:

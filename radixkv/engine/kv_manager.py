@@ -1,6 +1,8 @@
 """Per-sequence page bookkeeping against the radix cache: match/lock, allocate, insert, release.
 
-``SeqKV`` is the only engine code that calls the cache. Ownership of a sequence's pages:
+``SeqKV`` is the engine's door to the cache: no other engine code calls it but the storage
+tier (storage_tier.py), which lands prefetched pages in the host tier and observes host pages
+to write (tests/test_doors.py keeps this). Ownership of a sequence's pages:
 ``page_table[:num_shared_pages]`` are trie pages kept alive by one lock on ``locked_node``;
 ``page_table[num_shared_pages:]`` are private (allocated from ``cache.alloc``, freed or handed
 to the trie by ``insert``). With the prefix cache disabled nothing is matched or inserted:
@@ -8,9 +10,9 @@ every page is private and is freed when the sequence is released. Sessions' pins
 keep a state's pages cached between requests, session.py) are taken and counted here too.
 
 With a storage tier (storage_tier.py), a queued request's prefix past its device + host hit is
-looked up in storage in the background (``start_prefetch``), and what was found is put in the
-host tier at the start of a step (``land_prefetches``), so that admission loads it back like
-any host hit.
+looked up in storage in the background, and what was found is put in the host tier at the start
+of a step, so that admission loads it back like any host hit; SeqKV only reads the outcome of
+a request's prefetch (``prefetch_pending``, ``storage_hit_tokens``).
 
 With hybrid window KV (``window``: radixkv/cache/window_slots.py) each new page also gets a
 window slot (its sliding-window layers' K/V), and a sequence pins the slots of
@@ -24,20 +26,14 @@ and a slot, so ``available_pages`` is the smaller supply of the two.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
-from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from radixkv.cache import OutOfPages, RadixCache, TreeNode, WindowSlots
-from radixkv.engine.request import Namespace, RequestGroup, Sequence
-from radixkv.engine.storage_tier import PrefetchJob, StorageTier
+from radixkv.cache import CacheStats, OutOfPages, RadixCache, TreeNode, WindowSlots
+from radixkv.cache.events import Listener
+from radixkv.engine.request import Namespace, Sequence
 from radixkv.pages import pages_for, window_start_page
-
-log = logging.getLogger("radixkv.storage")
-
-_IDLE_WAIT_S = 0.05  # longest an idle step waits for a prefetch before returning
 
 
 class SeqKV:
@@ -51,8 +47,6 @@ class SeqKV:
         cache: RadixCache,
         *,
         enable_prefix_cache: bool,
-        storage: StorageTier | None = None,
-        prefetch_threshold: int = 0,
         window: WindowSlots | None = None,
         window_tokens: int = 0,
     ) -> None:
@@ -68,11 +62,8 @@ class SeqKV:
         # host tier: tokens the last acquire() loaded back, and cumulative load-back wait time
         self.last_loaded_tokens = 0
         self.load_back_seconds = 0.0
-        # storage tier: prefetches not landed yet; of the last acquire's loaded tokens, how
-        # many a prefetch had brought from storage
-        self.storage = storage
-        self.prefetch_threshold = prefetch_threshold
-        self._jobs: list[PrefetchJob] = []
+        # storage tier: of the last acquire's loaded tokens, how many a prefetch had brought
+        # from storage
         self.last_storage_tokens = 0
         # hybrid window KV: the window slots and the model's largest window (tokens); a
         # finished sequence keeps the slots of that window and a quarter before its end
@@ -412,127 +403,31 @@ class SeqKV:
         self._pins.clear()
         return n
 
-    # ------------------------------------------------------------------ storage prefetch
-    def start_prefetch(self, group: RequestGroup) -> None:
-        """Look the request's prompt up in storage past its device + host hit, in the
-        background, when at least ``prefetch_threshold`` tokens could be found there (the
-        request then waits for it, up to the storage timeout, before admission)."""
-        storage = self.storage
-        if storage is None or not self.enabled:
-            return
-        ids = group.seqs[0].token_ids
-        total = (len(ids) - 1) // self.page_size  # whole pages of what acquire() may match
-        if total <= 0:
-            return
-        hit = self.cache.peek_prefix(
-            ids[: len(ids) - 1], namespace=group.cache_namespace, host=True
-        )
-        start = hit // self.page_size
-        if (total - start) * self.page_size < max(1, self.prefetch_threshold):
-            return
-        job = storage.prefetch(
-            group.cache_namespace, ids[: total * self.page_size].tobytes(), start, total
-        )
-        group.prefetch = job
-        self._jobs.append(job)
-
+    # ------------------------------------------------------------------ storage prefetch results
     def storage_hit_tokens(self, seq: Sequence, hit: int, loaded: int) -> int:
-        """Of ``hit`` tokens, ``loaded`` of them from the host tier, those its storage prefetch
-        had put there (pages since promoted by another request count as device hits)."""
+        """Of ``hit`` tokens, ``loaded`` of them from the host tier, those its request's storage
+        prefetch had put there (0 without one; the prefetch itself: storage_tier.py)."""
         job = seq.group.prefetch
-        if job is None or not job.landed or not loaded:
-            return 0
-        a, b = job.landed_tokens
-        return max(0, min(min(hit, b) - a, loaded))
+        return 0 if job is None else job.hit_tokens(hit, loaded)
 
     def prefetch_pending(self, seq: Sequence) -> bool:
-        """Whether the sequence should wait for its storage prefetch before admission."""
+        """Whether the sequence should wait for its request's storage prefetch before
+        admission (not landed yet, and before its deadline)."""
         job = seq.group.prefetch
         return job is not None and job.holds_back(time.monotonic())
 
-    def land_prefetches(self) -> int:
-        """Put the pages of finished prefetches in the host tier; returns how many landed."""
-        if not self._jobs:
-            return 0
-        landed = 0
-        keep: list[PrefetchJob] = []
-        for job in self._jobs:
-            if not job.done:
-                keep.append(job)
-                continue
-            try:
-                landed += self._land(job)
-            except Exception:  # storage data that cannot land is a miss, never an engine error
-                log.exception("landing prefetched KV pages failed")
-            job.landed = True
-            job.payloads = []  # the host tier has them now
-        self._jobs = keep
-        return landed
-
-    def drop_prefetches(self, groups: Iterable[RequestGroup]) -> None:
-        """Forget every prefetch not landed yet (``groups``: the live requests, whose jobs go
-        too): the pages they bring are of a KV format no longer served (new weights)."""
-        self._jobs = []
-        for g in groups:
-            g.prefetch = None
-
-    def wait_prefetch(self) -> bool:
-        """For a step that could schedule nothing: wait (briefly) for the prefetches that hold
-        requests back. False if none does (the step is really stuck)."""
-        now = time.monotonic()
-        jobs = [j for j in self._jobs if j.holds_back(now)]
-        if not jobs or self.storage is None:
-            return False
-        left = min(j.deadline for j in jobs) - now
-        self.storage.wait(jobs, min(_IDLE_WAIT_S, max(0.0, left)))
-        return True
-
-    def _land(self, job: PrefetchJob) -> int:
-        n = len(job.payloads)
-        if not n:
-            return 0
-        t = time.perf_counter()
-        cache, ps = self.cache, self.page_size
-        tokens = array("q")
-        tokens.frombytes(job.key_bytes[: (job.start + n) * ps * 8])
-        pin = None
-        if job.start:  # the prefix the pages continue must not make room for them
-            m = cache.match_prefix(tokens[: job.start * ps], namespace=job.namespace)
-            if m.num_tokens + m.num_host_tokens < job.start * ps:
-                return 0  # evicted since the lookup: nothing to attach the pages to
-            pin = m.host_node
-            cache.lock(pin)
-        try:
-            st = cache.stats
-            n = min(n, st.host_free_pages + st.host_evictable_pages)
-            if not n:
-                return 0
-            try:
-                pages = cache.alloc_host(n)
-            except OutOfPages:
-                return 0
-            try:
-                self.storage.land(job, pages)
-            except Exception:
-                cache.host_pool.free(pages)
-                raise
-            added = cache.insert_host(tokens[: (job.start + n) * ps], pages, job.namespace)
-        finally:
-            if pin is not None:
-                cache.unlock(pin)
-        end = (job.start + n) * ps
-        job.landed_tokens = (end - added * ps, end)
-        self.storage.record_landed(added, time.perf_counter() - t)
-        return added
-
     # ------------------------------------------------------------------ cache-wide
     def poll(self) -> None:
-        """Retire finished host-tier copies (write-through backups) and land finished storage
-        prefetches; no-op without tiers."""
+        """Retire finished host-tier copies (backups, load-backs) without blocking; no-op
+        without a host tier."""
         if self.tiered:
             self.cache.poll()
-        if self._jobs:
-            self.land_prefetches()
+
+    def wait_copies(self) -> None:
+        """Wait for every host-tier copy in flight and retire it (before the copier stops);
+        no-op without a host tier."""
+        if self.tiered:
+            self.cache.wait_all()
 
     def _check_window(self, running: Iterable[Sequence], *, idle: bool) -> None:
         """The window slots' own invariants, and the pins are exactly the running sequences':
@@ -568,20 +463,33 @@ class SeqKV:
         """Cached pages that locks protect from eviction (running requests', pins')."""
         return self.cache.num_locked_pages
 
-    @property
-    def num_evicted_pages(self) -> int:
-        """Pages evicted from the cache since it was built."""
-        return self.cache.stats.evicted_pages
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(event)`` for every KV event of the cache (BlockStored, BlockRemoved,
+        AllBlocksCleared), synchronously, in the thread that steps the engine: add and remove
+        listeners from that thread too."""
+        self.cache.add_listener(fn)
 
-    def invalidate(self, groups: Iterable[RequestGroup]) -> tuple[int, int]:
-        """Drop every cached page of the device and host tiers, pinned ones included, and the
-        storage prefetches of ``groups`` (the live requests): KV that must never be reused
-        (the weights changed). No sequence may hold pages (retract or finish them first).
-        Returns the (device, host) pages dropped."""
+    def remove_listener(self, fn: Listener) -> None:
+        """Stop calling ``fn`` (added by :meth:`add_listener`)."""
+        self.cache.remove_listener(fn)
+
+    def cache_stats(self) -> CacheStats:
+        """A snapshot of every cache counter (a report's; it builds some 30 fields, so hot
+        paths read the counters they need instead)."""
+        return self.cache.stats
+
+    def namespaces(self) -> list[Namespace]:
+        """The namespaces other than the default (None) that hold cached entries."""
+        return self.cache.namespaces
+
+    def invalidate(self) -> tuple[int, int]:
+        """Drop every cached page of the device and host tiers, pinned ones included: KV that
+        must never be reused (the weights changed; the storage tier's prefetches in flight
+        are dropped by its ``rekey``). No sequence may hold pages (retract or finish them
+        first). Returns the (device, host) pages dropped."""
         cache = self.cache
         cache.wait_all()  # a copy in flight locks its node: retire it first
         self.drop_pins()
-        self.drop_prefetches(groups)
         dropped = cache.num_cached_pages, cache.num_host_pages
         cache.reset()
         if cache.num_cached_pages or cache.num_host_pages:  # a lock nobody accounts for
@@ -641,7 +549,7 @@ class SeqKV:
         if idle and not self.num_pins:
             assert self.num_private_pages == 0, "private pages remain after drain"
             # a host-tier copy in flight holds its own lock until poll() retires it
-            busy = self.tiered and cache.stats.copies_in_flight
+            busy = self.tiered and cache.copies_in_flight
             for node in () if busy else cache.iter_nodes():
                 if node.parent is not None:
                     assert node.lock_ref == 0, f"lock_ref {node.lock_ref} after drain"

@@ -1,25 +1,36 @@
-"""The engine's storage tier: background prefetch from storage into host memory, and
-asynchronous writes of host pages to storage.
+"""The storage tier from the engine's side: the one room that prefetches KV pages from storage
+into the host tier and writes host pages out to storage.
 
 Storage is the third tier, under the device pool and the host tier; it outlives the process
-and can be shared by a fleet (docs/cache_design.md, "Storage tier"). This module does the I/O
-and nothing that touches the trie: SeqKV (kv_manager.py) decides what to prefetch and puts
-fetched pages into the host tier (``RadixCache.alloc_host`` / ``insert_host``), and the cache
-tells ``observe`` which host pages to write (its host observer).
+and can be shared by a fleet (docs/cache_design.md, "Storage tier"). The backends and the page
+objects are torch-free, in radixkv/cache/storage/; this module is everything the engine does
+with them, in two classes:
 
-Two daemon threads, so that no step ever waits on storage:
+* :class:`StorageTier`, the engine's door to storage (``Engine.storage``), and besides SeqKV
+  (kv_manager.py) the only engine code that calls the cache: it decides which queued requests
+  are worth a lookup (``start_prefetch``, peeking their device + host hit), puts what was found
+  in the host tier at the start of a step (``land_prefetches``: ``RadixCache.alloc_host`` /
+  ``insert_host``), is the cache's host observer (``observe``: which host pages to write, by
+  its write policy and threshold), and at ``close`` writes out what only the host tier holds
+  (``write_back``).
+* :class:`StorageIO`, the I/O, which touches no trie: two daemon threads, so that no step ever
+  waits on storage.
 
-* the reader runs prefetch jobs in order: the pages of a queued request past its device + host
-  hit, by hash chain, stopping at the first page not found intact or at the job's deadline;
-* the writer drains a bounded queue of host-page snapshots (taken in the engine thread when the
-  cache reports a page, so the host pool may reuse the page at once). A full queue drops the
-  write and counts it; the step never blocks on it.
+  - the reader runs prefetch jobs in order: the pages of a queued request past its device +
+    host hit, by hash chain, stopping at the first page not found intact or at the job's
+    deadline;
+  - the writer drains a bounded queue of host-page snapshots (taken in the engine thread when
+    the cache reports a page, so the host pool may reuse the page at once). A full queue drops
+    the write and counts it; the step never blocks on it.
 
-Faults (backend down at start or mid-run, a timeout, disk full, permission denied) raise
-StorageError in a thread; the tier logs one warning per outage and kind, counts it, stops
-using the backend for a growing back-off (0.5 s doubling to 30 s: jobs are misses, writes are
-dropped meanwhile), then tries again and logs the recovery. The device and host tiers are never
-affected.
+  Faults (backend down at start or mid-run, a timeout, disk full, permission denied) raise
+  StorageError in a thread; the I/O logs one warning per outage and kind, counts it, stops
+  using the backend for a growing back-off (0.5 s doubling to 30 s: jobs are misses, writes are
+  dropped meanwhile), then tries again and logs the recovery. The device and host tiers are
+  never affected.
+
+A sequence's share of storage in its hit (``PrefetchJob.hit_tokens``) is read by SeqKV and the
+scheduler from the job its request carries (``RequestGroup.prefetch``).
 """
 
 from __future__ import annotations
@@ -27,25 +38,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections import deque
 from typing import Any
 
 import msgspec
 import torch
 
+from radixkv.cache import OutOfPages, RadixCache
 from radixkv.cache.storage import KnownKeys, PageStore, StorageBackend, StorageError
 from radixkv.cache.tiers import (
     HOST_HIT,
     HOST_LEAVING,
     HOST_STORED,
     WRITE_BACK,
+    WRITE_POLICIES,
     WRITE_THROUGH,
     WRITE_THROUGH_SELECTIVE,
     HostRun,
 )
 from radixkv.kv.host_pool import HostKVPool
 
-__all__ = ["PrefetchJob", "StorageStats", "StorageTier"]
+__all__ = ["PrefetchJob", "StorageIO", "StorageStats", "StorageTier"]
 
 log = logging.getLogger("radixkv.storage")
 
@@ -60,6 +74,7 @@ _COUNTERS = (
     "skipped_known",
 )
 _CHUNK = 64  # pages per queued write: bounds one snapshot's memory and one backend call
+_IDLE_WAIT_S = 0.05  # longest an idle step waits for a prefetch before returning
 
 
 class StorageStats(msgspec.Struct, kw_only=True):
@@ -125,6 +140,14 @@ class PrefetchJob:
         """Whether its request should wait for it: not landed, and before its deadline."""
         return not self.landed and now < self.deadline
 
+    def hit_tokens(self, hit: int, loaded: int) -> int:
+        """Of a sequence's ``hit`` tokens, ``loaded`` of them from the host tier, those this
+        job put there (pages since promoted by another request count as device hits)."""
+        if not self.landed or not loaded:
+            return 0
+        a, b = self.landed_tokens
+        return max(0, min(min(hit, b) - a, loaded))
+
     def __repr__(self) -> str:
         return (
             f"PrefetchJob(pages {self.start}..{self.stop}, done={self.done}, "
@@ -133,19 +156,232 @@ class PrefetchJob:
 
 
 class StorageTier:
-    """Prefetch and write-out between a storage backend and the host tier's KV.
+    """The engine's storage tier: which requests' prefixes to look up in storage and where what
+    was found goes (the host tier), which host pages to write and when.
+
+    Besides SeqKV, the only engine code that calls the cache. Built over a cache with a host
+    tier, it is that cache's host observer from construction to :meth:`close`. Call it from the
+    engine thread only, like the cache; the I/O runs in ``io``'s threads. It needs the prefix
+    cache on (nothing is matched or inserted otherwise).
+
+    Args:
+        cache: the engine's radix cache (with a host tier: found pages land there, written
+            pages are read from there).
+        io: the storage I/O over the host tier's K/V (``io.page_size == cache.page_size``).
+        write_policy: when a host-tier page is written: "write_through" (once it is in the host
+            tier), "write_through_selective" (once matches went through it ``write_threshold``
+            times: when it enters or leaves the host tier hit that often, or when the cache
+            reports that its hits reached the cache's ``write_through_threshold``) or
+            "write_back" (when it leaves the host tier, and at :meth:`close`).
+        write_threshold: see ``write_policy``. The cache reports a host page's hits at one
+            count, its own ``write_through_threshold``, so under "write_through_selective"
+            this must equal it, or be lower when the cache's own policy is
+            "write_through_selective" too (a page then reaches the host tier only after that
+            many hits, so the lower count acts as the cache's); ValueError otherwise.
+        prefetch_threshold: fewest tokens a lookup must be able to find to be started.
+    """
+
+    def __init__(
+        self,
+        cache: RadixCache,
+        io: StorageIO,
+        *,
+        write_policy: str = WRITE_THROUGH,
+        write_threshold: int = 1,
+        prefetch_threshold: int = 0,
+    ) -> None:
+        if cache.host_pool is None:
+            raise ValueError("a storage tier needs a cache with a host tier (host_pool)")
+        if io.page_size != cache.page_size:
+            raise ValueError(
+                f"storage I/O page_size {io.page_size} != the cache's {cache.page_size}"
+            )
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown storage write policy {write_policy!r}")
+        if type(write_threshold) is not int or write_threshold < 1:
+            raise ValueError(
+                f"storage write threshold must be an int >= 1, got {write_threshold!r}"
+            )
+        host_thr = cache.write_through_threshold
+        if write_policy == WRITE_THROUGH_SELECTIVE and not (
+            write_threshold == host_thr
+            or (write_threshold < host_thr and cache.write_policy == WRITE_THROUGH_SELECTIVE)
+        ):
+            raise ValueError(
+                f"storage write threshold {write_threshold} cannot be honoured: the cache reports "
+                f"host pages' hits at its write_through_threshold ({host_thr}, write policy "
+                f"{cache.write_policy!r})"
+            )
+        self.cache = cache
+        self.io = io
+        self.page_size = cache.page_size
+        self.write_policy = write_policy
+        self.write_threshold = write_threshold
+        self.prefetch_threshold = prefetch_threshold
+        self._jobs: list[PrefetchJob] = []  # started and not landed yet, oldest first
+        self._closed = False
+        cache.set_host_observer(self.observe)
+
+    # ------------------------------------------------------------------ prefetch
+    def start_prefetch(self, namespace: Any, token_ids: array[int]) -> PrefetchJob | None:
+        """Look a queued request's prompt (``token_ids``, cached under ``namespace``) up in
+        storage past its device + host hit, in the background, when at least
+        ``prefetch_threshold`` tokens could be found there; returns the job (the request's
+        ``prefetch``: the scheduler holds it back while the job runs, up to the storage
+        timeout, ``PrefetchJob.holds_back``), or None when no lookup is worth it. Changes
+        nothing in the cache."""
+        ps = self.page_size
+        total = (len(token_ids) - 1) // ps  # whole pages of what SeqKV.acquire may match
+        if total <= 0:
+            return None
+        hit = self.cache.peek_prefix(
+            token_ids[: len(token_ids) - 1], namespace=namespace, host=True
+        )
+        start = hit // ps
+        if (total - start) * ps < max(1, self.prefetch_threshold):
+            return None
+        job = self.io.prefetch(namespace, token_ids[: total * ps].tobytes(), start, total)
+        self._jobs.append(job)
+        return job
+
+    @property
+    def prefetches(self) -> list[PrefetchJob]:
+        """The prefetch jobs started and not landed yet, oldest first."""
+        return list(self._jobs)
+
+    def land_prefetches(self) -> int:
+        """Put the pages of finished prefetches in the host tier (call at the start of a step,
+        before admission); returns how many pages landed. Data that cannot land is a miss,
+        logged, never an error."""
+        if not self._jobs:
+            return 0
+        landed = 0
+        keep: list[PrefetchJob] = []
+        for job in self._jobs:
+            if not job.done:
+                keep.append(job)
+                continue
+            try:
+                landed += self._land(job)
+            except Exception:  # storage data that cannot land is a miss, never an engine error
+                log.exception("landing prefetched KV pages failed")
+            job.landed = True
+            job.payloads = []  # the host tier has them now
+        self._jobs = keep
+        return landed
+
+    def wait_prefetch(self) -> bool:
+        """For a step that could schedule nothing: wait (briefly) for the prefetches that hold
+        requests back. False if none does (the step is really stuck)."""
+        now = time.monotonic()
+        jobs = [j for j in self._jobs if j.holds_back(now)]
+        if not jobs:
+            return False
+        left = min(j.deadline for j in jobs) - now
+        self.io.wait(jobs, min(_IDLE_WAIT_S, max(0.0, left)))
+        return True
+
+    def _land(self, job: PrefetchJob) -> int:
+        n = len(job.payloads)
+        if not n:
+            return 0
+        t = time.perf_counter()
+        cache, ps = self.cache, self.page_size
+        host = cache.host_pool
+        assert host is not None  # checked at construction
+        tokens = array("q")
+        tokens.frombytes(job.key_bytes[: (job.start + n) * ps * 8])
+        pin = None
+        if job.start:  # the prefix the pages continue must not make room for them
+            m = cache.match_prefix(tokens[: job.start * ps], namespace=job.namespace)
+            if m.num_tokens + m.num_host_tokens < job.start * ps:
+                return 0  # evicted since the lookup: nothing to attach the pages to
+            pin = m.host_node
+            cache.lock(pin)
+        try:
+            n = min(n, host.num_free + cache.num_host_evictable_pages)
+            if not n:
+                return 0
+            try:
+                pages = cache.alloc_host(n)
+            except OutOfPages:
+                return 0
+            try:
+                self.io.land(job, pages)
+            except Exception:
+                host.free(pages)
+                raise
+            added = cache.insert_host(tokens[: (job.start + n) * ps], pages, job.namespace)
+        finally:
+            if pin is not None:
+                cache.unlock(pin)
+        end = (job.start + n) * ps
+        job.landed_tokens = (end - added * ps, end)
+        self.io.record_landed(added, time.perf_counter() - t)
+        return added
+
+    # ------------------------------------------------------------------ writes
+    def observe(self, run: HostRun) -> None:
+        """The cache's host observer: queue a snapshot of the run's pages when the write policy
+        says so (dropped, counted, when the queue is full or storage is unavailable)."""
+        policy = self.write_policy
+        if policy == WRITE_THROUGH:
+            want = run.event == HOST_STORED
+        elif policy == WRITE_BACK:
+            want = run.event == HOST_LEAVING
+        else:  # once hit enough: when it reaches that count, or enters/leaves the host tier
+            want = run.event == HOST_HIT or run.hit_count >= self.write_threshold
+        if want:
+            self.io.enqueue_write(run.namespace, run.prefix, run.host_pages)
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Retire the host tier's copies in flight (a finished backup reports its pages to
+        :meth:`observe`), then wait until every queued write is done (True), or ``timeout``
+        seconds passed (False)."""
+        self.cache.wait_all()
+        return self.io.flush(timeout)
+
+    # ------------------------------------------------------------------ lifecycle, stats
+    def rekey(self, format_id: bytes) -> None:
+        """Serve the KV format ``format_id`` from now on (the weights changed) and forget every
+        prefetch not landed yet: the pages they bring are of a format no longer served (the
+        caller drops its requests' jobs too). What storage holds stays (other engines may
+        still serve the old format)."""
+        self._jobs = []
+        self.io.rekey(format_id)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Retire the host tier's copies in flight; under ``write_back`` queue every page held
+        only in the host tier (it would be lost), waiting for room in the queue; finish the
+        queued writes (up to ``timeout`` seconds), stop the threads and stop observing the
+        cache. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.cache.wait_all()
+        if self.write_policy == WRITE_BACK:
+            self.io.write_all(self.cache.host_runs())
+        self.io.close(timeout)
+        self.cache.set_host_observer(None)
+
+    def stats(self) -> StorageStats:
+        """A snapshot of the storage counters and gauges."""
+        return self.io.stats()
+
+    def __repr__(self) -> str:
+        return f"StorageTier({self.io.url!r}, {self.write_policy}, {len(self._jobs)} prefetching)"
+
+
+class StorageIO:
+    """The storage I/O behind :class:`StorageTier`: lookups and writes between a backend and the
+    host tier's K/V, in two background threads. Touches no trie (what to look up, what to
+    write and where found pages go are the StorageTier's decisions).
 
     Args:
         backend: the store (radixkv.cache.storage.open_storage).
         host_kv: the host tier's K/V pages (what is read for writes and filled by landing).
         format_id: the KV format's identity (page_format.kv_format_id).
         page_size: tokens per page.
-        write_policy: "write_through" (a page is written once it is in the host tier),
-            "write_through_selective" (... once matches went through it ``write_threshold``
-            times: when that count is reached, or when it enters or leaves the host tier
-            hit that often) or "write_back" (when it leaves the host tier, and at ``close``).
-        write_threshold: see ``write_policy``; the cache's ``write_through_threshold`` (the
-            cache reports HOST_HIT at that count).
         timeout: seconds a request waits for its prefetch before it proceeds as a miss.
         write_queue_pages: pages the write queue holds before it drops writes.
     """
@@ -157,8 +393,6 @@ class StorageTier:
         *,
         format_id: bytes,
         page_size: int,
-        write_policy: str = WRITE_THROUGH,
-        write_threshold: int = 1,
         timeout: float = 1.0,
         write_queue_pages: int = 4096,
     ) -> None:
@@ -166,8 +400,6 @@ class StorageTier:
         self.url = backend.url
         self.host_kv = host_kv
         self.page_size = page_size
-        self.write_policy = write_policy
-        self.write_threshold = write_threshold
         self.timeout = timeout
         self.write_queue_pages = write_queue_pages
         known = KnownKeys()
@@ -235,20 +467,6 @@ class StorageTier:
             self._stats.land_seconds += seconds
 
     # ------------------------------------------------------------------ writes (engine thread)
-    def observe(self, run: HostRun) -> None:
-        """The cache's host observer: queue a snapshot of the run's pages when the write policy
-        says so (dropping it, counted, when the queue is full or storage is unavailable)."""
-        policy = self.write_policy
-        if policy == WRITE_THROUGH:
-            want = run.event == HOST_STORED
-        elif policy == WRITE_BACK:
-            want = run.event == HOST_LEAVING
-        else:  # once hit enough: when it reaches that count, or enters/leaves the host tier
-            assert policy == WRITE_THROUGH_SELECTIVE
-            want = run.event == HOST_HIT or run.hit_count >= self.write_threshold
-        if want:
-            self.enqueue_write(run.namespace, run.prefix, run.host_pages)
-
     def enqueue_write(
         self,
         namespace: Any,
@@ -343,7 +561,7 @@ class StorageTier:
     def rekey(self, format_id: bytes) -> None:
         """Serve the KV format ``format_id`` from now on (the model's weights changed).
         Prefetches not started yet end at once, finding nothing; one running finishes in the
-        old format, and the engine drops its result (``SeqKV.drop_prefetches``). Writes already
+        old format, and the StorageTier drops its result (``StorageTier.rekey``). Writes already
         queued are stored in their own format: their pages were computed under it."""
         with self._lock:
             r, w = self._reader, self._writer
@@ -375,7 +593,7 @@ class StorageTier:
             )
 
     def __repr__(self) -> str:
-        return f"StorageTier({self.url!r}, {self.write_policy})"
+        return f"StorageIO({self.url!r})"
 
     # ------------------------------------------------------------------ health (lock held)
     def _available(self) -> bool:

@@ -435,6 +435,8 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
         return Response(FLUSHED, media_type="text/plain")
 
     async def health_generate(request: Request) -> Response:
+        if st.config.metrics_key_required:  # with API keys: it runs the engine
+            st.auth.require_key(request.headers.get("authorization"), "/health_generate")
         return await api.health_generate()
 
     async def update_weights_from_disk(request: Request) -> Response:
