@@ -20,9 +20,21 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
+
+
+def import_target(ref: str) -> Any:
+    """The object ``"package.module:attribute"`` names (``attribute`` may be dotted), imported
+    now. ImportError / AttributeError when it is not there."""
+    module, sep, attr = ref.partition(":")
+    if not (module and sep and attr):
+        raise ValueError(f"a lazy target is 'package.module:attribute', got {ref!r}")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 class NameTable(Generic[T]):
@@ -68,11 +80,7 @@ class NameTable(Generic[T]):
         self._check_entry(name)
         target = self._entries[name]
         if isinstance(target, str):
-            module, _, attr = target.partition(":")
-            obj = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-            self._entries[name] = target = cast("T", obj)
+            self._entries[name] = target = cast("T", import_target(target))
         return cast("T", target)
 
     __getitem__ = get

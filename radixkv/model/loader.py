@@ -20,14 +20,11 @@ from typing import Any
 import torch
 
 from radixkv.model.causal_lm import CausalLM
-from radixkv.model.cohere import CohereForCausalLM
-from radixkv.model.config import COHERE, GEMMA, OLMO, ModelConfig, parse_dtype
+from radixkv.model.config import ModelConfig, parse_dtype
 from radixkv.model.dtype import AUTO, auto_dtype
 from radixkv.model.errors import ModelLoadError
-from radixkv.model.gemma import GemmaForCausalLM
+from radixkv.model.families import family_of
 from radixkv.model.hub import TOKENIZER_FILES, resolve_model_folder
-from radixkv.model.llama import LlamaForCausalLM
-from radixkv.model.olmo import OlmoForCausalLM
 from radixkv.model.tiny import (
     TINY_NAME,
     TINY_NAMES,
@@ -140,12 +137,9 @@ def load_tokenizer(
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
-    """The module family that computes ``cfg.architecture``."""
-    if cfg.architecture in GEMMA:
-        return GemmaForCausalLM
-    if cfg.architecture in COHERE:
-        return CohereForCausalLM
-    return OlmoForCausalLM if cfg.architecture in OLMO else LlamaForCausalLM
+    """The CausalLM class of the family that computes ``cfg.architecture`` (its row in
+    :data:`radixkv.model.families.MODEL_FAMILIES`)."""
+    return family_of(cfg.architecture).model_class()
 
 
 def _no_revision(name: str, revision: str | None) -> None:
