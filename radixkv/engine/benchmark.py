@@ -18,7 +18,7 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.intake import Prompt
 from radixkv.engine.outputs import RequestOutput
 from radixkv.engine.params import SamplingParams
-from radixkv.model.tokenizer import Tokenizer, encode_chat
+from radixkv.model.tokenizer import Tokenizer
 
 
 class WorkloadResult(msgspec.Struct, kw_only=True):
@@ -125,72 +125,6 @@ def format_table(results: Sequence[WorkloadResult]) -> str:
 
 
 # ---------------------------------------------------------------------------- workloads
-_WORDS = [
-    "cache",
-    "prefix",
-    "token",
-    "page",
-    "radix",
-    "tree",
-    "attention",
-    "request",
-    "batch",
-    "decode",
-    "prefill",
-    "system",
-    "prompt",
-    "user",
-    "answer",
-    "question",
-    "model",
-    "engine",
-    "memory",
-    "shared",
-    "branch",
-    "chat",
-    "turn",
-    "document",
-    "key",
-    "value",
-    "evict",
-    "lock",
-    "node",
-    "hit",
-    "miss",
-    "latency",
-    "throughput",
-    "schedule",
-    "kernel",
-]
-
-
-def _text(rng: random.Random, n_words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
-
-
-def shared_system_prompt_chats(
-    tokenizer: Tokenizer,
-    *,
-    num_requests: int,
-    system_words: int,
-    question_words: int,
-    seed: int = 0,
-) -> list[list[int]]:
-    """Chat prompts (rendered with the tokenizer's chat template when it has one) that share one
-    long system prompt and differ in a short user question."""
-    rng = random.Random(seed)
-    system = "You are a careful assistant. Follow these rules. " + _text(rng, system_words)
-    prompts = []
-    for i in range(num_requests):
-        q = f"Question {i}: " + _text(rng, question_words) + "?"
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-        if getattr(tokenizer, "chat_template", None):
-            prompts.append(encode_chat(tokenizer, msgs))
-        else:
-            prompts.append(tokenizer.encode(system + "\n" + q + "\n"))
-    return prompts
-
-
 # The ``radixkv demo`` workload: many completions of one Python module. radixkv-tiny was trained
 # on the Python standard library, so it can continue this; the module's docstring, imports and
 # class header are the shared prefix (the "system prompt"), each request adds one method signature.
