@@ -16,12 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from radixkv.name_table import NameTable, import_target
-
-if TYPE_CHECKING:
-    from radixkv.model.causal_lm import CausalLM
 
 # (config.json as a dict, its file name for errors, the architecture) -> ModelConfig keyword
 # arguments of the family's own fields; raises ModelLoadError naming the field
@@ -40,18 +37,13 @@ class ArchFlags(NamedTuple):
 class ModelFamily:
     """One row of :data:`MODEL_FAMILIES` (see the module docstring)."""
 
-    model: str  # "package.module:Class", the CausalLM subclass; imported by model_class()
+    model: str  # "package.module:Class", the CausalLM subclass (loader.model_class imports it)
     architectures: Mapping[str, ArchFlags]  # config.json "architectures"[0] -> flags
     activation: str = "silu"  # the MLP gate's (hidden_act's default and the one accepted)
     tie_word_embeddings: bool = False  # transformers' default when config.json leaves it out
     norm_eps_field: str = "rms_norm_eps"  # the config.json field of the norms' epsilon
     norm_eps_default: float = 1e-6
     config_fields: str | None = None  # "module:function", a ConfigFields; None: no own fields
-
-    def model_class(self) -> type[CausalLM]:
-        """The family's CausalLM subclass (imported now)."""
-        cls: type[CausalLM] = import_target(self.model)
-        return cls
 
     def own_config_fields(self, cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
         """ModelConfig keyword arguments of the family's own config.json fields (none when it

@@ -34,6 +34,7 @@ from radixkv.model.tiny import (
     tiny_tokenizer,
 )
 from radixkv.model.tokenizer import HFTokenizer, Tokenizer
+from radixkv.name_table import import_target
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ def load_tokenizer(
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
     """The CausalLM class of the family that computes ``cfg.architecture`` (its row in
     :data:`radixkv.model.families.MODEL_FAMILIES`)."""
-    return family_of(cfg.architecture).model_class()
+    cls: type[CausalLM] = import_target(family_of(cfg.architecture).model)
+    return cls
 
 
 def _no_revision(name: str, revision: str | None) -> None:
