@@ -1,5 +1,8 @@
 """Engine configuration: every engine knob in one frozen dataclass, validated on construction.
 
+Torch-free to import (``radixkv serve --help`` reads it): the choice lists come from the
+layers' torch-free ``names`` modules, the tables their registries build from.
+
 Components take the config they need instead of copies of its fields. The ``radixkv serve`` and
 ``radixkv serve-ray`` command lines derive their engine flags from these fields
 (:meth:`EngineConfig.add_cli_arguments`, :meth:`EngineConfig.from_cli_args`), so a knob added
@@ -10,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from radixkv.attention.registry import BACKENDS
+from radixkv.attention.names import ATTENTION_BACKENDS
 from radixkv.cache.eviction import POLICIES
 from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE
-from radixkv.engine.cascade_planner import CASCADE_MODES
-from radixkv.engine.lora import parse_lora_modules
-from radixkv.engine.prefill_cost import PREFILL_BUDGETS
-from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
-from radixkv.kv.kv_pool import KV_CACHE_DTYPES
+from radixkv.engine.names import CASCADE_MODES, PREFILL_BUDGETS, SCHEDULE_POLICIES
+from radixkv.kv.names import KV_CACHE_DTYPES
 from radixkv.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def _cli(
     help: str,
     *,
-    choices: Sequence[str] | None = None,
+    choices: Collection[str] | None = None,
     type: Callable[[str], Any] | None = None,
     flag: str | None = None,
     aliases: Sequence[str] = (),
@@ -84,8 +84,8 @@ def _pos_int(name: str, v: object) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
-def _one_of(name: str, v: object, allowed: Sequence[str]) -> None:
-    if v not in allowed:
+def _one_of(name: str, v: object, allowed: Collection[str]) -> None:
+    if not isinstance(v, str) or v not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v!r}")
 
 
@@ -234,7 +234,7 @@ class EngineConfig:
         default="lpm",
         metadata=_cli(
             "admission order of waiting requests (engine/schedule_policy.py)",
-            choices=tuple(SCHEDULE_POLICIES),
+            choices=SCHEDULE_POLICIES,
         ),
     )
     enable_prefix_cache: bool = field(
@@ -287,7 +287,7 @@ class EngineConfig:
     )
     # "auto": flashinfer on a CUDA pool in fp16/bf16 when it is installed, else torch
     attention_backend: str = field(
-        default="auto", metadata=_cli("attention kernels", choices=BACKENDS)
+        default="auto", metadata=_cli("attention kernels", choices=ATTENTION_BACKENDS)
     )
     # "auto": read shared prefixes once per group only when the step saves enough reads
     cascade: str = field(
@@ -428,7 +428,7 @@ class EngineConfig:
         if self.chunked_prefill_size not in (None, 0, -1):  # -1: SGLang's "off"
             _pos_int("chunked_prefill_size", self.chunked_prefill_size)
         _one_of("prefill_budget", self.prefill_budget, PREFILL_BUDGETS)
-        _one_of("schedule_policy", self.schedule_policy, tuple(SCHEDULE_POLICIES))
+        _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         if not isinstance(self.enable_prefix_cache, bool):
             raise ValueError(
                 f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"
@@ -450,7 +450,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None:
             _pos_int("max_model_len", self.max_model_len)
-        _one_of("attention_backend", self.attention_backend, BACKENDS)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("cascade", self.cascade, CASCADE_MODES)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
@@ -461,6 +461,8 @@ class EngineConfig:
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
             raise ValueError(f"window_kv_ratio must be a number in (0, 1], got {r!r}")
         if self.lora_modules is not None:
+            from radixkv.engine.lora import parse_lora_modules  # imports torch (the model layer)
+
             pairs = parse_lora_modules(self.lora_modules)
             object.__setattr__(self, "lora_modules", pairs or None)
         for name in ("revision", "gguf_file", "tokenizer", "chat_template"):

@@ -59,9 +59,9 @@ from dataclasses import dataclass, field
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.inflight import InflightPages
 from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.names import SCHEDULE_POLICIES
 from radixkv.engine.prefill_cost import chunk_cost, max_chunk
 from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
-from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
 from radixkv.model.runner import SeqInput
 from radixkv.pages import pages_for
 

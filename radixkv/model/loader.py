@@ -21,16 +21,13 @@ from typing import Any
 import torch
 
 from radixkv.model.causal_lm import CausalLM
-from radixkv.model.cohere import CohereForCausalLM
-from radixkv.model.config import COHERE, GEMMA, OLMO, ModelConfig, parse_dtype
+from radixkv.model.config import ModelConfig, parse_dtype
 from radixkv.model.dtype import AUTO, auto_dtype
 from radixkv.model.errors import ModelLoadError
-from radixkv.model.gemma import GemmaForCausalLM
+from radixkv.model.families import family_of
 from radixkv.model.gguf import open_gguf
 from radixkv.model.gguf_tokenizer import gguf_tokenizer
 from radixkv.model.hub import TOKENIZER_FILES, resolve_model_folder
-from radixkv.model.llama import LlamaForCausalLM
-from radixkv.model.olmo import OlmoForCausalLM
 from radixkv.model.tiny import (
     TINY_NAME,
     TINY_NAMES,
@@ -40,6 +37,7 @@ from radixkv.model.tiny import (
     tiny_tokenizer,
 )
 from radixkv.model.tokenizer import HFTokenizer, Tokenizer
+from radixkv.name_table import import_target
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +160,10 @@ def load_tokenizer(
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
-    """The module family that computes ``cfg.architecture``."""
-    if cfg.architecture in GEMMA:
-        return GemmaForCausalLM
-    if cfg.architecture in COHERE:
-        return CohereForCausalLM
-    return OlmoForCausalLM if cfg.architecture in OLMO else LlamaForCausalLM
+    """The CausalLM class of the family that computes ``cfg.architecture`` (its row in
+    :data:`radixkv.model.families.MODEL_FAMILIES`)."""
+    cls: type[CausalLM] = import_target(family_of(cfg.architecture).model)
+    return cls
 
 
 def _no_revision(name: str, revision: str | None) -> None:

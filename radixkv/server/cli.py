@@ -2,21 +2,23 @@
 
 The engine flags are generated from :class:`~radixkv.engine.config.EngineConfig`'s fields
 (``radixkv serve-ray`` declares the same ones the same way); the rest configure the HTTP
-server (:class:`~radixkv.server.config.ServerConfig`) and uvicorn.
+server (:class:`~radixkv.server.config.ServerConfig`) and uvicorn. Declaring and parsing the
+flags imports neither torch nor FastAPI (``radixkv serve --help`` answers at once).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING, Any
 
 from radixkv.engine.config import EngineConfig
 from radixkv.server.config import ServerConfig
 from radixkv.server.reasoning import REASONING_PARSERS
 from radixkv.server.tool_calls import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:  # FastAPI and torch load when a server is built, not for --help
+    from fastapi import FastAPI
 
 # tenant of the one key --api-key sets (its requests share one cache namespace)
 SINGLE_KEY_TENANT = "default"

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
 from typing import Any
 
 import xxhash
@@ -153,11 +152,3 @@ def decode_page(data: bytes, format_id: bytes, digest: bytes, payload_bytes: int
     if fmt != format_id or dig != digest or length != payload_bytes:
         raise FormatMismatch("object of another KV format or prefix under this key")
     return payload
-
-
-def split_runs(found: Sequence[bytes | None]) -> int:
-    """Length of the leading run of found objects (a chain lookup stops at its first miss)."""
-    for i, x in enumerate(found):
-        if x is None:
-            return i
-    return len(found)
