@@ -204,7 +204,7 @@ def lookup_bench(lm: LoadedModel, url: str, page_size: int, n: int = 200) -> dic
     mc = lm.config
     host = HostKVPool(mc.num_layers, 8, page_size, mc.num_kv_heads, mc.head_dim)
     tier = StorageIO(open_storage(url), host, format_id=kv_format_id(b"x", "f", 1, 1, 1, 1),
-                       page_size=page_size, timeout=5.0)  # fmt: skip
+                       page_size=page_size, timeout=5.0, secret=bytes(32))  # fmt: skip
     rng = random.Random(1)
     times = []
     for _ in range(n):
