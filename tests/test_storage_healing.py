@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from storage_helpers import ValkeyProcess
+from storage_helpers import ValkeyProcess, free_port
 
 from radixkv.cache.storage import (
     FileStorage,
@@ -152,9 +152,11 @@ def test_a_failed_write_stops_writes_only_and_lookups_go_on(
     assert page_store(store.backend).store("t", TOKS, PAGES) == 8
     io, _ = _io(store.backend)
     try:
-        if store.valkey is not None:  # a server out of memory refuses every write
+        if store.valkey is not None and fault == "disk_full":  # out of memory: no writes
             store.valkey.client.config_set("maxmemory-policy", "noeviction")
             store.valkey.client.config_set("maxmemory", "1")
+        elif store.valkey is not None:  # a read-only replica (of a primary that is not there)
+            store.valkey.client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
         elif fault == "disk_full":
             real_write = os.write
 
@@ -190,6 +192,7 @@ def test_a_failed_write_stops_writes_only_and_lookups_go_on(
         monkeypatch.undo()
         if store.valkey is not None:
             store.valkey.client.config_set("maxmemory", "0")
+            store.valkey.client.execute_command("REPLICAOF", "NO", "ONE")
         io.close()
 
 
