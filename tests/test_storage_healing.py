@@ -357,3 +357,26 @@ def test_the_engine_uses_the_secret_file_and_never_logs_it(
         st = eng.stats()
         assert st.prefix_cache_storage_hit_tokens == 0 and st.storage_corrupt_objects >= 1
     assert all(secret not in r.getMessage() for r in caplog.records)
+
+
+def test_an_engine_writes_a_lost_prefix_back_in_one_request(store: Store) -> None:
+    """Finding 4 as it was seen: after the store lost everything, one request restores the whole
+    prefix (before: one page per request)."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+    from radixkv.model.loader import load_model
+
+    url = str(store.root) if store.valkey is None else store.valkey.url
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    prompt = [5 + (i * 7) % 240 for i in range(130)]  # 32 whole pages of 4 tokens
+    opts: dict[str, Any] = dict(page_size=4, num_pages=128, host_cache_memory=2_000_000)
+    with Engine(load_model("radixkv-tiny"), kv_storage=url, **opts) as eng:
+        eng.generate([prompt], greedy, use_tqdm=False)
+        assert eng.flush_storage()
+        stored = store.count()
+        assert stored >= 32
+        store.wipe()  # the server restarted empty
+        eng.reset_prefix_cache()  # so the prefix is looked up in storage, and computed
+        eng.generate([prompt], greedy, use_tqdm=False)
+        assert eng.flush_storage()
+        assert store.count() == stored
