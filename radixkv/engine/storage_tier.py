@@ -681,8 +681,9 @@ class StorageIO:
         if reader.corrupt_objects and not self._corrupt_warned:
             self._corrupt_warned = True
             log.warning(
-                "KV storage %s: a corrupt page object was found, deleted and served as a miss "
-                "(metric radixkv_storage_corrupt_objects)",
+                "KV storage %s: a corrupt page object was found (damaged, forged, written by an "
+                "engine with another storage secret, or by a radixkv before the MAC), deleted "
+                "and served as a miss (metric radixkv_storage_corrupt_objects)",
                 self.url,
             )
 
