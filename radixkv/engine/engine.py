@@ -39,6 +39,7 @@ import torch
 
 from radixkv.attention.registry import BackendChoice, choose_backend
 from radixkv.cache import PagePool, RadixCache, WindowSlots
+from radixkv.cache.events import Listener
 from radixkv.cache.storage import (
     StorageBackend,
     kv_format_id,
@@ -1119,6 +1120,15 @@ class Engine:
         """Drop every unlocked cache entry (running requests keep theirs). Storage keeps its
         pages: they are keyed by content, model and namespace, so they stay valid."""
         self.seq_kv.reset_cache()
+
+    def add_cache_listener(self, listener: Listener) -> None:
+        """Call ``listener(event)`` for every cache event (cache/events.py), on the thread
+        that drives the engine: add it from there too (AsyncEngine does)."""
+        self.seq_kv.add_listener(listener)
+
+    def remove_cache_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (ValueError if it was not added)."""
+        self.seq_kv.remove_listener(listener)
 
     def flush_storage(self, timeout: float | None = 30.0) -> bool:
         """Wait until the pages queued for the storage tier are written (True), or ``timeout``

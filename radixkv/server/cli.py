@@ -69,8 +69,17 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-require-key",
-        action="store_true",
-        help="GET /metrics needs an API key or the admin key",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GET /metrics and /health_generate need an API key or the admin key (default: "
+        "they do when API keys are configured)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host names a server without API keys answers, besides localhost "
+        "and its own address (others get 400: DNS rebinding); '*' allows any",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -133,6 +142,10 @@ def server_config_from_args(
         kv_events_replay=kv_events_replay,
         strict_api=args.strict_api,
         metrics_require_key=args.metrics_require_key,
+        allowed_hosts=tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()),
+        # radixkv serve's flags (serve-ray's requests are read by Ray's HTTP proxy)
+        body_timeout_s=getattr(args, "body_timeout", 60.0),
+        header_timeout_s=getattr(args, "header_timeout", 30.0),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size,
@@ -161,6 +174,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_server_arguments(p)
+    # radixkv serve only: under serve-ray, Ray's HTTP proxy reads the requests
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection that has not sent a request's headers this long after it "
+        "opened or got its previous response (default: 30)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request body not complete this long after its headers is a 408 (default: 60)",
+    )
     p.add_argument(
         "--kv-events",
         default=None,
@@ -236,9 +265,18 @@ def cli_entry(args: argparse.Namespace) -> int:
 
     logs = log_config(args.log_level)
     logging.config.dictConfig(logs)  # now, so loading the model is logged too
-    app, _ = build_from_args(args)
+    from radixkv.server.timeouts import header_timeout_protocol
+
+    app, config = build_from_args(args)
     install_sighup_reload(app)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=logs)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=logs,
+        http=header_timeout_protocol(config.header_timeout_s),
+    )
     return 0
 
 
