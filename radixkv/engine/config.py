@@ -211,6 +211,16 @@ class EngineConfig:
         default=4096,
         metadata=_cli("pages waiting to be written to storage before writes are dropped"),
     )
+    # None: $RADIXKV_STORAGE_SECRET, else ~/.config/radixkv/storage_secret (created, mode 0600);
+    # every engine sharing a store needs the same secret (docs/security.md, storage tier)
+    kv_storage_secret_file: str | None = field(
+        default=None,
+        metadata=_cli(
+            "file holding the hex secret that MACs stored KV pages (default: "
+            "$RADIXKV_STORAGE_SECRET, else ~/.config/radixkv/storage_secret, created if absent)",
+            type=str,
+        ),
+    )
     max_running_requests: int = field(default=256, metadata=_cli("most sequences running at once"))
     # 8192 / 2048: a step computes at most 2048 prefill tokens, so running streams stall at most
     # one chunk's time and a burst of short prompts runs as several short steps (scheduler.py)
@@ -423,6 +433,9 @@ class EngineConfig:
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 600:
             raise ValueError(f"kv_storage_timeout must be seconds in (0, 600], got {t!r}")
         _pos_int("kv_storage_write_queue", self.kv_storage_write_queue)
+        f = self.kv_storage_secret_file
+        if f is not None and (not isinstance(f, str) or not f.strip()):
+            raise ValueError(f"kv_storage_secret_file must be a file path, got {f!r}")
         _pos_int("max_running_requests", self.max_running_requests)
         _pos_int("max_prefill_tokens", self.max_prefill_tokens)
         if self.chunked_prefill_size not in (None, 0, -1):  # -1: SGLang's "off"

@@ -40,7 +40,12 @@ import torch
 from radixkv.attention.registry import BackendChoice, choose_backend
 from radixkv.cache import PagePool, RadixCache, WindowSlots
 from radixkv.cache.events import Listener
-from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
+from radixkv.cache.storage import (
+    StorageBackend,
+    kv_format_id,
+    load_storage_secret,
+    open_storage,
+)
 from radixkv.cache.tiers import WRITE_THROUGH_SELECTIVE
 from radixkv.engine.beam_runner import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
@@ -1265,6 +1270,10 @@ def _storage_tier(
     if backend is None or fingerprint is None:
         return None
     assert host is not None  # _host_tier gives storage a host tier
+    try:
+        secret = load_storage_secret(cfg.kv_storage_secret_file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"kv_storage_secret_file: {e}") from None
     io = StorageIO(
         backend,
         host,
@@ -1272,6 +1281,7 @@ def _storage_tier(
         page_size=kv.page_size,
         timeout=float(cfg.kv_storage_timeout),
         write_queue_pages=cfg.kv_storage_write_queue,
+        secret=secret,
     )
     try:
         return StorageTier(
