@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from radixkv.attention.registry import BackendChoice, choose_backend
-from radixkv.cache import PagePool, RadixCache, WindowSlots
+from radixkv.cache import PagePool, WindowSlots, build_cache
 from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
 from radixkv.engine.beam_runner import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
@@ -134,7 +134,7 @@ class Engine:
         self.storage = _storage_tier(
             self.kv_pool, self.host_kv_pool, cfg, backend, self._fingerprint
         )
-        self.cache = RadixCache(
+        self.cache = build_cache(
             self.pool,
             page_size=cfg.page_size,
             policy=cfg.eviction_policy,
