@@ -759,12 +759,9 @@ class RadixCache(Trie):
         """
         check_device_cache(self)
 
-    # whether pretty / to_dot show where each node lives (TieredRadixCache: True)
-    _show_tiers = False
-
     def pretty(self, max_tokens_shown: int = 8) -> str:
         """The trie as indented text, one line per node (see pretty.py)."""
-        return render_text(self.root, self._header(), max_tokens_shown, self._show_tiers)
+        return render_text(self.root, self._header(), max_tokens_shown)
 
     def _header(self) -> str:
         return (
@@ -774,7 +771,7 @@ class RadixCache(Trie):
 
     def to_dot(self) -> str:
         """The trie as Graphviz source (see pretty.py)."""
-        return render_dot(self.iter_nodes(), self._index, tiers=self._show_tiers)
+        return render_dot(self.iter_nodes(), self._index)
 
     def __repr__(self) -> str:
         return (

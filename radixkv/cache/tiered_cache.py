@@ -24,6 +24,7 @@ from radixkv.cache.hashing import HashFn
 from radixkv.cache.invariants import check_host_tier
 from radixkv.cache.node import TieredTreeNode, TreeNode
 from radixkv.cache.page_pool import PagePool
+from radixkv.cache.pretty import render_dot, render_text, residency_decoration, tiered_node_line
 from radixkv.cache.radix_cache import ALL_NAMESPACES, RadixCache, check_count
 from radixkv.cache.results import InsertResult, MatchResult
 from radixkv.cache.stats import CacheStats
@@ -100,7 +101,6 @@ class TieredRadixCache(RadixCache):
     """
 
     _node_type = TieredTreeNode
-    _show_tiers = True
 
     def __init__(
         self,
@@ -984,6 +984,14 @@ class TieredRadixCache(RadixCache):
         host eviction index, holding exactly its candidates."""
         super().check_invariants()
         check_host_tier(self)
+
+    def pretty(self, max_tokens_shown: int = 8) -> str:
+        """The trie as indented text, one line per node, each saying where the node lives."""
+        return render_text(self.root, self._header(), max_tokens_shown, tiered_node_line)
+
+    def to_dot(self) -> str:
+        """The trie as Graphviz source, host-only nodes drawn grey (see pretty.py)."""
+        return render_dot(self.iter_nodes(), self._index, decorate=residency_decoration)
 
     def _header(self) -> str:
         return super()._header() + (
