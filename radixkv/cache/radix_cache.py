@@ -20,7 +20,6 @@ from radixkv.cache.events import (
     BlockRemoved,
     BlockStored,
     EventEmitter,
-    KVEvent,
     Listener,
 )
 from radixkv.cache.eviction import EvictionIndex, EvictionPolicy, get_policy
@@ -569,7 +568,7 @@ class RadixCache(Trie):
         if short > 0:
             if short > self._evictable:
                 raise OutOfPages(n, self.pool.num_free + self._evictable, "free or evictable")
-            self._evict(short)
+            self.evict(short)
         return self.pool.alloc(n)
 
     def evict(self, num_pages: int) -> int:
@@ -579,14 +578,12 @@ class RadixCache(Trie):
         (a prefix of a cached prefix is still valid KV). The order is the policy's
         (eviction.py); what happens to a victim is ``_evict_node`` / ``_evict_tail``.
         """
-        check_count("evict", num_pages)
-        return self._evict(num_pages)
-
-    def _evict(self, num_pages: int) -> int:
-        """The eviction loop: exactly ``min(num_pages, evictable)`` pages, in policy order."""
+        if type(num_pages) is not int or num_pages < 0:
+            check_count("evict", num_pages)
         freed = 0
         index = self._index
-        while freed < num_pages and len(index):
+        indexed = index.keys  # its truth: a candidate is left (no __len__ call)
+        while freed < num_pages and indexed:
             node = index.first()
             k = len(node._pages)
             need = num_pages - freed
@@ -596,10 +593,6 @@ class RadixCache(Trie):
             self._evict_node(node)
             freed += k
         return freed
-
-    def _evict_node(self, node: TreeNode) -> None:
-        """Evict all of the victim ``node`` (an unlocked leaf): it leaves the trie."""
-        self._remove([node])
 
     def _evict_tail(self, node: TreeNode, n: int) -> None:
         """Evict the last ``n`` pages of the victim ``node`` (fewer than it has). It keeps its
@@ -640,81 +633,65 @@ class RadixCache(Trie):
                 if n is root and not every_ns and not c.key:
                     continue  # another namespace's root
                 (stack if c.lock_ref else victims).append(c)
-        if victims:
-            everything = every_ns and not any(c.lock_ref for c in root.iter_children())
-            self._remove(victims, evicted=False, everything=everything)
+        if not victims:
+            return
+        everything = every_ns and not any(c.lock_ref for c in root.iter_children())
+        for v in victims:
+            self._remove(v, evicted=False, quiet=everything)
+        if everything and self._listeners:
+            self._events.emit(AllBlocksCleared())
 
     # Pages leave the trie through _evict_tail and the method below, the one way nodes go.
     # They validate nothing: they are given unlocked nodes. Freed pages go back to their pool
     # and the counters drop first; events follow once the state is consistent, and only when
     # someone listens (event hashes cost a pass over the keys).
-    def _remove(self, tops: list[TreeNode], evicted: bool = True, everything: bool = False) -> None:
-        """Take the unlocked subtrees under ``tops`` (nodes with distinct parents or with one
-        parent, none below another) out of the trie and free every page they own, in every
-        tier (``_free_pages``). An emptied namespace root goes too; a parent left childless
-        becomes an eviction candidate (``_after_removal``). ``evicted``: counts as eviction
-        in the stats (not a reset). ``everything``: the whole trie goes, announced by one
-        AllBlocksCleared instead of an event per node."""
-        sub = tops[:]
-        for n in sub:  # grows while iterating: breadth-first subtree listing
-            if n._children:
+    def _remove(self, v: TreeNode, evicted: bool = True, quiet: bool = False) -> None:
+        """Take the unlocked node ``v`` and everything below it out of the trie and free every
+        page they own (TieredRadixCache extends this with the host pool). A parent left
+        childless becomes an eviction candidate, or goes if it is an empty namespace root
+        (``_after_removal``). ``evicted``: counts as eviction in the stats (not a reset).
+        ``quiet``: no events (a reset that empties the trie announces AllBlocksCleared)."""
+        sub = [v]
+        if v._children:
+            for n in sub:  # grows while iterating: breadth-first subtree listing
                 sub.extend(n.iter_children())
-        # event hashes before the links they chain along go
-        hashes = (
-            [self._node_hashes(n) if n.key else None for n in sub]
-            if self._listeners and not everything
-            else None
-        )
-        parents: dict[int, TreeNode] = {}
-        for v in tops:
-            parent = v.parent
-            self._detach(parent, v)
-            if not v.key:  # a namespace root (a reset of every namespace)
-                del self._ns_roots[v.namespace]
-            parents[id(parent)] = parent
-        events: list[KVEvent] = []
-        freed = self._free_pages(sub, hashes, events)
-        self._num_nodes -= len(sub)
-        if evicted:
-            self._cold.evicted_pages += freed
-            self._cold.evicted_nodes += len(sub)
-        for parent in parents.values():
-            self._after_removal(parent)
-        if self._listeners:
-            if everything:
-                self._events.emit(AllBlocksCleared())
-            else:
-                for ev in events:
-                    self._events.emit(ev)
-
-    def _free_pages(
-        self, nodes: list[TreeNode], hashes: list[Any] | None, events: list[KVEvent]
-    ) -> int:
-        """Free the pages of ``nodes`` (out of the trie now) and take them out of the eviction
-        index; append their BlockRemoved events (with ``hashes``, one list per node). Returns
-        the device pages freed."""
+        events = None
+        if self._listeners and not quiet:  # built before the links their hashes chain along go
+            events = [BlockRemoved(self._node_hashes(n), n.namespace) for n in sub if n._pages]
+        parent = v.parent
+        self._detach(parent, v)
+        if not v.key:  # a namespace root (a reset of every namespace)
+            del self._ns_roots[v.namespace]
         index = self._index
-        indexed = index.keys
-        freed: list[int] = []
-        for i, n in enumerate(nodes):
-            if n in indexed:
-                index.discard(n)
-            if n._pages:
-                if hashes is not None:
-                    events.append(BlockRemoved(hashes[i], n.namespace))
-                freed += n._pages
+        pool = self.pool
+        freed = 0
+        for n in sub:
+            index.discard(n)
+            pages = n._pages
+            if pages:
+                pool.release_cached(pages)
+                freed += len(pages)
                 n._pages = []
             n.parent = None
-        self.pool.release_cached(freed)
-        self._cached -= len(freed)
-        self._evictable -= len(freed)
-        return len(freed)
+        self._cached -= freed
+        self._evictable -= freed
+        gone = len(sub)
+        self._num_nodes -= gone
+        if evicted:
+            self._cold.evicted_pages += freed
+            self._cold.evicted_nodes += gone
+        if parent is not self.root and not parent._children:
+            self._after_removal(parent)
+        if events is not None:
+            for ev in events:
+                self._events.emit(ev)
+
+    # RadixCache's victims are leaves, removed whole
+    _evict_node = _remove
 
     def _after_removal(self, parent: TreeNode) -> None:
-        """``parent`` lost children to ``_remove``: a namespace root left empty goes, an
-        unlocked leaf becomes an eviction candidate."""
-        if parent is self.root or parent._children:
-            return
+        """``parent`` (not the global root) lost its last child to ``_remove``: a namespace
+        root goes, an unlocked node becomes an eviction candidate."""
         if not parent.key:
             self._drop_ns_root(parent)
         elif parent.lock_ref == 0:

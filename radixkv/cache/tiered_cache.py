@@ -18,7 +18,7 @@ import msgspec
 
 from radixkv.cache.copies import BACKUP, LOAD, Copies, InFlight
 from radixkv.cache.errors import OutOfPages
-from radixkv.cache.events import BlockRemoved, KVEvent
+from radixkv.cache.events import BlockRemoved
 from radixkv.cache.eviction import EvictionIndex, EvictionPolicy
 from radixkv.cache.hashing import HashFn
 from radixkv.cache.invariants import check_host_tier
@@ -441,7 +441,7 @@ class TieredRadixCache(RadixCache):
         check_count("evict", num_pages)
         if self._copies:
             self.poll()
-        return self._evict(num_pages)
+        return super().evict(num_pages)
 
     def _evict_tail(self, node: TreeNode, n: int) -> None:
         # the victim keeps its place; the upper part is a new node
@@ -455,7 +455,7 @@ class TieredRadixCache(RadixCache):
         if v._host_pages is None and self._tier.write_policy == WRITE_BACK:
             self._write_back(v)
         if v._host_pages is None:
-            self._remove([v])
+            self._remove(v)
             return
         self._index.discard(v)
         hashes = self._node_hashes(v) if self._listeners else None
@@ -476,53 +476,47 @@ class TieredRadixCache(RadixCache):
             self.poll()
         super().reset(namespace=namespace)
 
-    def _remove(self, tops: list[TreeNode], evicted: bool = True, everything: bool = False) -> None:
-        # the observer hears of the host copies leaving while the links the prefixes follow
-        # are there (a reset drops: no call)
-        if evicted and self._tier.observer is not None:
-            for v in tops:
-                prefixes = {id(v): self._path_key(v.parent) + v.key}
-                sub = [v]
-                for n in sub:
-                    for c in n.iter_children():
-                        prefixes[id(c)] = prefixes[id(n)] + c.key
-                        sub.append(c)
-                for n in sub:
-                    if n._host_pages is not None:
-                        self._observe(HOST_LEAVING, n, prefixes[id(n)])
-        super()._remove(tops, evicted, everything)
-
-    def _free_pages(
-        self, nodes: list[TreeNode], hashes: list[Any] | None, events: list[KVEvent]
-    ) -> int:
-        freed = super()._free_pages(nodes, hashes, events)
+    def _remove(self, v: TreeNode, evicted: bool = True, quiet: bool = False) -> None:
+        """RadixCache._remove in both tiers: the host side first (the observer hears of the
+        host copies leaving while the links their prefixes follow are there; a reset drops
+        without a call), then the device side, then the host events."""
+        sub = [v]
+        for n in sub:  # grows while iterating
+            sub.extend(n.iter_children())
+        hosted = [n for n in sub if n._host_pages is not None]
         tier = self._tier
-        host_freed: list[int] = []
-        for i, n in enumerate(nodes):
-            tier.hindex.discard(n)
-            if n._host_pages is not None:
-                if hashes is not None:
-                    events.append(BlockRemoved(hashes[i], n.namespace, HOST_MEDIUM))
-                host_freed += n._host_pages
-                n._host_pages = None
-        self._host.release_cached(host_freed)
-        tier.host_cached -= len(host_freed)
-        tier.host_evictable -= len(host_freed)
-        tier.host_evicted_pages += len(host_freed)
-        return freed
+        hashes = [self._node_hashes(n) for n in hosted] if self._listeners and not quiet else None
+        if evicted and tier.observer is not None and hosted:
+            prefixes = {id(v): self._path_key(v.parent) + v.key}
+            for n in sub[1:]:
+                prefixes[id(n)] = prefixes[id(n.parent)] + n.key
+            for n in hosted:
+                self._observe(HOST_LEAVING, n, prefixes[id(n)])
+        parent = v.parent
+        parent._ndev -= bool(v._pages)
+        parent._nhost -= v._host_pages is not None
+        hindex = tier.hindex
+        for n in sub:
+            hindex.discard(n)
+        freed = 0
+        for n in hosted:
+            self._host.release_cached(n._host_pages)
+            freed += len(n._host_pages)
+            n._host_pages = None
+        tier.host_cached -= freed
+        tier.host_evictable -= freed
+        tier.host_evicted_pages += freed
+        if parent.key:
+            self._reindex(parent)  # its own state is final: pages, lock, resident children
+        super()._remove(v, evicted, quiet)
+        if hashes is not None:
+            for n, h in zip(hosted, hashes):
+                self._events.emit(BlockRemoved(h, n.namespace, HOST_MEDIUM))
 
     def _after_removal(self, parent: TreeNode) -> None:
-        if parent is self.root:
-            return
-        if not parent.key and not parent._children:
+        # a namespace root left empty goes; any other parent was re-indexed in _remove
+        if not parent.key:
             self._drop_ns_root(parent)
-        else:
-            self._reindex(parent)
-
-    def _detach(self, parent: TreeNode, child: TreeNode) -> None:
-        super()._detach(parent, child)
-        parent._ndev -= bool(child._pages)
-        parent._nhost -= child._host_pages is not None
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Trie._split, cutting the host pages too (a node with copies in flight is never
@@ -571,7 +565,7 @@ class TieredRadixCache(RadixCache):
                 if hashes is not None:
                     self._events.emit(BlockRemoved(hashes, node.namespace, HOST_MEDIUM))
             else:  # a host-only node with no host-resident child has no child at all
-                self._remove([node])
+                self._remove(node)
             freed += k
         return freed
 
@@ -579,7 +573,7 @@ class TieredRadixCache(RadixCache):
         """``n`` HELD device pages; the caller checked that free + evictable suffice."""
         short = n - self.pool.num_free
         if short > 0:
-            self._evict(short)
+            RadixCache.evict(self, short)  # no poll: the caller is mid-call
         return self.pool.alloc(n)
 
     def _alloc_host(self, n: int) -> list[int] | None:
