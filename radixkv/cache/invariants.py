@@ -1,7 +1,7 @@
 """The recounts behind ``check_invariants``: everything a cache keeps incrementally, counted again.
 
-They read a cache from outside, through its public names (``pool``, ``root``, the counters,
-``namespace_root``, ``lookup_key``, the eviction indexes, ``copies``) and the node slots
+They read a cache from outside, through its public names (CacheView and TieredCacheView list
+them) and the node slots
 (node.py: the trie's storage, read inside radixkv/cache), and change nothing. Each raises
 InvariantError naming the first violation. ``check_device_cache`` is RadixCache's whole check;
 TieredRadixCache adds ``check_host_tier``. What each checks is listed in the docstrings of the
@@ -10,25 +10,66 @@ two ``check_invariants``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Iterator
+from typing import Any, NoReturn, Protocol
 
-from radixkv.cache.copies import LOAD
+from radixkv.cache.copies import LOAD, Copies
 from radixkv.cache.errors import InvariantError
+from radixkv.cache.eviction import EvictionIndex, EvictionPolicy
 from radixkv.cache.hashing import chain_hashes, chain_start, local_hashes_of_key
+from radixkv.cache.node import TreeNode
+from radixkv.cache.page_pool import PagePool
 from radixkv.cache.tokens import TOKEN_BYTES
 
-if TYPE_CHECKING:
-    from radixkv.cache.radix_cache import RadixCache
-    from radixkv.cache.tiered_cache import TieredRadixCache
+__all__ = ["CacheView", "TieredCacheView", "check_device_cache", "check_host_tier"]
 
-__all__ = ["check_device_cache", "check_host_tier"]
+
+class CacheView(Protocol):
+    """The public names of a RadixCache that the device recount reads."""
+
+    @property
+    def pool(self) -> PagePool: ...
+    @property
+    def root(self) -> TreeNode: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def policy(self) -> EvictionPolicy: ...
+    @property
+    def num_cached_pages(self) -> int: ...
+    @property
+    def num_evictable_pages(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def namespaces(self) -> list[Any]: ...
+    @property
+    def eviction_index(self) -> EvictionIndex: ...
+    def namespace_root(self, namespace: Any) -> TreeNode | None: ...
+    def lookup_key(self, page: bytes) -> Any: ...
+    def iter_nodes(self) -> Iterator[TreeNode]: ...
+
+
+class TieredCacheView(CacheView, Protocol):
+    """... and those of a TieredRadixCache that the host recount reads."""
+
+    @property
+    def host_pool(self) -> PagePool: ...
+    @property
+    def copies(self) -> Copies: ...
+    @property
+    def num_host_pages(self) -> int: ...
+    @property
+    def num_host_evictable_pages(self) -> int: ...
+    @property
+    def host_eviction_index(self) -> EvictionIndex: ...
 
 
 def _fail(msg: str) -> NoReturn:
     raise InvariantError(msg)
 
 
-def check_device_cache(cache: RadixCache) -> None:
+def check_device_cache(cache: CacheView) -> None:
     """The trie, the device pool and the device eviction index (RadixCache.check_invariants)."""
     pool = cache.pool
     pool.check_invariants()
@@ -144,7 +185,7 @@ def check_device_cache(cache: RadixCache) -> None:
         _fail(err)
 
 
-def check_host_tier(cache: TieredRadixCache) -> None:
+def check_host_tier(cache: TieredCacheView) -> None:
     """The host pool, residency, copies in flight and the host eviction index
     (TieredRadixCache.check_invariants, after check_device_cache)."""
     host = cache.host_pool

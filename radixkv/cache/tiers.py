@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 from radixkv.cache.page_pool import PagePool
 
 if TYPE_CHECKING:
-    from radixkv.cache.copies import InFlight
     from radixkv.cache.eviction import EvictionIndex
     from radixkv.cache.node import TreeNode
 
@@ -186,7 +185,7 @@ class LoadBack:
         copies: list[tuple[int, int]] | None = None,
         handle: CopyHandle | None = None,
         error: BaseException | None = None,
-        copy: InFlight | None = None,
+        copy: Any = None,  # the cache's record of the copy (copies.InFlight); opaque here
     ) -> None:
         self.node = node
         self.pages = pages
