@@ -124,6 +124,8 @@ class RadixCache(Trie):
         # page counters, kept incrementally (check_invariants recounts them)
         self._cached = 0  # pages in the trie
         self._evictable = 0  # pages in unlocked nodes
+        # the eviction candidates: unlocked leaves that own pages (the hot paths test
+        # ``not node._children`` before looking a node up; TieredRadixCache keeps its own rule)
         self._index = EvictionIndex(self.policy)
         self._events = EventEmitter()
         self._listeners = self._events.listeners  # the same list: a cheap emptiness test
@@ -278,7 +280,8 @@ class RadixCache(Trie):
                 n.last_access = clock
                 n.hit_count += 1
             last = path[-1]
-            if last in self._index.keys:  # only the last node of a path can be a leaf
+            # only the last node of a path can be a leaf, and only a leaf can be indexed
+            if not last._children and last in self._index.keys:
                 self._index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
@@ -328,7 +331,7 @@ class RadixCache(Trie):
             n.hit_count += 1
             pages += n._pages
         last = path[-1]
-        if last in self._index.keys:
+        if not last._children and last in self._index.keys:
             self._index.refresh(last)
         ntok = off >> TOKEN_SHIFT
         self._hit_tokens += ntok
@@ -467,7 +470,7 @@ class RadixCache(Trie):
                     self, nid, parent, newkey, new, namespace,
                     parent.depth_tokens + k * self.page_size, clock,
                 )  # fmt: skip
-                if parent in index.keys:  # a leaf no more
+                if not parent._children and parent in index.keys:  # a leaf no more
                     index.discard(parent)
                 if self._plain and h is not None and ncached * pb == off:
                     leaf._hkey = h  # the walk found no child under h: the slot is free
@@ -485,7 +488,7 @@ class RadixCache(Trie):
                 node = leaf
             else:
                 node = path[-1] if path else self.root
-                if node in index.keys:
+                if not node._children and node in index.keys:
                     index.refresh(node)
             if dups:
                 pool.release_held(dups)
@@ -522,13 +525,11 @@ class RadixCache(Trie):
         """Protect ``node`` and its ancestors from eviction (counts nest)."""
         self._check_node(node)
         root = self.root
-        index = self._index
-        indexed = index.keys
         while node is not root:
             if node.lock_ref == 0:
                 self._evictable -= len(node._pages)
-                if node in indexed:
-                    index.discard(node)
+                if not node._children and node in self._index.keys:  # only leaves are indexed
+                    self._index.discard(node)
             node.lock_ref += 1
             node = node.parent
 

@@ -412,6 +412,7 @@ class TieredRadixCache(RadixCache):
             hp = node._host_pages
             if hp is not None:
                 tier.host_evictable -= len(hp)
+            self._index.discard(node)  # a device candidate may have (host-only) children
             tier.hindex.discard(node)
             node = node.parent
 
