@@ -652,10 +652,12 @@ class RadixCache(Trie):
         childless becomes an eviction candidate, or goes if it is an empty namespace root
         (``_after_removal``). ``evicted``: counts as eviction in the stats (not a reset).
         ``quiet``: no events (a reset that empties the trie announces AllBlocksCleared)."""
-        sub = [v]
         if v._children:
+            sub = [v]
             for n in sub:  # grows while iterating: breadth-first subtree listing
                 sub.extend(n.iter_children())
+        else:  # a leaf (every victim of eviction)
+            sub = (v,)
         events = None
         if self._listeners and not quiet:  # built before the links their hashes chain along go
             events = [BlockRemoved(self._node_hashes(n), n.namespace) for n in sub if n._pages]
@@ -663,24 +665,24 @@ class RadixCache(Trie):
         self._detach(parent, v)
         if not v.key:  # a namespace root (a reset of every namespace)
             del self._ns_roots[v.namespace]
-        index = self._index
-        pool = self.pool
+        discard = self._index.discard
+        release = self.pool.release_cached
         freed = 0
         for n in sub:
-            index.discard(n)
+            discard(n)
             pages = n._pages
             if pages:
-                pool.release_cached(pages)
+                release(pages)
                 freed += len(pages)
                 n._pages = []
             n.parent = None
         self._cached -= freed
         self._evictable -= freed
-        gone = len(sub)
-        self._num_nodes -= gone
+        self._num_nodes -= len(sub)
         if evicted:
-            self._cold.evicted_pages += freed
-            self._cold.evicted_nodes += gone
+            cold = self._cold
+            cold.evicted_pages += freed
+            cold.evicted_nodes += len(sub)
         if parent is not self.root and not parent._children:
             self._after_removal(parent)
         if events is not None:
