@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from radixkv.attention.registry import BackendChoice, choose_backend
-from radixkv.cache import PagePool, RadixCache, WindowSlots
+from radixkv.cache import PagePool, RadixCache, TieredRadixCache, WindowSlots, build_cache
 from radixkv.cache.events import Listener
 from radixkv.cache.storage import (
     StorageBackend,
@@ -140,7 +140,7 @@ class Engine:
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
         # what the storage tier keys pages by: the weights' identity (None: no storage tier)
         self._fingerprint = None if backend is None else model_fingerprint(self.model.model, mc)
-        self.cache = RadixCache(
+        self.cache = build_cache(
             self.pool,
             page_size=cfg.page_size,
             policy=cfg.eviction_policy,
@@ -1270,6 +1270,7 @@ def _storage_tier(
     if backend is None or fingerprint is None:
         return None
     assert host is not None  # _host_tier gives storage a host tier
+    assert isinstance(cache, TieredRadixCache)  # build_cache made it so, given the host pool
     try:
         secret = load_storage_secret(cfg.kv_storage_secret_file)
     except (OSError, ValueError) as e:

@@ -9,7 +9,7 @@ with them, in two classes:
 * :class:`StorageTier`, the engine's door to storage (``Engine.storage``), and besides SeqKV
   (kv_manager.py) the only engine code that calls the cache: it decides which queued requests
   are worth a lookup (``start_prefetch``, peeking their device + host hit), puts what was found
-  in the host tier at the start of a step (``land_prefetches``: ``RadixCache.alloc_host`` /
+  in the host tier at the start of a step (``land_prefetches``: ``TieredRadixCache.alloc_host`` /
   ``insert_host``), is the cache's host observer (``observe``: which host pages to write, by
   its write policy and threshold), and at ``close`` writes out what only the host tier holds
   (``write_back``).
@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 import torch
 
-from radixkv.cache import OutOfPages, RadixCache
+from radixkv.cache import OutOfPages, TieredRadixCache
 from radixkv.cache.storage import KnownKeys, PageStore, StorageBackend, StorageError
 from radixkv.cache.tiers import (
     HOST_HIT,
@@ -202,7 +202,7 @@ class StorageTier:
 
     def __init__(
         self,
-        cache: RadixCache,
+        cache: TieredRadixCache,
         io: StorageIO,
         *,
         write_policy: str = WRITE_THROUGH,
