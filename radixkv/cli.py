@@ -111,6 +111,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         revision=args.revision,
+        gguf_file=args.gguf_file,
         seed=args.seed,
         lora_modules={"adapter": args.lora} if args.lora else None,
     )
@@ -243,9 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-path",
         dest="model",
         default="radixkv-tiny",
-        help="radixkv-tiny, a local Hugging Face model folder, or a Hugging Face repo id",
+        help="radixkv-tiny, smollm2-135m-instruct (packaged GGUF), a local Hugging Face model "
+        "folder, a Hugging Face repo id, or a *.gguf file",
     )
     g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id")
+    g.add_argument(
+        "--gguf-file", default=None, help="the GGUF file in the model folder or repo id to load"
+    )
     g.add_argument("--dtype", default=None, choices=DTYPES)
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_HELP)
     g.add_argument("--max-tokens", type=int, default=64)

@@ -268,7 +268,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> dict[str, Any]:
     for cache_on in modes:
         cfg = dataclasses.replace(config, enable_prefix_cache=cache_on)
         if not isinstance(model, str):  # loaded: what only loading uses is spent
-            cfg = dataclasses.replace(cfg, revision=None, tokenizer=None, chat_template=None)
+            cfg = dataclasses.replace(
+                cfg, revision=None, gguf_file=None, tokenizer=None, chat_template=None
+            )
         engine = Engine(model, config=cfg)
         try:
             model = engine.model  # loaded once, shared by the second engine

@@ -342,6 +342,14 @@ class EngineConfig:
         default=None,
         metadata=_cli("branch, tag or commit of a Hugging Face repo id (default: main)", type=str),
     )
+    gguf_file: str | None = field(
+        default=None,
+        metadata=_cli(
+            "the GGUF file to load from the model folder or Hugging Face repo id (a *.gguf "
+            "path or a packaged model's name needs none)",
+            type=str,
+        ),
+    )
     tokenizer: str | None = field(
         default=None,
         metadata=_cli("folder or Hugging Face repo id to take the tokenizer from", type=str),
@@ -431,7 +439,7 @@ class EngineConfig:
         if self.lora_modules is not None:
             pairs = parse_lora_modules(self.lora_modules)
             object.__setattr__(self, "lora_modules", pairs or None)
-        for name in ("revision", "tokenizer", "chat_template"):
+        for name in ("revision", "gguf_file", "tokenizer", "chat_template"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")

@@ -94,7 +94,9 @@ class Engine:
 
     ``model`` is a name (``"radixkv-tiny"``), a local Hugging Face folder, a Hugging Face repo id
     (``"Qwen/Qwen2.5-0.5B-Instruct"``, fetched through the Hub cache; ``revision=`` picks a
-    branch, tag or commit), or an already loaded ``LoadedModel``. The knobs are
+    branch, tag or commit), a GGUF file (``"path/to/model.gguf"``, a folder or repo id with
+    ``gguf_file=``, or the packaged ``"smollm2-135m-instruct"``), or an already loaded
+    ``LoadedModel``. The knobs are
     :class:`EngineConfig`'s: pass ``config=EngineConfig(...)``, its fields as keyword arguments
     (``Engine(model, page_size=8, cascade="off")``; vLLM's / SGLang's spellings such as
     ``enable_prefix_caching`` are accepted too), or both (the keywords override the config's
@@ -1141,7 +1143,9 @@ class Engine:
 
 def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
     if isinstance(model, LoadedModel):
-        given = [n for n in ("revision", "tokenizer", "chat_template") if getattr(cfg, n)]
+        given = [
+            n for n in ("revision", "gguf_file", "tokenizer", "chat_template") if getattr(cfg, n)
+        ]
         if given:
             raise ValueError(
                 f"{', '.join(given)} apply when the engine loads the model; pass them to "
@@ -1156,6 +1160,7 @@ def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
         revision=cfg.revision,
         tokenizer=cfg.tokenizer,
         chat_template=cfg.chat_template,
+        gguf_file=cfg.gguf_file,
     )
 
 

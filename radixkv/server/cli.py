@@ -148,8 +148,9 @@ def add_model_argument(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--model-path",
         dest="model",
         default="radixkv-tiny",
-        help="radixkv-tiny, a local Hugging Face model folder, or a Hugging Face repo id "
-        "(org/name, fetched into the Hugging Face cache; HF_HOME and HF_HUB_OFFLINE apply)",
+        help="radixkv-tiny, smollm2-135m-instruct (packaged GGUF), a local Hugging Face model "
+        "folder, a Hugging Face repo id (org/name, fetched into the Hugging Face cache; HF_HOME "
+        "and HF_HUB_OFFLINE apply; --gguf-file picks a GGUF file in it), or a *.gguf file",
     )
     return p
 
