@@ -148,10 +148,11 @@ def load_tokenizer(
         cfg = tiny_config()
         return _override_tokenizer(tiny_tokenizer(), cfg, None, tokenizer, chat_template)
     gguf = open_gguf(name_or_path, gguf_file=gguf_file, revision=revision)
-    if gguf is not None:
-        return _override_tokenizer(
-            gguf_tokenizer(gguf), gguf.config, None, tokenizer, chat_template
-        )
+    if gguf is not None:  # the model's config is read only for a tokenizer override
+        tok = gguf_tokenizer(gguf)
+        if tokenizer is not None:
+            return _override_tokenizer(tok, gguf.config, None, tokenizer, chat_template)
+        return _override_tokenizer(tok, tiny_config(), None, None, chat_template)
     folder = resolve_model_folder(
         name_or_path, revision=revision, files=("config.json", *TOKENIZER_FILES)
     ).folder
