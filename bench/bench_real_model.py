@@ -277,7 +277,8 @@ def transformers_systems(model: Any, transformers: Any) -> list[System]:
             best = max(range(len(caches)), key=shared.__getitem__)
             n = min(shared[best], len(p) - 1)  # at least one prompt token left to run
             cache = copy.deepcopy(caches[best][1])
-            cache.crop(n)
+            if cache.get_seq_length() > n:  # transformers 5: crop(-k) drops the last k tokens
+                cache.crop(n - cache.get_seq_length())
             ids = torch.tensor([p])
             out = _generate(model, ids, torch.ones_like(ids), new, cache)[0].tolist()
             outs.append(out)
