@@ -191,13 +191,16 @@ def _chat(args: argparse.Namespace, lm: LoadedModel, setting: str) -> _Run:
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{lm.name} has no chat template: use --workload code")
     max_tokens = 64 if args.max_tokens is None else args.max_tokens
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    # greedy with a repetition penalty: a 135M model's greedy answers otherwise fall into loops
+    # over a few turns (the penalty is deterministic: cache off and on must still agree)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, repetition_penalty=1.15)
     shared = encode_chat(tok, cw.shared_prefix_messages(shots), add_generation_prompt=False)
     print(
         f"radixkv demo: {lm.name} answers the users of an assistant. Every request starts with "
         f"the same system prompt and {shots} few-shot examples ({len(shared):,} tokens); {n_q} "
         f"users ask one question each, {n_c} hold a {turns}-turn conversation (each turn "
-        f"resends the conversation so far). Greedy, up to {max_tokens} tokens an answer; "
+        f"resends the conversation so far). Greedy (repetition penalty 1.15), up to {max_tokens} "
+        f"tokens an answer; "
         f"{setting}"
     )
     questions = [encode_chat(tok, cw.question_messages(q, shots)) for q in cw.QUESTIONS[:n_q]]
