@@ -173,10 +173,24 @@ def radixkv_system(dtype: str, num_seqs: int) -> System:
                   note="Engine, prefix cache on, a round's prompts batched")  # fmt: skip
 
 
-def llama_cpp_systems(gguf: Path, kind: str, ctx: int) -> list[System]:
-    """llama.cpp on ``gguf`` (``kind``: Q4_1 or f32): plain, and with its prompt cache."""
+def llama_cpp_systems(gguf: Path, kind: str, ctx: int, extra_buffers: bool = True) -> list[System]:
+    """llama.cpp on ``gguf`` (``kind``: Q4_1 or f32): plain, and with its prompt cache.
+    ``extra_buffers=False`` loads without llama.cpp's repacked weight buffers (its AMX one on
+    CPUs that list AMX: a VM whose kernel does not enable the AMX tile state dies of SIGILL in
+    them; Q4_1 and f32 have no other repacked layout)."""
     import llama_cpp
 
+    if not extra_buffers:  # Llama() takes no such argument: its default model params do
+        import llama_cpp.llama_cpp as low_level
+
+        default_params = low_level.llama_model_default_params
+
+        def no_extra_buffers() -> Any:
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        low_level.llama_model_default_params = no_extra_buffers
     threads = os.cpu_count() or 1
     kv = {"f32": 0}.get(kind)  # GGML_TYPE_F32 for the f32 file; the default f16 otherwise
     llm = llama_cpp.Llama(str(gguf), n_ctx=ctx, n_batch=2048, n_ubatch=512, n_threads=threads,
@@ -399,7 +413,7 @@ def build_systems(
         for kind in ("Q4_1", "f32"):
             if wanted(f"llama.cpp {kind}"):
                 gguf = q41 if kind == "Q4_1" else f32_gguf(q41, CACHE)
-                found = llama_cpp_systems(gguf, kind, max_len + 64)
+                found = llama_cpp_systems(gguf, kind, max_len + 64, args.llama_cpp_extra_buffers)
                 systems += [s for s in found if only is None or s.name == only]
     if "transformers" in engines and wanted("transformers float32"):
         found = transformers_systems(*(hf or load_transformers(q41)))
@@ -418,6 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--systems", default="radixkv,llama.cpp,transformers")
     ap.add_argument("--precisions", default="float32", help="radixkv's: float32,bfloat16")
     ap.add_argument("--no-memory", dest="memory", action="store_false")
+    ap.add_argument("--no-llama-cpp-extra-buffers", dest="llama_cpp_extra_buffers",
+                    action="store_false", help="load llama.cpp without its repacked (AMX) weight "
+                    "buffers: for VMs that list AMX but do not enable it (SIGILL)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
