@@ -138,5 +138,7 @@ def test_demo_on_the_real_model(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "radixkv demo: smollm2-135m-instruct" in out
     assert "answers (greedy): 4 of 4 identical with the cache off and on" in out
-    assert "A: The capital of France is Paris." in out
+    lines = out.splitlines()
+    answer = lines[lines.index("Q: What is the capital of France?") + 1]
+    assert answer.startswith("A: ") and "Paris" in answer, answer
     assert "'<|im_start|>system⏎You are Sol" in out  # the tree's text, special tokens shown
