@@ -38,9 +38,15 @@ BLOCK = {
     "mlp.down_proj": "ffn_down",
 }
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-# bytes per 256-value block of the K-quants, and where their fp16 scales sit in it (llama.cpp's
-# block_q4_K / block_q5_K: d, dmin first; block_q6_K: d last) with the scale a block gets
-K_BLOCKS = {"Q4_K": (144, (0, 2), 1e-4), "Q5_K": (176, (0, 2), 5e-5), "Q6_K": (210, (208,), 2e-5)}
+# bytes per 256-value block of the K-quants, where their fp16 scales sit in it (llama.cpp's
+# block_qN_K layouts) and the scale a block gets
+K_BLOCKS = {
+    "Q2_K": (84, (80, 82), 1e-3),  # scales[16], qs[64], d, dmin
+    "Q3_K": (110, (108,), 5e-4),  # hmask[32], qs[64], scales[12], d
+    "Q4_K": (144, (0, 2), 1e-4),
+    "Q5_K": (176, (0, 2), 5e-5),
+    "Q6_K": (210, (208,), 2e-5),
+}
 
 
 def gguf_name(hf: str) -> str:

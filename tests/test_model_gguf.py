@@ -27,7 +27,7 @@ from radixkv.model.packaged import PACKAGED, PackagedModel
 from radixkv.model.runner import ModelRunner, SeqInput
 from radixkv.model.tokenizer import encode_chat
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # every 2-D weight a multiple of 256 wide (the K-quants' block); Qwen3's head_dim decoupled
 SHAPE = {"vocab_size": 300, "hidden_size": 256, "intermediate_size": 256}
 KINDS = {
@@ -101,6 +101,19 @@ def test_engine_greedy_equals_transformers(files: Any) -> None:
     eng.check_invariants()
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_q5_legacy_types_dequantize_near_the_weights(tmp_path: Path, qtype: str) -> None:
+    """Q5_0 / Q5_1 (which transformers does not read): every loaded weight within a 5-bit
+    step of the weight that was quantized."""
+    hf = build_hf_model("llama", seed=1, **SHAPE)
+    lm = load_model(write_gguf(tmp_path / "q5.gguf", hf, "llama", (qtype,)))
+    ours = dict(lm.model.named_parameters())
+    for name, ref in hf.named_parameters():
+        if ref.dim() == 2:
+            step = ref.detach().abs().max() / 15
+            assert (ours[name].detach() - ref.detach()).abs().max() <= step, name
+
+
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
     w = torch.arange(6 * 8 * 3, dtype=torch.float32).reshape(48, 3)
     n_head = 6
@@ -128,6 +141,22 @@ def test_config_from_metadata(tmp_path: Path) -> None:
     assert cfg.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)
     assert not cfg.tie_word_embeddings
     assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, (2,))
+    yarn = write_gguf(
+        tmp_path / "yarn.gguf",
+        hf,
+        "llama",
+        ("Q8_0",),
+        metadata={
+            "rope_scaling_type": gguf.RopeScalingType.YARN,
+            "rope_scaling_factor": 4.0,
+            "rope_scaling_orig_ctx_len": 128,
+        },
+    )
+    assert GGUFCheckpoint(yarn).config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
 
 
 def test_llama3_rope_freqs_fitted(tmp_path: Path) -> None:

@@ -123,7 +123,11 @@ class GGUFCheckpoint:
                 str(self.path), None, "loading GGUF files needs the gguf package: pip install gguf"
             ) from None
         try:
-            self._reader = GGUFReader(str(self.path), "r")
+            reader = GGUFReader(str(self.path), "r")
+            # the metadata as plain Python: the reader's own per-value field objects (one
+            # memory-mapped array per vocabulary string) cost more than the values, ~160 MB
+            # for a 49k vocabulary, and would stay alive beside the weights being loaded
+            self.metadata: dict[str, Any] = {k: f.contents() for k, f in reader.fields.items()}
         except (ValueError, OSError, KeyError) as exc:
             raise ModelLoadError(str(self.path), None, f"cannot read GGUF: {exc}") from exc
         self.arch = str(self.field("general.architecture", required=True))
@@ -135,7 +139,7 @@ class GGUFCheckpoint:
                 f"{', '.join(sorted(ARCHITECTURES))}",
             )
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in self._reader.tensors:
+        for t in reader.tensors:
             type_name = t.tensor_type.name
             if type_name not in TENSOR_TYPES:
                 raise ModelLoadError(
@@ -150,12 +154,11 @@ class GGUFCheckpoint:
     def field(self, key: str, default: Any = None, *, required: bool = False) -> Any:
         """The metadata value at ``key`` as Python (str, int, float, bool, list), else
         ``default`` (ModelLoadError naming the key when ``required``)."""
-        f = self._reader.fields.get(key)
-        if f is None:
+        if key not in self.metadata:
             if required:
                 raise ModelLoadError(str(self.path), key, "missing GGUF metadata key")
             return default
-        return f.contents()
+        return self.metadata[key]
 
     def arch_field(self, key: str, default: Any = None, *, required: bool = False) -> Any:
         """``field("<architecture>.<key>")``."""
