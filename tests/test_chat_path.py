@@ -224,8 +224,16 @@ def test_generate_chat_cli_matches_engine_chat(capsys: pytest.CaptureFixture[str
         msgs, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
     )[0]
     assert want.prompt_token_ids[0] != 256  # the tiny template writes no BOS; none is added
-    assert radixkv_main(["generate", "--chat", msgs[0]["content"], "--max-tokens", "12"]) == 0
-    assert capsys.readouterr().out == want.text + "\n"
-    argv = ["generate", "--chat", msgs[0]["content"], "--max-tokens", "12", "--stream"]
+    argv = [
+        "generate",
+        "--model",
+        "radixkv-tiny",
+        "--chat",
+        msgs[0]["content"],
+        "--max-tokens",
+        "12",
+    ]
     assert radixkv_main(argv) == 0
+    assert capsys.readouterr().out == want.text + "\n"
+    assert radixkv_main([*argv, "--stream"]) == 0
     assert capsys.readouterr().out == want.text + "\n"

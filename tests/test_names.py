@@ -23,7 +23,9 @@ MODEL = "radixkv-tiny-random"
 
 
 def _serve(*argv: str) -> argparse.Namespace:
-    return add_serve_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    return add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--model", "radixkv-tiny", *argv]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,16 @@ from radixkv.server.cli import server_config_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:
-    return add_serve_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    """The flags on radixkv-tiny (fast; ``radixkv serve``'s default is the real model)."""
+    return add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--model", "radixkv-tiny", *argv]
+    )
 
 
 def test_defaults() -> None:
-    a = _parse()
+    a = add_serve_arguments(argparse.ArgumentParser()).parse_args([])
     assert (a.model, a.host, a.port, a.page_size, a.max_queue) == (
-        "radixkv-tiny",
+        "smollm2-135m-instruct",
         "127.0.0.1",
         8000,
         16,

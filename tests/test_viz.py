@@ -10,7 +10,7 @@ import pytest
 
 from radixkv.cache.page_pool import PagePool
 from radixkv.cache.radix_cache import RadixCache
-from radixkv.viz import draw_tree, find_node, layout_tree, node_table, save_tree
+from radixkv.viz import draw_tree, find_node, layout_tree, node_table, save_tree, text_tree
 
 PS = 4
 
@@ -227,3 +227,23 @@ def _tiny() -> RadixCache:
     c = RadixCache(PagePool(4), page_size=PS)
     _serve(c, list(range(8)))
     return c
+
+
+def test_text_tree_decodes_each_node(cache: RadixCache) -> None:
+    """One line per node, indented under its parent, with the node's own tokens decoded; long
+    texts cut with …, newlines shown as ⏎; max_lines cuts the listing and says so."""
+
+    def words(ids) -> str:
+        return " ".join("nl\n" if i == 3 else f"w{i}" for i in ids)
+
+    text = text_tree(cache, words, max_chars=20)
+    lines = text.splitlines()
+    assert len(lines) == cache.num_nodes  # the root line, then a line per node
+    assert lines[0].startswith(f"root ({cache.num_nodes - 1} nodes, ")
+    shared = next(ln for ln in lines if "12 tok" in ln)
+    assert shared[3:].startswith("'w100 w101 w102 w103…'  12 tok, 3 pages, hits")
+    assert any("⏎" in ln for ln in lines) and not any("\n" in ln for ln in lines)
+    assert any(ln.lstrip("│ ").startswith(("├─ ", "└─ ")) and ln.startswith("│") for ln in lines)
+    assert "namespace 't2'" in text
+    cut = text_tree(cache, words, max_lines=2).splitlines()
+    assert cut[:2] == lines[:2] and cut[2] == f"... ({len(lines) - 2} more lines)"

@@ -2,13 +2,14 @@
 
 ``measure(engine, prompts, params)`` submits every prompt at once, runs the engine to completion
 and reports what a prefix cache changes: hit rate, time to first token (mean, p99), throughput
-and prefill tokens computed vs saved.
+and prefill tokens computed vs saved. ``measure_rounds`` does the same over rounds of requests
+whose prompts depend on the previous round's answers (chat turns: the demo's conversations).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -60,26 +61,53 @@ def measure(
     desc: str | None = None,
 ) -> WorkloadResult:
     """Run ``prompts`` (all arriving now) to completion on ``engine`` and measure."""
+    once = iter([prompts])
+    return measure_rounds(
+        engine, lambda _: next(once, None), params, name=name, use_tqdm=use_tqdm, desc=desc
+    )[0]
+
+
+def measure_rounds(
+    engine: Engine,
+    next_round: Callable[[list[RequestOutput]], Sequence[Prompt] | None],
+    params: SamplingParams,
+    *,
+    name: str = "workload",
+    use_tqdm: bool = True,
+    desc: str | None = None,
+) -> tuple[WorkloadResult, list[list[RequestOutput]]]:
+    """Run rounds of requests to completion on ``engine`` and measure them as one workload.
+
+    ``next_round(previous)`` gets the finished outputs of the previous round (``[]`` before the
+    first) and returns the next round's prompts, all arriving at once, or ``None`` when there
+    are no more: a chat's next turn is only known once its previous answer is. Returns the
+    measurement over all rounds and every round's outputs (in prompt order)."""
     from tqdm import tqdm
 
     before = engine.stats()
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, params, stream=False) for p in prompts]
-    done: dict[str, RequestOutput] = {}
-    with tqdm(total=len(ids), desc=desc or name, unit="req", disable=not use_tqdm) as bar:
-        for o in engine.iter_outputs(ids):
-            if o.finished:
-                done[o.request_id] = o
-                bar.update(1)
+    rounds: list[list[RequestOutput]] = []
+    prev: list[RequestOutput] = []
+    with tqdm(desc=desc or name, unit="req", disable=not use_tqdm) as bar:
+        while (prompts := next_round(prev)) is not None:
+            ids = [engine.add_request(p, params, stream=False) for p in prompts]
+            bar.total = (bar.total or 0) + len(ids)
+            done: dict[str, RequestOutput] = {}
+            for o in engine.iter_outputs(ids):
+                if o.finished:
+                    done[o.request_id] = o
+                    bar.update(1)
+            prev = [done[i] for i in ids]
+            rounds.append(prev)
     wall = time.perf_counter() - t0
-    outs = [done[i] for i in ids]
+    outs = [o for r in rounds for o in r]
     after = engine.stats()
     ttfts = [o.metrics.ttft or 0.0 for o in outs]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs) * params.n
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     computed = after.prefill_tokens_computed - before.prefill_tokens_computed
     hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
-    return WorkloadResult(
+    result = WorkloadResult(
         name=name,
         cache=engine.config.enable_prefix_cache,
         requests=len(outs),
@@ -88,7 +116,7 @@ def measure(
         prefill_computed=computed,
         prefill_saved=hits,
         hit_rate=hits / max(1, prompt_tokens),
-        ttft_mean_s=sum(ttfts) / len(ttfts),
+        ttft_mean_s=sum(ttfts) / max(1, len(ttfts)),
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99),
         wall_s=wall,
@@ -101,6 +129,7 @@ def measure(
         time_sample_s=after.time_sample - before.time_sample,
         time_postprocess_s=after.time_postprocess - before.time_postprocess,
     )
+    return result, rounds
 
 
 def format_table(results: Sequence[WorkloadResult]) -> str:

