@@ -150,7 +150,9 @@ def grammar_lark(grammar: str) -> str:
 # parser walks; an upper-case one is a terminal, compiled into the lexer and not limited so)
 _LARK_HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?[ \t]*:", re.MULTILINE)
 # what may hold a "|" that is not an alternative: strings, regexes, comments
-_LARK_OPAQUE = re.compile(r'"(?:[^"\\\n]|\\.)*"i?|/(?![/*])(?:[^/\\\n]|\\.)+/[a-z]*|//[^\n]*|#[^\n]*')
+_LARK_OPAQUE = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"i?|/(?![/*])(?:[^/\\\n]|\\.)+/[a-z]*|//[^\n]*|#[^\n]*'
+)
 
 
 def check_rule_sizes(lark: str) -> None:
