@@ -6,6 +6,7 @@ serves on. Grammars the parser cannot hold are refused at intake."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -69,13 +70,13 @@ def _run(engine: Engine, reqs: list[tuple[str, str, SamplingParams]]) -> dict[st
 
 
 def _is_victim(engine: Engine) -> Callable[[Any], bool]:
-    group = engine._live.get(VICTIM)  # noqa: SLF001 - the test reaches the victim's state
+    group = engine._live.get(VICTIM)
     seqs = set() if group is None else {id(s) for s in group.seqs}
     return lambda seq: id(seq) in seqs
 
 
 def _victim_params(engine: Engine) -> Any:
-    group = engine._live.get(VICTIM)  # noqa: SLF001
+    group = engine._live.get(VICTIM)
     return None if group is None else group.params
 
 
@@ -108,7 +109,7 @@ def _inject(stage: str, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None
         real_g = getattr(TokenGuide, stage)
 
         def wrapped_g(self: TokenGuide, *a: Any) -> Any:
-            g = engine._live.get(VICTIM)  # noqa: SLF001
+            g = engine._live.get(VICTIM)
             if g is not None and any(s.guide is self for s in g.seqs):
                 boom()
             return real_g(self, *a)
@@ -118,7 +119,7 @@ def _inject(stage: str, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None
         real_add = IncrementalDetokenizer.add
 
         def wrapped_add(self: Any, tok: int) -> Any:
-            g = engine._live.get(VICTIM)  # noqa: SLF001
+            g = engine._live.get(VICTIM)
             if g is not None and any(s.detok is self for s in g.seqs):
                 boom()
             return real_add(self, tok)
@@ -129,7 +130,7 @@ def _inject(stage: str, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None
         victim_ids: list[Any] = []
 
         def wrapped_dec(tok: Any, ids: Any, **k: Any) -> Any:
-            g = engine._live.get(VICTIM)  # noqa: SLF001
+            g = engine._live.get(VICTIM)
             if g is not None and any(s.output_ids == ids for s in g.seqs):
                 victim_ids.append(ids)
                 boom()
@@ -154,7 +155,10 @@ def test_one_sequence_fails_alone(
 ) -> None:
     reqs = _tenants()
     if stage == "detokenize":  # the final decode runs for requests not detokenized live
-        reqs = [(rid, pr, p.clone(stop=None) if rid == VICTIM else p) for rid, pr, p in reqs]
+        reqs = [
+            (rid, pr, dataclasses.replace(p, stop=None) if rid == VICTIM else p)
+            for rid, pr, p in reqs
+        ]
     before = engine.stats()
     _inject(stage, engine, monkeypatch)
     done = _run(engine, reqs)
