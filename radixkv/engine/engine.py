@@ -905,7 +905,12 @@ class Engine:
         """A step scheduled nothing. With nothing running, nothing could be admitted: the head
         of the queue cannot fit (pages pinned by sessions), so fail it rather than spin."""
         if self.scheduler.waiting and not self.scheduler.running:
-            self._finish(self.scheduler.waiting[0], "error", insert=False)
+            head = self.scheduler.waiting[0]
+            head.group.error = head.group.error or (
+                "the request cannot be admitted: its pages do not fit beside those that "
+                "sessions pin"
+            )
+            self._finish(head, "error", insert=False)
 
     # ------------------------------------------------------------------ convenience
     def generate(
