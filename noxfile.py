@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, fuzz, bench, bench_vs_sglang, bench_peers, bench_cluster,
+"""nox sessions: tests, lint, fuzz, schemathesis, bench, bench_vs_sglang, bench_peers, bench_cluster,
 notebooks, docs, gpu_contract, gpu_kit, gpu_check."""
 
 from __future__ import annotations
@@ -61,6 +61,23 @@ def fuzz(session: nox.Session) -> None:
         "0",
         env={"RADIXKV_HYPOTHESIS_PROFILE": "fuzz"},
     )
+
+
+@nox.session(python="3.11")
+def schemathesis(session: nox.Session) -> None:
+    """``schemathesis run --checks all`` against a radixkv-tiny server: every phase (examples,
+    the coverage phase's boundary values, fuzzing), 100 examples per operation (the test
+    suite runs the same test with 4, without the coverage phase). Extra arguments go to
+    pytest; RADIXKV_SCHEMATHESIS_SEED picks another seed."""
+    _install(session)
+    session.run(
+        "pytest", "-q", "-s", "tests/test_server_openapi.py", "-k", "all_checks",
+        "--timeout", "0", *session.posargs,
+        env={
+            "RADIXKV_SCHEMATHESIS_EXAMPLES": "100",
+            "RADIXKV_SCHEMATHESIS_PHASES": "examples,coverage,fuzzing",
+        },
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")

@@ -31,33 +31,33 @@ Needs transformers (the test extra). Writes bench/results/bench_beam_peers.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
-import sys
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
+from peerkit import (
+    ROOT,
+    add_round_arguments,
+    hf_generate,
+    identical,
+    machine_dict,
+    medians,
+    print_rows,
+    results_path,
+    rotated_rounds,
+    rounds_of,
+    tiny_hf_model,
+    utc_now,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from radixkv.engine.beam_search import BeamSearch
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+from radixkv.model.tiny import tiny_tokenizer
 
-import bench_peers  # noqa: E402
-import bench_speculative_peers  # noqa: E402
-
-from radixkv.engine.beam_search import BeamSearch  # noqa: E402
-from radixkv.engine.engine import Engine  # noqa: E402
-from radixkv.engine.params import SamplingParams  # noqa: E402
-from radixkv.model.tiny import tiny_tokenizer  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "bench_beam_peers.json"
+RESULTS = results_path("bench_beam_peers")
 WIDTH = 4
 
 # (prompt ids, new tokens) -> each prompt's W hypotheses (output ids), best first
@@ -125,47 +125,36 @@ def vllm_algorithm_system() -> Run:
 def transformers_system(model: Any) -> Run:
     @torch.inference_mode()
     def run(prompts: list[list[int]], new: int) -> list[list[list[int]]]:
-        outs = []
-        for p in prompts:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ids = model.generate(
-                    torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                    num_beams=WIDTH, num_return_sequences=WIDTH, do_sample=False,
-                    max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
-                )  # fmt: skip
-            outs.append([row[len(p) :].tolist() for row in ids])
-        return outs
+        return [
+            hf_generate(model, torch.tensor([p]), new, hold_eos=True, num_beams=WIDTH,
+                        num_return_sequences=WIDTH).tolist()
+            for p in prompts
+        ]  # fmt: skip
 
     return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 prompts, 8 new tokens, one round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_round_arguments(ap, RESULTS, quick="2 prompts, 8 new tokens, one round")
     args = ap.parse_args(argv)
-    rounds = 1 if args.quick else args.rounds
+    rounds = rounds_of(args)
     tok = tiny_tokenizer()
     systems: dict[str, Run] = {
         "radixkv": radixkv_system(),
-        "transformers": transformers_system(bench_speculative_peers.hf_model()),
+        "transformers": transformers_system(tiny_hf_model()),
         "radixkv, vLLM's algorithm": vllm_algorithm_system(),
     }
     rows = []
     for wname, (texts, new) in workloads(args.quick).items():
         prompts = [tok.encode(t) for t in texts]
-        times, outs = bench_peers.rotated_rounds(
+        times, outs = rotated_rounds(
             {n: partial(run, prompts, new) for n, run in systems.items()},
             rounds,
             label=f"{wname} ",
         )
-        ref = outs["transformers"]
-        base = statistics.median(times["radixkv"])
+        secs = medians(times)
         for name in systems:
-            secs = statistics.median(times[name])
-            same = sum(a == b for a, b in zip(outs[name], ref))
             rows.append(
                 {
                     "workload": wname,
@@ -173,26 +162,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "prompts": len(prompts),
                     "prompt_tokens": sum(map(len, prompts)),
                     "new_tokens": new,
-                    "seconds": round(secs, 3),
-                    "same_as_transformers": f"{same}/{len(prompts)}",
-                    "time_vs_radixkv": round(secs / base, 2),
+                    "seconds": round(secs[name], 3),
+                    "same_as_transformers": identical(outs[name], outs["transformers"]),
+                    "time_vs_radixkv": round(secs[name] / secs["radixkv"], 2),
                 }
             )
-    for row in rows:
-        print(row)
+    print_rows(rows)
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "date": utc_now(),
+        "machine": machine_dict(),
         "model": "radixkv-tiny (float32), the same weights in transformers",
         "beam_width": WIDTH,
         "rounds": rounds,
         "summary": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

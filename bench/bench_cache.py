@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
-import sys
 import time
 import tracemalloc
 from array import array
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peerkit import load_average, results_path, utc_now, write_json
 
 from radixkv.cache import PagePool, RadixCache
 
@@ -230,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON path (default bench/results/bench_cache.json; --quick writes none)",
     )
     args = ap.parse_args(argv)
-    load_at_start = os.getloadavg()[0]  # other processes' load skews wall-clock timings
+    load_at_start = load_average()  # other processes' load skews wall-clock timings
     groups, prompts = (8, 4) if args.quick else (64, 16)
     cfg = dict(groups=groups, prompts=prompts, sys_len=2048, q_len=128, out_len=256, vocab=150_000)
     reqs = make_workload(**cfg, seed=args.seed)
@@ -307,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     out = {
         "benchmark": "bench_cache",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_now(),
         "summary": summary,
         "workload": {
             **cfg,
@@ -322,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.quick and not args.out:
         return 0  # a smoke run does not overwrite the full results
-    path = Path(args.out) if args.out else Path(__file__).parent / "results" / "bench_cache.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(args.out or results_path("bench_cache"), out)
     return 0
 
 

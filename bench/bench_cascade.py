@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
 import random
 import statistics
@@ -49,12 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peerkit import load_average, results_path, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from radixkv.attention.cascade import CascadePlan, TorchCascadeAttention  # noqa: E402
-from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry  # noqa: E402
+from radixkv.attention.cascade import CascadePlan, TorchCascadeAttention
+from radixkv.engine.cascade_planner import CascadePlanner, DecodeEntry
 
 
 class _Node:
@@ -345,7 +342,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if args.out is None:
         suffix = "" if dtype == torch.float32 else "_bf16"
-        args.out = str(ROOT / f"bench/results/bench_cascade{suffix}.json")
+        args.out = str(results_path(f"bench_cascade{suffix}"))
     batches = [1, 4, 32] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     prefixes = [512, 4096] if args.quick else [256, 1024, 4096]
     if args.only:
@@ -383,7 +380,7 @@ def main() -> None:
             "timer": args.timer,
             "threads": torch.get_num_threads(),
             "statistic": f"median over {reps} interleaved repetitions",
-            "load_average_at_start": os.getloadavg()[0],
+            "load_average_at_start": load_average(),
         },
         "attention": rows,
         "auto_right_everywhere": all(r["auto_right"] for r in rows),
@@ -415,10 +412,8 @@ def main() -> None:
             f"{e2e['kv_bytes_ratio']}x fewer), outputs identical: {e2e['outputs_identical']} "
             f"({e2e['outputs_equal']}/{e2e['branches']} equal)"
         )
-    result["config"]["load_average_at_end"] = os.getloadavg()[0]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    result["config"]["load_average_at_end"] = load_average()
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -23,19 +23,16 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from peerkit import ROOT, free_port, results_path, write_json
 
-from radixkv.cluster._ray import import_serve  # noqa: E402
-from radixkv.cluster.readiness import app_state, wait_until_running  # noqa: E402
-from radixkv.cluster.workload import (  # noqa: E402
+from radixkv.cluster._ray import import_serve
+from radixkv.cluster.readiness import app_state, wait_until_running
+from radixkv.cluster.workload import (
     SharedPrefixWorkload,
     fleet_delta,
     fleet_hit_rate,
@@ -43,12 +40,6 @@ from radixkv.cluster.workload import (  # noqa: E402
 )
 
 PAGE = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -74,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also run each router with the replicas sharing one Valkey storage tier",
     )
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_cluster.json"))
+    ap.add_argument("--out", default=str(results_path("bench_cluster")))
     args = ap.parse_args(argv)
 
     serve = import_serve()
@@ -109,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[dict[str, Any]] = []
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         phases = [False, True] if valkey is not None else [False]
         db = 0
@@ -195,8 +186,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['completion_s']:>7.2f} {r['latency_p50_s'] or 0:>7.3f} {r['latency_p99_s']:>7.3f} "
             f"{r['replicas_per_group_mean']:>10.2f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "workload": {
             "groups": wl.groups,
@@ -213,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": "radixkv-tiny",
         "results": rows,
     }
-    out.write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print()
+    write_json(args.out, meta)
     return 0
 
 

@@ -17,32 +17,22 @@ All requests arrive at once. Prints tables and writes bench/results/bench_engine
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
+from peerkit import results_path, utc_now, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's radixkv, not whichever is installed
+from radixkv.bench.measure import WorkloadResult, format_table, measure
+from radixkv.bench.workloads import generated_shared_prefix, shared_prefix_tokens
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import SamplingParams
+from radixkv.model.loader import load_model
 
-from radixkv.engine.benchmark import (  # noqa: E402
-    WorkloadResult,
-    format_table,
-    generated_shared_prefix,
-    measure,
-    shared_prefix_tokens,
-)
-from radixkv.engine.engine import Engine  # noqa: E402
-from radixkv.engine.params import SamplingParams  # noqa: E402
-from radixkv.model.loader import load_model  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "bench_engine.json"
+RESULTS = results_path("bench_engine")
 
 
 def _pair(
@@ -275,11 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {report['machine']['load_average_at_start']} -> "
         f"{report['machine']['load_average_at_end']} on {os.cpu_count()} CPUs"
     )
-    report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    report["date"] = utc_now()
+    write_json(args.out, report)
     return 0
 
 

@@ -31,7 +31,7 @@ prefix cache emptied before each run; model and adapter loading outside the timi
 transformers runs sdpa attention and has no prefix sharing across requests. Greedy outputs are
 compared token by token: radixkv's adapter run with both PEFT systems, radixkv's base run with
 transformers' base run (``identical``: requests whose 32 tokens all agree). Rounds run every
-system once in a rotated order (bench_peers.rotated_rounds); times are medians.
+system once in a rotated order (peerkit.rotated_rounds); times are medians.
 
     python bench/bench_lora_peers.py [--quick] [--rounds 3] [--out PATH]
 
@@ -44,13 +44,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
 import random
-import statistics
-import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -58,28 +54,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peerkit import (
+    CACHE,
+    SEED,
+    add_round_arguments,
+    agreement,
+    greedy,
+    hf_generate,
+    hf_model,
+    machine_line,
+    medians,
+    peer_engine,
+    print_rows,
+    quiet,
+    random_ids,
+    results_path,
+    rotated_rounds,
+    rounds_of,
+    utc_now,
+    versions,
+    write_json,
+)
+from peerkit import checkpoint as peer_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_peers  # noqa: E402
-
-from radixkv.engine.engine import Engine  # noqa: E402
-from radixkv.engine.params import SamplingParams  # noqa: E402
-from radixkv.pages import pages_for  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "bench_lora_peers.json"
+RESULTS = results_path("bench_lora_peers")
 ADAPTERS = 4
 RANK = 16
 ALPHA = 16
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PAD = 0  # <unk>: never in a prompt (prompts use ids from bench_peers.FIRST_ID on)
+PAD = 0  # <unk>: never in a prompt (prompts use ids from peerkit.FIRST_ID on)
 
 
 # ---- the adapters --------------------------------------------------------------------------------
 def _adapter_tag(checkpoint: Path, i: int) -> str:
-    return f"{checkpoint.name}-lora-r{RANK}-a{ALPHA}-all-s{bench_peers.SEED + i}"
+    return f"{checkpoint.name}-lora-r{RANK}-a{ALPHA}-all-s{SEED + i}"
 
 
 @torch.no_grad()
@@ -93,7 +101,7 @@ def make_adapters(checkpoint: Path, cache: Path, n: int) -> list[Path]:
         return folders
     from peft import LoraConfig, get_peft_model
 
-    base = _hf_model(checkpoint)
+    base = hf_model(checkpoint)
     for i, folder in enumerate(folders):
         if (folder / "radixkv_bench.json").is_file():
             continue
@@ -104,16 +112,14 @@ def make_adapters(checkpoint: Path, cache: Path, n: int) -> list[Path]:
             lora_dropout=0.0,
             init_lora_weights=False,
         )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             model = get_peft_model(copy.deepcopy(base), cfg)
-        gen = torch.Generator().manual_seed(bench_peers.SEED + i)
+        gen = torch.Generator().manual_seed(SEED + i)
         for name, p in sorted(model.named_parameters()):
             if "lora_" in name:  # A [r, in], B [out, r]
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
         folder.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             model.save_pretrained(folder)
         tag = _adapter_tag(checkpoint, i)
         (folder / "radixkv_bench.json").write_text(json.dumps({"tag": tag}))
@@ -136,17 +142,12 @@ class Workload:
 def make_workload(quick: bool, names: list[str]) -> Workload:
     """Request ``i`` runs adapter ``i % len(names)``: its system prompt, then unique tokens."""
     n, system, (lo, hi), new = (8, 128, (16, 32), 8) if quick else (32, 1024, (48, 80), 32)
-    rng = random.Random(bench_peers.SEED)
-    vocab = bench_peers.MODEL["vocab_size"]
-
-    def toks(k: int) -> list[int]:
-        return [rng.randrange(bench_peers.FIRST_ID, vocab) for _ in range(k)]
-
-    systems = [toks(system) for _ in names]
+    rng = random.Random(SEED)
+    systems = [random_ids(rng, system) for _ in names]
     prompts, adapters = [], []
     for i in range(n):
         a = i % len(names)
-        prompts.append(systems[a] + toks(rng.randint(lo, hi)))
+        prompts.append(systems[a] + random_ids(rng, rng.randint(lo, hi)))
         adapters.append(names[a])
     return Workload(prompts, adapters, system, new)
 
@@ -165,23 +166,14 @@ class RadixRun:
 def radixkv_system(
     checkpoint: Path, loras: dict[str, Path] | None, w: Workload, stats: RadixRun
 ) -> Run:
-    page = 16
     max_tokens = max(len(p) for p in w.prompts) + w.new_tokens
-    engine = Engine(
-        str(checkpoint),
-        dtype="float32",
-        device="cpu",
-        page_size=page,
-        num_pages=len(w.prompts) * (pages_for(max_tokens, page) + 1) + 8,
-        max_running_requests=len(w.prompts),
-        lora_modules={k: str(v) for k, v in loras.items()} if loras else None,
-    )
+    modules = {k: str(v) for k, v in loras.items()} if loras else None
+    engine = peer_engine(checkpoint, "float32", max_tokens, len(w.prompts), lora_modules=modules)
 
     def run(w: Workload) -> list[list[int]]:
         engine.reset_prefix_cache()  # every run starts cold, like the peers'
-        params = SamplingParams(max_tokens=w.new_tokens, temperature=0.0, ignore_eos=True)
         outs = engine.generate(
-            w.prompts, params, use_tqdm=False, lora=w.adapters if loras else None
+            w.prompts, greedy(w.new_tokens), use_tqdm=False, lora=w.adapters if loras else None
         )
         engine.check_invariants()
         stats.cached_tokens = sum(o.num_cached_tokens for o in outs)
@@ -190,26 +182,14 @@ def radixkv_system(
     return run
 
 
-def _hf_model(checkpoint: Path) -> Any:
-    import transformers
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            checkpoint, dtype=torch.float32, attn_implementation="sdpa"
-        )
-    return model.eval()
-
-
 def peft_model(checkpoint: Path, loras: dict[str, Path]) -> Any:
     """One PeftModel holding every adapter under its name."""
     from peft import PeftModel
 
     names = list(loras)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         model = PeftModel.from_pretrained(
-            _hf_model(checkpoint), str(loras[names[0]]), adapter_name=names[0]
+            hf_model(checkpoint), str(loras[names[0]]), adapter_name=names[0]
         )
         for name in names[1:]:
             model.load_adapter(str(loras[name]), adapter_name=name)
@@ -225,18 +205,7 @@ def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _generate(model: Any, prompts: list[list[int]], new: int, **kw: Any) -> list[list[int]]:
     ids, mask = _left_padded(prompts)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,  # exactly `new` tokens, EOS or not (radixkv's ignore_eos)
-            pad_token_id=PAD,
-            **kw,
-        )
-    return out[:, ids.shape[1] :].tolist()
+    return hf_generate(model, ids, new, attention_mask=mask, **kw).tolist()
 
 
 def peft_mixed_system(model: Any) -> Run:
@@ -316,18 +285,12 @@ OVERHEAD = {RADIX_LORA: RADIX_BASE, PEFT_MIXED: HF_BASE, PEFT_EACH: HF_BASE}
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--quick", action="store_true", help="8 requests, 128 + 16-32 tokens, 8 new, one round"
-    )
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument(
-        "--cache", type=Path, default=bench_peers.CACHE, help="checkpoint and adapter folders"
-    )
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_round_arguments(ap, RESULTS, quick="8 requests, 128 + 16-32 tokens, 8 new, one round")
+    ap.add_argument("--cache", type=Path, default=CACHE, help="checkpoint and adapter folders")
     args = ap.parse_args(argv)
-    rounds = 1 if args.quick else args.rounds
+    rounds = rounds_of(args)
 
-    checkpoint = bench_peers.checkpoint(args.cache)
+    checkpoint = peer_checkpoint(args.cache)
     folders = make_adapters(checkpoint, args.cache, ADAPTERS)
     loras = {f"tenant{i}": f for i, f in enumerate(folders)}
     w = make_workload(args.quick, list(loras))
@@ -338,45 +301,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         RADIX_BASE: radixkv_system(checkpoint, None, w, radix_base),
         PEFT_MIXED: peft_mixed_system(peft),
         PEFT_EACH: peft_per_adapter_system(peft),
-        HF_BASE: hf_base_system(_hf_model(checkpoint)),
+        HF_BASE: hf_base_system(hf_model(checkpoint)),
     }
-    times, outs = bench_peers.rotated_rounds(
-        {name: partial(run, w) for name, run in systems.items()}, rounds
-    )
+    times, outs = rotated_rounds({name: partial(run, w) for name, run in systems.items()}, rounds)
 
     delta = lora_delta_seconds(systems[RADIX_LORA], w)
-    base = statistics.median(times[RADIX_LORA])
+    secs = medians(times)
     rows = []
     for name in systems:
-        secs = statistics.median(times[name])
         tokens = sum(len(o) for o in outs[name])
-        agree = bench_peers.agreement(outs[name], outs[COMPARED_WITH[name]])
+        agree = agreement(outs[name], outs[COMPARED_WITH[name]])
         rows.append(
             {
                 "system": name,
-                "seconds": round(secs, 3),
+                "seconds": round(secs[name], 3),
                 "runs_s": [round(t, 3) for t in times[name]],
                 "output_tokens": tokens,
-                "output_tok_per_s": round(tokens / secs, 1),
-                "time_vs_radixkv": round(secs / base, 2),
+                "output_tok_per_s": round(tokens / secs[name], 1),
+                "time_vs_radixkv": round(secs[name] / secs[RADIX_LORA], 2),
             }
         )
         if name in OVERHEAD:  # the time over the same library's base-model run
-            rows[-1]["lora_overhead"] = round(secs / statistics.median(times[OVERHEAD[name]]), 2)
+            rows[-1]["lora_overhead"] = round(secs[name] / secs[OVERHEAD[name]], 2)
         rows[-1]["compared_with"] = COMPARED_WITH[name]
         rows[-1]["identical"] = agree["identical"]
         rows[-1]["mean_agreeing_prefix"] = round(agree["mean_agreeing_prefix"], 2)
-    for row in rows:
-        print(row)
+    print_rows(rows)
     changed = sum(a != b for a, b in zip(outs[RADIX_LORA], outs[RADIX_BASE], strict=True))
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{bench_peers.cpu_name()}, {os.cpu_count()} CPUs, "
-        f"load average at start {os.getloadavg()[0]:.1f}",
+        "date": utc_now(),
+        "machine": machine_line(),
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
-        "versions": bench_peers.versions("torch", "transformers", "peft", "radixkv"),
-        "checkpoint": checkpoint.name,  # the model tag (bench_peers.build_checkpoint)
+        "versions": versions("torch", "transformers", "peft", "radixkv"),
+        "checkpoint": checkpoint.name,  # the model tag (peerkit.checkpoint)
         "adapters": {
             "count": ADAPTERS,
             "rank": RANK,
@@ -407,13 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "radixkv_lora_delta_time": delta,
         "summary": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"adapter outputs differing from the base model's: {changed}/{len(w.prompts)}")
     print(f"radixkv's LoRA deltas in one more run: {delta}")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

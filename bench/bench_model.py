@@ -12,7 +12,6 @@ Prints a table and writes bench/results/bench_model.json. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -20,13 +19,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from peerkit import results_path, utc_now, write_json
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.kv.kv_pool import KVPool
 from radixkv.model.loader import load_model
 from radixkv.model.runner import ModelRunner, SeqInput
 
-RESULTS = Path(__file__).parent / "results" / "bench_model.json"
+RESULTS = results_path("bench_model")
 
 
 # "wall": perf_counter; "cpu": this process's CPU time, which on a shared (busy) machine with one
@@ -237,7 +237,6 @@ def main() -> None:
         f"{decode['paged_torch_ms']:>15.2f} {decode['contiguous_sdpa_ms']:>14.2f} "
         f"{decode['ratio']:>7.2f} {'<=1.5':>7}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "model": lm.name,
         "device": str(device),
@@ -250,10 +249,10 @@ def main() -> None:
         "quick": args.quick,
         "prefill_cached_prefix": prefill_rows,
         "decode": decode,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_now(),
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    print()
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,12 @@ Writes bench/results/bench_moe_peers.json. Not in CI.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_peers
+from peerkit import results_path
 
-RESULTS = bench_peers.ROOT / "bench" / "results" / "bench_moe_peers.json"
+RESULTS = results_path("bench_moe_peers")
 
 QWEN3_MOE = bench_peers.Checkpoint(
     tag=f"qwen3moe-h512-l4-e32k4-v32000-s{bench_peers.SEED}",

@@ -26,29 +26,28 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
-import statistics
-import sys
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
+from peerkit import (
+    ROOT,
+    add_round_arguments,
+    machine_dict,
+    medians,
+    print_rows,
+    results_path,
+    rotated_rounds,
+    rounds_of,
+    tiny_hf_model,
+    utc_now,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from radixkv.engine.engine import Engine
+from radixkv.model.tiny import tiny_tokenizer
 
-import bench_peers  # noqa: E402
-import bench_speculative_peers  # noqa: E402
-
-from radixkv.engine.engine import Engine  # noqa: E402
-from radixkv.model.tiny import tiny_tokenizer  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "bench_score_peers.json"
+RESULTS = results_path("bench_score_peers")
 BATCH = 16  # transformers' items per forward
 
 # (query ids, item ids, labels) -> per item, the labels' probabilities
@@ -126,41 +125,37 @@ def transformers_query_cache(model: Any) -> Run:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 items, one round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_round_arguments(ap, RESULTS, quick="8 items, one round")
     args = ap.parse_args(argv)
-    rounds = 1 if args.quick else args.rounds
+    rounds = rounds_of(args)
     query, items, labels = workload(args.quick)
-    model = bench_speculative_peers.hf_model()
+    model = tiny_hf_model()
     systems: dict[str, Run] = {
         "radixkv": radixkv_system(),
         "transformers batched": transformers_batched(model),
         "transformers query cache": transformers_query_cache(model),
     }
-    times, outs = bench_peers.rotated_rounds(
+    times, outs = rotated_rounds(
         {n: (lambda run=run: run(query, items, labels)) for n, run in systems.items()}, rounds
     )
     ref = outs["transformers batched"]
-    base = statistics.median(times["radixkv"])
+    secs = medians(times)
     rows = []
     for name in systems:
-        secs = statistics.median(times[name])
         diff = max(abs(a - b) for x, y in zip(outs[name], ref) for a, b in zip(x, y))
         rows.append(
             {
                 "system": name,
-                "seconds": round(secs, 3),
-                "items_per_second": round(len(items) / secs, 1),
+                "seconds": round(secs[name], 3),
+                "items_per_second": round(len(items) / secs[name], 1),
                 "max_abs_diff_vs_transformers": float(f"{diff:.2e}"),
-                "time_vs_radixkv": round(secs / base, 2),
+                "time_vs_radixkv": round(secs[name] / secs["radixkv"], 2),
             }
         )
-    for row in rows:
-        print(row)
+    print_rows(rows)
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "date": utc_now(),
+        "machine": machine_dict(),
         "model": "radixkv-tiny (float32), the same weights in transformers",
         "workload": {
             "query_tokens": len(query),
@@ -172,11 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": rounds,
         "summary": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

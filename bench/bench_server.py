@@ -15,23 +15,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
+from peerkit import results_path, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from radixkv.engine.async_engine import AsyncEngine  # noqa: E402
-from radixkv.server.app import build_app  # noqa: E402
-from radixkv.server.background import BackgroundServer  # noqa: E402
-from radixkv.server.config import ServerConfig  # noqa: E402
+from radixkv.engine.async_engine import AsyncEngine
+from radixkv.server.app import build_app
+from radixkv.server.background import BackgroundServer
+from radixkv.server.config import ServerConfig
 
 MODEL = "radixkv-tiny"
 
@@ -158,7 +154,7 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--tenant-tries", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_server.json"))
+    ap.add_argument("--out", default=str(results_path("bench_server")))
     args = ap.parse_args()
 
     rows = [run_load(args, cache_on=False), run_load(args, cache_on=True)]
@@ -169,15 +165,13 @@ def main() -> None:
     tenant = tenant_timing(args)
     print("tenant isolation TTFT (ms):", tenant)
     result = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} ({__import__('os').cpu_count()} cpus)".strip(),
+        "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cpus)".strip(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "config": vars(args) | {"out": None},
         "load": rows,
         "tenant_isolation": tenant,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print("wrote", args.out)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

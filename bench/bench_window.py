@@ -22,38 +22,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import statistics
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-
-from bench_peers import (  # noqa: E402
+from peerkit import (
     CACHE,
-    FIRST_ID,
     MODEL,
     SEED,
     Checkpoint,
     Workload,
+    add_round_arguments,
     agreement,
     checkpoint,
-    cpu_name,
+    load_average,
+    machine_line,
+    medians,
     radixkv_system,
+    random_ids,
+    results_path,
     rotated_rounds,
+    rounds_of,
     transformers_systems,
+    utc_now,
     versions,
+    write_json,
 )
 
-RESULTS = ROOT / "bench" / "results" / "bench_window.json"
+RESULTS = results_path("bench_window")
 WINDOW = 1024
 MISTRAL = Checkpoint(
     f"mistral-h512-l4-v32000-w{WINDOW}-s{SEED}", "MistralConfig", "MistralForCausalLM",
@@ -76,19 +74,17 @@ def unwindowed_copy(folder: Path) -> Path:
 
 def workload(n: int, length: int, new: int, vocab: int) -> Workload:
     rng = random.Random(SEED)
-    prompts = [[rng.randrange(FIRST_ID, vocab) for _ in range(length)] for _ in range(n)]
+    prompts = [random_ids(rng, length, vocab) for _ in range(n)]
     return Workload("long_context", prompts, new, 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="2 x 4,096 tokens, 8 new, 1 round")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_round_arguments(ap, RESULTS, quick="2 x 4,096 tokens, 8 new, 1 round")
     args = ap.parse_args(argv)
     n, length, new = (2, 4096, 8) if args.quick else (4, 8192, 32)
-    rounds = 1 if args.quick else args.rounds
-    started, load = time.time(), os.getloadavg()[0]
+    rounds = rounds_of(args)
+    started, load = utc_now(), load_average()
     torch.manual_seed(0)
     folder = checkpoint(CACHE, MISTRAL)
     full = unwindowed_copy(folder)
@@ -105,18 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     times, outs = rotated_rounds(systems, rounds)
     names = list(systems)
     ref = outs[names[2]]
-    ours = statistics.median(times[names[0]])
+    secs = medians(times)
     rows = []
     for name in names:
-        med = statistics.median(times[name])
-        row: dict[str, Any] = {"system": name, "seconds": round(med, 2),
-                               "vs_radixkv_windowed": round(med / ours, 2)}  # fmt: skip
+        row: dict[str, Any] = {"system": name, "seconds": round(secs[name], 2),
+                               "vs_radixkv_windowed": round(secs[name] / secs[names[0]], 2)}  # fmt: skip
         if name != names[2]:
             row |= {"vs_transformers": agreement(outs[name], ref)["identical"]}
         rows.append(row)
     data = {
-        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, load average at start {load:.1f}",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "machine": machine_line(load),
+        "date": started,
         "threads": torch.get_num_threads(), "rounds": rounds,
         "checkpoint": MISTRAL.tag, "sliding_window": WINDOW,
         "workload": {"requests": n, "prompt_tokens": length, "new_tokens": new},
@@ -124,8 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": rows,
         "times_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    write_json(args.out, data)
     for r in rows:
         print(f"{r['system']:<52} {r['seconds']:>8.2f} s  x{r['vs_radixkv_windowed']:<5} "
               f"{r.get('vs_transformers', '')}")  # fmt: skip

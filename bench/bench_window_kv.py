@@ -23,34 +23,35 @@ Writes bench/results/bench_window_kv.json (docs/benchmarks.md via make_report.py
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-
-from bench_peers import (  # noqa: E402
+from peerkit import (
     CACHE,
-    FIRST_ID,
     MODEL,
     SEED,
     Checkpoint,
+    add_round_arguments,
     checkpoint,
-    cpu_name,
+    greedy,
+    hf_generate,
+    hf_model,
+    load_average,
+    machine_line,
+    random_ids,
+    results_path,
+    rotated_rounds_all,
+    rounds_of,
+    utc_now,
     versions,
+    write_json,
 )
 
-RESULTS = ROOT / "bench" / "results" / "bench_window_kv.json"
+RESULTS = results_path("bench_window_kv")
 WINDOW = 512
 LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
 GEMMA3_MIX = Checkpoint(
@@ -65,19 +66,16 @@ PAGE = 16
 def requests(docs: int, doc_tokens: int, questions: int) -> list[list[int]]:
     """Each document's questions, documents in turn: d1q1, d2q1, ..., d1q2, ..."""
     rng = random.Random(SEED)
-    vocab = MODEL["vocab_size"]
-    tok = lambda n: [rng.randrange(FIRST_ID, vocab) for _ in range(n)]  # noqa: E731
+    tok = lambda n: random_ids(rng, n)  # noqa: E731
     texts = [tok(doc_tokens) for _ in range(docs)]
     asks = [[tok(16) for _ in range(questions)] for _ in range(docs)]
     return [texts[d] + asks[d][q] for q in range(questions) for d in range(docs)]
 
 
 def run_system(engine: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
-    from radixkv.engine.params import SamplingParams
-
     engine.reset_prefix_cache()  # every round starts cold
     before = engine.stats()
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    params = greedy(new)
     outs, times = [], []
     t0 = time.perf_counter()
     for p in prompts:
@@ -101,13 +99,11 @@ def run_system(engine: Any, prompts: list[list[int]], new: int) -> dict[str, Any
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="4 documents of 768 tokens, 1 round")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_round_arguments(ap, RESULTS, quick="4 documents of 768 tokens, 1 round")
     args = ap.parse_args(argv)
     docs, doc_tokens, questions, new = (4, 768, 2, 4) if args.quick else (8, 1536, 3, 8)
-    rounds = 1 if args.quick else args.rounds
-    started, load = time.time(), os.getloadavg()[0]
+    rounds = rounds_of(args)
+    started, load = utc_now(), load_average()
     torch.manual_seed(0)
     folder = checkpoint(CACHE, GEMMA3_MIX)
     prompts = requests(docs, doc_tokens, questions)
@@ -128,21 +124,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = dict(dtype="float32", device="cpu", page_size=PAGE, kv_cache_memory=budget)
     engines = {name: Engine(str(folder), **common, **cfg) for name, cfg in configs.items()}
     names = list(engines)
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            runs[name].append(run_system(engines[name], prompts, new))
-            print(f"round {r}: {name}: {runs[name][-1]['seconds']:.2f} s", flush=True)
+    _, runs = rotated_rounds_all(
+        {name: (lambda e=e: run_system(e, prompts, new)) for name, e in engines.items()}, rounds
+    )
 
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf_first = []
+    hf = hf_model(folder, torch.float32, attn_implementation=None)
     with torch.no_grad():
-        for p in prompts[:docs]:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False,
-                              min_new_tokens=new, pad_token_id=0)  # fmt: skip
-            hf_first.append(out[0, len(p) :].tolist())
+        hf_first = [
+            hf_generate(hf, torch.tensor([p]), new, hold_eos=True)[0].tolist()
+            for p in prompts[:docs]
+        ]
 
     ref = runs[names[0]][-1]["outputs"]
     rows = []
@@ -168,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in rows:
         row["speedup_vs_full"] = round(base / row["seconds"], 2)
     data = {
-        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, load average at start {load:.1f}",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "machine": machine_line(load),
+        "date": started,
         "threads": torch.get_num_threads(), "rounds": rounds,
         "checkpoint": GEMMA3_MIX.tag, "sliding_window": WINDOW, "layers": LAYERS,
         "kv_budget_mib": round(budget / 2**20, 1),
@@ -180,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": rows,
         "times_s": {n: [round(x["seconds"], 3) for x in runs[n]] for n in names},
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    write_json(args.out, data)
     for r in rows:
         print(f"{r['system']:<30} pages {r['pages']:>5} slots {r['window_slots']:>5} "
               f"hit {r['hit_rate']:.3f} req {r['mean_request_s']:.3f} s total {r['seconds']:.2f} s "

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixkv.cache import PagePool, RadixCache
+from radixkv.cache import PagePool, TieredRadixCache
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.kv_pool import KVPool
@@ -59,7 +59,7 @@ def check_cache() -> dict[str, Any]:
     kv = KVPool(LAYERS, 16, PS, HKV, D, torch.bfloat16, "cuda")
     host = HostKVPool.like(kv, 32)
     copier = KVCopier(kv, host)
-    cache = RadixCache(PagePool(16), PS, host_pool=PagePool(32), copier=copier)
+    cache = TieredRadixCache(PagePool(16), PS, host_pool=PagePool(32), copier=copier)
     tokens = list(range(8 * PS))
     pages = cache.alloc(8)
     for i, p in enumerate(pages):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import subprocess
 import sys
 import types
 import zipfile
 from pathlib import Path
 from typing import Any
+
+from peerkit import pip_download
 
 SGLANG_VERSION = "0.5.23"
 DEFAULT_CACHE = Path.home() / ".cache" / "radixkv-bench"
@@ -50,11 +51,7 @@ def fetch_wheel(version: str = SGLANG_VERSION, cache_dir: Path = DEFAULT_CACHE) 
     cache_dir.mkdir(parents=True, exist_ok=True)
     found = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
     if not found:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d",
-             str(cache_dir), f"sglang=={version}"],
-            check=True,
-        )  # fmt: skip
+        pip_download(cache_dir, "--quiet", f"sglang=={version}")
         found = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
     if not found:
         raise RuntimeError(f"pip download gave no sglang-{version} wheel in {cache_dir}")

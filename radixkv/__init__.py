@@ -17,6 +17,8 @@ _EXPORTS: dict[str, str] = {
     "PagePool": "radixkv.cache.page_pool",
     "OutOfPages": "radixkv.cache.errors",
     "RadixCache": "radixkv.cache.radix_cache",
+    "TieredRadixCache": "radixkv.cache.tiered_cache",
+    "build_cache": "radixkv.cache.build",
     "MatchResult": "radixkv.cache.results",
     "InsertResult": "radixkv.cache.results",
     "CacheStats": "radixkv.cache.stats",

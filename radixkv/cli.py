@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from radixkv.engine.benchmark import format_table, measure, shared_module_prompts
+    from radixkv.bench.measure import format_table, measure
+    from radixkv.bench.workloads import shared_module_prompts
     from radixkv.engine.engine import Engine
     from radixkv.engine.params import SamplingParams
     from radixkv.model.loader import load_model
@@ -111,6 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         revision=args.revision,
+        gguf_file=args.gguf_file,
         seed=args.seed,
         lora_modules={"adapter": args.lora} if args.lora else None,
     )
@@ -170,39 +172,13 @@ def _bench_cache(argv: list[str]) -> int:
     if not path.is_file():
         print(f"bench-cache: {path} not found (run from a source checkout)", file=sys.stderr)
         return 2
+    if str(path.parent) not in sys.path:  # its shared helpers (bench/peerkit/) sit beside it
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("radixkv_bench_cache", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return int(mod.main(argv) or 0)
-
-
-def _bench(argv: list[str]) -> int:
-    """``radixkv bench``: an engine here (engine/bench_cli.py) or, with ``--base-url``, a running
-    server (server/bench_client.py), on the same workloads. Bad settings exit 2 with the
-    reason; a run in which some request failed exits 1."""
-    from radixkv.engine.bench_cli import add_bench_arguments, run
-    from radixkv.server.bench_client import add_serving_arguments, run_serving
-
-    parser = argparse.ArgumentParser(
-        prog="radixkv bench",
-        description="The engine (or, with --base-url, a running OpenAI-compatible server) on "
-        "a synthetic workload shaped like SGLang's bench_serving datasets.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    args = add_serving_arguments(add_bench_arguments(parser)).parse_args(argv)
-    try:
-        if args.base_url is None:
-            report = run(args)
-        elif args.cache != "both":
-            raise ValueError("--cache applies to an engine run here, not to a server's cache")
-        else:
-            report = run_serving(args, sys.stdout)
-    except ValueError as e:
-        parser.error(str(e))  # prints usage + the message, exits 2
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 1 if report.get("failed_requests") else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,9 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-path",
         dest="model",
         default="radixkv-tiny",
-        help="radixkv-tiny, a local Hugging Face model folder, or a Hugging Face repo id",
+        help="radixkv-tiny, smollm2-135m-instruct (packaged GGUF), a local Hugging Face model "
+        "folder, a Hugging Face repo id, or a *.gguf file",
     )
     g.add_argument("--revision", default=None, help="branch, tag or commit of a repo id")
+    g.add_argument(
+        "--gguf-file", default=None, help="the GGUF file in the model folder or repo id to load"
+    )
     g.add_argument("--dtype", default=None, choices=DTYPES)
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -308,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         from radixkv.cluster.cli import main as serve_ray_main
 
         return int(serve_ray_main(argv[1:]) or 0)
-    if argv and argv[0] == "bench":
-        return _bench(argv[1:])
+    if argv and argv[0] == "bench":  # radixkv/bench/: tooling, imported only here
+        from radixkv.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     if argv and argv[0] == "bench-cache":
         return _bench_cache(argv[1:])
     args = build_parser().parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixkv.cache import PagePool, RadixCache
+from radixkv.cache import PagePool, RadixCache, TieredRadixCache
 from radixkv.cache.hashing import default_hash_fn
 
 
@@ -150,9 +150,9 @@ def make_tiered(
     asynchronous: bool = False,
     hash_fn: Any = None,
     **kw: Any,
-) -> tuple[RadixCache, FakeCopier]:
+) -> tuple[TieredRadixCache, FakeCopier]:
     copier = FakeCopier(asynchronous)
-    cache = RadixCache(
+    cache = TieredRadixCache(
         PagePool(num_pages),
         page_size=page_size,
         hash_fn=hash_fn,

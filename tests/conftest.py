@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, settings
 
 # read when a component is built, so setting it here (before any test runs) is early enough
 os.environ.setdefault("RADIXKV_DEBUG_CHECKS", "1")
+# the storage tier's MAC secret: fixed, so no test creates ~/.config/radixkv/storage_secret
+os.environ.setdefault("RADIXKV_STORAGE_SECRET", "5e" * 32)
 
 settings.register_profile(
     "ci",

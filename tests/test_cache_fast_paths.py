@@ -70,7 +70,7 @@ def test_heap_index_check_finds_corruption() -> None:
     cache.check_invariants()
     index = cache._index
     leaf = next(iter(index._nodes.values()))
-    index._heap.remove(leaf._ekey)
+    index._heap.remove(index.keys[leaf])
     with pytest.raises(InvariantError, match="not in the heap"):
         cache.check_invariants()
 
@@ -89,7 +89,7 @@ def test_heap_index_first_skips_stale_keys() -> None:
     assert index.first() is b.node
     assert list(index) == [b.node] and index.check() is None
     index.clear()
-    assert len(index) == 0 and b.node._ekey is None
+    assert len(index) == 0 and b.node not in index.keys
 
 
 # ---------------------------------------------------------------- the pool's fast checks

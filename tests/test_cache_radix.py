@@ -10,7 +10,14 @@ import pytest
 from cache_helpers import HASH_FNS, fill, make_cache, snapshot
 
 import radixkv
-from radixkv.cache import ForeignNodeError, LockError, OutOfPages, PagePool, RadixCache
+from radixkv.cache import (
+    ForeignNodeError,
+    LockError,
+    OutOfPages,
+    PagePool,
+    RadixCache,
+    TieredRadixCache,
+)
 
 
 @pytest.fixture(params=list(HASH_FNS), ids=list(HASH_FNS))
@@ -550,7 +557,7 @@ def test_a_merged_away_node_is_no_longer_in_the_cache(hash_fn: Any) -> None:
 def test_no_merging_with_a_host_tier() -> None:
     from cache_helpers import FakeCopier
 
-    cache = RadixCache(PagePool(64), page_size=2, host_pool=PagePool(64), copier=FakeCopier())
+    cache = TieredRadixCache(PagePool(64), page_size=2, host_pool=PagePool(64), copier=FakeCopier())
     last = _publish_page_by_page(cache, seq(8))
     cache.unlock(last)
     fill(cache, seq(2, 300))

@@ -36,6 +36,7 @@ from radixkv.cache import (
     OutOfPages,
     PagePool,
     RadixCache,
+    TieredRadixCache,
     page_hashes,
 )
 from radixkv.cache.hashing import chain_start
@@ -322,7 +323,7 @@ class TieredCacheMachine(SharedRules):
     ) -> None:
         self.ps = page_size
         self.copier = FakeCopier(asynchronous)
-        self.cache = RadixCache(
+        self.cache = TieredRadixCache(
             PagePool(num_pages),
             page_size=page_size,
             policy=policy,

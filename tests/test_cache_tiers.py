@@ -16,6 +16,8 @@ from radixkv.cache import (
     OutOfPages,
     PagePool,
     RadixCache,
+    TieredRadixCache,
+    build_cache,
     page_hashes,
 )
 from radixkv.cache.tiers import HOST_MEDIUM, Copier, CopyHandle, LoadBack
@@ -40,26 +42,33 @@ def test_constructor_validation() -> None:
     pool = PagePool(4)
     cp = FakeCopier()
     with pytest.raises(ValueError, match="no pages"):
-        RadixCache(pool, 2, host_pool=PagePool(0), copier=cp)
+        build_cache(pool, 2, host_pool=PagePool(0), copier=cp)
     with pytest.raises(ValueError, match="of its own"):
-        RadixCache(pool, 2, host_pool=pool, copier=cp)
+        build_cache(pool, 2, host_pool=pool, copier=cp)
     used = PagePool(4)
     used.alloc(1)
     with pytest.raises(ValueError, match="unused"):
-        RadixCache(pool, 2, host_pool=used, copier=cp)
+        build_cache(pool, 2, host_pool=used, copier=cp)
     with pytest.raises(ValueError, match="needs a copier"):
-        RadixCache(pool, 2, host_pool=PagePool(4))
+        build_cache(pool, 2, host_pool=PagePool(4))
     with pytest.raises(ValueError, match="without a host_pool"):
-        RadixCache(pool, 2, copier=cp)
+        build_cache(pool, 2, copier=cp)
     with pytest.raises(TypeError, match="to_host"):
-        RadixCache(pool, 2, host_pool=PagePool(4), copier=object())
+        build_cache(pool, 2, host_pool=PagePool(4), copier=object())
     with pytest.raises(TypeError, match="host_pool must be a PagePool"):
-        RadixCache(pool, 2, host_pool=4, copier=cp)  # type: ignore[arg-type]
+        build_cache(pool, 2, host_pool=4, copier=cp)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="write_policy"):
-        RadixCache(pool, 2, write_policy="write_around")
+        build_cache(pool, 2, write_policy="write_around")
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="write_through_threshold"):
-            RadixCache(pool, 2, write_through_threshold=bad)  # type: ignore[arg-type]
+            build_cache(pool, 2, write_through_threshold=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs a host_pool"):
+        TieredRadixCache(pool, 2, host_pool=None, copier=cp)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="host_pool"):
+        RadixCache(pool, 2, host_pool=PagePool(4), copier=cp)  # type: ignore[call-arg]
+    # the one factory picks the class
+    assert type(build_cache(pool, 2)) is RadixCache
+    assert type(build_cache(pool, 2, host_pool=PagePool(4), copier=cp)) is TieredRadixCache
     assert isinstance(cp, Copier)
     assert isinstance(cp.to_host([(0, 0)]), CopyHandle)
 
@@ -74,11 +83,12 @@ def test_exports_and_import_stays_torch_free() -> None:
     assert radixkv.HostKVPool.__name__ == "HostKVPool" and radixkv.KVCopier.__name__ == "KVCopier"
     code = (
         "import sys, radixkv\n"
-        "from radixkv.cache import CompletedCopy, PagePool, RadixCache\n"
+        "from radixkv.cache import CompletedCopy, PagePool, TieredRadixCache, build_cache\n"
         "class C:\n"
         "    def to_host(self, pairs): return CompletedCopy()\n"
         "    to_device = to_host\n"
-        "c = RadixCache(PagePool(4), 1, host_pool=PagePool(4), copier=C())\n"
+        "c = build_cache(PagePool(4), 1, host_pool=PagePool(4), copier=C())\n"
+        "assert type(c) is TieredRadixCache\n"
         "c.insert([1, 2], c.alloc(2)); c.evict(2); lb = c.load_back(c.match_prefix([1, 2]))\n"
         "assert c.wait_load(lb) and lb.num_loaded_tokens == 2; c.check_invariants()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -94,8 +104,7 @@ def test_without_a_tier_nothing_changes() -> None:
     lb = cache.load_back(m)
     assert (lb.node, lb.pages, lb.num_tokens, lb.handle) == (m.node, m.pages, 6, None)
     assert cache.wait_load(lb) and cache.poll() == 0 and cache.copies_in_flight == 0
-    with pytest.raises(ValueError, match="no host tier"):
-        cache.evict_host(1)
+    assert not hasattr(cache, "evict_host")  # host eviction is TieredRadixCache's
     assert cache.peek_prefix(A, host=True) == 6
     assert "host" not in cache.pretty() and "device" not in cache.to_dot()
     st = cache.stats

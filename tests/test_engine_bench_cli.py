@@ -218,7 +218,7 @@ def test_a_stream_counts_only_when_it_delivers(
 
     import httpx
 
-    from radixkv.server.bench_client import _one
+    from radixkv.bench.serving import _one
 
     async def go() -> Any:
         transport = _stream_of(*events)
@@ -248,7 +248,7 @@ def test_an_openai_style_base_url_ending_in_v1_works(tmp_path: Path) -> None:
 def test_text_prompts_for_servers_that_take_text_only(tmp_path: Path) -> None:
     from server_helpers import live_server
 
-    from radixkv.server.bench_client import _WORDS, as_text
+    from radixkv.bench.serving import _WORDS, as_text
 
     assert len(set(_WORDS)) == len(_WORDS) == 256  # one distinct word per token id below 256
     texts = as_text([[0, 1, 2], [0, 1, 3]])
@@ -266,7 +266,7 @@ def test_text_prompts_for_servers_that_take_text_only(tmp_path: Path) -> None:
 
 
 def test_outputs_that_stop_short_are_counted() -> None:
-    from radixkv.server.bench_client import RequestRecord, _server_lines, summarize
+    from radixkv.bench.serving import RequestRecord, _server_lines, summarize
 
     recs = [
         RequestRecord(ok=True, prompt_tokens=5, output_tokens=n, ttft=0.1, latency=0.2)
@@ -293,3 +293,28 @@ def test_multi_turn_chats_resent_with_their_history(tmp_path: Path) -> None:
     assert work["ideal_hit_rate"] == pytest.approx((2 * 64 + 3 * (80 + 128)) / (3 * 384))
     (on,) = report["results"]
     assert 0 < on["prefill_saved"] <= work["ideal_hit_rate"] * work["prompt_tokens"]
+
+
+def test_no_library_module_imports_the_bench_tooling() -> None:
+    """radixkv/bench/ is the command line's tooling: only cli.py and radixkv/bench/ itself
+    import it, so the library layers (cache ... server, cluster) carry no benchmark code."""
+    import ast
+
+    import radixkv
+
+    root = Path(radixkv.__file__).resolve().parent
+    reaching = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel == "cli.py" or rel.startswith("bench/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            if any(n == "radixkv.bench" or n.startswith("radixkv.bench.") for n in names):
+                reaching.append(rel)
+    assert reaching == []
+    assert (root / "bench" / "offline.py").is_file()  # the walk saw the package

@@ -102,6 +102,10 @@ def test_server_takes_priority_only_under_the_priority_policy() -> None:
     with live_server() as (srv, st):
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        assert r.json()["error"]["message"] == (  # the engine's check, in the server's words
+            "priority=-3 needs the server started with --schedule-policy priority; under the "
+            "other policies it must be 0"
+        )
         ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "priority": 0}, timeout=60)
         assert ok.status_code == 200
         assert_clean(st)

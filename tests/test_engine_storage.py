@@ -206,7 +206,7 @@ def test_server_killed_mid_run_then_back(
         assert st.storage_errors >= 1 and st.storage_available == 0
         assert len(storage_warnings(caplog)) == 1
         server = ValkeyProcess(port=server.port)  # restarted, empty
-        eng.storage.io._retry_at = 0.0  # skip the rest of the back-off instead of sleeping
+        eng.storage.io.retry_now()  # skip the rest of the back-off instead of sleeping
         assert run(eng, prompts(2)) == cold[2]  # new pages: a lookup and writes probe it
         assert eng.flush_storage()
         assert eng.stats().storage_available == 1

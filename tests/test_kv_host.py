@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from radixkv.cache import PagePool, RadixCache
+from radixkv.cache import PagePool, TieredRadixCache
 from radixkv.kv.copier import KVCopier
 from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.kv_pool import KVPool
@@ -124,7 +124,7 @@ def test_cache_with_a_real_host_tier_loads_back_exact_kv() -> None:
     kv = KVPool(L, 6, PS, H, D)
     host = HostKVPool.like(kv, 8)
     with KVCopier(kv, host) as copier:
-        cache = RadixCache(
+        cache = TieredRadixCache(
             PagePool(kv.num_pages), page_size=PS, host_pool=PagePool(host.num_pages), copier=copier
         )
         tokens = list(range(100, 100 + 3 * PS))
@@ -154,7 +154,7 @@ def test_cache_turns_a_failing_copier_into_a_miss() -> None:
     kv = KVPool(L, 4, PS, H, D)
     host = HostKVPool.like(kv, 4)
     with KVCopier(kv, host) as copier:
-        cache = RadixCache(
+        cache = TieredRadixCache(
             PagePool(kv.num_pages), page_size=PS, host_pool=PagePool(host.num_pages), copier=copier
         )
         tokens = list(range(2 * PS))

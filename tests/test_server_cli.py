@@ -16,6 +16,7 @@ import pytest
 
 from radixkv.server import add_serve_arguments, build_from_args, main
 from radixkv.server.background import BackgroundServer
+from radixkv.server.cli import server_config_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -33,6 +34,29 @@ def test_defaults() -> None:
     )
     assert a.api_keys is None and a.kv_events is None and not a.disable_prefix_cache
     assert (a.prefill_budget, a.cascade, a.chunked_prefill_size) == ("tokens", "auto", 2048)
+
+
+def test_hardening_flags() -> None:
+    """Issue 47's server flags: defaults, and what they set."""
+    config = server_config_from_args(_parse())
+    assert (config.header_timeout_s, config.body_timeout_s) == (30.0, 60.0)
+    assert config.allowed_hosts == () and config.metrics_require_key is None
+    assert not config.metrics_key_required  # no keys
+    config = server_config_from_args(
+        _parse(
+            "--allowed-hosts", "models.internal, gpu-box", "--header-timeout", "5",
+            "--body-timeout", "7.5", "--api-key", "cli-key-bbbb",
+        )
+    )  # fmt: skip
+    assert config.allowed_hosts == ("models.internal", "gpu-box")
+    assert (config.header_timeout_s, config.body_timeout_s) == (5.0, 7.5)
+    assert config.metrics_key_required  # keys: on by default
+    opened = server_config_from_args(
+        _parse("--api-key", "cli-key-bbbb", "--no-metrics-require-key")
+    )
+    assert opened.metrics_require_key is False and not opened.metrics_key_required
+    with pytest.raises(ValueError, match="body_timeout_s"):
+        server_config_from_args(_parse("--body-timeout", "0"))
 
 
 def test_scheduling_flags_reach_the_engine() -> None:

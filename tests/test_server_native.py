@@ -301,11 +301,7 @@ def test_priority_is_sglang_s_higher_first() -> None:
     from radixkv.server.auth import Principal
     from radixkv.server.native_plan import Planner
 
-    config = types.SimpleNamespace(schedule_policy="priority")
-    st = types.SimpleNamespace(
-        engine=types.SimpleNamespace(engine=types.SimpleNamespace(config=config))
-    )
-    planner = Planner(st, Principal(""))  # type: ignore[arg-type]
+    planner = Planner(types.SimpleNamespace(), Principal(""))  # type: ignore[arg-type]
     assert planner.priority(5) == -5 and planner.priority(-2) == 2  # radixkv: lower first
     assert planner.priority(None) == 0
 
@@ -768,6 +764,17 @@ def test_bad_input_is_a_400_naming_the_field(
     assert err["type"] == "invalid_request_error"
 
 
+def test_priority_under_another_policy_is_the_sglang_route_s_400(http: httpx.Client) -> None:
+    """The engine's intake refuses it; /generate words it as sent (SGLang's higher-first)."""
+    for stream in (False, True):
+        body = {"text": "x", "priority": 7, "stream": stream, "sampling_params": GREEDY}
+        err = error_of(http.post("/generate", json=body))
+        assert err["param"] == "priority" and err["message"] == (
+            "priority=7 needs the server started with --schedule-policy priority; under the "
+            "other policies leave it unset"
+        )
+
+
 def test_bad_json_and_serving_goes_on(http: httpx.Client) -> None:
     r = http.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert "JSON" in error_of(r)["message"]
@@ -944,7 +951,11 @@ def test_api_keys_are_enforced(guarded: tuple[BackgroundServer, ServerState]) ->
         for path in ("/get_model_info", "/get_server_info"):
             error_of(c.get(path), 401)
             assert c.get(path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-        assert c.get("/health_generate").status_code == 200  # probes need no key (as SGLang)
+        # with keys, the probe that runs the engine needs one too (SGLang's needs none)
+        error_of(c.get("/health_generate"), 401)
+        assert (
+            c.get("/health_generate", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        )
         error_of(c.post("/flush_cache", headers={"Authorization": f"Bearer {KEY}"}), 401)
         auth = {"Authorization": f"Bearer {KEY}"}
         r = c.post("/generate", json={"text": "hi", "sampling_params": GREEDY}, headers=auth)

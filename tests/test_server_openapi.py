@@ -6,8 +6,12 @@ contradicts it."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -137,6 +141,78 @@ def test_schema_and_decoder_agree(doc: dict, body: dict[str, Any], valid: bool) 
             P.decode_request(raw, P.CompletionRequest)
 
 
+def test_the_seven_conformance_failures_of_issue_47(
+    server: tuple[BackgroundServer, ServerState], doc: dict
+) -> None:
+    """Each was a schemathesis failure: the schema and the server disagreed."""
+    srv, _ = server
+    # 1. "n": 1.0 is an integer to JSON Schema; the decoder refused it (and priority 0.0)
+    body = {**CMPL, "model": MODEL, "n": 2.0, "priority": 0.0, "max_tokens": 1}
+    assert _validator(doc, "CompletionRequest").is_valid(body)
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    with pytest.raises(P.ProtocolError, match=r"Expected `int`, got `float` - at `\$.n`"):
+        P.decode_request(json.dumps({**CMPL, "n": 1.5}).encode(), P.CompletionRequest)
+    # 2. float token ids on /detokenize
+    r = httpx.post(srv.url + "/detokenize", json={"model": MODEL, "tokens": [5.0, 6]})
+    assert r.status_code == 200
+    assert (
+        r.json()
+        == httpx.post(srv.url + "/detokenize", json={"model": MODEL, "tokens": [5, 6]}).json()
+    )
+    # 3. /tokenize's "exactly one of prompt and messages", now in the schema
+    tok = _validator(doc, "TokenizeRequest")
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.is_valid({"model": "m", "prompt": "x"}) and tok.is_valid(
+        {"model": "m", "messages": messages}
+    )
+    assert not tok.is_valid({"model": "m"}) and not tok.is_valid({"model": "m", "prompt": None})
+    assert not tok.is_valid({"model": "m", "prompt": "x", "messages": messages})
+    assert not tok.is_valid({"model": "m", "prompt": "x", "tools": [{}]})  # tools need messages
+    # 4. /v1/responses with an empty input
+    assert not _validator(doc, "ResponsesRequest").is_valid({"model": "m", "input": ""})
+    # 5. /v1/score's repeated label ids
+    score = {"model": "m", "query": "a", "items": ["b"], "label_token_ids": [5, 5]}
+    assert not _validator(doc, "ScoreRequest").is_valid(score)
+    assert _validator(doc, "ScoreRequest").is_valid({**score, "label_token_ids": [5, 6]})
+    # 6. token ids beyond the vocabulary are schema-invalid too (the server answers 400)
+    vocab = server[1].vocab_size
+    assert not _validator(doc, "DetokenizeRequest").is_valid({"model": "m", "tokens": [vocab]})
+    assert _validator(doc, "DetokenizeRequest").is_valid({"model": "m", "tokens": [vocab - 1]})
+    # 7. OPTIONS on /v1/responses/{id}: Allow named only GET (the first of its two routes)
+    r = httpx.request("OPTIONS", srv.url + "/v1/responses/resp_x")
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
+
+
+def test_cross_field_rules_are_in_the_schema(doc: dict) -> None:
+    """A few of the rules __post_init__ checks, as the schema says them."""
+    cmpl, chat = _validator(doc, "CompletionRequest"), _validator(doc, "ChatCompletionRequest")
+    assert not cmpl.is_valid({**CMPL, "stream_options": {"include_usage": True}})
+    assert cmpl.is_valid({**CMPL, "stream": True, "stream_options": {"include_usage": True}})
+    assert not cmpl.is_valid({**CMPL, "stream": True, "prompt_logprobs": 1})
+    assert not cmpl.is_valid({**CMPL, "length_penalty": 0.5})
+    assert cmpl.is_valid({**CMPL, "length_penalty": 0.5, "use_beam_search": True})
+    assert not cmpl.is_valid({**CMPL, "use_beam_search": True, "presence_penalty": 0.5})
+    assert not cmpl.is_valid({**CMPL, "max_tokens": 0}) and cmpl.is_valid(
+        {**CMPL, "max_tokens": 0, "echo": True}
+    )
+    assert not cmpl.is_valid({**CMPL, "prompt": ["a", 1]})  # a mixture
+    assert not cmpl.is_valid({**CMPL, "suffix": "x"}) and not cmpl.is_valid(
+        {**CMPL, "logit_bias": {"x": 1}}
+    )
+    assert not cmpl.is_valid({**CMPL, "priority": 1})  # the default policy (lpm) has none
+    chat_body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert not chat.is_valid({**chat_body, "top_logprobs": 2})
+    assert chat.is_valid({**chat_body, "top_logprobs": 2, "logprobs": True})
+    # and the decoder refuses what the schema does
+    with pytest.raises(P.ProtocolError, match="top_logprobs needs logprobs"):
+        P.decode_request(
+            json.dumps({**chat_body, "top_logprobs": 2}).encode(), P.ChatCompletionRequest
+        )
+    with pytest.raises(P.ProtocolError, match="max_tokens must be at least 1"):
+        P.decode_request(json.dumps({**CMPL, "max_tokens": 0}).encode(), P.CompletionRequest)
+
+
 def test_strict_and_metrics_key_documented() -> None:
     keys = {"key-alice-000": "alice"}
     config = ServerConfig(strict_api=True, api_keys=keys, metrics_require_key=True)
@@ -169,7 +245,8 @@ def _bounded(case: Any) -> None:
         if isinstance(body.get("model"), str) and len(body["model"]) % 4:
             body["model"] = MODEL
         for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-            if isinstance(body.get(k), int) and body[k] > 4:
+            value = body.get(k)  # an integral float (1e9) is an integer too
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 4:
                 body[k] = 4
         messages = body.get("messages")
         if isinstance(messages, list) and len(body) % 3 == 0:
@@ -228,3 +305,43 @@ def test_schemathesis_finds_no_server_error(server: tuple[BackgroundServer, Serv
         assert statuses.get((label, 400), 0) > 0, label  # and its validation
     assert cases >= 100
     assert_clean(st)
+
+
+# ------------------------------------------------------------------ schemathesis, every check
+
+# examples per operation: a bounded run here (~30 s); nox -s schemathesis runs more
+ALL_CHECKS_EXAMPLES = int(os.environ.get("RADIXKV_SCHEMATHESIS_EXAMPLES", "4"))
+ALL_CHECKS_SEED = os.environ.get("RADIXKV_SCHEMATHESIS_SEED", "47")
+# the coverage phase (every boundary value, ~1,300 cases) too in nox -s schemathesis
+ALL_CHECKS_PHASES = os.environ.get("RADIXKV_SCHEMATHESIS_PHASES", "examples,fuzzing")
+
+
+def test_schemathesis_all_checks_find_nothing(tmp_path: Path) -> None:
+    """``schemathesis run --checks all``: schema-valid requests are accepted and schema-invalid
+    ones refused (the schema states the cross-field rules; tests/schemathesis_hooks.py leaves
+    out what it cannot state), every status and header is documented, OPTIONS answers an
+    Allow header naming every method, no 5xx. Before: 7 failures (issue 47)."""
+    config = ServerConfig(admin_key=ADMIN, default_max_tokens=4)
+    with live_server(config) as (srv, st):
+        tests_dir = Path(__file__).parent
+        env = {
+            **os.environ,
+            "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+            "PYTHONPATH": os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]),
+        }
+        run = subprocess.run(
+            [
+                sys.executable, "-m", "schemathesis.cli", "run", srv.url + "/openapi.json",
+                "--checks", "all", "--max-examples", str(ALL_CHECKS_EXAMPLES),
+                "--phases", ALL_CHECKS_PHASES,
+                "--seed", ALL_CHECKS_SEED, "--workers", "1", "--no-color",
+                "--suppress-health-check", "all", "--request-timeout", "60",
+                "--header", f"Authorization: Bearer {ADMIN}",
+                "--report", "junit", "--report-dir", str(tmp_path),
+            ],
+            env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path,
+        )  # fmt: skip
+        print(run.stdout[-3000:])
+        assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
+        assert "No issues found" in run.stdout or " passed" in run.stdout
+        assert_clean(st)

@@ -1,7 +1,7 @@
 """Operating the server: the metrics operators look for (every series labelled with model_name;
 docs/serving.md maps them to vLLM's and SGLang's), clients that vanish while sending a body,
-no trailing-slash redirects, API keys revoked without a restart (file change or SIGHUP), and
-``metrics_require_key``."""
+no trailing-slash redirects, API keys revoked without a restart (file change, a second's
+recheck, or SIGHUP) and closed when the key file breaks, and ``metrics_require_key``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 from server_helpers import assert_clean, in_loop, live_server, metric_values, wait_drained
 
 from radixkv.engine.async_engine import AsyncEngine
+from radixkv.server import auth as auth_mod
 from radixkv.server.app import build_app
 from radixkv.server.background import BackgroundServer
 from radixkv.server.cli import install_sighup_reload
@@ -177,7 +178,7 @@ def test_socket_closed_mid_body_over_http() -> None:
         for _ in range(2):
             with socket.create_connection((srv.host, srv.port), timeout=10) as s:
                 s.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                     b"Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
                     b'{"model": "tiny-ops", "prompt": "half a bo'
                 )
@@ -197,7 +198,10 @@ def test_socket_closed_mid_body_over_http() -> None:
 
 
 def test_trailing_slash_is_404_and_never_echoes_host() -> None:
-    with live_server(ServerConfig(model_name=NAME, admin_key="admin-key-0123")) as (srv, _):
+    config = ServerConfig(
+        model_name=NAME, admin_key="admin-key-0123", allowed_hosts=("attacker.example",)
+    )  # allowed: a Host the keyless server refuses never gets as far as the router
+    with live_server(config) as (srv, _):
         for method, path in (("POST", "/reset_prefix_cache/"), ("GET", "/v1/models/")):
             r = httpx.request(
                 method, srv.url + path, headers={"Host": "attacker.example"}, follow_redirects=False
@@ -255,27 +259,94 @@ def test_removed_key_gets_401_without_restart(keyed: tuple[BackgroundServer, Any
     _write_keys(path, {BOB: "bob", CAROL: "carol"})
     assert _status(srv.url, ALICE) == 401  # revoked: refused from the next request on
     assert _status(srv.url, BOB) == 200 and _status(srv.url, CAROL) == 200
-    # a broken file keeps the keys in force (and says so), instead of locking everyone out
-    with Records("radixkv") as logs:
-        path.write_text("{not json")
-        assert _status(srv.url, BOB) == 200 and _status(srv.url, ALICE) == 401
-    assert any("not reloaded" in m for m in logs.errors())
     _write_keys(path, {ALICE: "alice"})
     assert _status(srv.url, ALICE) == 200 and _status(srv.url, BOB) == 401
 
 
-def test_sighup_reloads_keys(keyed: tuple[BackgroundServer, Any, Path]) -> None:
-    srv, app, path = keyed
+def _broken_by(kind: str, path: Path) -> None:
+    if kind == "invalid JSON":
+        path.write_text("{not json")
+    elif kind == "empty":
+        path.write_text("")
+    elif kind == "no keys":
+        path.write_text("{}")
+    elif kind == "deleted":
+        path.unlink()
+    else:  # unreadable (a directory where the file was: unreadable even for root)
+        path.unlink()
+        path.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["invalid JSON", "empty", "no keys", "deleted", "unreadable"])
+def test_broken_key_file_revokes_every_key(
+    keyed: tuple[BackgroundServer, Any, Path], kind: str
+) -> None:
+    """Revocation fails closed: whatever breaks the file, no old key works until it is fixed
+    (before: every old key stayed in force until a restart); the admin key still does; the
+    log says why, once."""
+    srv, _, path = keyed
+    assert _status(srv.url, ALICE) == 200 and _status(srv.url, BOB) == 200
+    with Records("radixkv") as logs:
+        _broken_by(kind, path)
+        assert _status(srv.url, ALICE) == 401 and _status(srv.url, BOB) == 401
+        assert _status(srv.url, ALICE) == 401
+    revoked = [m for m in logs.errors() if "API keys revoked" in m]
+    assert len(revoked) == 1 and str(path) in revoked[0], logs.errors()
+    if path.is_dir():
+        path.rmdir()
+    _write_keys(path, {CAROL: "carol"})
+    assert _status(srv.url, CAROL) == 200 and _status(srv.url, ALICE) == 401
+
+
+def test_admin_key_survives_a_broken_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    _write_keys(path, {ALICE: "alice"})
+    config = ServerConfig(model_name=NAME, api_keys_file=str(path), admin_key="admin-key-0123")
+    with live_server(config) as (srv, _):
+        path.write_text("{}")
+        assert _status(srv.url, ALICE) == 401
+        r = httpx.post(
+            srv.url + "/reset_prefix_cache", headers={"Authorization": "Bearer admin-key-0123"}
+        )
+        assert r.status_code == 200
+
+
+def test_rewrite_that_looks_unchanged_applies_within_a_second(
+    keyed: tuple[BackgroundServer, Any, Path],
+) -> None:
+    """An edit in place that keeps size, inode and mtime (no stat can tell) is read within a
+    second, without SIGHUP."""
+    srv, _, path = keyed
     assert _status(srv.url, BOB) == 200
-    # an edit in place that keeps size, inode and mtime: only SIGHUP can tell
+    new_bob = _rewrite_unseen(path, BOB)
+    deadline = time.monotonic() + 1.0 + 0.5  # RECHECK_S, plus one request's time
+    while _status(srv.url, BOB) == 200:
+        assert time.monotonic() < deadline, "the rewrite was not applied within a second"
+        time.sleep(0.05)
+    assert time.monotonic() < deadline
+    assert _status(srv.url, new_bob) == 200
+
+
+def _rewrite_unseen(path: Path, old_key: str) -> str:
+    """Replace ``old_key`` in the file in place, keeping size, inode and mtime."""
     before = path.stat()
-    new_bob = "key-bob-11111"
-    assert len(new_bob) == len(BOB)
+    new_key = old_key[:-5] + "11111"
+    assert len(new_key) == len(old_key) and new_key != old_key
     with open(path, "r+") as f:
         text = f.read()
         f.seek(0)
-        f.write(text.replace(BOB, new_bob))
+        f.write(text.replace(old_key, new_key))
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return new_key
+
+
+def test_sighup_reloads_keys(
+    keyed: tuple[BackgroundServer, Any, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv, app, path = keyed
+    monkeypatch.setattr(auth_mod, "RECHECK_S", 3600.0)  # only SIGHUP can tell, then
+    assert _status(srv.url, BOB) == 200
+    new_bob = _rewrite_unseen(path, BOB)
     assert _status(srv.url, BOB) == 200  # the file looks unchanged
     old = signal.getsignal(signal.SIGHUP)
     try:
@@ -303,5 +374,19 @@ def test_metrics_require_key() -> None:
         for key in (ALICE, "admin-key-0123"):
             _scrape(srv.url, headers={"Authorization": f"Bearer {key}"})
         assert httpx.get(srv.url + "/health").status_code == 200  # liveness stays open
-    with live_server(ServerConfig(model_name=NAME, api_keys={ALICE: "alice"})) as (srv, _):
-        _scrape(srv.url)  # off by default
+    keyed = ServerConfig(model_name=NAME, api_keys={ALICE: "alice"})
+    with live_server(keyed) as (srv, _):
+        # on by default once keys are configured (before: open to anyone), probes too
+        assert keyed.metrics_key_required
+        assert httpx.get(srv.url + "/metrics").status_code == 401
+        assert httpx.get(srv.url + "/health_generate").status_code == 401
+        auth = {"Authorization": f"Bearer {ALICE}"}
+        _scrape(srv.url, headers=auth)
+        assert httpx.get(srv.url + "/health_generate", headers=auth).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200  # liveness stays open
+    opened = ServerConfig(model_name=NAME, api_keys={ALICE: "alice"}, metrics_require_key=False)
+    with live_server(opened) as (srv, _):
+        _scrape(srv.url)  # turned off explicitly
+        assert httpx.get(srv.url + "/health_generate").status_code == 200
+    with live_server(ServerConfig(model_name=NAME)) as (srv, _):
+        _scrape(srv.url)  # no keys: nothing to check

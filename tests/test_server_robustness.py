@@ -109,7 +109,8 @@ def test_body_limit_without_content_length(http: httpx.Client) -> None:
         for _ in range(40):
             yield b"x" * 1024
 
-    _assert_error(http.post("/v1/completions", content=chunks()), 413)
+    json_type = {"content-type": "application/json"}
+    _assert_error(http.post("/v1/completions", content=chunks(), headers=json_type), 413)
 
 
 @pytest.mark.parametrize(

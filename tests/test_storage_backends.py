@@ -38,6 +38,8 @@ from radixkv.cache.storage.page_format import (
 )
 
 FMT = kv_format_id(b"model-a", "torch.float32", 4, 2, 2, 8)
+SECRET = bytes(range(32))
+K = "ab" * 16  # a storage key
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,19 +58,19 @@ def valkey() -> Any:
 def test_page_object_round_trip_and_every_damage_is_detected() -> None:
     digest = prefix_digests(FMT, None, key_bytes([1, 2, 3, 4]), 4)[0]
     payload = os.urandom(256)
-    obj = encode_page(FMT, digest, payload)
+    obj = encode_page(FMT, digest, payload, key=K, secret=SECRET)
     assert len(obj) == HEADER_BYTES + len(payload)
-    assert bytes(decode_page(obj, FMT, digest, 256)) == payload
+    assert bytes(decode_page(obj, FMT, digest, 256, key=K, secret=SECRET)) == payload
     flipped = bytearray(obj)
     flipped[HEADER_BYTES + 100] ^= 1  # one bit of KV
     for bad in (bytes(flipped), obj[:-1], obj + b"x", obj[:10], b"NOPE" + obj[4:]):
         with pytest.raises(ObjectCorrupt):
-            decode_page(bad, FMT, digest, 256)
+            decode_page(bad, FMT, digest, 256, key=K, secret=SECRET)
     other_fmt = kv_format_id(b"model-b", "torch.float32", 4, 2, 2, 8)
     other_digest = prefix_digests(FMT, None, key_bytes([1, 2, 3, 5]), 4)[0]
     for fmt, dig, size in ((other_fmt, digest, 256), (FMT, other_digest, 256), (FMT, digest, 128)):
         with pytest.raises(FormatMismatch):
-            decode_page(obj, fmt, dig, size)
+            decode_page(obj, fmt, dig, size, key=K, secret=SECRET)
 
 
 def test_keys_name_format_namespace_and_whole_prefix_without_revealing_tokens() -> None:
@@ -158,7 +160,9 @@ _WRITER = textwrap.dedent(
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
         for k in range(20):
-            fs.put_many([(f"{{k:02x}}" * 16, encode_page(bytes(16), bytes(16), bytes([tag]) * 4000))])
+            key = f"{{k:02x}}" * 16
+            obj = encode_page(bytes(16), bytes(16), bytes([tag]) * 4000, key=key, secret=bytes(16))
+            fs.put_many([(key, obj)])
     """
 )
 
@@ -172,9 +176,10 @@ def test_two_processes_share_a_directory_without_partial_reads(tmp_path: Path) -
     seen: set[int] = set()
     reads = 0
     while any(p.poll() is None for p in procs):
-        for data in fs.get_many([f"{k:02x}" * 16 for k in range(20)]):
+        keys = [f"{k:02x}" * 16 for k in range(20)]
+        for key, data in zip(keys, fs.get_many(keys), strict=True):
             if data is not None:
-                payload = decode_page(data, bytes(16), bytes(16), 4000)
+                payload = decode_page(data, bytes(16), bytes(16), 4000, key=key, secret=bytes(16))
                 assert len(set(payload)) == 1  # one writer's bytes, never a mix or a torn file
                 seen.add(payload[0])
                 reads += 1
@@ -212,7 +217,8 @@ def test_file_storage_faults_are_storage_errors(
     monkeypatch.setattr(os, "open", real_open)
     fs.put_many([("aa" * 16, b"x")])
     monkeypatch.setattr(
-        "builtins.open",
+        os,
+        "open",
         lambda *a, **k: (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied")),
     )
     with pytest.raises(StorageError) as e:
@@ -227,7 +233,7 @@ def test_file_storage_faults_are_storage_errors(
 
 # ---------------------------------------------------------------------- PageStore
 def _store(backend: Any, payload_bytes: int = 64) -> PageStore:
-    return PageStore(backend, FMT, 4, payload_bytes, KnownKeys())
+    return PageStore(backend, FMT, 4, payload_bytes, KnownKeys(), secret=SECRET)
 
 
 def test_page_store_follows_the_chain_and_stops_at_the_first_miss(tmp_path: Path) -> None:
@@ -260,7 +266,7 @@ def test_page_store_deletes_corrupt_objects_and_misses_foreign_ones(tmp_path: Pa
     assert [bytes(p) for p in store.fetch(None, toks, 0, 2)] == [b"a" * 64]
     assert store.corrupt_objects == 1 and fs.get_many([k1]) == [None]  # deleted
     # a sound object of another prefix under the key (a forced collision): a miss, kept
-    alien = encode_page(FMT, b"\0" * 16, b"z" * 64)
+    alien = encode_page(FMT, b"\0" * 16, b"z" * 64, key=k0, secret=SECRET)
     fs.put_many([(k0, alien)])
     assert store.fetch(None, toks, 0, 2) == []
     assert store.mismatched_objects == 1 and fs.get_many([k0]) == [alien]

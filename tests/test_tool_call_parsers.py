@@ -45,6 +45,23 @@ def _named(calls: list[ToolCall]) -> list[tuple[str, Any]]:
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
+def test_hermes_reads_smollm2_call_arrays() -> None:
+    """SmolLM2 writes its calls as a JSON array in one block (what SmolLM2-135M-Instruct
+    wrote, greedy, after one example turn); an empty array, or one holding anything but
+    calls, leaves the reply content."""
+    text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Tokyo"}}]</tool_call>'
+    content, calls = parse_tool_calls(text, "hermes")
+    assert (content, _named(calls)) == (None, [("get_weather", {"city": "Tokyo"})])
+    two = '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]'
+    assert _named(parse_tool_calls("Sure. " + two + "</tool_call>", "hermes")[1]) == [
+        ("a", {}),
+        ("b", {"x": 1}),
+    ]
+    for text in ("<tool_call>[]</tool_call>", '<tool_call>[{"name": "a"}, 3]</tool_call>',
+                 "<tool_call>[not json]</tool_call>"):  # fmt: skip
+        assert parse_tool_calls(text, "hermes") == (text, [])
+
+
 def test_every_parser_is_offered() -> None:
     assert TOOL_CALL_PARSERS == ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
     for name in TOOL_CALL_PARSERS:
@@ -401,6 +418,7 @@ REPLIES: dict[str, list[str]] = {
     "hermes": [
         'Let me look.<tool_call>\n{"name": "f", "arguments": {"a": "é"}}\n</tool_call> ok',
         "a <b> and <tool but not a call",
+        '<tool_call>[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]</tool_call>',
     ],
     "llama3_json": ['{"name": "f", "parameters": {}}', "{ not a call", "Sunny."],
 }

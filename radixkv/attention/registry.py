@@ -1,6 +1,7 @@
-"""Backend registry: ``get_backend("auto" | "torch" | "flashinfer", ...)``.
+"""Backend registry: ``get_backend("auto" | "torch" | "flashinfer" | ..., ...)``.
 
-``"auto"`` picks flashinfer when the pool is on CUDA in fp16/bf16 and flashinfer is installed,
+The backends are the rows of :data:`radixkv.attention.names.ATTENTION_BACKENDS` (a table, read by
+name; a new backend is a row there or ``ATTENTION_BACKENDS.register(name, cls)``). ``"auto"`` picks flashinfer when the pool is on CUDA in fp16/bf16 and flashinfer is installed,
 else torch; :func:`choose_backend` says which and why (the engine logs it, and warns when "auto"
 leaves a CUDA pool on the torch kernels). flashinfer is only imported inside
 :mod:`radixkv.attention.flashinfer_backend`, and only when chosen.
@@ -15,10 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.attention.names import ATTENTION_BACKENDS, AUTO
 from radixkv.kv.hybrid_pool import HybridKVPool
 from radixkv.kv.kv_pool import KVPool
-
-BACKENDS = ("auto", "torch", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,10 @@ def pool_device_type(kv_pool: KVPool | HybridKVPool) -> str:
 
 def choose_backend(name: str, kv_pool: KVPool | HybridKVPool) -> BackendChoice:
     """Resolve ``name`` for ``kv_pool``: explicit names are kept; "auto" is flashinfer on a CUDA
-    pool in fp16/bf16 with flashinfer installed, else torch. ValueError on an unknown name."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    if name != "auto":
+    pool in fp16/bf16 with flashinfer installed, else torch. ValueError listing the backends on
+    an unknown name."""
+    ATTENTION_BACKENDS.check(name)
+    if name != AUTO:
         return BackendChoice(name, "requested")
     device = pool_device_type(kv_pool)
     if device != "cuda":
@@ -108,17 +108,8 @@ def get_backend(
             kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
             make=make, layer_windows=layer_windows, softcap=softcap,
         )  # fmt: skip
-    resolved = resolve_backend_name(name, kv_pool)
-    if resolved == "torch":
-        from radixkv.attention.torch_backend import TorchAttention
-
-        return TorchAttention(
-            kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
-            layer_windows=layer_windows, softcap=softcap,
-        )  # fmt: skip
-    from radixkv.attention.flashinfer_backend import FlashInferAttention  # checks: CUDA pool
-
-    return FlashInferAttention(
+    backend = ATTENTION_BACKENDS.get(resolve_backend_name(name, kv_pool))
+    return backend(
         kv_pool, num_qo_heads, num_kv_heads, head_dim, scale,
         layer_windows=layer_windows, softcap=softcap,
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """The cache layer (torch-free): page pool, radix trie, eviction, hashing, events, host tier,
-window slots."""
+window slots. ``build_cache`` builds a RadixCache, or a TieredRadixCache with a host pool."""
 
+from radixkv.cache.build import build_cache
 from radixkv.cache.errors import (
     ForeignNodeError,
     InvariantError,
@@ -14,6 +15,7 @@ from radixkv.cache.page_pool import PagePool
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.results import InsertResult, MatchResult
 from radixkv.cache.stats import CacheStats
+from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.cache.tiers import CompletedCopy, Copier, CopyHandle, LoadBack
 from radixkv.cache.window_slots import WindowSlots
 
@@ -34,7 +36,9 @@ __all__ = [
     "OutOfPages",
     "PagePool",
     "RadixCache",
+    "TieredRadixCache",
     "TreeNode",
     "WindowSlots",
+    "build_cache",
     "page_hashes",
 ]

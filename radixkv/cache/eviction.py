@@ -1,14 +1,14 @@
 """Eviction policies and the ordered index of evictable leaves.
 
-The index holds exactly the unlocked leaves that own pages, ordered by the policy's key
-(smallest is evicted first). It is kept incrementally by RadixCache (a leaf enters when it is
-created, unlocked, or its last child goes; it leaves when it is locked, gains a child, or is
-evicted; its key is refreshed on access), so eviction never rescans the tree: taking the
-next victim is O(log n), and keeping the index up to date on the hot paths is O(1) dict work
-plus one C ``heappush`` (stale keys are dropped lazily; see EvictionIndex).
-
-A cache with a host tier keeps a second index, HostEvictionIndex, of the nodes whose host copy
-can go (same policy, own key slot); RadixCache's docstring says which nodes each one holds.
+An index holds exactly the eviction candidates of one tier, ordered by the policy's key
+(smallest is evicted first). RadixCache keeps one for its device pages: the unlocked leaves
+that own pages (a leaf enters when it is created, unlocked, or its last child goes; it leaves
+when it is locked, gains a child, or is evicted; its key is refreshed on access), so eviction
+never rescans the tree: taking the next victim is O(log n), and keeping the index up to date
+on the hot paths is O(1) dict work plus one C ``heappush`` (stale keys are dropped lazily; see
+EvictionIndex). TieredRadixCache keeps a second instance of the same class for its host pages
+(tiered_cache.py says which nodes each one holds); a node can be in both at once, since each
+index keeps its own node -> key map instead of a slot on the node.
 
 Keys are single ints (the cheapest comparisons in the heap): the node id is packed into the
 low 40 bits, which makes every key unique and breaks ties by creation order.
@@ -77,18 +77,20 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 
 
 class EvictionIndex:
-    """Evictable leaves ordered by policy key: a dict of the live keys and a binary heap.
+    """Eviction candidates ordered by policy key: a node -> key dict, a key -> node dict and a
+    binary heap of keys.
 
     ``add``, ``discard`` and ``refresh`` are O(1) dict operations plus at most one C
     ``heappush``: a discarded or re-keyed node's old key simply stays in the heap, stale, and
     ``first`` pops stale keys off the top until it finds a live one. The heap is rebuilt from
     the live keys when stale ones outnumber them (amortised O(1) per operation). Keys are
     unique per node (the node id is packed in), so a key in the dict always names its node.
+
+    ``keys`` (node -> its key) is the membership table the cache's hot paths test directly
+    (``node in index.keys``): one dict lookup, no method call. Read it, never write it.
     """
 
-    __slots__ = ("_heap", "_key", "_lru", "_nodes")
-
-    _slot = "_ekey"  # the node slot holding this index's key
+    __slots__ = ("_heap", "_key", "_lru", "_nodes", "keys")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._key = policy.key
@@ -96,34 +98,48 @@ class EvictionIndex:
         self._lru = type(policy) is LRUPolicy
         self._heap: list[int] = []
         self._nodes: dict[int, TreeNode] = {}  # live key -> node
+        self.keys: dict[TreeNode, int] = {}  # node -> live key
 
     def add(self, node: TreeNode) -> None:
+        """Index a node that is not in the index."""
         k = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
-        node._ekey = k
+        self.keys[node] = k
         self._nodes[k] = node
         heappush(self._heap, k)
 
     def discard(self, node: TreeNode) -> None:
-        k = node._ekey
+        """Take ``node`` out of the index (nothing if it is not in it)."""
+        k = self.keys.pop(node, None)
         if k is not None:
             del self._nodes[k]
-            node._ekey = None
             if len(self._heap) > 2 * len(self._nodes) + 64:
                 self._compact()
 
     def refresh(self, node: TreeNode) -> None:
         """Re-key a node already in the index after its access fields changed."""
         k = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
-        old = node._ekey
+        keys = self.keys
+        old = keys[node]
         if k != old:
             nodes = self._nodes
             del nodes[old]
-            node._ekey = k
+            keys[node] = k
             nodes[k] = node
             heap = self._heap
             heappush(heap, k)
             if len(heap) > 2 * len(nodes) + 64:
                 self._compact()
+
+    def put(self, node: TreeNode, member: bool) -> None:
+        """Make ``node`` a member under its current key (``member``) or not (for callers that
+        recompute membership rather than track it)."""
+        if member:
+            if node in self.keys:
+                self.refresh(node)
+            else:
+                self.add(node)
+        else:
+            self.discard(node)
 
     def first(self) -> TreeNode:
         """The next victim (the index must not be empty)."""
@@ -138,11 +154,9 @@ class EvictionIndex:
         heapify(self._heap)
 
     def clear(self) -> None:
-        slot = self._slot
-        for node in self._nodes.values():
-            setattr(node, slot, None)
         self._heap.clear()
         self._nodes.clear()
+        self.keys.clear()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -158,51 +172,16 @@ class EvictionIndex:
 
     def check(self) -> str | None:
         """What is wrong with the index's own structure (None: nothing): every live key must be
-        in the heap, which must be a heap, and every node must hold its own key."""
+        in the heap, which must be a heap, and the two maps must mirror each other."""
         heap = self._heap
         if any(heap[i] < heap[(i - 1) >> 1] for i in range(1, len(heap))):
             return "eviction heap order broken"
         missing = self._nodes.keys() - set(heap)
         if missing:
             return f"eviction keys {sorted(missing)} are not in the heap"
-        slot = self._slot
+        if len(self.keys) != len(self._nodes):
+            return f"{len(self.keys)} indexed nodes for {len(self._nodes)} keys"
         for k, n in self._nodes.items():
-            if getattr(n, slot) != k:
-                return f"{n!r} holds key {getattr(n, slot)}, indexed under {k}"
+            if self.keys.get(n) != k:
+                return f"{n!r} holds key {self.keys.get(n)}, indexed under {k}"
         return None
-
-
-class HostEvictionIndex(EvictionIndex):
-    """The host tier's index: the same ordering, kept in the node's ``_hekey`` slot so that a
-    node can be in both indexes at once (the device one uses ``_ekey``)."""
-
-    __slots__ = ()
-
-    _slot = "_hekey"
-
-    def add(self, node: TreeNode) -> None:
-        k = self._key(node)
-        node._hekey = k
-        self._nodes[k] = node
-        heappush(self._heap, k)
-
-    def discard(self, node: TreeNode) -> None:
-        k = node._hekey
-        if k is not None:
-            del self._nodes[k]
-            node._hekey = None
-            if len(self._heap) > 2 * len(self._nodes) + 64:
-                self._compact()
-
-    def refresh(self, node: TreeNode) -> None:
-        k = self._key(node)
-        old = node._hekey
-        if k != old:
-            nodes = self._nodes
-            del nodes[old]
-            node._hekey = k
-            nodes[k] = node
-            heap = self._heap
-            heappush(heap, k)
-            if len(heap) > 2 * len(nodes) + 64:
-                self._compact()

@@ -14,21 +14,21 @@ the key). Users and other layers read these attributes; only RadixCache writes t
 The root and the per-namespace roots have no tokens and no pages. What a node's pages and
 lock count mean for their owner is the ownership contract in RadixCache's docstring.
 
-With a host tier (RadixCache's ``host_pool``) a node's pages live in the device pool, the host
+With a host tier (TieredRadixCache) a node's pages live in the device pool, the host
 pool or both: ``pages`` are its device pages (empty while the node is in host memory only),
 ``host_pages`` its host pages (empty when it has no host copy); ``on_device``, ``on_host`` and
 ``residency`` ("device", "host" or "device+host"; "" for the roots) say the same in words, and
 ``copies_in_flight`` counts the copies between the tiers still running on its pages.
 
 The underscored slots are the trie's own storage, read and written only inside
-radixkv/cache: RadixCache (radix_cache.py) keeps all of them except ``_ekey`` and ``_hekey``,
-which belong to the eviction indexes (eviction.py). They are slots on the node, not fields of
-side tables, because the hot paths read them once per visited node. ``_pages`` is the node's own
-list, never shared or handed out (``pages``, ``path_pages`` and the results copy it), so splits
-and truncation cut it in place. The host tier's per-node
-state has slots only in TieredTreeNode, the node type of a cache with a host tier; a plain
-cache's TreeNode reads the class-level values (no host copy, nothing in flight) and never
-writes them.
+radixkv/cache: the trie (trie.py), the device cache (radix_cache.py) and the tiered cache
+(tiered_cache.py) keep them; the recounts (invariants.py) read them. They are slots on the
+node, not fields of side tables, because the hot paths read them once per visited node (the
+eviction indexes, which a node may be in two of, keep their keys in their own tables).
+``_pages`` is the node's own list, never shared or handed out (``pages``, ``path_pages`` and
+the results copy it), so splits and truncation cut it in place. The host tier's per-node state
+has slots only in TieredTreeNode, the node type of TieredRadixCache; a RadixCache's TreeNode
+reads the class-level values (no host copy, nothing in flight) and cannot write them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class TreeNode:
     __slots__ = (
         "_cache",
         "_children",
-        "_ekey",
         "_hashes",
         "_hkey",
         "_pages",
@@ -58,10 +57,9 @@ class TreeNode:
     )
 
     # The host tier's per-node state, as a node of a cache without one reads it (slots in
-    # TieredTreeNode): host page ids (None: no host copy), key in the host eviction index,
-    # device-/host-resident children, copies in flight (loads among them) on its pages.
+    # TieredTreeNode): host page ids (None: no host copy), device-/host-resident children,
+    # copies in flight (loads among them) on its pages.
     _host_pages: list[int] | None = None
-    _hekey: int | None = None
     _ndev = 0
     _nhost = 0
     _inflight = 0
@@ -91,7 +89,6 @@ class TreeNode:
         self.last_access = clock
         self.hit_count = 0
         self._hkey: Any = None  # key of this node in parent._children
-        self._ekey: int | None = None  # key in the eviction index while an evictable leaf
         self._hashes: list[int] | None = None  # event hashes of own pages, computed lazily
 
     @property
@@ -171,12 +168,11 @@ class TreeNode:
 class TieredTreeNode(TreeNode):
     """A node of a cache with a host tier: a TreeNode with slots for the tier's state."""
 
-    __slots__ = ("_hekey", "_host_pages", "_inflight", "_loading", "_ndev", "_nhost")
+    __slots__ = ("_host_pages", "_inflight", "_loading", "_ndev", "_nhost")
 
     def __init__(self, *args: Any) -> None:  # TreeNode's arguments
         super().__init__(*args)
         self._host_pages = None
-        self._hekey = None
         self._ndev = 0
         self._nhost = 0
         self._inflight = 0

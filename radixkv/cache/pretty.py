@@ -7,12 +7,12 @@ module does not know the cache class.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from radixkv.cache.node import TreeNode
 
 
-def _label(node: TreeNode, max_tokens_shown: int) -> str:
+def label(node: TreeNode, max_tokens_shown: int) -> str:
     toks = node.tokens
     shown = " ".join(map(str, toks[:max_tokens_shown]))
     if len(toks) > max_tokens_shown:
@@ -20,7 +20,7 @@ def _label(node: TreeNode, max_tokens_shown: int) -> str:
     return shown
 
 
-def _page_list(pages: list[int]) -> str:
+def page_list(pages: list[int]) -> str:
     return ",".join(map(str, pages[:4])) + (",..." if len(pages) > 4 else "")
 
 
@@ -29,11 +29,42 @@ def _sorted_children(node: TreeNode) -> list[TreeNode]:
     return sorted(node.iter_children(), key=lambda c: (c.key == b"", c.key[:64], c.node_id))
 
 
-def render_text(root: TreeNode, header: str, max_tokens_shown: int = 8, tiers: bool = False) -> str:
-    """``header``, then one line per node under ``root``, indented by depth: tokens, pages,
-    lock count, access time, hits. With ``tiers`` (a cache with a host tier) each line also
-    says where the node lives (device, host, device+host), its host pages, and the copies in
-    flight on it."""
+def node_line(node: TreeNode, max_tokens_shown: int) -> str:
+    """One node of a device cache: tokens, pages, lock count, access time, hits."""
+    return (
+        f"[{label(node, max_tokens_shown)}] {node.num_tokens} tok, "
+        f"pages [{page_list(node.pages)}], "
+        f"lock={node.lock_ref}, t={node.last_access}, hits={node.hit_count}"
+    )
+
+
+def tiered_node_line(node: TreeNode, max_tokens_shown: int) -> str:
+    """One node of a cache with a host tier: ``node_line``'s facts plus where the node lives
+    (device, host, device+host), its host pages, and the copies in flight on it."""
+    flight = f", copying={node.copies_in_flight}" if node.copies_in_flight else ""
+    return (
+        f"[{label(node, max_tokens_shown)}] {node.num_tokens} tok, {node.residency}, "
+        f"pages [{page_list(node.pages)}], host [{page_list(node.host_pages)}], "
+        f"lock={node.lock_ref}, t={node.last_access}, hits={node.hit_count}{flight}"
+    )
+
+
+def residency_decoration(node: TreeNode) -> tuple[str, str]:
+    """``render_dot``'s decoration for a cache with a host tier: the node's residency, and
+    grey with a dotted border for a node held in host memory only."""
+    style = ', style="filled,dotted", fillcolor="#dddddd"' if not node.on_device else ""
+    return node.residency, style
+
+
+def render_text(
+    root: TreeNode,
+    header: str,
+    max_tokens_shown: int = 8,
+    line: Callable[[TreeNode, int], str] = node_line,
+) -> str:
+    """``header``, then one line per node under ``root``, indented by depth: ``line(node,
+    max_tokens_shown)`` (``node_line`` by default; a cache with a host tier passes its own,
+    which also says where the node lives)."""
     lines = [header]
 
     def walk(node: TreeNode, indent: str) -> None:
@@ -41,21 +72,7 @@ def render_text(root: TreeNode, header: str, max_tokens_shown: int = 8, tiers: b
         for i, c in enumerate(kids):
             last = i == len(kids) - 1
             branch = "└─ " if last else "├─ "
-            if not c.key:
-                text = f"namespace {c.namespace!r}"
-            elif not tiers:
-                text = (
-                    f"[{_label(c, max_tokens_shown)}] {c.num_tokens} tok, "
-                    f"pages [{_page_list(c.pages)}], "
-                    f"lock={c.lock_ref}, t={c.last_access}, hits={c.hit_count}"
-                )
-            else:
-                flight = f", copying={c.copies_in_flight}" if c.copies_in_flight else ""
-                text = (
-                    f"[{_label(c, max_tokens_shown)}] {c.num_tokens} tok, {c.residency}, "
-                    f"pages [{_page_list(c.pages)}], host [{_page_list(c.host_pages)}], "
-                    f"lock={c.lock_ref}, t={c.last_access}, hits={c.hit_count}{flight}"
-                )
+            text = f"namespace {c.namespace!r}" if not c.key else line(c, max_tokens_shown)
             lines.append(indent + branch + text)
             walk(c, indent + ("   " if last else "│  "))
 
@@ -67,34 +84,37 @@ def render_dot(
     nodes: Iterable[TreeNode],
     evictable: Iterable[TreeNode],
     max_tokens_shown: int = 6,
-    tiers: bool = False,
+    decorate: Callable[[TreeNode], tuple[str, str]] | None = None,
 ) -> str:
     """Graphviz source for ``nodes`` (a whole trie, root first): one box per node; locked nodes
-    are filled, the ``evictable`` leaves dashed. With ``tiers`` each label also says where the
-    node lives, and nodes held in host memory only are drawn grey with a dotted border."""
+    are filled, the ``evictable`` leaves dashed. ``decorate(node)`` (a cache with a host tier
+    passes one) gives a line to add to a node's label and a style that replaces the dashed
+    one ("" for none): where the node lives, and grey for nodes held in host memory only."""
     out = ["digraph radix {", '  node [shape=box, fontname="monospace", fontsize=10];']
     dashed = {n.node_id for n in evictable}
     for node in nodes:
+        extra = ("", "")
         if node.parent is None:
-            label = "root"
+            label_ = "root"
         elif not node.key:
-            label = f"namespace {node.namespace!r}"
+            label_ = f"namespace {node.namespace!r}"
         else:
-            label = (
-                f"{_label(node, max_tokens_shown)}\\n{node.num_tokens} tok / "
+            label_ = (
+                f"{label(node, max_tokens_shown)}\\n{node.num_tokens} tok / "
                 f"{node.num_pages} pages\\nlock={node.lock_ref} t={node.last_access}"
             )
-            if tiers:
-                label += f"\\n{node.residency}"
-        label = label.replace('"', '\\"')
+            if decorate is not None:
+                extra = decorate(node)
+                label_ += f"\\n{extra[0]}"
+        label_ = label_.replace('"', '\\"')
         style = ""
         if node.lock_ref > 0:
             style = ', style=filled, fillcolor="#ffd28a"'
-        elif tiers and node.key and not node.on_device:
-            style = ', style="filled,dotted", fillcolor="#dddddd"'
+        elif extra[1]:
+            style = extra[1]
         elif node.node_id in dashed:
             style = ", style=dashed"
-        out.append(f'  n{node.node_id} [label="{label}"{style}];')
+        out.append(f'  n{node.node_id} [label="{label_}"{style}];')
         if node.parent is not None:
             out.append(f"  n{node.parent.node_id} -> n{node.node_id};")
     out.append("}")

@@ -1,8 +1,8 @@
 """The host-memory tier of the radix cache: the copier protocol, write policies, load-back results.
 
-A RadixCache built with a ``host_pool`` (a second PagePool, whose page ids name pages of host
-memory) keeps a node's pages in the device pool, in the host pool, or in both; the rules are in
-RadixCache's docstring and docs/cache_design.md ("Tiers"). The cache decides which pages to
+A TieredRadixCache (tiered_cache.py; a ``host_pool``, a second PagePool, whose page ids name
+pages of host memory) keeps a node's pages in the device pool, in the host pool, or in both;
+the rules are in TieredRadixCache's docstring and docs/cache_design.md ("Tiers"). The cache decides which pages to
 copy; a *copier* moves the data. This module defines what a copier is, so that the cache stays
 torch-free and an embedder can plug in its own buffers: radixkv.kv.copier.KVCopier is the
 implementation over radixkv's KVPool and HostKVPool.
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 from radixkv.cache.page_pool import PagePool
 
 if TYPE_CHECKING:
+    from radixkv.cache.eviction import EvictionIndex
     from radixkv.cache.node import TreeNode
 
 __all__ = [
@@ -53,7 +54,7 @@ HOST_HIT = "hit"  # matches through a host-resident node reached write_through_t
 
 
 class HostRun(NamedTuple):
-    """What a host observer (``RadixCache.set_host_observer``) is told about one node.
+    """What a host observer (``TieredRadixCache.set_host_observer``) is told about one node.
 
     ``host_pages`` hold the last ``len(host_pages)`` pages of ``prefix``, the node's tokens
     with everything above it (the cache's key encoding: native int64 bytes, from the first
@@ -112,7 +113,7 @@ class Copier(Protocol):
 
     What the cache guarantees in return: while a copy is in flight its pages stay where they
     are (the nodes are locked: neither evicted nor freed, in either pool), and nothing reads a
-    destination page before the handle reported success (RadixCache.wait_load, or matching
+    destination page before the handle reported success (TieredRadixCache.wait_load, or matching
     through the node, waits first).
     """
 
@@ -140,40 +141,8 @@ class CompletedCopy:
         return f"CompletedCopy(error={self.error!r})"
 
 
-# Kinds of in-flight copies.
-BACKUP = "backup"  # device -> host
-LOAD = "load"  # host -> device
-
-
-class InFlight:
-    """One copy the cache issued and has not retired yet (RadixCache's bookkeeping).
-
-    ``nodes`` are the nodes whose pages it copies, top-down along one path, each with its
-    ``_inflight`` (and, for a load, ``_loading``) count raised by one; ``pin`` is the deepest of
-    them, locked once for the whole copy (so each node's lock count is at least its number of
-    copies in flight). ``ok`` is None until retired, then whether the copy succeeded.
-    """
-
-    __slots__ = ("error", "handle", "kind", "nodes", "ok", "pages", "pin")
-
-    def __init__(self, kind: str, handle: CopyHandle, nodes: list[TreeNode], pages: int) -> None:
-        self.kind = kind
-        self.handle = handle
-        self.nodes = nodes
-        self.pin = nodes[-1]
-        self.pages = pages
-        self.ok: bool | None = None
-        self.error: BaseException | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"InFlight({self.kind}, pages={self.pages}, nodes={[n.node_id for n in self.nodes]}, "
-            f"ok={self.ok})"
-        )
-
-
 class LoadBack:
-    """What ``RadixCache.load_back`` returns: the device-resident prefix after the load.
+    """What ``load_back`` (TieredRadixCache's; RadixCache's loads nothing) returns: the device-resident prefix after the load.
 
     Attributes:
         node: the deepest device-resident node of the prefix (the global root when nothing is
@@ -189,7 +158,7 @@ class LoadBack:
         error: the exception of a copy that failed when issued (its tokens are then not part of
             ``num_tokens``), else None.
 
-    Before a forward pass reads ``pages``, call ``RadixCache.wait_load(lb)``: it waits for the
+    Before a forward pass reads ``pages``, call ``wait_load(lb)``: it waits for the
     copy and returns False if it failed (the loaded nodes are then back in the host tier only,
     their device pages free again: treat the request as a miss and match again). A copy that
     failed when issued leaves ``error`` set and ``pages`` covering the device prefix only, which
@@ -216,7 +185,7 @@ class LoadBack:
         copies: list[tuple[int, int]] | None = None,
         handle: CopyHandle | None = None,
         error: BaseException | None = None,
-        copy: InFlight | None = None,
+        copy: Any = None,  # the cache's record of the copy (copies.InFlight); opaque here
     ) -> None:
         self.node = node
         self.pages = pages
@@ -236,7 +205,7 @@ class LoadBack:
 
 
 class TierState:
-    """The host tier's state and counters, one attribute of the cache (``_tier``)."""
+    """The host tier's state and counters, one attribute of TieredRadixCache (``_tier``)."""
 
     __slots__ = (
         "backup_failures",
@@ -259,12 +228,12 @@ class TierState:
     )
 
     def __init__(
-        self, host: PagePool | None, copier: Any, write_policy: str, threshold: int
+        self, copier: Any, write_policy: str, threshold: int, hindex: EvictionIndex
     ) -> None:
         self.copier = copier
         self.write_policy = write_policy
         self.threshold = threshold
-        self.hindex: Any = None  # HostEvictionIndex, with a host pool
+        self.hindex = hindex  # the host tier's eviction index
         self.host_cached = 0  # host pages owned by nodes
         self.host_evictable = 0  # host pages of unlocked nodes
         # cumulative (CacheStats)
@@ -282,7 +251,8 @@ def check_tier_args(
     write_policy: Any,
     threshold: Any,
 ) -> None:
-    """RadixCache's host-tier arguments, checked before anything is built."""
+    """The host-tier arguments of build_cache / TieredRadixCache, checked before anything is
+    built."""
     if write_policy not in WRITE_POLICIES:
         raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
     if type(threshold) is not int or threshold < 1:

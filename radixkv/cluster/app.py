@@ -87,9 +87,10 @@ class ClusterConfig:
 
     @property
     def tokenizer_source(self) -> dict[str, Any]:
-        """The engine options that decide the tokenizer (revision, tokenizer, chat_template):
-        the ingress loads the replicas' tokenizer with them to hash prompts as they will."""
-        keys = ("revision", "tokenizer", "chat_template")
+        """The engine options that decide the tokenizer (revision, gguf_file, tokenizer,
+        chat_template): the ingress loads the replicas' tokenizer with them to hash prompts as
+        they will."""
+        keys = ("revision", "gguf_file", "tokenizer", "chat_template")
         return {k: self.engine_kwargs[k] for k in keys if self.engine_kwargs.get(k) is not None}
 
 

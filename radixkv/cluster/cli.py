@@ -99,7 +99,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "max_queue": server.max_queue,
         "max_body_bytes": server.max_body_bytes,
         "strict_api": server.strict_api or None,
-        "metrics_require_key": server.metrics_require_key or None,
+        "metrics_require_key": server.metrics_require_key,  # None: as keys are configured
+        "allowed_hosts": server.allowed_hosts or None,
         "tool_call_parser": server.tool_call_parser,
         "reasoning_parser": server.reasoning_parser,
         "responses_store_size": server.responses_store_size,

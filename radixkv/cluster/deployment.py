@@ -82,9 +82,8 @@ class RadixKVReplica:
             # Several replicas share a machine's cores: one intra-op pool each, not one per core.
             torch.set_num_threads(torch_threads)
         self.engine = AsyncEngine(model, **(engine_kwargs or {}))
-        cache = self.engine.engine.cache
-        self.summary = CacheSummary(cache.page_size, max_hashes=summary_max_hashes)
-        cache.add_listener(self.summary.listener)
+        self.summary = CacheSummary(self.engine.info().page_size, max_hashes=summary_max_hashes)
+        await self.engine.add_cache_listener(self.summary.listener)
         self.app = build_app(self.engine, ServerConfig(**(server_kwargs or {})), owns_engine=True)
         self.lifespan = Lifespan(self.app)
         await self.lifespan.startup()

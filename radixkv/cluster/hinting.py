@@ -111,7 +111,6 @@ class PromptHasher:
             return ids, req
         except (P.ProtocolError, APIError, ValueError, TypeError):
             return None
-        return None
 
     def hint(self, path: str, authorization: str | None, body: bytes) -> RoutingHint:
         got = self.token_ids(path, body)

@@ -1,23 +1,34 @@
 """AsyncEngine: the engine driven by a background loop, for asyncio servers.
 
-The loop task owns the engine. A submission is checked and built synchronously in the caller
-(``Engine.prepare``: bad input raises at submission) and then queued as a command; the loop
-applies commands (``Engine.submit``, ``Engine.abort``) between steps and runs each ``step()`` in
-a single worker thread, so the event loop stays responsive and the engine's state is only ever
-changed by one thread at a time. It uses nothing but the engine's public request API.
+One thread touches the engine: the engine thread, the single worker of a one-thread executor.
+A submission is checked and built synchronously in the caller (``Engine.prepare``, which
+reads the engine and changes nothing: bad input raises at submission) and then queued as a
+command; the loop task hands the engine thread, turn by turn, the commands queued since the
+last turn (``Engine.submit``, ``Engine.abort``, the awaitable housekeeping below, cache
+listeners added or removed) and then one ``step()``. The event loop stays responsive (it
+never waits on the engine) and the engine's state is only ever read or changed by one thread.
+What a turn hands back (outputs, command results, errors) is delivered on the event loop.
+What a front end shows about the engine comes from :meth:`AsyncEngine.info`, a snapshot that
+any thread may read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
+
+from radixkv.cache.events import Listener
 from radixkv.engine.engine import Engine
+from radixkv.engine.engine_info import EngineInfo
 from radixkv.engine.intake import Prompt
 from radixkv.engine.lora import LoRAInfo
 from radixkv.engine.outputs import EngineStats, RequestOutput, WeightUpdate
@@ -29,6 +40,19 @@ from radixkv.model.weight_update import StagedWeights, WeightSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# what a command leaves for the event loop to do once its turn is over (None: nothing)
+Reply = Callable[[], None]
+Command = Callable[[], Reply | None]  # runs on the engine thread
+
+
+@dataclass
+class _Turn:
+    """What one turn of the engine thread hands back to the event loop."""
+
+    replies: list[Reply]  # the commands' replies, in order
+    outputs: list[RequestOutput]  # the step's outputs (the failed batch's, after ``failure``)
+    failure: Exception | None  # the step raised this
+    busy: bool  # requests are still queued or running
 
 
 class AsyncEngine:
@@ -38,6 +62,9 @@ class AsyncEngine:
     last has ``finished=True``. Leaving the loop early (break, cancellation, a client gone)
     aborts the request and frees its pages. ``max_queued`` bounds the number of live requests:
     beyond it ``generate`` raises :class:`QueueFull` (a server answers 503).
+
+    The engine it is given (``engine=``) is its own from then on: touch it only through the
+    AsyncEngine (the module docstring says why).
     """
 
     def __init__(
@@ -52,17 +79,29 @@ class AsyncEngine:
         self._owns_engine = engine is None  # shutdown closes an engine it built
         self.max_queued = max_queued
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._commands: list[Callable[[], None]] = []
+        self._commands: list[Command] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-engine")
         self._stopped = False
         self._next_id = 0  # areq-N ids for submissions without one
+        # snapshots the event loop reads, taken here (before the engine thread exists) and on
+        # the engine thread whenever what they show changes
+        self._busy = self.engine.has_unfinished()  # as of the last turn
+        self._in_turn = False  # the engine thread is running a turn
+        self._info = EngineInfo.of(self.engine)
+        self._loras = tuple(self.engine.list_loras())
 
     # ------------------------------------------------------------------ public API
     @property
     def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (encoding and decoding are safe from any thread)."""
         return self.engine.tokenizer
+
+    def info(self) -> EngineInfo:
+        """What the engine is: model, limits, settings, KV device, weight version (a snapshot;
+        any thread may call it)."""
+        return self._info
 
     async def generate(
         self,
@@ -76,8 +115,7 @@ class AsyncEngine:
         """Stream one request (run with the LoRA adapter ``lora``, if given). Raises
         ValueError/TypeError at submission on bad input."""
         if isinstance(params, SamplingParams) and params.guided is not None:
-            # compiling a language can take seconds: off the event loop, before submission
-            await asyncio.to_thread(self.engine.compile_guided, params)
+            await self.compile_guided(params)  # before submission: it can take seconds
         rid, queue = self.submit(
             prompt, params, request_id=request_id, namespace=namespace, lora=lora
         )
@@ -129,6 +167,12 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
         self._command(lambda: self._abort(request_id))
 
+    async def compile_guided(self, params: SamplingParams) -> None:
+        """``Engine.compile_guided`` in a worker thread of its own (a large schema on a large
+        vocabulary takes seconds; steps go on meanwhile): a request with ``params`` then
+        submits without compiling. ValueError when the engine cannot use the language."""
+        await asyncio.to_thread(self.engine.compile_guided, params)
+
     async def stats(self) -> EngineStats:
         return await self._call(self.engine.stats)
 
@@ -138,15 +182,43 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> None:
         await self._call(self.engine.reset_prefix_cache)
 
+    async def add_cache_listener(self, listener: Listener) -> None:
+        """``listener(event)`` is called for every cache event (BlockStored, BlockRemoved,
+        AllBlocksCleared: cache/events.py) from now on, on the engine thread: it must be quick
+        and must not call back into the engine (hand events to a queue or another thread)."""
+        await self._call(lambda: self.engine.add_cache_listener(listener))
+
+    async def remove_cache_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``; ValueError if it was not added."""
+        await self._call(lambda: self.engine.remove_cache_listener(listener))
+
+    def lora_of_namespace(self, namespace: Namespace) -> LoRAInfo | None:
+        """The loaded LoRA adapter whose KV the cache namespace ``namespace`` holds (None: the
+        base model's, or an unloaded adapter's). For cache listeners, which run on the engine
+        thread: call it from there (a listener naming an event's adapter)."""
+        return self.engine.loras.of_namespace(namespace)
+
     async def load_lora(self, name: str, path: str) -> LoRAInfo:
         """``Engine.load_lora``: the files are read in a worker thread (steps go on), then the
         adapter is attached between steps."""
         adapter = await asyncio.to_thread(self.engine.loras.read, name, path)
-        return await self._call(lambda: self.engine.loras.attach(adapter))
+
+        def attach() -> LoRAInfo:
+            info = self.engine.loras.attach(adapter)
+            self._loras = tuple(self.engine.list_loras())
+            return info
+
+        return await self._call(attach)
 
     async def unload_lora(self, name: str) -> LoRAInfo:
-        """``Engine.unload_lora`` on the engine's thread."""
-        return await self._call(lambda: self.engine.unload_lora(name))
+        """``Engine.unload_lora`` on the engine thread."""
+
+        def unload() -> LoRAInfo:
+            info = self.engine.unload_lora(name)
+            self._loras = tuple(self.engine.list_loras())
+            return info
+
+        return await self._call(unload)
 
     async def update_weights(
         self,
@@ -167,17 +239,20 @@ class AsyncEngine:
             update = self.engine.update_weights(
                 staged, weight_version=weight_version, in_flight=in_flight
             )
-            self._deliver(self.engine.drain())  # aborted requests' final outputs
+            self._info = msgspec.structs.replace(
+                self._info, weight_version=self.engine.weight_version
+            )
             return update
 
-        return await self._call(swap)
+        return await self._call(swap, drain=True)  # the aborted requests' final outputs
 
     def list_loras(self) -> list[LoRAInfo]:
-        return self.engine.list_loras()
+        """The loaded LoRA adapters, in load order (a snapshot; any thread may call it)."""
+        return list(self._loras)
 
     async def wait_idle(self) -> None:
         """Until no request is queued or running."""
-        while self._queues or self._commands or self.engine.has_unfinished():
+        while self._queues or self._commands or self._in_turn or self._busy:
             await asyncio.sleep(0.005)
 
     async def shutdown(self) -> None:
@@ -187,9 +262,10 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        self._executor.shutdown(wait=True)
         if self._owns_engine:  # finish storage writes, stop the tiers' threads
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self.engine.close)  # after any turn
+        self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ the loop
     def _ensure_loop(self) -> None:
@@ -199,36 +275,69 @@ class AsyncEngine:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="radixkv-loop")
 
-    def _command(self, fn: Callable[[], None]) -> None:
+    def _command(self, fn: Command) -> None:
         self._commands.append(fn)
         if self._wake is not None:
             self._wake.set()
 
-    async def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` between steps (never concurrently with one)."""
+    async def _call(self, fn: Callable[[], T], *, drain: bool = False) -> T:
+        """``fn()`` on the engine thread between steps (never concurrently with one), its
+        result or exception back here. ``drain``: then deliver ``Engine.drain()``'s outputs
+        (requests ``fn`` ended), before the next step's."""
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
-        def run() -> None:
+        def run() -> Reply:
             try:
-                fut.set_result(fn())
+                value = fn()
             except Exception as e:
-                fut.set_exception(e)
+                return functools.partial(_settle, fut, None, e)  # (e ends with the block)
+            outs = self.engine.drain() if drain else []
+
+            def reply() -> None:
+                self._deliver(outs)
+                _settle(fut, value, None)
+
+            return reply
 
         self._ensure_loop()
         self._command(run)
         return await fut
 
-    def _add(self, group: RequestGroup) -> None:
+    def _add(self, group: RequestGroup) -> Reply | None:
+        # (reads the loop's dict of queues: a request cancelled meanwhile is aborted by the
+        # command its cancellation queued after this one)
         if group.request_id not in self._queues:
-            return  # cancelled before it was queued
+            return None  # cancelled before it was queued
         try:
             self.engine.submit(group)
         except Exception as e:
-            self._deliver_error(group.request_id, e)
+            return functools.partial(self._deliver_error, group.request_id, e)
+        return None
 
     def _abort(self, request_id: str) -> None:
         if self.engine.has_request(request_id):
             self.engine.abort(request_id)
+
+    def _turn(self, commands: list[Command]) -> _Turn:
+        """On the engine thread: apply ``commands``, then run one step if anything is live."""
+        replies: list[Reply] = []
+        for c in commands:
+            try:
+                reply = c()
+            except Exception:  # a command must never kill the loop
+                log.exception("engine command failed")
+                continue
+            if reply is not None:
+                replies.append(reply)
+        outputs: list[RequestOutput] = []
+        failure: Exception | None = None
+        if self.engine.has_unfinished():
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the failed batch's requests were finished with "error"
+                log.exception("engine step failed")
+                outputs, failure = self.engine.drain(), e
+        return _Turn(replies, outputs, failure, self.engine.has_unfinished())
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for o in outs:
@@ -247,28 +356,40 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         assert self._wake is not None
         while True:
-            while self._commands:
-                cmds, self._commands = self._commands, []
-                for c in cmds:
-                    try:
-                        c()
-                    except Exception:  # a command must never kill the loop
-                        log.exception("engine command failed")
-            if not self.engine.has_unfinished():
+            commands, self._commands = self._commands, []
+            if not commands and not self._busy:
                 self._wake.clear()
                 if not self._commands:
                     await self._wake.wait()
                 continue
+            self._in_turn = True
             try:
-                outs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as e:  # the failed batch's requests were finished with "error"
-                log.exception("engine step failed")
-                outs = self.engine.drain()
-                for o in outs:
-                    self._deliver_error(o.request_id, RuntimeError(f"engine step failed: {e}"))
-                continue
-            self._deliver(outs)
+                turn = await loop.run_in_executor(self._executor, self._turn, commands)
+            finally:
+                self._in_turn = False
+            self._busy = turn.busy
+            for reply in turn.replies:
+                try:
+                    reply()
+                except Exception:  # a reply must never kill the loop either
+                    log.exception("engine command's reply failed")
+            if turn.failure is None:
+                self._deliver(turn.outputs)
+            else:
+                for o in turn.outputs:
+                    err = RuntimeError(f"engine step failed: {turn.failure}")
+                    self._deliver_error(o.request_id, err)
             await asyncio.sleep(0)  # let submitters and readers run between steps
+
+
+def _settle(fut: asyncio.Future[T], value: Any, error: Exception | None) -> None:
+    """``fut``'s result or exception, unless its awaiter gave up (cancelled) meanwhile."""
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
 
 
 class QueueFull(RuntimeError):

@@ -51,8 +51,8 @@ from typing import NamedTuple, Protocol
 
 from radixkv.attention.base import outgrown_windows
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
+from radixkv.engine.names import CASCADE_MODES
 
-CASCADE_MODES = ("auto", "on", "off")
 # K+V values (per layer) a step must save for "auto" to pick the cascade, by the KV's bytes per
 # value (module docstring); other sizes use the fp32 value
 MIN_STEP_SAVED_VALUES: dict[int, int] = {4: 5 << 17, 2: 1 << 19}

@@ -1,5 +1,8 @@
 """Engine configuration: every engine knob in one frozen dataclass, validated on construction.
 
+Torch-free to import (``radixkv serve --help`` reads it): the choice lists come from the
+layers' torch-free ``names`` modules, the tables their registries build from.
+
 Components take the config they need instead of copies of its fields. The ``radixkv serve`` and
 ``radixkv serve-ray`` command lines derive their engine flags from these fields
 (:meth:`EngineConfig.add_cli_arguments`, :meth:`EngineConfig.from_cli_args`), so a knob added
@@ -10,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from radixkv.attention.registry import BACKENDS
+from radixkv.attention.names import ATTENTION_BACKENDS
 from radixkv.cache.eviction import POLICIES
 from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE
-from radixkv.engine.cascade_planner import CASCADE_MODES
-from radixkv.engine.lora import parse_lora_modules
-from radixkv.engine.prefill_cost import PREFILL_BUDGETS
-from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
-from radixkv.kv.kv_pool import KV_CACHE_DTYPES
+from radixkv.engine.names import CASCADE_MODES, PREFILL_BUDGETS, SCHEDULE_POLICIES
+from radixkv.kv.names import KV_CACHE_DTYPES
 from radixkv.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def _cli(
     help: str,
     *,
-    choices: Sequence[str] | None = None,
+    choices: Collection[str] | None = None,
     type: Callable[[str], Any] | None = None,
     flag: str | None = None,
     aliases: Sequence[str] = (),
@@ -84,8 +84,8 @@ def _pos_int(name: str, v: object) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
-def _one_of(name: str, v: object, allowed: Sequence[str]) -> None:
-    if v not in allowed:
+def _one_of(name: str, v: object, allowed: Collection[str]) -> None:
+    if not isinstance(v, str) or v not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v!r}")
 
 
@@ -211,6 +211,16 @@ class EngineConfig:
         default=4096,
         metadata=_cli("pages waiting to be written to storage before writes are dropped"),
     )
+    # None: $RADIXKV_STORAGE_SECRET, else ~/.config/radixkv/storage_secret (created, mode 0600);
+    # every engine sharing a store needs the same secret (docs/security.md, storage tier)
+    kv_storage_secret_file: str | None = field(
+        default=None,
+        metadata=_cli(
+            "file holding the hex secret that MACs stored KV pages (default: "
+            "$RADIXKV_STORAGE_SECRET, else ~/.config/radixkv/storage_secret, created if absent)",
+            type=str,
+        ),
+    )
     max_running_requests: int = field(default=256, metadata=_cli("most sequences running at once"))
     # 8192 / 2048: a step computes at most 2048 prefill tokens, so running streams stall at most
     # one chunk's time and a burst of short prompts runs as several short steps (scheduler.py)
@@ -234,7 +244,7 @@ class EngineConfig:
         default="lpm",
         metadata=_cli(
             "admission order of waiting requests (engine/schedule_policy.py)",
-            choices=tuple(SCHEDULE_POLICIES),
+            choices=SCHEDULE_POLICIES,
         ),
     )
     enable_prefix_cache: bool = field(
@@ -287,7 +297,7 @@ class EngineConfig:
     )
     # "auto": flashinfer on a CUDA pool in fp16/bf16 when it is installed, else torch
     attention_backend: str = field(
-        default="auto", metadata=_cli("attention kernels", choices=BACKENDS)
+        default="auto", metadata=_cli("attention kernels", choices=ATTENTION_BACKENDS)
     )
     # "auto": read shared prefixes once per group only when the step saves enough reads
     cascade: str = field(
@@ -353,6 +363,14 @@ class EngineConfig:
         default=None,
         metadata=_cli("branch, tag or commit of a Hugging Face repo id (default: main)", type=str),
     )
+    gguf_file: str | None = field(
+        default=None,
+        metadata=_cli(
+            "the GGUF file to load from the model folder or Hugging Face repo id (a *.gguf "
+            "path or a packaged model's name needs none)",
+            type=str,
+        ),
+    )
     tokenizer: str | None = field(
         default=None,
         metadata=_cli("folder or Hugging Face repo id to take the tokenizer from", type=str),
@@ -415,12 +433,15 @@ class EngineConfig:
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 600:
             raise ValueError(f"kv_storage_timeout must be seconds in (0, 600], got {t!r}")
         _pos_int("kv_storage_write_queue", self.kv_storage_write_queue)
+        f = self.kv_storage_secret_file
+        if f is not None and (not isinstance(f, str) or not f.strip()):
+            raise ValueError(f"kv_storage_secret_file must be a file path, got {f!r}")
         _pos_int("max_running_requests", self.max_running_requests)
         _pos_int("max_prefill_tokens", self.max_prefill_tokens)
         if self.chunked_prefill_size not in (None, 0, -1):  # -1: SGLang's "off"
             _pos_int("chunked_prefill_size", self.chunked_prefill_size)
         _one_of("prefill_budget", self.prefill_budget, PREFILL_BUDGETS)
-        _one_of("schedule_policy", self.schedule_policy, tuple(SCHEDULE_POLICIES))
+        _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         if not isinstance(self.enable_prefix_cache, bool):
             raise ValueError(
                 f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"
@@ -442,7 +463,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None:
             _pos_int("max_model_len", self.max_model_len)
-        _one_of("attention_backend", self.attention_backend, BACKENDS)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("cascade", self.cascade, CASCADE_MODES)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
@@ -453,9 +474,11 @@ class EngineConfig:
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
             raise ValueError(f"window_kv_ratio must be a number in (0, 1], got {r!r}")
         if self.lora_modules is not None:
+            from radixkv.engine.lora import parse_lora_modules  # imports torch (the model layer)
+
             pairs = parse_lora_modules(self.lora_modules)
             object.__setattr__(self, "lora_modules", pairs or None)
-        for name in ("revision", "tokenizer", "chat_template"):
+        for name in ("revision", "gguf_file", "tokenizer", "chat_template"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")

@@ -38,8 +38,14 @@ from typing import Any, TypeVar
 import torch
 
 from radixkv.attention.registry import BackendChoice, choose_backend
-from radixkv.cache import PagePool, RadixCache, WindowSlots
-from radixkv.cache.storage import StorageBackend, kv_format_id, open_storage
+from radixkv.cache import PagePool, RadixCache, TieredRadixCache, WindowSlots, build_cache
+from radixkv.cache.events import Listener
+from radixkv.cache.storage import (
+    StorageBackend,
+    kv_format_id,
+    load_storage_secret,
+    open_storage,
+)
 from radixkv.cache.tiers import WRITE_THROUGH_SELECTIVE
 from radixkv.engine.beam_runner import BeamRunner
 from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
@@ -97,7 +103,9 @@ class Engine:
 
     ``model`` is a name (``"radixkv-tiny"``), a local Hugging Face folder, a Hugging Face repo id
     (``"Qwen/Qwen2.5-0.5B-Instruct"``, fetched through the Hub cache; ``revision=`` picks a
-    branch, tag or commit), or an already loaded ``LoadedModel``. The knobs are
+    branch, tag or commit), a GGUF file (``"path/to/model.gguf"``, a folder or repo id with
+    ``gguf_file=``, or the packaged ``"smollm2-135m-instruct"``), or an already loaded
+    ``LoadedModel``. The knobs are
     :class:`EngineConfig`'s: pass ``config=EngineConfig(...)``, its fields as keyword arguments
     (``Engine(model, page_size=8, cascade="off")``; vLLM's / SGLang's spellings such as
     ``enable_prefix_caching`` are accepted too), or both (the keywords override the config's
@@ -134,7 +142,7 @@ class Engine:
         self.host_kv_pool, self.copier = _host_tier(self.kv_pool, cfg)
         # what the storage tier keys pages by: the weights' identity (None: no storage tier)
         self._fingerprint = None if backend is None else model_fingerprint(self.model.model, mc)
-        self.cache = RadixCache(
+        self.cache = build_cache(
             self.pool,
             page_size=cfg.page_size,
             policy=cfg.eviction_policy,
@@ -1257,6 +1265,15 @@ class Engine:
         pages: they are keyed by content, model and namespace, so they stay valid."""
         self.seq_kv.reset_cache()
 
+    def add_cache_listener(self, listener: Listener) -> None:
+        """Call ``listener(event)`` for every cache event (cache/events.py), on the thread
+        that drives the engine: add it from there too (AsyncEngine does)."""
+        self.seq_kv.add_listener(listener)
+
+    def remove_cache_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (ValueError if it was not added)."""
+        self.seq_kv.remove_listener(listener)
+
     def flush_storage(self, timeout: float | None = 30.0) -> bool:
         """Wait until the pages queued for the storage tier are written (True), or ``timeout``
         seconds passed (False); True at once without a storage tier."""
@@ -1287,7 +1304,9 @@ class Engine:
 
 def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
     if isinstance(model, LoadedModel):
-        given = [n for n in ("revision", "tokenizer", "chat_template") if getattr(cfg, n)]
+        given = [
+            n for n in ("revision", "gguf_file", "tokenizer", "chat_template") if getattr(cfg, n)
+        ]
         if given:
             raise ValueError(
                 f"{', '.join(given)} apply when the engine loads the model; pass them to "
@@ -1302,6 +1321,7 @@ def _load(model: str | Path | LoadedModel, cfg: EngineConfig) -> LoadedModel:
         revision=cfg.revision,
         tokenizer=cfg.tokenizer,
         chat_template=cfg.chat_template,
+        gguf_file=cfg.gguf_file,
     )
 
 
@@ -1394,6 +1414,11 @@ def _storage_tier(
     if backend is None or fingerprint is None:
         return None
     assert host is not None  # _host_tier gives storage a host tier
+    assert isinstance(cache, TieredRadixCache)  # build_cache made it so, given the host pool
+    try:
+        secret = load_storage_secret(cfg.kv_storage_secret_file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"kv_storage_secret_file: {e}") from None
     io = StorageIO(
         backend,
         host,
@@ -1401,6 +1426,7 @@ def _storage_tier(
         page_size=kv.page_size,
         timeout=float(cfg.kv_storage_timeout),
         write_queue_pages=cfg.kv_storage_write_queue,
+        secret=secret,
     )
     try:
         return StorageTier(

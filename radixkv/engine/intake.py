@@ -37,6 +37,20 @@ log = logging.getLogger(__name__)
 Prompt = str | SequenceABC[int]
 
 
+class PriorityNeedsPolicy(ValueError):
+    """A request gave ``priority`` (not 0) to an engine whose ``schedule_policy`` is not
+    ``"priority"``: under the other policies every request's priority is 0 (the scheduler
+    relies on it). ``priority``: the value given, for a front end that words the error in its
+    own API's terms."""
+
+    def __init__(self, priority: int) -> None:
+        super().__init__(
+            f"priority={priority} needs schedule_policy='priority' "
+            "(--schedule-policy priority); under the other policies it must be 0"
+        )
+        self.priority = priority
+
+
 def normalise_prompt(
     prompt: object, tokenizer: Tokenizer, vocab_size: int
 ) -> tuple[str | None, list[int]]:
@@ -123,11 +137,8 @@ class RequestIntake:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.priority and not self.priority_scheduling:
-            raise ValueError(
-                f"priority={params.priority} needs schedule_policy='priority' "
-                "(--schedule-policy priority); under the other policies it must be 0"
-            )
+        if params.priority and not self.priority_scheduling:  # the one place this is checked
+            raise PriorityNeedsPolicy(params.priority)
         if params.beam_width > self.max_running:  # its beams run at once (scheduler.py)
             raise ValueError(
                 f"beam_width={params.beam_width} exceeds max_running_requests="

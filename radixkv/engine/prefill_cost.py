@@ -14,8 +14,6 @@ import math
 
 from radixkv.model.config import ModelConfig
 
-PREFILL_BUDGETS = ("tokens", "attention")
-
 
 def attention_cost_ratio(model_config: ModelConfig) -> float:
     """``R`` = linear multiply-adds per token / attention multiply-adds per (query, key) pair.

@@ -1,11 +1,11 @@
 """Admission order: which waiting sequences the scheduler tries first each step.
 
-``EngineConfig.schedule_policy`` names one of :data:`SCHEDULE_POLICIES`; the config validates
-the name against this table and the ``--schedule-policy`` flag lists its keys, so a new policy
-is one function here plus its entry in the table. A policy returns candidates in the order the
-scheduler should try them; the scheduler admits them in that order while the step budget,
-``max_running_requests`` and the pool allow (scheduler.py), so at most the first
-``MAX_CANDIDATES`` matter in practice. A policy reads the queue and the cache (through
+``EngineConfig.schedule_policy`` names one of :data:`radixkv.engine.names.SCHEDULE_POLICIES`;
+the config validates the name against that table and the ``--schedule-policy`` flag lists its
+names, so a new policy is one function here plus its row in the table. A policy returns
+candidates in the order the scheduler should try them; the scheduler admits them in that order
+while the step budget, ``max_running_requests`` and the pool allow (scheduler.py), so at most
+the first ``MAX_CANDIDATES`` matter in practice. A policy reads the queue and the cache (through
 ``SeqKV.peek_match_len``, which changes nothing) and mutates neither.
 """
 
@@ -45,6 +45,3 @@ def priority(waiting: deque[Sequence], kv: SeqKV) -> list[Sequence]:
     priorities. (The scheduler also keeps its running list in this order and preempts from its
     end, so the lowest priority gives way first.)"""
     return sorted(lpm(waiting, kv), key=lambda s: s.params.priority)  # stable: lpm within
-
-
-SCHEDULE_POLICIES: dict[str, AdmissionOrder] = {"lpm": lpm, "fcfs": fcfs, "priority": priority}

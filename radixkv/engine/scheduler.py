@@ -16,10 +16,12 @@ Each ``schedule()`` builds one mixed batch, in this order:
    search request holds ``beam_width`` slots from the admission of its first beam until none of
    its beams runs (its beams fork into them without admission, beam_runner.py).
 
-Under ``priority`` the running list is kept in priority order (then admission order), so
-"most recently admitted" above reads "lowest priority, then most recently admitted"; and before
-step 1, running sequences of a lower priority than the best waiting one are preempted while that
-one could not otherwise get a running slot or its first chunk's pages.
+The running list is kept in priority order (then admission order), so "most recently admitted"
+above reads "lowest priority, then most recently admitted"; and before step 1, running sequences
+of a lower priority than the best waiting one are preempted while that one could not otherwise
+get a running slot or its first chunk's pages. Only the ``priority`` policy takes priorities
+other than 0 (intake.py refuses them under the others, the one place that rule is checked), so
+under the others both rules change nothing: every priority is 0.
 
 The step budget is ``min(max_prefill_tokens, chunked_prefill_size)`` prefill tokens in all (as in
 SGLang, where admitted requests draw on the chunk budget too): a burst of short prompts then
@@ -57,9 +59,9 @@ from dataclasses import dataclass, field
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.inflight import InflightPages
 from radixkv.engine.kv_manager import SeqKV
+from radixkv.engine.names import SCHEDULE_POLICIES
 from radixkv.engine.prefill_cost import chunk_cost, max_chunk
 from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
-from radixkv.engine.schedule_policy import SCHEDULE_POLICIES
 from radixkv.model.runner import SeqInput
 from radixkv.pages import pages_for
 
@@ -206,7 +208,7 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        if self.policy == "priority":
+        if self.policy == "priority":  # elsewhere all priorities are 0: nothing to scan for
             self._preempt_for_priority(batch)
         held_back = self._schedule_running(batch)
         if not self._admit(batch, self.step_budget - batch.prefill_cost):
@@ -253,12 +255,9 @@ class Scheduler:
         return 0 if any(s.status is SeqStatus.RUNNING for s in seq.group.seqs) else w
 
     def _start_running(self, seq: Sequence) -> None:
-        """Into the running list: at the end (admission order), or under ``priority`` after
-        every sequence of the same or a better priority."""
-        if self.policy == "priority":
-            bisect.insort_right(self.running, seq, key=lambda s: s.params.priority)
-        else:
-            self.running.append(seq)
+        """Into the running list after every sequence of the same or a better priority (at
+        the end when all priorities are 0: admission order)."""
+        bisect.insort_right(self.running, seq, key=lambda s: s.params.priority)
 
     def _schedule_running(self, batch: ScheduledBatch) -> list[int]:
         """Oldest first: each running sequence decodes one token or computes its next prefill
@@ -504,9 +503,8 @@ class Scheduler:
             need = pages_for(s.num_computed, self.page_size)
             assert len(s.page_table) == need, (s, need)
             assert s.num_shared_pages <= len(s.page_table), s
-        if self.policy == "priority":  # preemption takes the lowest priority from the end
-            prios = [s.params.priority for s in self.running]
-            assert prios == sorted(prios), "running list out of priority order"
+        prios = [s.params.priority for s in self.running]  # preemption takes the end's
+        assert prios == sorted(prios), "running list out of priority order"
         for s in self.waiting:
             assert s.status is SeqStatus.WAITING, s
             assert not s.page_table and s.locked_node is None and not s.inflight_keys, s

@@ -9,7 +9,7 @@ with them, in two classes:
 * :class:`StorageTier`, the engine's door to storage (``Engine.storage``), and besides SeqKV
   (kv_manager.py) the only engine code that calls the cache: it decides which queued requests
   are worth a lookup (``start_prefetch``, peeking their device + host hit), puts what was found
-  in the host tier at the start of a step (``land_prefetches``: ``RadixCache.alloc_host`` /
+  in the host tier at the start of a step (``land_prefetches``: ``TieredRadixCache.alloc_host`` /
   ``insert_host``), is the cache's host observer (``observe``: which host pages to write, by
   its write policy and threshold), and at ``close`` writes out what only the host tier holds
   (``write_back``).
@@ -25,9 +25,12 @@ with them, in two classes:
 
   Faults (backend down at start or mid-run, a timeout, disk full, permission denied) raise
   StorageError in a thread; the I/O logs one warning per outage and kind, counts it, stops
-  using the backend for a growing back-off (0.5 s doubling to 30 s: jobs are misses, writes are
-  dropped meanwhile), then tries again and logs the recovery. The device and host tiers are
-  never affected.
+  using the backend *in that direction* for a growing back-off (0.5 s doubling to 30 s), then
+  tries again and logs the recovery. Reads and writes back off apart: a write that fails
+  (disk full, a read-only mount, a server out of memory) drops writes meanwhile and lookups go
+  on finding what is stored; a read that fails makes lookups misses meanwhile; a store that
+  cannot be reached (or times out) backs off both ways. The device
+  and host tiers are never affected.
 
 A sequence's share of storage in its hit (``PrefetchJob.hit_tokens``) is read by SeqKV and the
 scheduler from the job its request carries (``RequestGroup.prefetch``).
@@ -45,7 +48,7 @@ from typing import Any
 import msgspec
 import torch
 
-from radixkv.cache import OutOfPages, RadixCache
+from radixkv.cache import OutOfPages, TieredRadixCache
 from radixkv.cache.storage import KnownKeys, PageStore, StorageBackend, StorageError
 from radixkv.cache.tiers import (
     HOST_HIT,
@@ -73,6 +76,9 @@ _COUNTERS = (
     "stored_pages",
     "skipped_known",
 )
+# kinds of StorageError that mean the store is unreachable both ways (others, such as "full"
+# or "permission", concern the way that failed: a full disk still serves reads)
+_WHOLE_STORE = frozenset({"unreachable", "timeout"})
 _CHUNK = 64  # pages per queued write: bounds one snapshot's memory and one backend call
 _IDLE_WAIT_S = 0.05  # longest an idle step waits for a prefetch before returning
 
@@ -94,7 +100,20 @@ class StorageStats(msgspec.Struct, kw_only=True):
     corrupt_objects: int = 0  # failed their checksum on read (deleted)
     mismatched_objects: int = 0  # another format or prefix under a key (a collision)
     write_queue_pages: int = 0  # gauge: snapshots waiting for the writer
-    available: bool = True  # gauge: False during an outage's back-off
+    available: bool = True  # gauge: False during a read outage's back-off
+    writes_available: bool = True  # gauge: False during a write outage's back-off
+    planted_objects: int = 0  # non-files where page files belong (file storage): removed
+
+
+class _Health:
+    """One direction's (reads' or writes') outage state: StorageIO's, under its lock."""
+
+    __slots__ = ("backoff", "down", "retry_at")
+
+    def __init__(self) -> None:
+        self.down = False
+        self.retry_at = 0.0
+        self.backoff = 0.0
 
 
 class PrefetchJob:
@@ -183,7 +202,7 @@ class StorageTier:
 
     def __init__(
         self,
-        cache: RadixCache,
+        cache: TieredRadixCache,
         io: StorageIO,
         *,
         write_policy: str = WRITE_THROUGH,
@@ -384,6 +403,8 @@ class StorageIO:
         page_size: tokens per page.
         timeout: seconds a request waits for its prefetch before it proceeds as a miss.
         write_queue_pages: pages the write queue holds before it drops writes.
+        secret: the deployment's storage secret (radixkv.cache.storage.load_storage_secret),
+            which MACs every page object.
     """
 
     def __init__(
@@ -395,6 +416,7 @@ class StorageIO:
         page_size: int,
         timeout: float = 1.0,
         write_queue_pages: int = 4096,
+        secret: bytes,
     ) -> None:
         self.backend = backend
         self.url = backend.url
@@ -404,8 +426,9 @@ class StorageIO:
         self.write_queue_pages = write_queue_pages
         known = KnownKeys()
         per = host_kv.bytes_per_page
-        self._reader = PageStore(backend, format_id, page_size, per, known)
-        self._writer = PageStore(backend.clone(), format_id, page_size, per, known)
+        self._secret = secret
+        self._reader = PageStore(backend, format_id, page_size, per, known, secret=secret)
+        self._writer = PageStore(backend.clone(), format_id, page_size, per, known, secret=secret)
         # the last format's stores (a queued write or a running job may still use them), and
         # the counters of those before (_COUNTERS)
         self._retired: list[PageStore] = []
@@ -417,10 +440,8 @@ class StorageIO:
         # (the store of the pages' format, namespace, prefix, snapshot)
         self._writes: deque[tuple[PageStore, Any, bytes, torch.Tensor]] = deque()
         self._queued_pages = 0  # pages queued or being written
-        self._down = False
-        self._retry_at = 0.0
-        self._backoff = 0.0
-        self._warned: set[str] = set()
+        self._health = {"read": _Health(), "write": _Health()}  # guarded by _lock
+        self._warned: set[str] = set()  # kinds logged in this outage
         self._corrupt_warned = False
         self._closed = False
         self._threads = [
@@ -503,7 +524,7 @@ class StorageIO:
         cap = self.write_queue_pages
         with self._lock:
             while True:
-                if self._closed or not self._available():
+                if self._closed or not self._available("write"):
                     break
                 if self._queued_pages + n <= cap:
                     self._queued_pages += n
@@ -569,11 +590,21 @@ class StorageIO:
                 for c in _COUNTERS:
                     self._past[c] += getattr(old, c)
             self._retired = [r, w]
-            self._reader = PageStore(r.backend, format_id, r.page_size, r.payload_bytes, r.known)
-            self._writer = PageStore(w.backend, format_id, w.page_size, w.payload_bytes, w.known)
+            self._reader = PageStore(
+                r.backend, format_id, r.page_size, r.payload_bytes, r.known, secret=self._secret
+            )
+            self._writer = PageStore(
+                w.backend, format_id, w.page_size, w.payload_bytes, w.known, secret=self._secret
+            )
             for job in self._jobs:
                 job._done.set()
             self._jobs.clear()
+
+    def retry_now(self) -> None:
+        """End any back-off now: the next lookup and write try the store again."""
+        with self._lock:
+            for h in self._health.values():
+                h.retry_at = 0.0
 
     def stats(self) -> StorageStats:
         with self._lock:
@@ -589,53 +620,70 @@ class StorageIO:
                 write_skipped_pages=n["skipped_known"],
                 errors_by_kind=dict(st.errors_by_kind),
                 write_queue_pages=self._queued_pages,
-                available=not self._down,
+                available=not self._health["read"].down,
+                writes_available=not self._health["write"].down,
+                planted_objects=sum(
+                    getattr(b, "planted_objects", 0)
+                    for b in {id(x.backend): x.backend for x in stores}.values()
+                ),
             )
 
     def __repr__(self) -> str:
         return f"StorageIO({self.url!r})"
 
     # ------------------------------------------------------------------ health (lock held)
-    def _available(self) -> bool:
-        return not self._down or time.monotonic() >= self._retry_at
+    def _available(self, way: str) -> bool:
+        h = self._health[way]
+        return not h.down or time.monotonic() >= h.retry_at
 
-    def _failed(self, e: StorageError, op: str) -> None:
+    def _failed(self, e: StorageError, way: str) -> None:
+        """A ``way`` ("read" or "write") call failed: back off that way, or both ways when the
+        store cannot be reached at all (``_WHOLE_STORE``). One warning per outage and kind."""
         with self._lock:
             st = self._stats
             st.errors += 1
             st.errors_by_kind[e.kind] = st.errors_by_kind.get(e.kind, 0) + 1
-            self._backoff = min(_BACKOFF_MAX_S, max(_BACKOFF_MIN_S, 2 * self._backoff))
-            self._retry_at = time.monotonic() + self._backoff
-            self._down = True
+            ways = tuple(self._health) if e.kind in _WHOLE_STORE else (way,)
+            for w in ways:
+                h = self._health[w]
+                h.backoff = min(_BACKOFF_MAX_S, max(_BACKOFF_MIN_S, 2 * h.backoff))
+                h.retry_at = time.monotonic() + h.backoff
+                h.down = True
             first = e.kind not in self._warned
             self._warned.add(e.kind)
         if first:
             log.warning(
-                "KV storage %s: %s failed (%s): %s. Serving from the device and host tiers; "
-                "storage is retried after a back-off (metric radixkv_storage_errors).",
+                "KV storage %s: a %s failed (%s): %s. %s; retried after a back-off "
+                "(metric radixkv_storage_errors).",
                 self.url,
-                op,
+                way,
                 e.kind,
                 e,
+                "Lookups go on, writes are dropped meanwhile"
+                if len(ways) == 1 and way == "write"
+                else "Serving from the device and host tiers meanwhile",
             )
 
-    def _succeeded(self) -> None:
-        if not self._down:  # the common case: no lock
+    def _succeeded(self, way: str) -> None:
+        h = self._health[way]
+        if not h.down:  # the common case: no lock
             return
         with self._lock:
-            was = self._down
-            self._down = False
-            self._backoff = 0.0
-            self._warned.clear()
+            was = h.down
+            h.down = False
+            h.backoff = 0.0
+            if not any(x.down for x in self._health.values()):
+                self._warned.clear()
         if was:
-            log.warning("KV storage %s is available again", self.url)
+            log.warning("KV storage %s: %ss are available again", self.url, way)
 
     def _check_corrupt(self, reader: PageStore) -> None:
         if reader.corrupt_objects and not self._corrupt_warned:
             self._corrupt_warned = True
             log.warning(
-                "KV storage %s: a corrupt page object was found, deleted and served as a miss "
-                "(metric radixkv_storage_corrupt_objects)",
+                "KV storage %s: a corrupt page object was found (damaged, forged, written by an "
+                "engine with another storage secret, or by a radixkv before the MAC), deleted "
+                "and served as a miss (metric radixkv_storage_corrupt_objects)",
                 self.url,
             )
 
@@ -649,7 +697,7 @@ class StorageIO:
                     return
                 job = self._jobs.popleft()
                 reader = self._reader
-                usable = self._available()
+                usable = self._available("read")
             t = time.monotonic()
             try:
                 if not usable or t >= job.deadline:
@@ -661,7 +709,7 @@ class StorageIO:
                         job.namespace, job.key_bytes, job.start, job.stop, job.deadline
                     )
                     if reader.calls > calls:  # the store answered
-                        self._succeeded()
+                        self._succeeded("read")
                     self._check_corrupt(reader)
                     if (
                         time.monotonic() >= job.deadline
@@ -670,7 +718,7 @@ class StorageIO:
                         with self._lock:
                             self._stats.prefetch_timeouts += 1
             except StorageError as e:
-                self._failed(e, "prefetch")
+                self._failed(e, "read")
             except Exception:  # a bug must not kill the thread: the job is a miss
                 log.exception("KV storage prefetch failed")
             finally:
@@ -687,7 +735,7 @@ class StorageIO:
                     return
                 store, namespace, prefix, snapshot = self._writes.popleft()
                 n = snapshot.shape[0]
-                usable = self._available()
+                usable = self._available("write")
             try:
                 if not usable:
                     with self._lock:
@@ -695,7 +743,7 @@ class StorageIO:
                 else:
                     rows = snapshot.numpy()
                     if store.store(namespace, prefix, [memoryview(r) for r in rows]):
-                        self._succeeded()
+                        self._succeeded("write")
             except StorageError as e:
                 self._failed(e, "write")
                 with self._lock:

@@ -2,7 +2,7 @@
 
 A HostKVPool holds pages shaped like a KVPool's, in CPU memory (pinned when the KVPool is on a
 GPU, so that copies run asynchronously). Like KVPool it owns the tensors only: which host page
-holds which prefix is decided by the cache (``RadixCache(host_pool=PagePool(n), ...)``, whose
+holds which prefix is decided by the cache (``build_cache(..., host_pool=PagePool(n))``, whose
 page ids index dimension 0 here), and radixkv.kv.copier.KVCopier moves pages between the two.
 """
 

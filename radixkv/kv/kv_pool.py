@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from radixkv.kv.names import KV_CACHE_DTYPE_ATTRS
 from radixkv.pages import pages_for
 
 
@@ -27,19 +28,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 _KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
+    name: getattr(torch, attr) for name, attr in KV_CACHE_DTYPE_ATTRS.items()
 }
-# every kv_cache_dtype name (EngineConfig's and the command line's choices, as vLLM's and
-# SGLang's --kv-cache-dtype): "auto" is the model's dtype, "fp8" is "fp8_e4m3" (as in vLLM)
-KV_CACHE_DTYPES = ("auto", *_KV_CACHE_DTYPES)
 
 
 def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

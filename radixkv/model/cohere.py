@@ -25,7 +25,17 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
+from radixkv.model.errors import ModelLoadError
 from radixkv.model.layers import RotaryEmbedding, SwiGLU, add_residual
+
+
+def cohere_config_fields(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
+    """Cohere's ``logit_scale`` (logits are multiplied by it) in config.json ``cfg`` as
+    ``logits_scaling``, which logits are divided by (the family's ``config_fields``)."""
+    scale = cfg.get("logit_scale", 0.0625)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
+        raise ModelLoadError(file, "logit_scale", f"must be a positive number, got {scale!r}")
+    return {"logits_scaling": 1.0 / scale}
 
 
 class CohereLayerNorm(nn.Module):

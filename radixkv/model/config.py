@@ -11,40 +11,10 @@ from typing import Any
 import torch
 
 from radixkv.model.errors import ModelLoadError
+from radixkv.model.families import family_of
 
 log = logging.getLogger(__name__)
 
-# HF architecture name -> family flags (qkv bias, q/k RMSNorm). Mistral and Llama share code.
-ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
-    "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "GraniteMoeForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MinistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Olmo2ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-    "CohereForCausalLM": {"qkv_bias": False, "qk_norm": False},  # (use_qk_norm: Command R+)
-    "Cohere2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Olmo3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-    "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-}
-# The Gemma family (radixkv/model/gemma.py): Gemma's RMSNorm, GeGLU, embeddings scaled by
-# sqrt(hidden); from Gemma 2 on, norms after attention and MLP too, and sliding windows
-GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# The OLMo family (radixkv/model/olmo.py): norms after each sublayer instead of before it, q/k
-# normed over the whole projection; OLMo 3 adds sliding windows on three layers of four
-OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
-# The Cohere family (radixkv/model/cohere.py): LayerNorm, parallel attention and MLP, RoPE on
-# adjacent dim pairs, logits times logit_scale; Cohere 2 adds windows and NoPE full layers
-COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Multimodal checkpoints served as their text model (the vision tower's weights are skipped):
 # architecture -> the text model's, whose config is the checkpoint's text_config
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -213,10 +183,7 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's every 4th: "NoPE")
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {sorted(ARCHITECTURES)}"
-            )
+        family_of(self.architecture)  # ValueError listing the supported ones
         for name in (
             "vocab_size",
             "hidden_size",
@@ -354,13 +321,11 @@ class ModelConfig:
                 if exc.field is None or exc.field in ("torch_dtype", "dtype", "eos_token_id"):
                     raise
                 raise ModelLoadError(file, f"text_config.{exc.field}", exc.problem) from exc
-        if arch not in ARCHITECTURES:
-            raise ModelLoadError(
-                file,
-                "architectures",
-                f"unsupported architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}",
-            )
-        flags = ARCHITECTURES[arch]
+        try:
+            family = family_of(arch)
+        except ValueError as exc:
+            raise ModelLoadError(file, "architectures", str(exc)) from None
+        flags = family.architectures[arch]
         hidden = pos_int("hidden_size", req("hidden_size"))
         heads = pos_int("num_attention_heads", req("num_attention_heads"))
         kv_heads = pos_int("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
@@ -378,8 +343,8 @@ class ModelConfig:
             max_pos = min(max_pos, rope_scaling["original_max_position_embeddings"])
             log.info("%s: longrope served up to its original context, %d tokens: %s",
                      file, max_pos, _LONGROPE_CAP)  # fmt: skip
-        act_field, act = _activation(cfg, arch)
-        if act not in ("silu", "gelu_pytorch_tanh") or (act == "silu") == (arch in GEMMA):
+        act_field, act = _activation(cfg, arch, family.activation)
+        if act != family.activation:
             raise ModelLoadError(file, act_field, f"unsupported {act!r} for {arch}")
         dtype_value = cfg.get("torch_dtype", cfg.get("dtype", "float32")) or "float32"
         dtype_field = "torch_dtype" if "torch_dtype" in cfg else "dtype"
@@ -401,35 +366,30 @@ class ModelConfig:
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
                 max_position_embeddings=max_pos,
-                rms_norm_eps=float(
-                    cfg.get("layer_norm_eps", 1e-5)
-                    if arch in COHERE
-                    else cfg.get("rms_norm_eps", 1e-6)
-                ),
+                rms_norm_eps=float(cfg.get(family.norm_eps_field, family.norm_eps_default)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                # transformers' default: tied for Gemma, untied for the others
+                # transformers' default: the family's (tied for Gemma and Cohere)
                 tie_word_embeddings=bool(
-                    cfg.get("tie_word_embeddings", arch in GEMMA or arch in COHERE)
+                    cfg.get("tie_word_embeddings", family.tie_word_embeddings)
                 ),
-                qkv_bias=flags["qkv_bias"] or bool(cfg.get("attention_bias", False)),
+                qkv_bias=flags.qkv_bias or bool(cfg.get("attention_bias", False)),
                 o_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=flags["qk_norm"]
+                qk_norm=flags.qk_norm
                 or (arch == "CohereForCausalLM" and bool(cfg.get("use_qk_norm"))),
                 dtype=parse_dtype(dtype_value, file, dtype_field),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 moe=_parse_moe(cfg, file, arch, pos_int) if arch in MOE_STYLES else None,
                 **(_parse_granite(cfg, file) if arch.startswith("Granite") else {}),
-                **(_parse_cohere(cfg, file) if arch in COHERE else {}),
                 sliding_window=window,
                 layer_types=layer_types,
                 hidden_act=act,
                 local_rope_theta=local_theta,
                 partial_rotary_factor=_partial_rotary(cfg, file),
                 nope_layers=nope,
-                **(_parse_gemma(cfg, file, arch) if arch in GEMMA else {}),
+                **family.own_config_fields(cfg, file, arch),
             )
         except ValueError as exc:
             if isinstance(exc, ModelLoadError):
@@ -650,38 +610,16 @@ def _check_layer_types(types: Any, file: str, num_layers: int) -> tuple[str, ...
     return tuple(types)
 
 
-def _activation(cfg: dict[str, Any], arch: str) -> tuple[str, str]:
-    """``(field, activation)`` of the MLP's gate as transformers reads it: Gemma 2 and 3 from
-    ``hidden_activation``, the others from ``hidden_act`` (Gemma 1's legacy "gelu" means the
-    tanh approximation, as transformers reads it)."""
+def _activation(cfg: dict[str, Any], arch: str, default: str) -> tuple[str, str]:
+    """``(field, activation)`` of the MLP's gate as transformers reads it (``default``: the
+    family's): Gemma 2 and 3 from ``hidden_activation``, the others from ``hidden_act``
+    (Gemma 1's legacy "gelu" means the tanh approximation, as transformers reads it)."""
     if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return "hidden_activation", cfg.get("hidden_activation") or "gelu_pytorch_tanh"
-    act = cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
+    act = cfg.get("hidden_act") or default
     if arch == "GemmaForCausalLM" and act == "gelu":
         act = "gelu_pytorch_tanh"
     return "hidden_act", act
-
-
-def _parse_gemma(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
-    """Gemma's attention scale (``query_pre_attn_scalar ** -0.5`` from Gemma 2 on) and soft
-    caps, as ModelConfig fields."""
-    out: dict[str, Any] = {}
-    if arch == "GemmaForCausalLM":
-        return out
-    names = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
-    for name in names:
-        value = cfg.get(name)
-        if name == "query_pre_attn_scalar" and value is None:
-            value = 256  # transformers' default
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ModelLoadError(file, name, f"must be a positive number, got {value!r}")
-        if name == "query_pre_attn_scalar":
-            out["attention_multiplier"] = float(value) ** -0.5
-        else:
-            out[name] = float(value)
-    return out
 
 
 # Per-layer-type RoPE (Gemma 3, OLMo 3): transformers' default bases of full and sliding layers
@@ -777,15 +715,6 @@ def _parse_moe(cfg: dict[str, Any], file: str, arch: str, pos_int: Any) -> MoECo
         dense_layers=tuple(dense),
         style=style,
     )
-
-
-def _parse_cohere(cfg: dict[str, Any], file: str) -> dict[str, float]:
-    """Cohere's ``logit_scale`` (logits are multiplied by it) as ``logits_scaling``, which
-    logits are divided by."""
-    scale = cfg.get("logit_scale", 0.0625)
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
-        raise ModelLoadError(file, "logit_scale", f"must be a positive number, got {scale!r}")
-    return {"logits_scaling": 1.0 / scale}
 
 
 def _parse_granite(cfg: dict[str, Any], file: str) -> dict[str, float]:

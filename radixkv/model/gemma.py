@@ -27,6 +27,7 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.model.attention import Attention
 from radixkv.model.causal_lm import CausalLM
 from radixkv.model.config import ModelConfig
+from radixkv.model.errors import ModelLoadError
 from radixkv.model.layers import GemmaRMSNorm, LayerTypeRope, SwiGLU, add_residual
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
@@ -37,6 +38,28 @@ def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     """sqrt(hidden) rounded to ``dtype`` first, as transformers multiplies (a Python float that
     ``dtype`` holds exactly, so the product rounds the same as with its 0-dim tensor)."""
     return float(torch.tensor(hidden_size**0.5, dtype=torch.float64).to(dtype))
+
+
+def gemma_config_fields(cfg: dict[str, Any], file: str, arch: str) -> dict[str, Any]:
+    """Gemma's attention scale (``query_pre_attn_scalar ** -0.5`` from Gemma 2 on) and soft
+    caps in config.json ``cfg``, as ModelConfig fields (the family's ``config_fields``)."""
+    out: dict[str, Any] = {}
+    if arch == "GemmaForCausalLM":
+        return out
+    names = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+    for name in names:
+        value = cfg.get(name)
+        if name == "query_pre_attn_scalar" and value is None:
+            value = 256  # transformers' default
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(file, name, f"must be a positive number, got {value!r}")
+        if name == "query_pre_attn_scalar":
+            out["attention_multiplier"] = float(value) ** -0.5
+        else:
+            out[name] = float(value)
+    return out
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -1,5 +1,6 @@
-"""load_model: radixkv-tiny (trained, packaged), radixkv-tiny-random, a local HF model folder, or
-a Hugging Face repo id (``org/name``, fetched into the Hub cache, see hub.py).
+"""load_model: radixkv-tiny (trained, packaged), radixkv-tiny-random, a local HF model folder,
+a Hugging Face repo id (``org/name``, fetched into the Hub cache, see hub.py), or a GGUF file
+(a path, a packaged model's short name, or a folder / repo id with ``gguf_file``: gguf.py).
 
 A folder needs ``config.json``, weights as ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json`` (any ``*.safetensors`` as a last resort), and ``tokenizer.json``.
@@ -20,14 +21,13 @@ from typing import Any
 import torch
 
 from radixkv.model.causal_lm import CausalLM
-from radixkv.model.cohere import CohereForCausalLM
-from radixkv.model.config import COHERE, GEMMA, OLMO, ModelConfig, parse_dtype
+from radixkv.model.config import ModelConfig, parse_dtype
 from radixkv.model.dtype import AUTO, auto_dtype
 from radixkv.model.errors import ModelLoadError
-from radixkv.model.gemma import GemmaForCausalLM
+from radixkv.model.families import family_of
+from radixkv.model.gguf import open_gguf
+from radixkv.model.gguf_tokenizer import gguf_tokenizer
 from radixkv.model.hub import TOKENIZER_FILES, resolve_model_folder
-from radixkv.model.llama import LlamaForCausalLM
-from radixkv.model.olmo import OlmoForCausalLM
 from radixkv.model.tiny import (
     TINY_NAME,
     TINY_NAMES,
@@ -37,6 +37,7 @@ from radixkv.model.tiny import (
     tiny_tokenizer,
 )
 from radixkv.model.tokenizer import HFTokenizer, Tokenizer
+from radixkv.name_table import import_target
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def load_model(
     revision: str | None = None,
     tokenizer: str | Path | None = None,
     chat_template: str | None = None,
+    gguf_file: str | None = None,
 ) -> LoadedModel:
     """Load ``"radixkv-tiny"``, ``"radixkv-tiny-random"``, the HF folder at ``name_or_path`` or
     the Hugging Face repo ``name_or_path`` (``org/name`` at ``revision``) onto ``device``.
@@ -84,6 +86,9 @@ def load_model(
     ``tokenizer``: a folder or repo id to take the tokenizer files from instead of the model's
     (EOS ids still come from the model's generation_config.json / config.json).
     ``chat_template``: a template file, or the template itself, replacing the tokenizer's.
+    GGUF checkpoints (gguf.py): a ``*.gguf`` path, a packaged model's short name
+    (``"smollm2-135m-instruct"``), or a folder / repo id with ``gguf_file`` naming the file in it;
+    their weights are dequantized to float32 (the checkpoint's dtype).
     """
     device = torch.device(device)
     auto = isinstance(dtype, str) and dtype == AUTO
@@ -97,11 +102,15 @@ def load_model(
         model = build(device, want or torch.float32)
         tok = _override_tokenizer(tiny_tokenizer(), model.config, None, tokenizer, chat_template)
         return LoadedModel(model, model.config, tok, name)
-    source = resolve_model_folder(name_or_path, revision=revision)
-    folder = source.folder
-    cfg = read_model_config(folder)
+    gguf = open_gguf(name_or_path, gguf_file=gguf_file, revision=revision)
+    if gguf is None:
+        source = resolve_model_folder(name_or_path, revision=revision)
+        folder, served = source.folder, source.name
+        cfg = read_model_config(folder)
+    else:  # a GGUF file (gguf.py): config, weights and tokenizer from the one file
+        folder, served, cfg = None, gguf.name, gguf.config
     if auto:
-        want = _auto_dtype(cfg.dtype, device, source.name)
+        want = _auto_dtype(cfg.dtype, device, served)
     if want is not None and want != cfg.dtype:
         cfg = _with_dtype(cfg, want)
     with torch.device("meta"):
@@ -109,12 +118,16 @@ def load_model(
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_weights(model, folder)
+    if gguf is None:
+        assert folder is not None
+        _load_weights(model, folder)
+        tok: Tokenizer = _load_tokenizer(folder, cfg, eos_from=folder)
+    else:
+        _load_weights(model, gguf.path, gguf.weights(cfg))
+        tok = gguf_tokenizer(gguf)
     model.eval()
-    tok = _override_tokenizer(
-        _load_tokenizer(folder, cfg, eos_from=folder), cfg, folder, tokenizer, chat_template
-    )
-    return LoadedModel(model, cfg, tok, source.name)
+    tok = _override_tokenizer(tok, cfg, folder, tokenizer, chat_template)
+    return LoadedModel(model, cfg, tok, served)
 
 
 def load_tokenizer(
@@ -123,14 +136,21 @@ def load_tokenizer(
     revision: str | None = None,
     tokenizer: str | Path | None = None,
     chat_template: str | None = None,
+    gguf_file: str | None = None,
 ) -> Tokenizer:
     """The tokenizer :func:`load_model` gives the same arguments, without reading (or, for a
-    repo id, fetching) any weights."""
+    repo id, fetching) any weights (a GGUF file's are memory-mapped, not read)."""
     name = str(name_or_path)
     if name in TINY_NAMES:
         _no_revision(name, revision)
         cfg = tiny_config()
         return _override_tokenizer(tiny_tokenizer(), cfg, None, tokenizer, chat_template)
+    gguf = open_gguf(name_or_path, gguf_file=gguf_file, revision=revision)
+    if gguf is not None:  # the model's config is read only for a tokenizer override
+        tok = gguf_tokenizer(gguf)
+        if tokenizer is not None:
+            return _override_tokenizer(tok, gguf.config, None, tokenizer, chat_template)
+        return _override_tokenizer(tok, tiny_config(), None, None, chat_template)
     folder = resolve_model_folder(
         name_or_path, revision=revision, files=("config.json", *TOKENIZER_FILES)
     ).folder
@@ -140,12 +160,10 @@ def load_tokenizer(
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
-    """The module family that computes ``cfg.architecture``."""
-    if cfg.architecture in GEMMA:
-        return GemmaForCausalLM
-    if cfg.architecture in COHERE:
-        return CohereForCausalLM
-    return OlmoForCausalLM if cfg.architecture in OLMO else LlamaForCausalLM
+    """The CausalLM class of the family that computes ``cfg.architecture`` (its row in
+    :data:`radixkv.model.families.MODEL_FAMILIES`)."""
+    cls: type[CausalLM] = import_target(family_of(cfg.architecture).model)
+    return cls
 
 
 def _no_revision(name: str, revision: str | None) -> None:
@@ -339,10 +357,18 @@ def missing_weights_error(folder: Path, missing: list[str]) -> ModelLoadError:
     return ModelLoadError(str(where), missing[0], f"missing weight{more}")
 
 
-def _load_weights(model: CausalLM, folder: Path) -> None:
+def _load_weights(
+    model: CausalLM,
+    folder: Path,
+    tensors: Iterator[tuple[Path, str, torch.Tensor]] | None = None,
+) -> None:
+    """Copy ``tensors`` (default: the HF folder's, :func:`checkpoint_tensors`) into ``model``;
+    ``folder``: the folder or file named when a weight is missing."""
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
-    for path, key, tensor in checkpoint_tensors(folder, model.config):
+    if tensors is None:
+        tensors = checkpoint_tensors(folder, model.config)
+    for path, key, tensor in tensors:
         if key not in params:
             raise ModelLoadError(
                 str(path), key, f"unexpected tensor for {model.config.architecture}"
@@ -353,13 +379,16 @@ def _load_weights(model: CausalLM, folder: Path) -> None:
                 str(path),
                 key,
                 f"shape {tuple(tensor.shape)} does not match the expected "
-                f"{tuple(target.shape)} from config.json",
+                f"{tuple(target.shape)} from {'its metadata' if path.suffix == '.gguf' else 'config.json'}",
             )
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
         seen.add(key)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = sorted(set(params) - seen - tied)
+    if missing and folder.is_file():  # a single-file checkpoint (GGUF)
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(str(folder), missing[0], f"missing weight{more}")
     if missing:
         raise missing_weights_error(folder, missing)
 

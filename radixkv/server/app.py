@@ -20,9 +20,14 @@ object can be mounted elsewhere (e.g. a Ray Serve ingress): everything it needs 
 ``app.state.radixkv``. KV events (``config.kv_events``) are published between the app's startup
 and shutdown (ASGI lifespan).
 
-Request contract: a request is authenticated first (401), then its body is read with a size
-limit (413), decoded (400; unknown fields are ignored unless ``config.strict_api``), admitted
-against ``max_queue`` (503), and only then submitted. Whatever happens afterwards (finish,
+Request contract: on a server without API keys, a request whose Host is not the server's is
+refused first (400, server/hosts.py); a request is authenticated (401), then its body, which
+must be typed JSON (415), is read with a size limit (413) and a deadline (408,
+server/timeouts.py), decoded (400, nesting at most ``protocol.MAX_JSON_DEPTH`` deep; unknown
+fields are ignored unless ``config.strict_api``), admitted against ``max_queue`` (503), and
+only then submitted. Errors raised before a route runs are answered in the route's own shape
+(Anthropic's on /v1/messages, SGLang's on the native routes); an unexpected exception is a 500
+logged once, and the keep-alive connection stays usable (errors.ContainErrors). Whatever happens afterwards (finish,
 error, client disconnect, server shutdown), its engine requests are finished or aborted, so
 their locks and pages are released. A client that disconnects while still sending its body is
 a closed connection: nothing is logged as an error, and it is counted in
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -49,16 +54,19 @@ from radixkv.server import protocol as P
 from radixkv.server.config import ServerConfig
 from radixkv.server.errors import (
     APIError,
-    api_error_handler,
-    http_exception_handler,
-    unauthorized,
-    unhandled_exception_handler,
+    ContainErrors,
+    ErrorShapes,
+    http_error,
+    unhandled_error,
 )
-from radixkv.server.messages import add_messages_routes
+from radixkv.server.hosts import HostCheck
+from radixkv.server.messages import MESSAGES_PATHS, add_messages_routes, anthropic_error
 from radixkv.server.native import add_native_routes
+from radixkv.server.native_render import native_error
 from radixkv.server.responses import DeletedResponse, ResponsesRequest
 from radixkv.server.score import add_score_route
 from radixkv.server.state import ServerState
+from radixkv.server.timeouts import BodyDeadline
 from radixkv.server.transport import ClientGone, read_body
 
 __all__ = ["ServerState", "build_app"]
@@ -92,10 +100,37 @@ def build_app(
         redirect_slashes=False,
     )
     app.state.radixkv = st
-    app.add_exception_handler(APIError, _counting(st, api_error_handler))
-    app.add_exception_handler(StarletteHTTPException, _counting(st, http_exception_handler))
+    shapes = ErrorShapes()  # filled in below, once the routes with their own shapes exist
+
+    def respond(path: str, err: APIError) -> Response:
+        st.metrics.count_http_error(err.status)
+        return shapes.response(path, err)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return respond(request.url.path, exc)
+
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return respond(request.url.path, http_error(request, exc))
+
+    async def on_unhandled(request: Request, exc: Exception) -> Response:
+        return respond(request.url.path, unhandled_error(request, exc))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(ClientGone, _client_gone(st))
-    app.add_exception_handler(Exception, _counting(st, unhandled_exception_handler))
+    # the last resort (Starlette's, outermost), for an error in the middleware below itself
+    app.add_exception_handler(Exception, on_unhandled)
+    # outermost first: contain errors; refuse foreign Hosts; time out slow bodies
+    app.add_middleware(BodyDeadline, timeout=config.body_timeout_s)
+    app.add_middleware(
+        HostCheck,
+        allowed_hosts=config.allowed_hosts,
+        active=lambda: not st.auth.enabled,
+        reject=respond,
+    )
+    app.add_middleware(ContainErrors, handler=on_unhandled)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -107,7 +142,12 @@ def build_app(
                 description=app.description,
                 routes=app.routes,
             )
-            app.openapi_schema = OA.complete(doc, strict=config.strict_api)
+            app.openapi_schema = OA.complete(
+                doc,
+                strict=config.strict_api,
+                vocab_size=st.vocab_size,
+                priorities=engine.info().schedule_policy == "priority",
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -260,7 +300,7 @@ def build_app(
             raise APIError(503, f"engine unavailable: {type(e).__name__}: {e}") from None
         return Response(_OK, media_type="application/json")
 
-    metrics_errors = (401,) if config.metrics_require_key else ()
+    metrics_errors = (401,) if config.metrics_key_required else ()
 
     @app.get(
         "/metrics",
@@ -269,8 +309,8 @@ def build_app(
         ),
     )
     async def metrics(request: Request) -> Response:
-        if config.metrics_require_key and not st.auth.is_key(request.headers.get("authorization")):
-            raise unauthorized("/metrics needs an API key or the admin key")
+        if config.metrics_key_required:
+            st.auth.require_key(request.headers.get("authorization"), "/metrics")
         st.last_stats = await asyncio.wait_for(engine.stats(), timeout=10)
         return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -285,9 +325,12 @@ def build_app(
         await engine.reset_prefix_cache()
         return Response(_OK, media_type="application/json")
 
+    before = len(app.routes)
     add_native_routes(app, st)  # SGLang's /generate, /get_model_info, ... (server/native.py)
+    shapes.add((getattr(r, "path", "") for r in app.routes[before:]), native_error)
     add_score_route(app, st)  # SGLang's /v1/score (server/score.py)
     add_messages_routes(app, st)  # Anthropic's /v1/messages (server/messages.py)
+    shapes.add(MESSAGES_PATHS, anthropic_error)
     return app
 
 
@@ -298,15 +341,6 @@ def _response_not_found(response_id: str) -> APIError:
         param="response_id",
         code="response_not_found",
     )
-
-
-def _counting(st: ServerState, handler: Callable[[Request, Exception], Awaitable[Response]]) -> Any:
-    async def wrapped(request: Request, exc: Exception) -> Response:
-        response = await handler(request, exc)
-        st.metrics.count_http_error(response.status_code)
-        return response
-
-    return wrapped
 
 
 def _client_gone(st: ServerState) -> Any:

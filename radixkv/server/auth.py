@@ -8,9 +8,12 @@ end up in the same namespace whatever salts they send.
 Without configured keys the server is open (one anonymous tenant); ``cache_salt`` still splits it.
 
 Revoking a key needs no restart: with a key file, the Authenticator re-reads it when the file
-changes (checked by ``os.stat`` on each authentication: a syscall, no read) or after
-``request_reload()`` (what ``radixkv serve`` calls on SIGHUP). A file that cannot be read or is
-invalid is logged as an error and the previous keys stay in force until it is fixed.
+changes (checked by ``os.stat`` on each authentication: a syscall, no read), at least once a
+second while requests come (a read, so a rewrite that keeps the size and falls within the
+file system's timestamp resolution is seen too), or after ``request_reload()`` (what ``radixkv
+serve`` calls on SIGHUP). Revocation fails closed: a file that is deleted, unreadable, empty,
+not JSON or without keys (``{}``) revokes every tenant key (the admin key stays) and logs why,
+until a valid file is written again.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +33,8 @@ from radixkv.server.errors import APIError, unauthorized
 Namespace = tuple[str, ...] | None
 
 ANONYMOUS = ""
+# at most this long between two reads of the key file while requests come
+RECHECK_S = 1.0
 
 log = logging.getLogger("radixkv.server")
 
@@ -40,10 +46,17 @@ def _digest(key: str) -> bytes:
 def load_api_keys(path: str | Path) -> dict[str, str]:
     """Read a JSON object mapping API key -> tenant name; ValueError names what is wrong."""
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_bytes()
     except OSError as e:
         raise ValueError(f"cannot read API key file {path}: {e}") from None
-    except json.JSONDecodeError as e:
+    return parse_api_keys(text, path)
+
+
+def parse_api_keys(text: bytes, path: str | Path) -> dict[str, str]:
+    """The keys of a key file's contents ``text``; ValueError names what is wrong."""
+    try:
+        raw = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"API key file {path} is not valid JSON: {e}") from None
     return validate_api_keys(raw)
 
@@ -112,9 +125,14 @@ class Authenticator:
     ) -> None:
         self._file = Path(keys_file) if keys_file is not None else None
         self._file_version = _file_version(self._file) if self._file is not None else None
+        self._file_digest: bytes | None = None  # of the contents the keys were read from
+        self._read_at = time.monotonic()
         self._reload_requested = False
+        self._revoked_because: str | None = None  # why the file's keys are not in force
         if self._file is not None and api_keys is None:
-            api_keys = load_api_keys(self._file)
+            text = self._read_file()
+            api_keys = parse_api_keys(text, self._file)
+            self._file_digest = hashlib.sha256(text).digest()
         self._tenants = self._digests(api_keys)
         if admin_key is not None and len(admin_key) < 8:
             raise ValueError("admin key must be at least 8 characters")
@@ -126,34 +144,65 @@ class Authenticator:
             return {}
         return {_digest(k): t for k, t in validate_api_keys(dict(api_keys)).items()}
 
+    def _read_file(self) -> bytes:
+        assert self._file is not None
+        try:
+            return self._file.read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read API key file {self._file}: {e}") from None
+
     # ------------------------------------------------------------ reloading
     def request_reload(self) -> None:
         """Re-read the key file before the next authentication (async-signal-safe: sets a flag)."""
         self._reload_requested = True
 
     def reload(self) -> bool:
-        """Re-read the key file now. On success the new keys replace the old ones (a removed
-        key is refused from the next request on) and True is returned; on failure the old keys
-        stay, the error is logged, and False is returned. No-op (False) without a key file."""
+        """Re-read the key file now. On success its keys replace the old ones (a removed key is
+        refused from the next request on) and True is returned. On failure (deleted,
+        unreadable, not JSON, no keys) every tenant key is revoked, the reason is logged (once
+        per reason) and False is returned: the admin key alone works until the file is fixed.
+        No-op (False) without a key file."""
         self._reload_requested = False
         if self._file is None:
             return False
         self._file_version = _file_version(self._file)
+        self._read_at = time.monotonic()
         try:
-            tenants = self._digests(load_api_keys(self._file))
+            text = self._read_file()
+            digest = hashlib.sha256(text).digest()
+            if digest == self._file_digest and self._revoked_because is None:
+                return True  # the same keys
+            tenants = self._digests(parse_api_keys(text, self._file))
         except ValueError as e:
-            log.error("API keys not reloaded, the previous keys stay in force: %s", e)
+            self._file_digest = None
+            if self._revoked_because != str(e):
+                log.error(
+                    "API keys revoked (key file %s): %s; every tenant key is refused until the "
+                    "file holds valid keys again (the admin key still works)",
+                    self._file,
+                    e,
+                )
+            self._revoked_because = str(e)
+            self._tenants = {}
             return False
         added = len(tenants.keys() - self._tenants.keys())
         removed = len(self._tenants.keys() - tenants.keys())
+        changed = tenants != self._tenants or self._revoked_because is not None
         self._tenants = tenants
-        log.info("API keys reloaded from %s: %d added, %d removed", self._file, added, removed)
+        self._file_digest = digest
+        self._revoked_because = None
+        if changed:
+            log.info("API keys reloaded from %s: %d added, %d removed", self._file, added, removed)
         return True
 
     def _refresh(self) -> None:
         if self._file is None:
             return
-        if self._reload_requested or _file_version(self._file) != self._file_version:
+        if (
+            self._reload_requested
+            or _file_version(self._file) != self._file_version
+            or time.monotonic() - self._read_at >= RECHECK_S
+        ):
             self.reload()
 
     @property
@@ -195,6 +244,12 @@ class Authenticator:
         if tenant is None:
             raise unauthorized("Invalid API key")
         return Principal(tenant)
+
+    def require_key(self, authorization: str | None, what: str) -> None:
+        """401 unless ``authorization`` holds a configured key (a tenant's or the admin key);
+        ``what`` names the route in the message."""
+        if not self.is_key(authorization):
+            raise unauthorized(f"{what} needs an API key or the admin key")
 
     def require_admin(self, authorization: str | None) -> None:
         if self._admin is None:

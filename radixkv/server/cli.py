@@ -2,21 +2,23 @@
 
 The engine flags are generated from :class:`~radixkv.engine.config.EngineConfig`'s fields
 (``radixkv serve-ray`` declares the same ones the same way); the rest configure the HTTP
-server (:class:`~radixkv.server.config.ServerConfig`) and uvicorn.
+server (:class:`~radixkv.server.config.ServerConfig`) and uvicorn. Declaring and parsing the
+flags imports neither torch nor FastAPI (``radixkv serve --help`` answers at once).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING, Any
 
 from radixkv.engine.config import EngineConfig
 from radixkv.server.config import ServerConfig
 from radixkv.server.reasoning import REASONING_PARSERS
 from radixkv.server.tool_calls import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:  # FastAPI and torch load when a server is built, not for --help
+    from fastapi import FastAPI
 
 # tenant of the one key --api-key sets (its requests share one cache namespace)
 SINGLE_KEY_TENANT = "default"
@@ -69,8 +71,17 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-require-key",
-        action="store_true",
-        help="GET /metrics needs an API key or the admin key",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GET /metrics and /health_generate need an API key or the admin key (default: "
+        "they do when API keys are configured)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host names a server without API keys answers, besides localhost "
+        "and its own address (others get 400: DNS rebinding); '*' allows any",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -133,6 +144,10 @@ def server_config_from_args(
         kv_events_replay=kv_events_replay,
         strict_api=args.strict_api,
         metrics_require_key=args.metrics_require_key,
+        allowed_hosts=tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()),
+        # radixkv serve's flags (serve-ray's requests are read by Ray's HTTP proxy)
+        body_timeout_s=getattr(args, "body_timeout", 60.0),
+        header_timeout_s=getattr(args, "header_timeout", 30.0),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size,
@@ -148,8 +163,9 @@ def add_model_argument(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--model-path",
         dest="model",
         default="radixkv-tiny",
-        help="radixkv-tiny, a local Hugging Face model folder, or a Hugging Face repo id "
-        "(org/name, fetched into the Hugging Face cache; HF_HOME and HF_HUB_OFFLINE apply)",
+        help="radixkv-tiny, smollm2-135m-instruct (packaged GGUF), a local Hugging Face model "
+        "folder, a Hugging Face repo id (org/name, fetched into the Hugging Face cache; HF_HOME "
+        "and HF_HUB_OFFLINE apply; --gguf-file picks a GGUF file in it), or a *.gguf file",
     )
     return p
 
@@ -160,6 +176,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_server_arguments(p)
+    # radixkv serve only: under serve-ray, Ray's HTTP proxy reads the requests
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection that has not sent a request's headers this long after it "
+        "opened or got its previous response (default: 30)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request body not complete this long after its headers is a 408 (default: 60)",
+    )
     p.add_argument(
         "--kv-events",
         default=None,
@@ -235,9 +267,18 @@ def cli_entry(args: argparse.Namespace) -> int:
 
     logs = log_config(args.log_level)
     logging.config.dictConfig(logs)  # now, so loading the model is logged too
-    app, _ = build_from_args(args)
+    from radixkv.server.timeouts import header_timeout_protocol
+
+    app, config = build_from_args(args)
     install_sighup_reload(app)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=logs)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=logs,
+        http=header_timeout_protocol(config.header_timeout_s),
+    )
     return 0
 
 

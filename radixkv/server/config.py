@@ -31,8 +31,9 @@ class ServerConfig:
         strict_api: reject unknown request fields with 400. Off (default), they are ignored and
             logged once per field name, as vLLM does, since real clients send fields a server
             may not know.
-        metrics_require_key: GET /metrics needs a configured key (a tenant's or the admin
-            key); needs keys or an admin key to be configured.
+        metrics_require_key: GET /metrics and GET /health_generate need a configured key (a
+            tenant's or the admin key). None (default): they do whenever API keys are
+            configured (:attr:`metrics_key_required`). True needs keys or an admin key.
         tool_call_parser: how tool calls are read out of chat replies (``hermes``,
             ``llama3_json``, ``mistral``, ``pythonic`` or ``qwen3_coder``, server/tool_calls.py)
             for requests with ``tools``; None: replies stay text.
@@ -46,6 +47,14 @@ class ServerConfig:
         allow_runtime_lora_updating: serve vLLM's POST /v1/load_lora_adapter and
             /v1/unload_lora_adapter. Off by default (the routes do not exist): loading reads
             any folder the server process can read, named by whoever holds an API key.
+        allowed_hosts: Host header names a server without API keys answers besides
+            localhost, the loopback addresses and the address a request came in on; others
+            get 400 (server/hosts.py: DNS rebinding). ``("*",)`` allows any Host.
+        header_timeout_s: seconds a connection may take to send a request's headers (from
+            when it opened or its previous response was sent); then it is closed. Applied by
+            the HTTP server: ``radixkv serve`` and BackgroundServer (server/timeouts.py).
+        body_timeout_s: seconds from a request's headers to the end of its body; a body still
+            incomplete then is a 408 and the connection is closed.
     """
 
     model_name: str | None = None
@@ -59,11 +68,14 @@ class ServerConfig:
     kv_events_replay: str | None = None
     kv_events_topic: str = "kv-events"
     strict_api: bool = False
-    metrics_require_key: bool = False
+    metrics_require_key: bool | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     responses_store_size: int = 1024
     allow_runtime_lora_updating: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -88,3 +100,20 @@ class ServerConfig:
             raise ValueError("kv_events_replay needs kv_events")
         if self.metrics_require_key and not (self.api_keys or self.api_keys_file or self.admin_key):
             raise ValueError("metrics_require_key needs API keys or an admin key to check")
+        if isinstance(self.allowed_hosts, str) or not all(
+            isinstance(h, str) and h.strip() for h in self.allowed_hosts
+        ):
+            raise ValueError(f"allowed_hosts must be a tuple of names, got {self.allowed_hosts!r}")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))  # a list, say
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def metrics_key_required(self) -> bool:
+        """Whether GET /metrics and /health_generate need a key: ``metrics_require_key``, or
+        when it is None, whether API keys are configured (a server with keys keeps its load
+        and its engine's health to its tenants)."""
+        if self.metrics_require_key is not None:
+            return self.metrics_require_key
+        return bool(self.api_keys or self.api_keys_file)

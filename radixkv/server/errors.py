@@ -1,18 +1,22 @@
 """OpenAI-shaped JSON errors: ``{"error": {"message", "type", "param", "code"}}``.
 
 Handlers raise ``APIError`` (or one of the helpers below); the app's exception handlers turn it,
-Starlette's HTTPException (404/405 from routing) and any unexpected exception into this shape, so a
-client always gets JSON it can parse and the server keeps serving.
+Starlette's HTTPException (404/405 from routing) and any unexpected exception into this shape (or
+the path's own, :class:`ErrorShapes`), so a client always gets JSON it can parse and the server
+keeps serving; :class:`ContainErrors` keeps the connection open after an unexpected error.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("radixkv.server")
 
@@ -22,7 +26,9 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -84,14 +90,12 @@ def unauthorized(message: str = "Invalid or missing API key") -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-async def api_error_handler(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return exc.response()
-
-
-async def http_exception_handler(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
+def http_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """Starlette's routing errors (404, 405) as APIErrors with a message naming the path. A
+    405's ``Allow`` lists every method of every route on the path (Starlette names the first
+    route's only: GET and DELETE on /v1/responses/{id} are two routes)."""
     status = exc.status_code
+    headers = dict(exc.headers or {})
     if status == 404:
         path = request.url.path
         message = f"Not found: {request.method} {path}"
@@ -100,11 +104,70 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
             message += f" (paths take no trailing slash: {bare})"
     elif status == 405:
         message = f"Method {request.method} not allowed on {request.url.path}"
+        allowed = set()
+        for route in request.app.routes:
+            if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE:
+                allowed |= route.methods or set()
+        if allowed:
+            headers["Allow"] = ", ".join(sorted(allowed))
     else:
         message = str(exc.detail)
-    return APIError(status, message, headers=dict(exc.headers or {})).response()
+    return APIError(status, message, headers=headers)
 
 
-async def unhandled_exception_handler(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return APIError(500, f"Internal server error: {type(exc).__name__}").response()
+def unhandled_error(request: Request, exc: Exception) -> APIError:
+    """A bug: logged with its traceback (once), answered as a 500 naming only its type."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, f"Internal server error: {type(exc).__name__}")
+
+
+ErrorRenderer = Callable[[APIError], Response]
+
+
+class ErrorShapes:
+    """Which error body each path answers with: OpenAI's unless a path was given another
+    (Anthropic's on /v1/messages, SGLang's on the native routes), so that an error raised
+    outside a route (a bad Host, a 404, a 500) reads as the route's own errors do."""
+
+    def __init__(self) -> None:
+        self._by_path: dict[str, ErrorRenderer] = {}
+
+    def add(self, paths: Iterable[str], render: ErrorRenderer) -> None:
+        for path in paths:
+            self._by_path[path] = render
+
+    def response(self, path: str, err: APIError) -> Response:
+        return self._by_path.get(path, APIError.response)(err)
+
+
+class ContainErrors:
+    """ASGI middleware: an exception that escapes a route before its response started is
+    answered (``handler``) and goes no further. Starlette's own last-resort handler re-raises
+    it after answering, so the ASGI server logs a second traceback and drops the keep-alive
+    connection, and the client's next pooled request fails; here the connection stays usable.
+    An exception after the response started still propagates (the stream is cut)."""
+
+    def __init__(
+        self, app: ASGIApp, handler: Callable[[Request, Exception], Awaitable[Response]]
+    ) -> None:
+        self.app = app
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            response = await self.handler(Request(scope, receive), exc)
+            await response(scope, receive, send)

@@ -38,7 +38,7 @@ from radixkv.server.errors import APIError, bad_request
 from radixkv.server.state import ServerState
 from radixkv.server.transport import SSEResponse, read_body
 
-__all__ = ["MessagesRequest", "add_messages_routes", "to_chat"]
+__all__ = ["MESSAGES_PATHS", "MessagesRequest", "add_messages_routes", "anthropic_error", "to_chat"]
 
 # Anthropic's error type per HTTP status
 ERROR_TYPES = {
@@ -46,7 +46,10 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -370,7 +373,13 @@ async def to_events(
     yield _event("message_stop", {})
 
 
-def _error(err: APIError) -> Response:
+# the routes answering in Anthropic's error shape
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def anthropic_error(err: APIError) -> Response:
+    """An error as Anthropic's API answers it: ``{"type": "error", "error": {"type",
+    "message"}}``."""
     body = {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error"),
                                        "message": err.message}}  # fmt: skip
     return Response(
@@ -380,7 +389,7 @@ def _error(err: APIError) -> Response:
 
 
 def add_messages_routes(app: FastAPI, st: ServerState) -> None:
-    @app.post("/v1/messages", include_in_schema=False)
+    @app.post(MESSAGES_PATHS[0], include_in_schema=False)
     async def messages(request: Request) -> Response:
         try:
             principal = st.auth.authenticate(request_authorization(request.headers))
@@ -389,7 +398,7 @@ def add_messages_routes(app: FastAPI, st: ServerState) -> None:
             input_tokens = len(st.chat_ids(chat)) if req.stream else 0
             answer = await st.run_chat(request, principal, chat)
         except APIError as e:
-            return _error(e)
+            return anthropic_error(e)
         if isinstance(answer, SSEResponse):
             return answer.with_body(
                 lambda chunks: to_events(chunks, req.model, req.stop_sequences, input_tokens)
@@ -401,7 +410,7 @@ def add_messages_routes(app: FastAPI, st: ServerState) -> None:
             k: v for k, v in answer.headers.items() if k.startswith("x-")
         })  # fmt: skip
 
-    @app.post("/v1/messages/count_tokens", include_in_schema=False)
+    @app.post(MESSAGES_PATHS[1], include_in_schema=False)
     async def count_tokens(request: Request) -> Response:
         try:
             st.auth.authenticate(request_authorization(request.headers))
@@ -409,5 +418,5 @@ def add_messages_routes(app: FastAPI, st: ServerState) -> None:
             st.check_model(req.model)
             n = len(st.chat_ids(_chat_request(req, max_tokens=1)))
         except APIError as e:
-            return _error(e)
+            return anthropic_error(e)
         return Response(json.dumps({"input_tokens": n}), media_type="application/json")

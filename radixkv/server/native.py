@@ -48,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixkv import __version__
+from radixkv.engine.intake import PriorityNeedsPolicy
 from radixkv.engine.params import SamplingParams
 from radixkv.server import render as R
 from radixkv.server.errors import APIError, bad_request
@@ -150,6 +151,12 @@ class NativeAPI:
     def _error(self, err: BaseException, item: Item) -> APIError:
         if item.lora is not None and item.lora not in self.st.lora_names():
             return bad_request(f"lora_path {item.lora!r} was unloaded", "lora_path")
+        if isinstance(err, PriorityNeedsPolicy):  # named as sent: SGLang's, the engine's negated
+            return bad_request(
+                f"priority={-err.priority} needs the server started with --schedule-policy "
+                "priority; under the other policies leave it unset",
+                "priority",
+            )
         return engine_error(err, item.guided_param)
 
     async def run(self, request: Request, plan: Plan) -> Response:
@@ -311,26 +318,24 @@ class NativeAPI:
         return Response(encode_json(answer), media_type="application/json")
 
     def model_info(self) -> dict[str, Any]:
-        core = self.st.engine.engine
-        path = str(core.model.name)
+        info = self.st.engine.info()
         return {
-            "model_path": path,
+            "model_path": info.model,
             "served_model_name": self.st.model_name,
-            "tokenizer_path": str(getattr(core.config, "tokenizer", None) or path),
+            "tokenizer_path": info.tokenizer or info.model,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": core.weight_version,
+            "weight_version": info.weight_version,
             "reasoning_parser": self.st.config.reasoning_parser,
             "tool_call_parser": self.st.config.tool_call_parser,
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "architectures": [core.model.config.architecture],
+            "architectures": [info.architecture],
         }
 
     async def server_info(self) -> dict[str, Any]:
         st = self.st
-        core = st.engine.engine
-        cfg = core.config
+        eng = st.engine.info()
         stats = await asyncio.wait_for(st.engine.stats(), timeout=10)
         info = self.model_info()
         return {
@@ -339,18 +344,18 @@ class NativeAPI:
             "tokenizer_path": info["tokenizer_path"],
             "context_length": st.max_context,
             "max_context_length": st.max_context,
-            "max_total_num_tokens": core.pool.num_pages * core.page_size,
-            "page_size": core.page_size,
-            "max_running_requests": cfg.max_running_requests,
+            "max_total_num_tokens": eng.num_pages * eng.page_size,
+            "page_size": eng.page_size,
+            "max_running_requests": eng.max_running_requests,
             "max_queued_requests": st.config.max_queue,
-            "chunked_prefill_size": cfg.chunked_prefill_size,
-            "schedule_policy": cfg.schedule_policy,
-            "disable_radix_cache": not cfg.enable_prefix_cache,
-            "attention_backend": core.backend_choice.name,
-            "device": str(getattr(core.kv_pool, "device", "cpu")),
+            "chunked_prefill_size": eng.chunked_prefill_size,
+            "schedule_policy": eng.schedule_policy,
+            "disable_radix_cache": not eng.enable_prefix_cache,
+            "attention_backend": eng.attention_backend,
+            "device": eng.kv_device,
             # the dtype the model computes in, and what KV pages store (as configured)
-            "dtype": str(core.kv_pool.compute_dtype).removeprefix("torch."),
-            "kv_cache_dtype": cfg.kv_cache_dtype,
+            "dtype": eng.dtype,
+            "kv_cache_dtype": eng.kv_cache_dtype,
             "reasoning_parser": st.config.reasoning_parser,
             "tool_call_parser": st.config.tool_call_parser,
             "api_key_required": st.auth.enabled,
@@ -430,6 +435,8 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
         return Response(FLUSHED, media_type="text/plain")
 
     async def health_generate(request: Request) -> Response:
+        if st.config.metrics_key_required:  # with API keys: it runs the engine
+            st.auth.require_key(request.headers.get("authorization"), "/health_generate")
         return await api.health_generate()
 
     async def update_weights_from_disk(request: Request) -> Response:
@@ -441,7 +448,7 @@ def add_native_routes(app: FastAPI, st: ServerState) -> None:
 
     async def get_weight_version(request: Request) -> Response:
         st.auth.authenticate(request.headers.get("authorization"))
-        version = {"weight_version": st.engine.engine.weight_version}
+        version = {"weight_version": st.engine.info().weight_version}
         return Response(encode_json(version), media_type="application/json")
 
     for path in ("/get_model_info", "/model_info"):

@@ -316,15 +316,10 @@ class Planner:
         return [[f"{rid}_{i}"] for i in range(count)] if batch else [[rid]]
 
     def priority(self, priority: int | None) -> int:
-        """The engine's priority (lower first) of SGLang's (higher first, its default)."""
+        """The engine's priority (lower first) of SGLang's (higher first, its default). The
+        engine's intake refuses one under another schedule policy (native.py words it)."""
         if not priority:
             return 0
-        if self.st.engine.engine.config.schedule_policy != "priority":
-            raise bad_request(
-                f"priority={priority} needs the server started with --schedule-policy "
-                "priority; under the other policies leave it unset",
-                "priority",
-            )
         if abs(priority) > 2**31 - 1:
             raise bad_request("priority must be in [-(2**31 - 1), 2**31 - 1]", "priority")
         return -priority

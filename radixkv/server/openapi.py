@@ -3,14 +3,17 @@
 Routes read their bodies themselves (server/transport.py, strict size limits and msgspec
 decoding), so FastAPI cannot infer their schemas; this module states them from the same msgspec
 Structs the routes decode and encode (``msgspec.json.schema_components``), so the document
-cannot drift from what the server accepts: a field added to a Struct appears here. Two things
-the decoder does that JSON Schema derived from the Structs would not say are added: every
-optional request field also accepts ``null`` (it means "not given"), and unknown fields are
-allowed unless the server runs with ``strict_api``.
+cannot drift from what the server accepts: a field added to a Struct appears here. What the
+decoder does that JSON Schema derived from the Structs would not say is added: every optional
+request field also accepts ``null`` (it means "not given"), unknown fields are allowed unless
+the server runs with ``strict_api``, and a Struct's cross-field rule (``json_schema_extra``:
+/tokenize's "prompt or messages, exactly one") is merged into its schema. (JSON Schema's
+``integer`` takes ``1.0``: so does the decoder, protocol.decode_request.)
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import msgspec
@@ -53,7 +56,9 @@ _ERROR_TEXT = {
         "Unknown model (code model_not_found), LoRA adapter (code lora_not_found) or stored "
         "response (code previous_response_not_found, response_not_found)"
     ),
+    408: "Request body not received in time (the connection is closed)",
     413: "Request body over the size limit",
+    415: "Content-Type is not application/json",
     500: "The server failed while serving the request",
     503: "Server at capacity (code queue_full, retry-after), or the engine is unavailable",
 }
@@ -112,7 +117,7 @@ def generation_route(request: str, response: str, chunk: str, summary: str) -> d
                     "text/event-stream": {"schema": sse_event(chunk)},
                 },
             },
-            **_errors(400, 401, 404, 413, 500, 503),
+            **_errors(400, 401, 404, 408, 413, 415, 500, 503),
         },
     }
 
@@ -148,7 +153,7 @@ def responses_route() -> dict[str, Any]:
                 "description": "A ResponseObject; with stream=true, its events",
                 "content": {**_json("ResponseObject"), "text/event-stream": {"schema": event}},
             },
-            **_errors(400, 401, 404, 413, 500, 503),
+            **_errors(400, 401, 404, 408, 413, 415, 500, 503),
         },
     }
 
@@ -158,7 +163,7 @@ def json_route(
 ) -> dict[str, Any]:
     """``openapi_extra`` of a JSON-in, JSON-out route (/tokenize); ``runs_engine``: it submits
     engine requests (/v1/score), so a full queue answers 503."""
-    errors = (400, 401, 404, 413, 500, 503) if runs_engine else (400, 401, 404, 413, 500)
+    errors = (400, 401, 404, 408, 413, 415, 500) + ((503,) if runs_engine else ())
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(request)},
@@ -180,7 +185,7 @@ def text_route(request: str, summary: str, ok: str, *errors: int) -> dict[str, A
                 "description": f"Done: the text `{ok}`",
                 "content": {"text/plain": {"schema": {"type": "string"}}},
             },
-            **_errors(*errors),
+            **_errors(*sorted({408, 415, *errors})),
         },
     }
 
@@ -211,8 +216,22 @@ def _nullable_optionals(schema: dict[str, Any]) -> None:
         schema["properties"][name] = {"anyOf": [inner, {"type": "null"}], **outer}
 
 
-def components(*, strict: bool) -> dict[str, Any]:
-    """The schemas of every request and response Struct, adjusted to what the decoder accepts."""
+def _bound_token_ids(node: Any, vocab_size: int | None) -> None:
+    """Every token id schema (marked ``P.TOKEN_ID_MARK``) bounded by the vocabulary, in place:
+    the server answers 400 to an id the model does not have."""
+    if isinstance(node, dict):
+        if node.pop(P.TOKEN_ID_MARK, False) and vocab_size is not None:
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
+
+
+def components(*, strict: bool, vocab_size: int | None = None) -> dict[str, Any]:
+    """The schemas of every request and response Struct, adjusted to what the decoder accepts
+    (and, given ``vocab_size``, to the served model's token ids)."""
     _, requests = msgspec.json.schema_components(_REQUESTS, ref_template=REF)
     _, responses = msgspec.json.schema_components(_RESPONSES, ref_template=REF)
     for schema in requests.values():
@@ -220,12 +239,30 @@ def components(*, strict: bool) -> dict[str, Any]:
             _nullable_optionals(schema)
             if strict:
                 schema["additionalProperties"] = False
+    for kind in _REQUESTS:  # cross-field rules a Struct states next to its check
+        extra = getattr(kind, "json_schema_extra", None)
+        if extra is not None:
+            requests[kind.__name__].update(copy.deepcopy(extra))
+    _bound_token_ids(requests, vocab_size)
+    _bound_token_ids(responses, None)
     overlap = requests.keys() & responses.keys()
     assert not overlap, f"request and response schemas share names: {overlap}"
     return {**requests, **responses}
 
 
-def complete(doc: dict[str, Any], *, strict: bool) -> dict[str, Any]:
-    """FastAPI's document of the routes, plus the components their ``openapi_extra`` refer to."""
-    doc.setdefault("components", {}).setdefault("schemas", {}).update(components(strict=strict))
+def complete(
+    doc: dict[str, Any],
+    *,
+    strict: bool,
+    vocab_size: int | None = None,
+    priorities: bool = True,
+) -> dict[str, Any]:
+    """FastAPI's document of the routes, plus the components their ``openapi_extra`` refer to.
+    What the server's settings decide is stated too: token ids below ``vocab_size``, and,
+    unless ``priorities`` (the priority scheduling policy), ``priority`` 0 only."""
+    schemas = components(strict=strict, vocab_size=vocab_size)
+    if not priorities:
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            schemas[name].setdefault("allOf", []).append(P.only("priority", {"const": 0}))
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
     return doc

@@ -9,11 +9,13 @@ Requests are decoded the way real OpenAI clients send them (``decode_request``):
 - unknown fields are dropped and reported to the caller (the app logs one warning per field
   name), or, with ``strict=True`` (``radixkv serve --strict-api``), rejected with 400;
 - wrong JSON types and out-of-range values are a ``ProtocolError`` naming the parameter, which
-  the app turns into an OpenAI-shaped 400.
+  the app turns into an OpenAI-shaped 400; an integral number (``1.0``) is an integer, as JSON
+  Schema has it; a body nested deeper than ``MAX_JSON_DEPTH`` is refused before it is parsed.
 
 Range checks are msgspec ``Meta`` constraints (so the OpenAPI schema, server/openapi.py, states
 them too) plus cross-field checks in ``__post_init__`` whose messages start with the field's
-name; a Struct that exists is a valid one. Responses are Structs too, encoded with
+name, stated in JSON Schema too where it can say them (a Struct's ``json_schema_extra``); a
+Struct that exists is a valid one. Responses are Structs too, encoded with
 ``msgspec.json``.
 
 Extensions beyond OpenAI's schema (accepted, documented): ``cache_salt`` (narrows prefix-cache
@@ -38,10 +40,11 @@ tool calls, without a ``--tool-call-parser``); at most one source of constraint 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
+import numpy as np
 
 from radixkv.server.structured import request_constraint
 
@@ -51,6 +54,36 @@ MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1 - MAX_N  # sample i uses seed + i
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs
 MAX_REPETITION_PENALTY = 10.0  # a divisor of logits: beyond ~2 it already forbids repeats
+# Deepest nesting of arrays and objects a request body may have. Real requests stay far below
+# (a JSON schema 30 levels deep in response_format is about 64); what reads a body (msgspec,
+# the schema compiler, templates) recurses, and a body nested thousands deep would exhaust
+# the interpreter's stack: a 400 naming the limit instead.
+MAX_JSON_DEPTH = 128
+
+
+# ---------------------------------------------------------------- cross-field rules in JSON Schema
+# A request Struct's ``json_schema_extra`` states the cross-field checks of its __post_init__
+# that JSON Schema can say, next to them; server/openapi.py merges it into /openapi.json.
+NULL = {"type": "null"}
+
+
+def given(name: str) -> dict[str, Any]:
+    """Schema: ``name`` is present and not null."""
+    return {"required": [name], "properties": {name: {"not": NULL}}}
+
+
+def equals(name: str, value: Any) -> dict[str, Any]:
+    """Schema: ``name`` is present and equal to ``value``."""
+    return {"required": [name], "properties": {name: {"const": value}}}
+
+
+def when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {"if": condition, "then": then}
+
+
+def only(name: str, *options: dict[str, Any]) -> dict[str, Any]:
+    """Schema: ``name``, when present, is null or matches one of ``options``."""
+    return {"properties": {name: {"anyOf": [*options, NULL]}}}
 
 
 class ProtocolError(ValueError):
@@ -118,8 +151,41 @@ def _check_sampling(req: _SamplingFields) -> None:
 
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# a token id; /openapi.json bounds it by the served model's vocabulary (server/openapi.py)
+TOKEN_ID_MARK = "x-radixkv-token-id"
+TokenId = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={TOKEN_ID_MARK: True})]
+# logit_bias's keys: token ids as strings (ASCII digits: str.isdigit also takes "²")
+TokenIdKey = Annotated[str, msgspec.Meta(pattern="^[0-9]{1,18}$")]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+# (one if/then/else per condition: schemathesis cannot generate from many separate ones)
+SAMPLING_RULES: list[dict[str, Any]] = [
+    {  # stream_options and prompt_logprobs each need stream to be the other way
+        "if": equals("stream", True),
+        "then": only("prompt_logprobs"),
+        "else": only("stream_options"),
+    },
+    {
+        "if": equals("use_beam_search", True),
+        "then": {  # what SamplingParams refuses with beam search
+            "allOf": [
+                only("stop", {"type": "array", "maxItems": 0}),
+                only("presence_penalty", {"const": 0}),
+                only("frequency_penalty", {"const": 0}),
+                only("repetition_penalty", {"const": 1}),
+                only("logit_bias", {"type": "object", "maxProperties": 0}),
+            ]
+        },
+        "else": {  # beam search's own parameters
+            "allOf": [
+                only("length_penalty", {"const": 1.0}),
+                only("early_stopping", {"const": False}),
+            ]
+        },
+    },
+]
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -134,13 +200,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: (
+        NonEmptyStr | Annotated[list[NonEmptyStr], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None
+    ) = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     ignore_eos: bool = False
     user: str | None = None
-    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
     return_tokens_as_token_ids: bool = False
     # vLLM's: each prompt token's logprob and the k most likely tokens at its position
     prompt_logprobs: NumLogprobs | None = None
@@ -149,7 +217,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
     # OpenAI's: token id (as a string) -> bias added to its logit; vLLM's min_tokens
-    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[TokenIdKey, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     # vLLM's: scheduling priority, lower first (radixkv serve --schedule-policy priority)
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
@@ -175,7 +243,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 # the request fields a SamplingParams error can name (its message starts with the name)
 SAMPLING_FIELDS = frozenset(_SamplingFields.__struct_fields__) | {"logprobs", "top_logprobs"}
 
-NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 PromptType = (
     NonEmptyStr
     | Annotated[
@@ -185,7 +252,47 @@ PromptType = (
 )
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, TOKEN_ID_MARK: True}}
+
+
 class CompletionRequest(_SamplingFields, kw_only=True):
+    # what __post_init__ checks across fields, said in /openapi.json too
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [
+            *SAMPLING_RULES,
+            # one prompt: text, texts, token ids or lists of token ids, never a mixture
+            {
+                "properties": {
+                    "prompt": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {"type": "array", "items": {"type": "string"}},
+                            _TOKEN_IDS,
+                            {"type": "array", "items": {**_TOKEN_IDS, "minItems": 1}},
+                        ]
+                    }
+                }
+            },
+            only("suffix"),
+            when(
+                equals("max_tokens", 0),
+                {"allOf": [equals("echo", True), only("min_tokens", {"const": 0})]},
+            ),
+            when(
+                {
+                    "required": ["prompt_logprobs_start"],
+                    "properties": {"prompt_logprobs_start": {"type": "integer", "minimum": 1}},
+                },
+                {
+                    "anyOf": [
+                        given("prompt_logprobs"),
+                        {"allOf": [equals("echo", True), given("logprobs")]},
+                    ]
+                },
+            ),
+        ]
+    }
+
     prompt: PromptType
     # 0 only with echo: the prompt is scored (echo's logprobs), nothing generated
     max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
@@ -311,6 +418,19 @@ class ChatMessage(msgspec.Struct):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [
+            *SAMPLING_RULES,
+            when(
+                {
+                    "required": ["top_logprobs"],
+                    "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                },
+                equals("logprobs", True),
+            ),
+        ]
+    }
+
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     logprobs: bool = False
@@ -389,6 +509,22 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     /v1/chat/completions renders them, with ``tools`` and ``chat_template_kwargs``); exactly
     one of the two."""
 
+    # what __post_init__ checks, said in /openapi.json too (server/openapi.py merges it)
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "oneOf": [given("prompt"), given("messages")],
+        "allOf": [
+            when(
+                given("prompt"),
+                {
+                    "allOf": [
+                        only("tools", {"maxItems": 0}),
+                        only("chat_template_kwargs", {"maxProperties": 0}),
+                    ]
+                },
+            )
+        ],
+    }
+
     model: str
     prompt: NonEmptyStr | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
@@ -441,7 +577,31 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
             msgspec.Meta(min_length=1),
         ]
     )
-    label_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [  # items are of the query's kind
+            when(
+                {"properties": {"query": {"type": "string"}}},
+                {
+                    "properties": {
+                        "items": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {"type": "array", "items": {"type": "string"}},
+                            ]
+                        }
+                    }
+                },
+            ),
+            when(
+                {"properties": {"query": {"type": "array"}}},
+                {"properties": {"items": {"type": "array", "items": {"type": "array"}}}},
+            ),
+        ]
+    }
+
+    label_token_ids: Annotated[
+        list[TokenId], msgspec.Meta(min_length=1, extra_json_schema={"uniqueItems": True})
+    ]
     apply_softmax: bool = False
     item_first: bool = False
     cache_salt: str | None = None  # as for generation: a tenant's own prefix-cache namespace
@@ -479,6 +639,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 _AT_PATH = re.compile(r"- at `\$\.?([^`]*)`")
+_AT_KEY = re.compile(r"- at `key` in `\$\.?([^`]*)`")  # a dict's key: name the dict
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 _FIRST_WORD = re.compile(r"[a-z_]+")
 
@@ -491,9 +652,20 @@ def _unwrap(t: mi.Type) -> mi.Type:
     return t
 
 
+def _integral(value: Any, t: mi.Type) -> Any:
+    """An integral float (``1.0``, ``2e3``) as an int where ``t`` takes an int and no float:
+    JSON Schema's ``integer`` includes them, msgspec's ``int`` does not."""
+    if type(value) is not float or not value.is_integer():
+        return value
+    members = t.types if isinstance(t, mi.UnionType) else (t,)
+    kinds = {type(_unwrap(m)) for m in members}
+    return int(value) if mi.IntType in kinds and mi.FloatType not in kinds else value
+
+
 def _prune(value: Any, t: mi.Type, path: str, unknown: list[str]) -> Any:
-    """``value`` (decoded JSON) with unknown keys dropped (their paths appended to ``unknown``)
-    and nulls of optional fields dropped, at every depth the Struct types describe."""
+    """``value`` (decoded JSON) with unknown keys dropped (their paths appended to ``unknown``),
+    nulls of optional fields dropped and integral floats of int fields made ints, at every
+    depth the Struct types describe."""
     t = _unwrap(t)
     if isinstance(t, mi.UnionType):  # pick the member matching the JSON value's shape
         for member in map(_unwrap, t.types):
@@ -501,7 +673,9 @@ def _prune(value: Any, t: mi.Type, path: str, unknown: list[str]) -> Any:
                 isinstance(value, list) and isinstance(member, mi.ListType)
             ):
                 return _prune(value, member, path, unknown)
-        return value
+        return _integral(value, t)
+    if isinstance(t, mi.IntType):
+        return _integral(value, t)
     if isinstance(t, mi.StructType) and isinstance(value, dict):
         fields = {f.encode_name: f for f in t.fields}
         out = {}
@@ -518,17 +692,43 @@ def _prune(value: Any, t: mi.Type, path: str, unknown: list[str]) -> Any:
     return value
 
 
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply the arrays and objects of a JSON text nest (exact for valid JSON), without
+    parsing it, in a few C-speed passes: escaped backslashes, then escaped quotes are dropped,
+    so every quote left opens or closes a string; brackets outside strings are counted."""
+    text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), dtype=np.uint8)
+    outside = np.cumsum(text == ord('"'), dtype=np.int64) % 2 == 0
+    steps = _STEP[text[outside]]
+    return int(np.cumsum(steps, dtype=np.int64).max()) if steps.any() else 0
+
+
 def decode_request(
     body: bytes, kind: type[R], *, strict: bool = False, ignored: list[str] | None = None
 ) -> R:
     """Decode and validate a JSON request body; raises ProtocolError (never returns a bad Struct).
 
     Unknown fields (named like ``foo``, ``stream_options.foo``, ``messages[].foo``) are dropped
-    and appended to ``ignored`` when given, or, with ``strict``, rejected."""
+    and appended to ``ignored`` when given, or, with ``strict``, rejected. A body nested
+    deeper than ``MAX_JSON_DEPTH`` is rejected before it is parsed."""
+    # fewer brackets than the limit cannot nest deeper (the common case: no second pass)
+    depth = 0 if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH else json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise ProtocolError(
+            f"Invalid JSON body: nested {depth} levels deep; the limit is {MAX_JSON_DEPTH}"
+        )
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"Invalid JSON body: {e}") from None
+    except RecursionError:  # json_depth reads valid JSON exactly; this is invalid JSON
+        raise ProtocolError(
+            f"Invalid JSON body: nested deeper than the limit of {MAX_JSON_DEPTH}"
+        ) from None
     unknown: list[str] = []
     data = _prune(raw, mi.type_info(kind), "", unknown)
     if unknown and strict:
@@ -543,7 +743,7 @@ def decode_request(
     except msgspec.ValidationError as e:
         msg = str(e)
         param = None
-        for pattern in (_AT_PATH, _MISSING):
+        for pattern in (_AT_PATH, _AT_KEY, _MISSING):
             m = pattern.search(msg)
             if m:
                 # a dict value's path ends in [...] (msgspec): name the dict

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -63,8 +63,17 @@ class ReasoningConfig(msgspec.Struct, kw_only=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """The request body (module docstring for what maps to what)."""
 
+    # what __post_init__ checks, said in /openapi.json too (server/openapi.py merges it)
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "allOf": [
+            P.only("background", {"const": False}),
+            P.only("truncation", {"const": "disabled"}),
+            P.only("metadata", {"type": "object", "maxProperties": 16}),
+        ]
+    }
+
     model: str
-    input: str | list[dict[str, Any]]
+    input: P.NonEmptyStr | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -79,7 +88,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as on chat completions
-    cache_salt: str | None = None  # as on chat completions
+    cache_salt: P.CacheSalt | None = None  # as on chat completions
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
     background: bool = False
@@ -95,8 +104,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
                 "truncation 'auto' is not supported: a conversation longer than the context is "
                 "a 400, never cut (truncation must be 'disabled')"
             )
-        if isinstance(self.input, str) and not self.input:
-            raise ValueError("input must not be empty")
         if self.metadata is not None and len(self.metadata) > 16:
             raise ValueError("metadata holds at most 16 keys")
 

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixkv.engine.async_engine import AsyncEngine, QueueFull
+from radixkv.engine.intake import PriorityNeedsPolicy
 from radixkv.engine.logprobs import TokenTexts
 from radixkv.engine.lora import check_lora_name
 from radixkv.engine.params import SamplingParams
@@ -63,12 +64,12 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.auth = Authenticator(config.api_keys, config.admin_key, keys_file=config.api_keys_file)
-        core = engine.engine
-        self.tokenizer = core.tokenizer
+        info = engine.info()
+        self.tokenizer = engine.tokenizer
         self.token_texts = TokenTexts(self.tokenizer)  # /tokenize's token_strs, memoised
-        self.max_context: int = core.max_context
-        self.vocab_size: int = core.vocab_size
-        self.model_name = config.model_name or str(getattr(core.model, "name", "radixkv"))
+        self.max_context: int = info.max_context
+        self.vocab_size: int = info.vocab_size
+        self.model_name = config.model_name or info.model
         self.last_stats: Any = None
         self.metrics = ServerMetrics(stats_fn=lambda: self.last_stats, model_name=self.model_name)
         self._warned_fields: set[str] = set()  # unknown request fields already logged
@@ -99,27 +100,27 @@ class ServerState:
         if self.config.kv_events is not None and self.publisher is None:
             from radixkv.server.kv_events import KVEventPublisher
 
-            device = getattr(self.engine.engine.kv_pool, "device", None)
             self.publisher = KVEventPublisher(
                 self.config.kv_events,
                 topic=self.config.kv_events_topic,
                 replay_endpoint=self.config.kv_events_replay,
-                medium="GPU" if getattr(device, "type", "cpu") == "cuda" else "CPU",
+                medium="GPU" if self.engine.info().on_gpu else "CPU",
                 lora=self._event_lora,
             )
-            self.engine.engine.cache.add_listener(self.publisher.listener)
+            await self.engine.add_cache_listener(self.publisher.listener)
 
     def _event_lora(self, namespace: Any) -> tuple[int, str] | None:
-        """KV events' ``(lora_id, lora_name)`` of a cache namespace (the engine's thread calls
-        it, as it does everything that loads or unloads adapters)."""
-        info = self.engine.engine.loras.of_namespace(namespace)
+        """KV events' ``(lora_id, lora_name)`` of a cache namespace (the engine thread calls
+        it, from the publisher's cache listener, as it does everything that loads or unloads
+        adapters)."""
+        info = self.engine.lora_of_namespace(namespace)
         return None if info is None else (info.slot, info.name)
 
     async def shutdown(self, *, shutdown_engine: bool = False) -> None:
         """Stop publishing (flushing what is queued) and optionally shut the engine down."""
         if self.publisher is not None:
-            with contextlib.suppress(ValueError):
-                self.engine.engine.cache.remove_listener(self.publisher.listener)
+            with contextlib.suppress(ValueError, RuntimeError):  # RuntimeError: engine shut down
+                await self.engine.remove_cache_listener(self.publisher.listener)
             self.publisher.close()
             self.publisher = None
         if shutdown_engine:
@@ -313,12 +314,6 @@ class ServerState:
     def sampling_params(
         self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int
     ) -> SamplingParams:
-        if req.priority and self.engine.engine.config.schedule_policy != "priority":
-            raise bad_request(
-                f"priority={req.priority} needs the server started with --schedule-policy "
-                "priority; under the other policies it must be 0",
-                "priority",
-            )
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         self.check_ids(list(bias), "logit_bias")
         try:
@@ -589,7 +584,7 @@ class ServerState:
         """Compile ``params.guided`` in a worker thread (seconds for a large schema on a large
         vocabulary); the ValueError when the engine cannot use it."""
         try:
-            await asyncio.to_thread(self.engine.engine.compile_guided, params)
+            await self.engine.compile_guided(params)
         except (ValueError, TypeError) as e:
             return e
         return None
@@ -802,6 +797,12 @@ def engine_error(err: BaseException, guided_param: str | None = None) -> APIErro
     one about its guided decoding names ``guided_param``, the field the constraint came from."""
     if isinstance(err, QueueFull):
         return APIError(503, str(err), code="queue_full", headers={"retry-after": "1"})
+    if isinstance(err, PriorityNeedsPolicy):  # the engine's intake checks it, in its words
+        return bad_request(
+            f"priority={err.priority} needs the server started with --schedule-policy "
+            "priority; under the other policies it must be 0",
+            "priority",
+        )
     if isinstance(err, ValueError | TypeError):
         message = str(err)
         param = None

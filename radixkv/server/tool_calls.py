@@ -3,9 +3,10 @@
 
 Five formats, the ones the served architectures' chat templates ask for:
 
-- ``hermes`` (Qwen2.5, Qwen3, Hermes, many fine-tunes): each call is a JSON object
-  ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; text
-  outside the tags is the message's content. A last block the model did not close (it stopped
+- ``hermes`` (Qwen2.5, Qwen3, Hermes, SmolLM2, many fine-tunes): each call is a JSON object
+  ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``, or a
+  block holds a JSON array of them (SmolLM2's format: ``<tool_call>[{...}, {...}]</tool_call>``;
+  an empty array is no call); text outside the tags is the message's content. A last block the model did not close (it stopped
   at its end-of-turn token) counts when its JSON is whole.
 - ``llama3_json`` (Llama 3.1 / 3.2 with JSON tool calling): the whole reply is one JSON object
   ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), optionally after
@@ -225,8 +226,27 @@ _Found = tuple[str, list[ToolCall]] | None
 def _hermes(text: str, tools: Any) -> _Found:
     if _HERMES_START not in text:
         return None
-    calls = _calls([m.group(1) for m in _HERMES_BLOCK.finditer(text)], "arguments")
-    return None if calls is None else (_HERMES_BLOCK.sub("", text), calls)
+    calls: list[ToolCall] = []
+    for m in _HERMES_BLOCK.finditer(text):
+        found = _hermes_block(m.group(1))
+        if found is None:
+            return None
+        calls += found
+    return (_HERMES_BLOCK.sub("", text), calls) if calls else None
+
+
+def _hermes_block(body: str) -> list[ToolCall] | None:
+    """The calls of one ``<tool_call>`` block: a JSON call object, or a JSON array of them
+    (SmolLM2's format, ``<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>``); None
+    when it is neither."""
+    if not body.strip().startswith("["):
+        return _calls([body], "arguments")
+    try:
+        items = _loads(body.strip())
+    except ValueError:
+        return None
+    calls = [_call(item, "arguments") for item in items] if isinstance(items, list) else [None]
+    return None if None in calls else [c for c in calls if c is not None]
 
 
 def _llama3_json(text: str, tools: Any) -> _Found:

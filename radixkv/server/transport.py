@@ -1,5 +1,5 @@
-"""HTTP plumbing: a size-limited body read, disconnect-aware waiting, and an SSE response that
-always notices a vanished client and always releases what the request holds."""
+"""HTTP plumbing: a size-limited read of a JSON body, disconnect-aware waiting, and an SSE
+response that always notices a vanished client and always releases what the request holds."""
 
 from __future__ import annotations
 
@@ -101,9 +101,37 @@ async def wait_or_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
     return task.result()
 
 
+def is_json_media_type(content_type: str | None) -> bool:
+    """Whether a Content-Type value is JSON's: ``application/json`` or ``application/*+json``,
+    any parameters (``; charset=utf-8``) aside."""
+    media = (content_type or "").partition(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def require_json(request: Request) -> None:
+    """415 unless the request says its body is JSON. Besides naming a client's mistake, this
+    keeps web pages out: a browser sends a cross-site request without asking the server first
+    only when its body is text/plain, a form, or has no type; JSON needs the server's consent,
+    which this server never gives (it sends no CORS headers)."""
+    value = request.headers.get("content-type")
+    if not is_json_media_type(value):
+        got = f"got {value[:100]!r}" if value else "the request has none"
+        raise APIError(
+            415,
+            f"Content-Type must be application/json ({got})",
+            param="content-type",
+            code="unsupported_media_type",
+        )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 as soon as it is known to exceed ``limit`` bytes. A client that
-    disconnects while sending it raises ClientGone (a closed connection, not a server error)."""
+    """The JSON request body: 415 unless its Content-Type is JSON's (:func:`require_json`), 413
+    as soon as it is known to exceed ``limit`` bytes. A client that disconnects while sending
+    it raises ClientGone (a closed connection, not a server error); one too slow to send it
+    gets 408 (server/timeouts.py)."""
+    require_json(request)
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

@@ -14,6 +14,13 @@ passes the quota it rescans (seeing the other processes' files too) and deletes 
 recently used objects down to 90% of it. Two processes may each overshoot by what they wrote
 since their last scan, and both may delete the same file (the second gets "not found", fine).
 Temp files a crashed writer left are deleted by a scan once older than ten minutes.
+
+Planted entries. Only a regular file is an object: a directory, symlink, FIFO or device
+where an object's file belongs (left by a careless tool or planted on purpose) is never read
+through (the file is opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat``). It
+is a miss, removed (a directory with everything under it) and counted in
+``planted_objects``, never an outage; a write over one removes it first; a quota scan removes
+those it meets.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import errno
 import itertools
 import os
 import re
+import shutil
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -67,6 +76,7 @@ class FileStorage(StorageBackend):
         self._usage: int | None = None  # estimated bytes of objects (None: not scanned yet)
         self.evicted_objects = 0  # deleted by quota sweeps of this instance
         self.evicted_bytes = 0
+        self.planted_objects = 0  # non-files found where objects belong (removed)
 
     def clone(self) -> FileStorage:
         return FileStorage(self.root, quota_bytes=self.quota_bytes)
@@ -77,18 +87,54 @@ class FileStorage(StorageBackend):
             raise ValueError(f"storage keys are lowercase hex digests, got {key!r}")
         return self.root / key[:2] / key
 
+    def _remove_planted(self, path: Path) -> None:
+        """Remove the non-file at ``path`` (see "Planted entries"); counted."""
+        self.planted_objects += 1
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)  # never follows the symlinks under it
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass  # not ours to remove (another owner, a read-only share): it stays a miss
+
+    def _read(self, path: Path) -> bytes | None:
+        """The object file at ``path``; None if there is none or a non-file (removed)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink
+                self._remove_planted(path)
+                return None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                fd = -1
+                self._remove_planted(path)
+                return None
+            parts = []
+            while chunk := os.read(fd, max(1, st.st_size + 1)):
+                parts.append(chunk)
+            return b"".join(parts)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for key in keys:
             path = self._path(key)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                out.append(None)
-                continue
+                data = self._read(path)
             except OSError as e:
                 raise _error(e, f"reading {path}") from e
+            if data is None:
+                out.append(None)
+                continue
             # a read is a use: LRU order for quota sweeps (any process's); if it fails (deleted
             # meanwhile, a read-only share) the data read is still good
             with contextlib.suppress(OSError):
@@ -110,7 +156,13 @@ class FileStorage(StorageBackend):
                         view = view[os.write(fd, view) :]
                 finally:
                     os.close(fd)
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except OSError:
+                    if stat.S_ISREG(os.lstat(path).st_mode):
+                        raise
+                    self._remove_planted(path)  # a directory in the way: see "Planted entries"
+                    os.replace(tmp, path)
             except OSError as e:
                 with contextlib.suppress(OSError):
                     tmp.unlink(missing_ok=True)
@@ -153,6 +205,9 @@ class FileStorage(StorageBackend):
                 try:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    self._remove_planted(Path(e.path))
                     continue
                 if e.name.startswith("."):
                     if now - st.st_mtime > _STALE_TEMP_S:

@@ -15,10 +15,17 @@ Objects. A 64-byte header, then the page's K/V bytes (every layer, K then V, as 
 holds a page)::
 
     magic "RKVP" | version u16 | reserved u16 | format id (16) | prefix digest (16)
-    | payload length u64 | checksum (16) | payload
+    | payload length u64 | MAC (16) | payload
 
-The checksum (XXH3-128 over the header fields before it and the payload) catches a corrupt or
-truncated object: it is a miss and the caller deletes it. The prefix digest is a BLAKE2b-128
+The MAC (HMAC-SHA256, truncated to 128 bits, keyed with the deployment's storage secret,
+secret.py) covers the storage key, the header fields before it (the format id and the prefix
+digest, which digests the namespace and every token) and the payload. It catches a corrupt or
+truncated object, and a forged one: whoever can write the storage but does not hold the
+secret cannot make an object that passes, so they cannot put KV into anyone's answers (a
+plain checksum could be recomputed by them). A mismatch is a miss and the caller deletes the
+object. Version 1 objects (an unkeyed XXH3-128 checksum) fail as corrupt and are replaced.
+
+The prefix digest is a BLAKE2b-128
 chain over the namespace and *every token* of the prefix (``prefix_digests``); a reader checks
 it against its own tokens, so a page found under a colliding key (XXH3 is fast, not
 collision-resistant: collisions can be engineered) is a miss, never KV computed from other
@@ -28,11 +35,9 @@ tokens. This keeps the cache's contract that tokens decide, not hashes.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
-from collections.abc import Sequence
 from typing import Any
-
-import xxhash
 
 from radixkv.cache.hashing import (
     chain_hashes,
@@ -55,9 +60,9 @@ __all__ = [
 ]
 
 MAGIC = b"RKVP"
-VERSION = 1
+VERSION = 2  # 1: an unkeyed XXH3-128 checksum instead of the MAC
 _HEAD = struct.Struct("<4sHH16s16sQ")  # magic, version, reserved, format id, digest, length
-HEADER_BYTES = _HEAD.size + 16  # + checksum: 64
+HEADER_BYTES = _HEAD.size + 16  # + MAC: 64
 DIGEST_BYTES = 16
 
 
@@ -123,22 +128,34 @@ def prefix_digests(
     return out
 
 
-def _checksum(head: bytes, payload: bytes | memoryview) -> bytes:
-    h = xxhash.xxh3_128(head)
+def _mac(secret: bytes, key: str, head: bytes, payload: bytes | memoryview) -> bytes:
+    h = hmac.new(secret, key.encode("ascii") + head, hashlib.sha256)
     h.update(payload)
-    return h.digest()
+    return h.digest()[:16]
 
 
-def encode_page(format_id: bytes, digest: bytes, payload: bytes | memoryview) -> bytes:
-    """One stored object: header + ``payload`` (a page's K/V bytes)."""
+def encode_page(
+    format_id: bytes, digest: bytes, payload: bytes | memoryview, *, key: str, secret: bytes
+) -> bytes:
+    """The object stored under ``key``: header + ``payload`` (a page's K/V bytes), MAC'd with
+    ``secret`` (the deployment's storage secret)."""
     head = _HEAD.pack(MAGIC, VERSION, 0, format_id, digest, len(payload))
-    return b"".join((head, _checksum(head, payload), payload))
+    return b"".join((head, _mac(secret, key, head, payload), payload))
 
 
-def decode_page(data: bytes, format_id: bytes, digest: bytes, payload_bytes: int) -> memoryview:
-    """The payload of a stored object, checked: ObjectCorrupt when it is damaged (wrong magic or
-    version, truncated or padded, checksum), FormatMismatch when it is sound but of another
-    format or prefix, or not ``payload_bytes`` long (a collision: another page's object)."""
+def decode_page(
+    data: bytes,
+    format_id: bytes,
+    digest: bytes,
+    payload_bytes: int,
+    *,
+    key: str,
+    secret: bytes,
+) -> memoryview:
+    """The payload of the object read under ``key``, checked: ObjectCorrupt when it is damaged
+    or forged (wrong magic or version, truncated or padded, MAC not ``secret``'s over this key,
+    header and payload), FormatMismatch when it is sound but of another format or prefix, or
+    not ``payload_bytes`` long (a key collision: another page's object)."""
     if len(data) < HEADER_BYTES:
         raise ObjectCorrupt(f"object of {len(data)} bytes is shorter than its header")
     head = bytes(data[: _HEAD.size])
@@ -148,16 +165,10 @@ def decode_page(data: bytes, format_id: bytes, digest: bytes, payload_bytes: int
     if len(data) != HEADER_BYTES + length:
         raise ObjectCorrupt(f"object is {len(data)} bytes, its header says {HEADER_BYTES + length}")
     payload = memoryview(data)[HEADER_BYTES:]
-    if _checksum(head, payload) != bytes(data[_HEAD.size : HEADER_BYTES]):
-        raise ObjectCorrupt("checksum mismatch")
+    if not hmac.compare_digest(
+        _mac(secret, key, head, payload), bytes(data[_HEAD.size : HEADER_BYTES])
+    ):
+        raise ObjectCorrupt("MAC mismatch (damaged, forged, or written with another secret)")
     if fmt != format_id or dig != digest or length != payload_bytes:
         raise FormatMismatch("object of another KV format or prefix under this key")
     return payload
-
-
-def split_runs(found: Sequence[bytes | None]) -> int:
-    """Length of the leading run of found objects (a chain lookup stops at its first miss)."""
-    for i, x in enumerate(found):
-        if x is None:
-            return i
-    return len(found)

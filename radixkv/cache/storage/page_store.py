@@ -2,8 +2,15 @@
 
 It turns "pages ``start..stop`` of this token sequence under this namespace" into keys and
 objects (page_format.py) and back: ``fetch`` reads a run of pages in chain order and stops at
-the first page that is missing, corrupt (deleted, so nobody reads it again), or not the one
-asked for (a key collision, or another format); ``store`` writes a run. The payloads are plain
+the first page that is missing, corrupt or forged (its MAC is not the deployment secret's:
+deleted, so nobody reads it again), or not the one asked for (a key collision, or another
+format); ``store`` writes a run.
+
+Healing. The shared ``KnownKeys`` lets the writer skip pages already stored, so it must not
+outlive the data: when a lookup misses a page believed stored, the backend lost data (a
+restart, eviction, a flush) and every later page of that lookup is forgotten too (a chain
+lookup never reads past its first miss, so it cannot tell which of them survived), so the
+next request that computes the prefix writes it back whole, not one page per request. The payloads are plain
 bytes (the kv layer turns host pages into bytes and back), so this stays torch-free.
 
 Not thread-safe: the storage tier gives each of its threads its own PageStore (over
@@ -53,6 +60,11 @@ class KnownKeys:
         with self._lock:
             self._keys.pop(key, None)
 
+    def discard_many(self, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys:
+                self._keys.pop(k, None)
+
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._keys
@@ -67,6 +79,8 @@ class PageStore:
         page_size: tokens per page.
         payload_bytes: bytes of one page's K/V (an object of another size is not ours).
         known: keys known to be stored (shared between a reader and a writer).
+        secret: the deployment's storage secret (secret.load_storage_secret): objects are
+            MAC'd with it; one that fails is corrupt (counted, deleted, a miss).
     """
 
     def __init__(
@@ -76,15 +90,20 @@ class PageStore:
         page_size: int,
         payload_bytes: int,
         known: KnownKeys | None = None,
+        *,
+        secret: bytes,
     ) -> None:
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError("the storage secret must be at least 16 bytes")
         self.backend = backend
+        self._secret = secret
         self.format_id = format_id
         self.page_size = page_size
         self.payload_bytes = payload_bytes
         self.known = known if known is not None else KnownKeys()
         # counters (read by the storage tier's stats)
         self.found_pages = 0
-        self.corrupt_objects = 0  # failed their checksum: deleted
+        self.corrupt_objects = 0  # damaged or forged (failed their MAC): deleted
         self.mismatched_objects = 0  # sound, but another format or prefix under the key
         self.stored_pages = 0
         self.skipped_known = 0  # not written: known to be stored already
@@ -116,15 +135,22 @@ class PageStore:
             for j, data in enumerate(found):
                 key = batch[j]
                 if data is None:
-                    self.known.discard(key)
+                    self.known.discard_many(keys[i + j :])  # see "Healing" above
                     return out
                 try:
                     out.append(
-                        decode_page(data, self.format_id, digests[i + j], self.payload_bytes)
+                        decode_page(
+                            data,
+                            self.format_id,
+                            digests[i + j],
+                            self.payload_bytes,
+                            key=key,
+                            secret=self._secret,
+                        )
                     )
                 except ObjectCorrupt:
                     self.corrupt_objects += 1
-                    self.known.discard(key)
+                    self.known.discard_many(keys[i + j :])
                     self.backend.delete([key])
                     return out
                 except FormatMismatch:
@@ -146,7 +172,15 @@ class PageStore:
         if not todo:
             return 0
         digests = prefix_digests(self.format_id, namespace, key_bytes, self.page_size, start)
-        items = [(keys[i], encode_page(self.format_id, digests[i], payloads[i])) for i in todo]
+        items = [
+            (
+                keys[i],
+                encode_page(
+                    self.format_id, digests[i], payloads[i], key=keys[i], secret=self._secret
+                ),
+            )
+            for i in todo
+        ]
         self.backend.put_many(items)
         self.calls += 1
         self.known.add([k for k, _ in items])

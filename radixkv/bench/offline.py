@@ -1,4 +1,4 @@
-"""``radixkv bench``: the engine on a synthetic workload, prefix cache off and on, side by side.
+"""``radixkv bench`` on an engine here: a synthetic workload, prefix cache off and on, side by side.
 
 Offline, as SGLang's ``bench_offline_throughput``: every prompt arrives at once and the engine
 runs them to completion. The workloads are named and shaped like SGLang's ``bench_serving``
@@ -35,11 +35,9 @@ from typing import Any, TextIO
 import msgspec
 import torch
 
-from radixkv.engine.benchmark import (
-    WorkloadResult,
-    format_table,
+from radixkv.bench.measure import WorkloadResult, format_table, measure
+from radixkv.bench.workloads import (
     generated_shared_prefix,
-    measure,
     multi_turn_chats,
     random_prompts,
     shared_prefix_tokens,
@@ -87,7 +85,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--dataset-name",
         default="generated-shared-prefix",
         choices=DATASETS,
-        help="the workload's shape (module docstring of radixkv/engine/bench_cli.py)",
+        help="the workload's shape (module docstring of radixkv/bench/offline.py)",
     )
     w.add_argument(
         "--num-prompts", type=_positive, default=32, help="random: prompts; branches: branches"
@@ -268,7 +266,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> dict[str, Any]:
     for cache_on in modes:
         cfg = dataclasses.replace(config, enable_prefix_cache=cache_on)
         if not isinstance(model, str):  # loaded: what only loading uses is spent
-            cfg = dataclasses.replace(cfg, revision=None, tokenizer=None, chat_template=None)
+            cfg = dataclasses.replace(
+                cfg, revision=None, gguf_file=None, tokenizer=None, chat_template=None
+            )
         engine = Engine(model, config=cfg)
         try:
             model = engine.model  # loaded once, shared by the second engine

@@ -33,8 +33,8 @@ from typing import Any, TextIO
 
 import msgspec
 
-from radixkv.engine.bench_cli import Workload, build_workload
-from radixkv.engine.benchmark import percentile
+from radixkv.bench.measure import percentile
+from radixkv.bench.offline import Workload, build_workload
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
