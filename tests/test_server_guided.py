@@ -685,3 +685,35 @@ def test_bad_prompt_logprobs_start_is_400(
     )
     assert err["param"] == "prompt_logprobs_start"
     assert all(w in err["message"] for w in words), err
+
+
+def test_oversized_grammar_is_400_and_other_streams_go_on(
+    tiny: tuple[BackgroundServer, ServerState], http: httpx.Client
+) -> None:
+    """Issue 47: a grammar rule of 2,001 alternatives (~20 KB) used to pass intake and fail
+    the whole batch mid-generation; it is a 400 naming the limit, and another tenant's running
+    streams finish normally."""
+    alts = " | ".join(f'"w{i}"' for i in range(2001))
+    body = {"prompt": "x", "max_tokens": 4}
+    with (
+        httpx.Client(base_url=tiny[0].url, timeout=120) as other,
+        other.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 24, "stream": True},
+        ) as streaming,
+    ):
+        lines = streaming.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "error" not in json.loads(first[6:])
+        for grammar in ("start: x\nx: " + alts + "\n", 'start: "a" (' + alts + ")\n"):
+            err = _error(http, {**body, "guided_grammar": grammar})
+            assert err["param"] == "guided_grammar", err
+            assert "alternatives" in err["message"] and "1999" in err["message"], err
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks)
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    assert sum(r in ("length", "stop") for r in reasons) == 3
+    assert_clean(tiny[1])

@@ -31,9 +31,9 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Collection, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -81,6 +81,8 @@ from radixkv.model.weight_update import StagedWeights, WeightSource, apply_weigh
 from radixkv.pages import pages_for
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # what update_weights does with requests in flight (its docstring)
 IN_FLIGHT_POLICIES = ("retract", "abort")
@@ -396,8 +398,9 @@ class Engine:
         # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing rows, then the drafted
         logits, hidden = self._forward(batch, owing, drafts)
         t2 = time.perf_counter()
+        owed_failed: list[tuple[Seq, Exception]] = []
         if owing:
-            self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
+            owed_failed = self._record_prompt_logprobs([batch.seqs[i] for i in owing], past, hidden)
         accepted: dict[Seq, list[int]] = {}  # drafted sequences: the drafts they keep
         drawn: dict[int, int] = {}  # drafted sampled or guided rows: verification's token
         kept_logits: dict[Seq, torch.Tensor] = {}  # ... wanting logprobs: the drafts' logits
@@ -411,31 +414,15 @@ class Engine:
             self._stats.record_speculation(
                 sum(map(len, drafts.values())), sum(map(len, accepted.values()))
             )
+        for seq, e in owed_failed:
+            self._fail_sequence(seq, "prompt logprobs", e)
+        if owed_failed:
+            rows = [i for i in rows if not batch.seqs[i].finished]
         beam_rows = [i for i in rows if batch.seqs[i].group.beam is not None]
         if beam_rows:  # beam search: the rows wait for their requests' other beams
             self.beams.observe([batch.seqs[i] for i in beam_rows], logits[beam_rows])
             rows = [i for i in rows if batch.seqs[i].group.beam is None]
-        seqs = [batch.seqs[i] for i in rows]
-        params = [s.params for s in seqs]
-        picked = logits[rows]
-        if any(p.adjusts_logits for p in params):  # the raw logits; logprobs stay raw
-            picked = adjust_logits(
-                picked,
-                params,
-                [s.token_ids for s in seqs],
-                [s.num_prompt_tokens for s in seqs],
-                self.eos_token_ids,
-            )
-        # after the adjustments: the mask is final (a drafted row's was applied by verify)
-        guides = [None if i in drawn else s.guide for i, s in zip(rows, seqs)]
-        if any(g is not None for g in guides):
-            picked = mask_logits(picked, guides)
-        tokens = sample(picked, params, [s.generator for s in seqs])
-        if drawn:  # drafted sampled rows: verification drew their token
-            tokens = [drawn.get(i, t) for i, t in zip(rows, tokens)]
-        entries: dict[Seq, list[dict[int, Logprob]]] = {}
-        if any(s.logprobs is not None for s in seqs):
-            entries = self._step_logprobs(logits, rows, seqs, tokens, accepted, kept_logits)
+        seqs, tokens, entries = self._pick_tokens(logits, rows, drawn, accepted, kept_logits, batch)
         t3 = time.perf_counter()
         self._append_tokens(seqs, tokens, accepted, entries)
         if beam_rows:
@@ -443,6 +430,128 @@ class Engine:
         outs = self.drain()
         self._stats.record_step(t0, t1, t2, t3)
         return outs
+
+    def _pick_tokens(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        drawn: dict[int, int],
+        accepted: dict[Seq, list[int]],
+        kept_logits: dict[Seq, torch.Tensor],
+        batch: ScheduledBatch,
+    ) -> tuple[list[Seq], list[int], dict[Seq, list[dict[int, Logprob]]]]:
+        """The sampled token (and logprobs entries) of each batch row in ``rows``: logit
+        adjustments, the guided mask, sampling, logprobs, each batched over the rows and
+        contained (:meth:`_contained`): a row whose stage raises ends with "error" and drops
+        out; the sequences that remain, their tokens and entries are returned."""
+        seqs = [batch.seqs[i] for i in rows]
+        picked = logits[rows]  # a copy: the stages below modify it, never ``logits``
+        if any(s.params.adjusts_logits for s in seqs):  # the raw logits; logprobs stay raw
+
+            def adjust(js: list[int]) -> torch.Tensor:
+                ss = [seqs[j] for j in js]
+                return adjust_logits(
+                    picked if len(js) == len(seqs) else logits[[rows[j] for j in js]],
+                    [s.params for s in ss],
+                    [s.token_ids for s in ss],
+                    [s.num_prompt_tokens for s in ss],
+                    self.eos_token_ids,
+                )
+
+            seqs, rows, picked = self._contained_rows("logit adjustment", seqs, rows, adjust)
+        # after the adjustments: the mask is final (a drafted row's was applied by verify)
+        if any(s.guide is not None and i not in drawn for i, s in zip(rows, seqs)):
+
+            def guide(js: list[int]) -> torch.Tensor:
+                part = picked if len(js) == len(seqs) else picked[js]  # masking is idempotent
+                g = [None if rows[j] in drawn else seqs[j].guide for j in js]
+                return mask_logits(part, g)
+
+            seqs, rows, picked = self._contained_rows("guided decoding", seqs, rows, guide)
+
+        def draw(js: list[int]) -> list[int]:
+            part = picked if len(js) == len(seqs) else picked[js]
+            return sample(part, [seqs[j].params for j in js], [seqs[j].generator for j in js])
+
+        kept, tokens = self._contained("sampling", seqs, draw)
+        if len(kept) < len(seqs):
+            seqs, rows = [seqs[j] for j in kept], [rows[j] for j in kept]
+        if drawn:  # drafted sampled rows: verification drew their token
+            tokens = [drawn.get(i, t) for i, t in zip(rows, tokens)]
+        entries: dict[Seq, list[dict[int, Logprob]]] = {}
+        if any(s.logprobs is not None for s in seqs):
+
+            def logprobs(js: list[int]) -> list[list[dict[int, Logprob]] | None]:
+                ss = [seqs[j] for j in js]
+                if all(s.logprobs is None for s in ss):  # one row alone that wants none
+                    return [None] * len(ss)
+                got = self._step_logprobs(
+                    logits, [rows[j] for j in js], ss, [tokens[j] for j in js], accepted,
+                    kept_logits,
+                )  # fmt: skip
+                return [got.get(s) for s in ss]
+
+            kept, lists = self._contained("logprobs", seqs, logprobs)
+            entries = {seqs[j]: e for j, e in zip(kept, lists) if e is not None}
+            if len(kept) < len(seqs):
+                seqs, tokens = [seqs[j] for j in kept], [tokens[j] for j in kept]
+        return seqs, tokens, entries
+
+    def _contained(
+        self, stage: str, seqs: list[Seq], fn: Callable[[list[int]], Sequence[T]]
+    ) -> tuple[list[int], Sequence[T]]:
+        """Run a per-sequence stage batched: ``fn(positions)`` gives one result per position
+        of ``seqs``. If the batch raises, each position runs alone and those that raise end
+        with "error" (:meth:`_fail_sequence`); the others' results are what the batch would
+        have given (each row's maths is its own). Returns the positions kept and their
+        results. The common path costs one ``try`` (free in CPython 3.11+)."""
+        every = list(range(len(seqs)))
+        try:
+            return every, fn(every)
+        except Exception as batch_error:
+            if len(seqs) == 1:
+                self._fail_sequence(seqs[0], stage, batch_error)
+                return [], []
+        kept: list[int] = []
+        out: list[T] = []
+        for j in every:
+            try:
+                (r,) = fn([j])
+            except Exception as e:
+                self._fail_sequence(seqs[j], stage, e)
+                continue
+            kept.append(j)
+            out.append(r)
+        return kept, out
+
+    def _contained_rows(
+        self,
+        stage: str,
+        seqs: list[Seq],
+        rows: list[int],
+        fn: Callable[[list[int]], torch.Tensor],
+    ) -> tuple[list[Seq], list[int], torch.Tensor]:
+        """:meth:`_contained` for a stage giving a ``[len(positions), V]`` tensor: the
+        sequences and batch rows kept and their rows of it."""
+        kept, out = self._contained(stage, seqs, fn)
+        if len(kept) == len(seqs):
+            return seqs, rows, out if isinstance(out, torch.Tensor) else torch.stack(out)
+        rest = torch.stack(out) if out else torch.empty(0, 0)
+        return [seqs[j] for j in kept], [rows[j] for j in kept], rest
+
+    def _fail_sequence(self, seq: Seq, stage: str, error: BaseException) -> None:
+        """A per-sequence stage raised for ``seq``: it alone ends with "error" (its pages
+        released, nothing of it published; the error is its request's ``error``) and the
+        step goes on for every other sequence."""
+        group = seq.group
+        msg = f"{stage} failed: {error}" if str(error) else f"{stage} failed: {error!r}"
+        if group.error is None:
+            group.error = msg
+        log.warning("request %s: %s; it alone ends with error", group.request_id, msg)
+        self._stats.record_sequence_error()
+        if not seq.finished:
+            self._finish(seq, "error", insert=False)
+        self._news[group.request_id] = group
 
     def drain(self) -> list[RequestOutput]:
         """Outputs of the requests with news since the last ``step()`` or ``drain()`` (streamed
@@ -528,10 +637,10 @@ class Engine:
             if keep:
                 return self.runner.forward_hidden(inputs, keep, cascade=cascade, cascade_rows=rows)
             return self.runner.forward(inputs, cascade=cascade, cascade_rows=rows), []
-        except Exception:
+        except Exception as e:
             if self.speculator is not None:
                 self.speculator.discard(batch, drafts)
-            self._fail_batch(batch)
+            self._fail_batch(batch, e)
             raise
 
     def _plan_cascade(
@@ -617,28 +726,36 @@ class Engine:
 
     def _record_prompt_logprobs(
         self, seqs: list[Seq], past: list[int], hidden: list[torch.Tensor]
-    ) -> None:
+    ) -> list[tuple[Seq, Exception]]:
         """Append the prompt logprobs this step's chunk yields to each sequence's request: the
         chunk's position q (``past`` + row) predicts prompt token q + 1. Positions that already
         have theirs (recomputed after a preemption) and the prompt's last position (it predicts
         the first output token) are skipped."""
+        failed = []
         for seq, p0, h in zip(seqs, past, hidden):
-            owed = seq.group.prompt_logprobs
-            assert owed is not None
-            first = len(owed) - 1  # the next position owed; the match stopped at or before it
-            assert p0 <= first, (seq, p0, first)
-            end = min(p0 + h.shape[0], seq.num_prompt_tokens - 1)
-            if end <= first:
-                continue
-            owed += prompt_logprobs(
-                h[first - p0 : end - p0],
-                self.runner.logits,
-                seq.token_ids[first + 1 : end + 1].tolist(),
-                seq.params.prompt_logprobs or 0,  # (set: the group owes them)
-                self._token_texts,
-                self.vocab_size,
-                seq.params.logprob_token_ids,
-            )
+            try:
+                self._record_prompt_logprobs_of(seq, p0, h)
+            except Exception as e:  # this sequence alone ends with "error", after the step's
+                failed.append((seq, e))  # bookkeeping (Scheduler.after_forward) counted it
+        return failed
+
+    def _record_prompt_logprobs_of(self, seq: Seq, p0: int, h: torch.Tensor) -> None:
+        owed = seq.group.prompt_logprobs
+        assert owed is not None
+        first = len(owed) - 1  # the next position owed; the match stopped at or before it
+        assert p0 <= first, (seq, p0, first)
+        end = min(p0 + h.shape[0], seq.num_prompt_tokens - 1)
+        if end <= first:
+            return
+        owed += prompt_logprobs(
+            h[first - p0 : end - p0],
+            self.runner.logits,
+            seq.token_ids[first + 1 : end + 1].tolist(),
+            seq.params.prompt_logprobs or 0,  # (set: the group owes them)
+            self._token_texts,
+            self.vocab_size,
+            seq.params.logprob_token_ids,
+        )
 
     def _append_tokens(
         self,
@@ -664,24 +781,27 @@ class Engine:
             ahead = drafted.get(seq)
             logged = iter(entries.get(seq, ()))
             reason = None
-            if ahead:  # only a stop string can end the output inside them (speculative.py)
-                del seq.token_ids[-len(ahead) :]
-                for d in ahead:
-                    reason = self._accept(seq, d, next(logged, None))
+            try:  # free unless it raises: then this sequence alone ends with "error"
+                if ahead:  # only a stop string can end the output inside them (speculative.py)
+                    del seq.token_ids[-len(ahead) :]
+                    for d in ahead:
+                        reason = self._accept(seq, d, next(logged, None))
+                        appended += 1
+                        if reason is not None:  # the drafts past it were computed, not output
+                            seq.num_computed = min(seq.num_computed, len(seq.token_ids))
+                            break
+                if reason is None:
+                    reason = self._accept(seq, tok, next(logged, None))
                     appended += 1
-                    if reason is not None:  # the drafts past it were computed, not output
-                        seq.num_computed = min(seq.num_computed, len(seq.token_ids))
-                        break
-            if reason is None:
-                reason = self._accept(seq, tok, next(logged, None))
-                appended += 1
-            guide = seq.guide
-            if jump and guide is not None and seq.logprobs is None:
-                while reason is None and (forced := guide.forced()) is not None:
-                    reason = self._accept(seq, forced)  # computed with the next step's chunk
-                    appended += 1
-            if reason is not None:
-                self._finish(seq, reason)
+                guide = seq.guide
+                if jump and guide is not None and seq.logprobs is None:
+                    while reason is None and (forced := guide.forced()) is not None:
+                        reason = self._accept(seq, forced)  # computed with the next step's chunk
+                        appended += 1
+                if reason is not None:
+                    self._finish(seq, reason)
+            except Exception as e:  # a grammar, a stop string, the detokenizer...
+                self._fail_sequence(seq, "appending its token", e)
         self._stats.record_generated(appended)
 
     def _advance_beams(self) -> None:
@@ -739,16 +859,23 @@ class Engine:
             return
         self.scheduler.finish(seq, reason, insert=insert)
         d = seq.detok
-        if seq.live_detok:
-            d.flush()
-        else:  # decode once at the end instead of every step
-            d.text = decode_output(
-                self.tokenizer,
-                seq.output_ids,
-                ends_with_stop_token=isinstance(seq.stop_reason, int),
-                skip_special_tokens=seq.params.skip_special_tokens,
-            )
         group = seq.group
+        try:  # the KV is released already: a failing detokenizer costs only this text
+            if seq.live_detok:
+                d.flush()
+            else:  # decode once at the end instead of every step
+                d.text = decode_output(
+                    self.tokenizer,
+                    seq.output_ids,
+                    ends_with_stop_token=isinstance(seq.stop_reason, int),
+                    skip_special_tokens=seq.params.skip_special_tokens,
+                )
+        except Exception as e:
+            msg = f"detokenizing failed: {e}"
+            group.error = group.error or msg
+            log.warning("request %s: %s; it alone ends with error", group.request_id, msg)
+            self._stats.record_sequence_error()
+            reason = seq.finish_reason = "error"
         done = group.finished
         if done:
             self._retire(group)
@@ -762,19 +889,36 @@ class Engine:
         group.metrics.latency = now - group.metrics.arrival_time
         self._live.pop(group.request_id, None)
 
-    def _fail_batch(self, batch: ScheduledBatch) -> None:
-        """A forward raised: every sequence in the batch ends with "error" (its KV of this step
-        is garbage, so nothing it computed is published); the rest keep running."""
+    def _fail_batch(self, batch: ScheduledBatch, error: BaseException) -> None:
+        """A forward raised (shared state: the model, the KV pool): every sequence in the batch
+        ends with "error", its request's ``error`` saying why (its KV of this step is garbage,
+        so nothing it computed is published); the rest keep running. Logged and counted
+        (``num_batch_failures``): the engine is clean again (pages and locks released)."""
         self.scheduler.fail_batch(batch)
+        msg = f"the batch's model forward failed: {error!r}"
         for seq in batch.seqs:
+            if seq.group.error is None:
+                seq.group.error = msg
             if not seq.finished:
                 self._finish(seq, "error", insert=False)
+        self._stats.record_batch_failure()
+        log.error(
+            "step failed in shared state (%r): its %d sequences ended with error, their pages "
+            "and locks released; the engine serves on",
+            error,
+            len(batch.seqs),
+        )
 
     def _fail_unschedulable(self) -> None:
         """A step scheduled nothing. With nothing running, nothing could be admitted: the head
         of the queue cannot fit (pages pinned by sessions), so fail it rather than spin."""
         if self.scheduler.waiting and not self.scheduler.running:
-            self._finish(self.scheduler.waiting[0], "error", insert=False)
+            head = self.scheduler.waiting[0]
+            head.group.error = head.group.error or (
+                "the request cannot be admitted: its pages do not fit beside those that "
+                "sessions pin"
+            )
+            self._finish(head, "error", insert=False)
 
     # ------------------------------------------------------------------ convenience
     def generate(

@@ -71,6 +71,12 @@ ANY_JSON_GRAMMAR = "start: %json {}\n"
 # tokens a walk can be rolled back (drafts judged and refused, speculative.py): the most
 # drafts a step can carry (EngineConfig.num_speculative_tokens)
 MAX_ROLLBACK = 64
+# llguidance's parser limits (LLParserLimits' defaults, kept): a grammar that needs more fails
+# at intake (GuideCompiler.compile), not mid-generation
+MAX_ITEMS_IN_ROW = 2000  # Earley items in one row: about one per alternative of a rule
+MAX_GRAMMAR_SIZE = 500_000
+# alternatives one rule may have: a rule of n alternatives puts n + 1 items in one row
+MAX_RULE_ALTERNATIVES = MAX_ITEMS_IN_ROW - 1
 # a GBNF/EBNF grammar (llama.cpp's, xgrammar's) defines its rules with "::="; Lark with ":"
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
 
@@ -138,6 +144,36 @@ def grammar_lark(grammar: str) -> str:
         return gbnf_to_lark(grammar)
     except Exception as e:  # its own error type, with the line and the place
         raise ValueError(f"guided decoding cannot use the grammar (GBNF): {e}") from None
+
+
+# a Lark rule's head: "name:", "?name:", "!name.2:" (a lower-case name: a rule the Earley
+# parser walks; an upper-case one is a terminal, compiled into the lexer and not limited so)
+_LARK_HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?[ \t]*:", re.MULTILINE)
+# what may hold a "|" that is not an alternative: strings, regexes, comments
+_LARK_OPAQUE = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"i?|/(?![/*])(?:[^/\\\n]|\\.)+/[a-z]*|//[^\n]*|#[^\n]*'
+)
+
+
+def check_rule_sizes(lark: str) -> None:
+    """ValueError naming the limit when a rule of the Lark grammar has more alternatives
+    (counted over all its groups) than the Earley parser can hold in one row: such a grammar
+    compiles, then fails at the first token (llguidance: "Current row has N items")."""
+    bare = _LARK_OPAQUE.sub('""', lark)
+    heads = list(_LARK_HEAD.finditer(bare))
+    for head, nxt in zip(heads, [*heads[1:], None]):
+        name = head.group(1)
+        if name[0].isupper() or name.startswith("%"):
+            continue
+        body = bare[head.end() : None if nxt is None else nxt.start()]
+        alternatives = body.count("|") + 1
+        if alternatives > MAX_RULE_ALTERNATIVES:
+            raise ValueError(
+                f"guided grammar: rule {name!r} has {alternatives} alternatives; the limit is "
+                f"{MAX_RULE_ALTERNATIVES} per rule (the grammar parser holds at most "
+                f"{MAX_ITEMS_IN_ROW} items in one row); split it into nested rules or make it "
+                "a terminal (an upper-case rule)"
+            )
 
 
 def _keywords(node: object) -> set[str]:
@@ -305,15 +341,28 @@ class GuideCompiler:
         import llguidance
 
         lark = grammar_lark(grammar)
+        check_rule_sizes(lark)
         tokenizer = self._ll_vocab()
         matcher = llguidance.LLMatcher(
             tokenizer,
             llguidance.LLMatcher.grammar_from_lark(lark),
             log_level=0,  # errors are read here and raised, not printed
-            limits=llguidance.LLParserLimits(verbose_errors=False),  # no parser dumps
+            limits=llguidance.LLParserLimits(  # no parser dumps
+                verbose_errors=False,
+                max_items_in_row=MAX_ITEMS_IN_ROW,
+                max_grammar_size=MAX_GRAMMAR_SIZE,
+            ),
         )
         if matcher.is_error():  # a syntax error, an unknown rule, a bad regex, no start
             raise ValueError(f"guided decoding cannot use the grammar: {matcher.get_error()}")
+        # The Earley parser's limits (a rule of more than MAX_ITEMS_IN_ROW alternatives) are
+        # met when the first mask is computed: meet them here, at intake, on a throwaway copy,
+        # never first in the middle of a batch
+        probe = matcher.deep_copy()
+        words = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if probe.is_error():
+            raise ValueError(_limit_message(probe.get_error()))
         for warning in matcher.get_grammar_warnings():
             log.warning("guided grammar: %s", warning)
         return matcher
@@ -399,23 +448,19 @@ class _GrammarWalk:
     """One sequence's walk through a grammar: its own copy of the compiled llguidance matcher
     (the Earley parser's state; the compiled lexer and grammar are shared)."""
 
-    __slots__ = ("_matcher", "_warned")
+    __slots__ = ("_matcher",)
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
-        self._warned = False
 
     def fork(self) -> _GrammarWalk:
-        twin = _GrammarWalk(self._matcher.deep_copy())
-        twin._warned = self._warned
-        return twin
+        return _GrammarWalk(self._matcher.deep_copy())
 
     def write_mask(self, words: np.ndarray) -> None:
         m = self._matcher
         m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if m.is_error() and not self._warned:  # a parser limit: the mask is empty, it ends
-            self._warned = True
-            log.warning("guided grammar: the parser stopped: %s", m.get_error())
+        if m.is_error():  # a parser limit met past the start: this sequence ends with "error"
+            raise ValueError(_limit_message(m.get_error()))
 
     def advance(self, token: int) -> None:
         m = self._matcher
@@ -429,6 +474,15 @@ class _GrammarWalk:
     def done(self) -> bool:
         # nothing but EOS may follow (also after a parser error: the output ends there)
         return self._matcher.is_stopped()
+
+
+def _limit_message(error: str) -> str:
+    """A parser error as the engine reports it, naming the limit it most likely hit."""
+    return (
+        f"guided grammar exceeds the parser's limits (at most {MAX_ITEMS_IN_ROW} Earley items "
+        f"in one row: a rule with about {MAX_ITEMS_IN_ROW} or more alternatives; "
+        f"{MAX_GRAMMAR_SIZE} grammar symbols in all): {error.strip().splitlines()[0]}"
+    )
 
 
 class TokenGuide:

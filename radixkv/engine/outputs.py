@@ -106,6 +106,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # the engine's weight version when this output was made (Engine.update_weights): the
     # weights of its latest tokens
     weight_version: str = "default"
+    # why a sample ended with finish_reason "error" (its grammar, sampling, detokenizing... or
+    # a failed batch forward), else None; only that request's own error
+    error: str | None = None
 
 
 class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,6 +173,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_requests: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    # failures contained: samples ended alone with "error" by a per-sequence stage (grammar,
+    # sampling, logprobs, detokenizing, stop strings), and batches failed whole by an error of
+    # shared state (the model forward) after which the engine recovered
+    num_sequence_errors: int = 0
+    num_batch_failures: int = 0
     num_preemptions: int = 0
     # weight updates (Engine.update_weights): how many, the running sequences they sent back
     # to be recomputed, and the cached pages they dropped (KV of the old weights)
@@ -281,6 +289,12 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     def record_abort(self) -> None:
         self.num_aborted += 1
+
+    def record_sequence_error(self) -> None:
+        self.num_sequence_errors += 1
+
+    def record_batch_failure(self) -> None:
+        self.num_batch_failures += 1
 
     def record_weight_update(self, update: WeightUpdate) -> None:
         self.weight_updates += 1

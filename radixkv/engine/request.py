@@ -196,6 +196,7 @@ class RequestGroup:
         "_emitted_tokens",
         "beam",
         "cache_namespace",
+        "error",
         "lora",
         "metrics",
         "namespace",
@@ -241,6 +242,8 @@ class RequestGroup:
         # the engine's weight version, set at submission and by each weight update it lives
         # through (Engine.update_weights)
         self.weight_version = "default"
+        # why a sample ended with "error" (the first such error's message), else None
+        self.error: str | None = None
         # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first
         # token has none), appended in order by the engine as sample 0's prefill goes
         # (None up to prompt_logprobs_start: those tokens get none)
@@ -276,6 +279,7 @@ class RequestGroup:
             namespace=self.namespace,
             lora=None if self.lora is None else self.lora.name,
             weight_version=self.weight_version,
+            error=self.error,
             prompt_logprobs=(
                 list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
             ),

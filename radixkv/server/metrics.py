@@ -235,6 +235,16 @@ _ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
         "Requests aborted before they finished (client gone, cancelled, server shutdown)",
         "num_aborted",
     ),
+    "num_sequence_errors": (
+        "counter",
+        "Sequences ended alone with an error while served (grammar, sampling, detokenizing...)",
+        "num_sequence_errors",
+    ),
+    "num_batch_failures": (
+        "counter",
+        "Batches failed whole by a model forward error (the engine recovered)",
+        "num_batch_failures",
+    ),
     "num_preemptions": (
         "counter",
         "Sequences preempted to free KV pages (they resume from their cached pages)",

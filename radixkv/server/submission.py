@@ -21,6 +21,12 @@ from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended this request alone with finish_reason "error" (``RequestOutput.error``:
+    its grammar, sampling, detokenizing... failed, or its batch's forward did); the other
+    requests went on. The server answers it as this request's own 500."""
+
+
 @dataclass(frozen=True)
 class Echo:
     """What every choice of one prompt starts with (``echo=true``): the prompt's text, the
@@ -115,6 +121,9 @@ class Submission:
                 namespace=namespace,
                 lora=self.lora,
             ):
+                if out.finished and out.error is not None:  # the engine ended it alone
+                    self._events.put_nowait((i, RequestFailed(out.error)))
+                    return
                 self._events.put_nowait((i, out))
         except Exception as e:  # submission error (ValueError, QueueFull) or a failed step
             self._events.put_nowait((i, e))
