@@ -183,11 +183,13 @@ def build_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
-def write_tokenizer_files(folder: Path, *, eos_in_generation_config: Any = EOS_ID) -> None:
+def train_byte_level_bpe(pre_tokenizer: Any = None) -> Any:
+    """A 300-token byte-level BPE trained on CORPUS, the three ChatML specials as ids 0-2;
+    ``pre_tokenizer`` replaces the plain ByteLevel split (the GGUF tests' pre-tokenizers)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
@@ -196,6 +198,11 @@ def write_tokenizer_files(folder: Path, *, eos_in_generation_config: Any = EOS_I
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def write_tokenizer_files(folder: Path, *, eos_in_generation_config: Any = EOS_ID) -> None:
+    tok = train_byte_level_bpe()
     assert tok.token_to_id("<|im_end|>") == EOS_ID
     tok.save(str(folder / "tokenizer.json"))
     tok_cfg = {

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _model_hf_builders import CHATML, CORPUS
+from _model_hf_builders import CHATML, train_byte_level_bpe
 
 # HF names -> llama.cpp's (written out here rather than taken from radixkv: the test's own table)
 TOP = {
@@ -81,18 +81,7 @@ def random_k_blocks(qtype: str, shape: tuple[int, int], seed: int) -> np.ndarray
 def byte_level_vocab(pre_split: Any = None) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token types) of a byte-level BPE trained on the test corpus; the
     three ChatML specials are CONTROL tokens 0-2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_split or pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok = train_byte_level_bpe(pre_split)
     model = json.loads(tok.to_str())["model"]
     vocab: dict[str, int] = model["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
