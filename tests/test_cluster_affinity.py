@@ -384,6 +384,8 @@ class _FakeMethod:
 
     def remote(self, *, pin_replica: str) -> object:
         got = self.answers[pin_replica]
+        if isinstance(got, list):  # one answer per call, in order
+            got = got.pop(0)
         cancelled = self.cancelled
 
         class _Response:
@@ -427,6 +429,24 @@ def test_reset_fanout_reports_each_replica_and_survives_failures() -> None:
     )
     none = asyncio.run(call_every_replica(handle, "reset_prefix_cache", []))
     assert reset_report(none)[0] == 503 and reset_report(none)[1]["status"] == "failed"
+
+
+def test_a_pin_answered_by_another_replica_is_asked_again() -> None:
+    names = [f"SERVE_REPLICA::app#RadixKVReplica#{u}" for u in ("u1", "u2")]
+    method = _FakeMethod(
+        {
+            "u1": {"replica": names[0], "version": 1},
+            # the router's candidates lacked u2 twice (another replica answered), then found it
+            "u2": [{"replica": names[0]}, {"replica": names[0]}, {"replica": names[1]}],
+        }
+    )
+    handle = type("H", (), {"reset_prefix_cache": method})()
+    res = asyncio.run(call_every_replica(handle, "reset_prefix_cache", names, timeout_s=5))
+    assert sorted(res.answers) == names and res.failed == {}
+    assert method.answers["u2"] == []  # asked three times
+    method.answers["u2"] = [{"replica": names[0]}] * 10  # never reachable: the miss is reported
+    res = asyncio.run(call_every_replica(handle, "reset_prefix_cache", names, timeout_s=5))
+    assert list(res.answers) == [names[0]] and "4 attempts" in res.failed[names[1]]
 
 
 def test_weight_update_fanout_report() -> None:

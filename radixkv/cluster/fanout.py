@@ -13,7 +13,9 @@ then delivers only one of them (the others wait forever).
 Every answer names the replica that produced it. A call that raises (the replica died), times
 out, or is answered by another replica (the pinned one was not, or no longer, among the
 handle's candidates, so the router fell back to routing it normally) fails *for that replica*:
-the others still count, and the report says which failed and why.
+the others still count, and the report says which failed and why. A call answered by another
+replica is first asked again a few times (a router's candidate list can lag under load), so
+the methods fanned out must be idempotent (a reset, a weight load, a stats read are).
 
 Importing this module needs no Ray (the listing and the fresh request ids import it when
 called, and the fan-out works without it), so the fan-out and the report are testable with a
@@ -39,6 +41,11 @@ RESET_PATH = "/reset_prefix_cache"
 WEIGHTS_PATH = "/update_weights_from_disk"  # SGLang's; every replica reads the checkpoint
 
 T = TypeVar("T")
+
+# A pinned call answered by another replica is asked again this many times in all, waiting
+# PIN_RETRY_WAIT_S x the attempt number between (within the call's timeout)
+PIN_ATTEMPTS = 4
+PIN_RETRY_WAIT_S = 0.25
 
 
 def replica_actor_names(app_name: str, deployment: str = "RadixKVReplica") -> list[str]:
@@ -114,25 +121,38 @@ async def call_every_replica(
     call = getattr(handle, method)
 
     async def one(name: str) -> None:
-        response = as_own_request(lambda: call.remote(pin_replica=pin_id(name), **kwargs))
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for attempt in range(PIN_ATTEMPTS):
+            response = as_own_request(lambda: call.remote(pin_replica=pin_id(name), **kwargs))
 
-        async def wait() -> Any:
-            return await response
+            async def wait(response: Any = response) -> Any:
+                return await response
 
-        try:
-            got = await asyncio.wait_for(wait(), timeout_s)
-        except TimeoutError:
-            response.cancel()
-            result.failed[name] = f"no answer within {timeout_s:g} s"
-            return
-        except Exception as e:  # the replica died or the call failed there: this replica only
-            result.failed[name] = f"{type(e).__name__}: {e}"[:300]
-            return
-        if not isinstance(got, dict) or got.get("replica") != name:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                got = await asyncio.wait_for(wait(), max(left, 0.001))
+            except TimeoutError:
+                response.cancel()
+                result.failed[name] = f"no answer within {timeout_s:g} s"
+                return
+            except Exception as e:  # the replica died or the call failed there: this replica only
+                result.failed[name] = f"{type(e).__name__}: {e}"[:300]
+                return
+            if isinstance(got, dict) and got.get("replica") == name:
+                result.answers[name] = got
+                result.failed.pop(name, None)
+                return
+            # Another replica answered: the router's candidate list lacked the pinned one for
+            # a moment (under load Ray's default router refreshes it late) and it fell back to
+            # routing normally. The fanned-out methods are idempotent, so ask again.
             other = got.get("replica") if isinstance(got, dict) else type(got).__name__
-            result.failed[name] = f"not reachable by pinning (answered by {other})"
-            return
-        result.answers[name] = got
+            result.failed[name] = (
+                f"not reachable by pinning (answered by {other}, {attempt + 1} attempts)"
+            )
+            pause = PIN_RETRY_WAIT_S * (attempt + 1)
+            if deadline - asyncio.get_running_loop().time() <= pause:
+                return  # no time left to ask again: the miss stands
+            await asyncio.sleep(pause)
 
     await asyncio.gather(*(one(n) for n in result.replicas))
     return result
