@@ -5,7 +5,8 @@ Every system reads the same file. radixkv loads it itself (``smollm2-135m-instru
 tensors dequantized to float32 at load); transformers through its own GGUF path
 (``from_pretrained(folder, gguf_file=...)``, float32); llama.cpp through ``llama-cpp-python``
 twice: on the file as shipped (Q4_1, KV in f16) and on an f32 GGUF of the dequantized weights
-(written here with ``gguf``'s reader and writer, KV in f32), with ``n_threads`` = the CPUs.
+(written here with ``gguf``'s reader and writer, KV in f32), with ``n_threads`` = the CPUs
+this process may use (all of them, or what ``taskset`` gives it; torch follows the same).
 
 Workloads (texts of radixkv/engine/chat_workload.py, rendered with the model's chat template;
 the token ids are made once and given to every system; greedy, exactly ``--new`` tokens an
@@ -192,7 +193,7 @@ def llama_cpp_systems(gguf: Path, kind: str, ctx: int, extra_buffers: bool = Tru
             return params
 
         low_level.llama_model_default_params = no_extra_buffers
-    threads = os.cpu_count() or 1
+    threads = len(os.sched_getaffinity(0))  # the CPUs this process may use (taskset)
     kv = {"f32": 0}.get(kind)  # GGML_TYPE_F32 for the f32 file; the default f16 otherwise
     llm = llama_cpp.Llama(str(gguf), n_ctx=ctx, n_batch=2048, n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads, type_k=kv, type_v=kv, seed=0,
@@ -474,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     last: dict[str, Any] = {}
     memory: dict[str, Any] | None = None
     head: dict[str, Any] = {
-        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, load average at start "
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} for "
+        f"this run, every system as many threads), load average at start "
         f"{os.getloadavg()[0]:.1f} (a machine shared with other jobs: times are medians of "
         "interleaved rounds)",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
