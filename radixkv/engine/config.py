@@ -253,8 +253,8 @@ class EngineConfig:
     fair_admission: bool = field(
         default=True,
         metadata=_cli(
-            "admit waiting requests of different tenants (API keys) in arrival order of the "
-            "queue instead of interleaving them, least-served tenant first",
+            "admit waiting requests in the schedule policy's order over the whole queue instead "
+            "of interleaving tenants (API keys), the one running fewest first",
             flag="--disable-fair-admission",
         ),
     )
