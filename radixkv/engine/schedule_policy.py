@@ -75,6 +75,8 @@ def fair_order(
     cap) are left out. Each tenant's queue is cut to ``MAX_CANDIDATES`` by its policy, as one
     queue is, so one tenant's thousand waiting requests cannot push the others' out of view.
     """
+    if max_running is None and len({s.tenant for s in waiting}) <= 1:
+        return order(waiting, kv)  # one tenant, no cap: exactly the policy's order
     queues: dict[str | None, deque[Sequence]] = {}
     head: dict[str | None, int] = {}  # queue position of each tenant's first waiting sequence
     for i, s in enumerate(waiting):
@@ -84,8 +86,6 @@ def fair_order(
             queues[t] = q = deque()
             head[t] = i
         q.append(s)
-    if len(queues) == 1 and max_running is None:
-        return order(waiting, kv)  # one tenant, no cap: exactly the policy's order
     cap = math.inf if max_running is None else max_running
     ranked = {t: order(q, kv) for t, q in queues.items()}
     # (running so far, head position, tenant): head positions differ, tenants never compared
