@@ -17,7 +17,7 @@ count against ``tenant_max_waiting``. Which tenant's waiting request is admitted
 engine's fair admission (engine/schedule_policy.py). The server-wide ``max_queue`` (503 for
 everyone) still bounds all tenants together; these limits keep one tenant from reaching it.
 
-Not thread-safe: used from the event loop only.
+Not thread-safe: counted from the event loop only (``load`` may be read from anywhere).
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ class TenantLimiter:
         self._load: dict[str, TenantLoad] = {}
 
     def load(self) -> dict[str, TenantLoad]:
-        """A copy of every tenant's load that is not zero."""
-        return {t: TenantLoad(v.waiting, v.running, v.queued_tokens) for t, v in self._load.items()}
+        """A copy of every tenant's load that is not zero (a snapshot: ``list`` copies the items
+        in one step, so another thread, a benchmark's or a test's, may call it too)."""
+        items = list(self._load.items())
+        return {t: TenantLoad(v.waiting, v.running, v.queued_tokens) for t, v in items}
 
     def admit(
         self,
