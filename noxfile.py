@@ -92,6 +92,7 @@ def bench(session: nox.Session) -> None:
         ("bench_cascade.py", "--dtype", "bfloat16"),
         ("bench_tuning.py",),
         ("bench_server.py",),
+        ("bench_fairness.py",),  # one tenant floods, another's TTFT, fair admission on/off
         ("bench_speculative_peers.py",),
         ("bench_beam_peers.py",),
         ("bench_score_peers.py",),

@@ -103,6 +103,13 @@ SECTIONS: list[tuple[str, str, str]] = [
         "`bench/bench_server.py`: the OpenAI-compatible server under concurrent streaming load.",
     ),
     (
+        "bench_fairness",
+        "HTTP server: fair admission",
+        "`bench/bench_fairness.py`: one tenant floods the server (a request of 256 prompts and "
+        "more), another sends a few streaming requests; the other tenant's time to first token "
+        "and the flood's completion, with the engine's fair admission on and off.",
+    ),
+    (
         "bench_cluster",
         "Cluster: prefix-affinity routing",
         "`bench/bench_cluster.py`: replicas behind the prefix-affinity router vs round robin.",

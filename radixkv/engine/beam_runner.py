@@ -26,11 +26,12 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from radixkv.engine.beam_search import BeamSearch, Continuation
+from radixkv.engine.beam_search import BeamSearch, Continuation, Hypothesis
 from radixkv.engine.detokenizer import IncrementalDetokenizer, decode_output
 from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.logprobs import TokenTexts
@@ -75,21 +76,49 @@ class BeamRunner:
         for seq in group.seqs:
             seq.live_detok = False
 
-    def observe(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Keep each beam's next-token log probabilities (``logits`` ``[B, V]``, its rows)."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        for seq, row in zip(seqs, logprobs):
-            self._rows.setdefault(seq.group, {})[seq] = row
-            seq.parked = True
+    def observe(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> list[tuple[RequestGroup, Exception]]:
+        """Keep each beam's next-token log probabilities (``logits`` ``[B, V]``, its rows).
+        Contained per request: a request whose row raises is returned with its error (the
+        engine ends it alone, with "error"), the others' rows are kept as without it."""
+        failed: dict[RequestGroup, Exception] = {}
+        try:
+            rows: list[torch.Tensor | None] = list(torch.log_softmax(logits.float(), dim=-1))
+        except Exception:  # one row at a time below: the failing one alone fails
+            rows = [None] * len(seqs)
+        for j, seq in enumerate(seqs):
+            if seq.group in failed:
+                continue
+            try:
+                row = rows[j]
+                self.keep(seq, torch.log_softmax(logits[j].float(), dim=-1) if row is None else row)
+            except Exception as e:
+                failed[seq.group] = e
+        for group in failed:
+            self.forget(group)
+        return list(failed.items())
+
+    def keep(self, seq: Sequence, row: torch.Tensor) -> None:
+        """Keep one beam's next-token log probabilities ``row`` ``[V]``; it waits (parked)
+        for its request's other beams."""
+        self._rows.setdefault(seq.group, {})[seq] = row
+        seq.parked = True
 
     def forget(self, group: RequestGroup) -> None:
         self._rows.pop(group, None)
 
-    def advance(self) -> tuple[list[RequestGroup], int]:
+    def advance(
+        self,
+    ) -> tuple[list[RequestGroup], int, list[tuple[RequestGroup, Exception]]]:
         """Take the step of every request whose live beams all have a row. Returns the
         requests whose search ended (their sequences are still live: the engine ends them,
-        ``finish``) and the number of tokens appended."""
+        ``finish``), the number of tokens appended, and the requests whose step raised (its
+        selection, its language, its logprobs...) with their errors: contained per request,
+        each left with its live beams consistent (:meth:`_salvage`) for the engine to end
+        with "error" while the others go on."""
         ended: list[RequestGroup] = []
+        failed: list[tuple[RequestGroup, Exception]] = []
         appended = 0
         for group in list(self._rows):
             rows = self._rows[group]
@@ -97,42 +126,82 @@ class BeamRunner:
             if any(s not in rows for s in beams):
                 continue  # a beam is still recomputing its tail
             del self._rows[group]
-            search = group.beam
-            assert search is not None
-            m = group.metrics
-            if m.first_token_time is None:  # its first step: the first tokens are chosen
-                m.first_token_time = time.monotonic()
-                m.ttft = m.first_token_time - m.arrival_time
-            num_generated = beams[0].num_output_tokens
-            history = None
-            if group.params.logprobs is not None:
-                history = ([s.logprobs or [] for s in beams], self.token_text)
-            allowed = None
-            if group.params.guided is not None:  # each beam's own position in the language
-                masks = []
-                for s in beams:
-                    assert s.guide is not None  # every beam of a guided request has one
-                    masks.append(s.guide.allowed())
-                allowed = torch.from_numpy(np.stack(masks))
-            nxt = search.step(
-                [s.cumulative_logprob for s in beams],
-                torch.stack([rows[s] for s in beams]).cpu(),
-                num_generated,
-                lambda i, b=beams: b[i].output_ids,
-                history,
-                allowed,
-            )
-            if search.done:
+            try:
+                n = self._step(group, beams, rows)
+            except Exception as e:
+                self._salvage(group)
+                failed.append((group, e))
+                continue
+            if n is None:
                 ended.append(group)
             else:
-                self._branch(group, beams, nxt)
-                appended += len(nxt)
-        return ended, appended
+                appended += n
+        return ended, appended, failed
+
+    def _step(
+        self, group: RequestGroup, beams: list[Sequence], rows: dict[Sequence, torch.Tensor]
+    ) -> int | None:
+        """One request's step: the tokens appended, or None when its search is over."""
+        search = group.beam
+        assert search is not None
+        m = group.metrics
+        if m.first_token_time is None:  # its first step: the first tokens are chosen
+            m.first_token_time = time.monotonic()
+            m.ttft = m.first_token_time - m.arrival_time
+        num_generated = beams[0].num_output_tokens
+        history = None
+        if group.params.logprobs is not None:
+            history = ([s.logprobs or [] for s in beams], self.token_text)
+        allowed = None
+        if group.params.guided is not None:  # each beam's own position in the language
+            masks = []
+            for s in beams:
+                assert s.guide is not None  # every beam of a guided request has one
+                masks.append(s.guide.allowed())
+            allowed = torch.from_numpy(np.stack(masks))
+        nxt = search.step(
+            [s.cumulative_logprob for s in beams],
+            torch.stack([rows[s] for s in beams]).cpu(),
+            num_generated,
+            lambda i, b=beams: b[i].output_ids,
+            history,
+            allowed,
+        )
+        if search.done:
+            return None
+        self._branch(group, beams, nxt)
+        return len(nxt)
+
+    def _salvage(self, group: RequestGroup) -> None:
+        """After a request's step raised midway (a fork made, a spare beam detached...): its
+        sequences become exactly those the scheduler holds (their pages and locks released
+        when the engine ends it), in beam order; a detached spare holds nothing and is marked
+        finished. At least one stays: a continuation's parent is never detached."""
+        self.forget(group)
+        held = {id(s) for s in self.scheduler.running} | {id(s) for s in self.scheduler.waiting}
+        mine = {id(s) for s in group.seqs}
+        forked = [
+            s
+            for s in (*self.scheduler.running, *self.scheduler.waiting)
+            if s.group is group and id(s) not in mine
+        ]
+        live = []
+        for s in (*group.seqs, *forked):
+            if id(s) in held:
+                s.parked = False
+                live.append(s)
+            elif not s.finished:
+                s.status = SeqStatus.FINISHED
+                s.finish_reason = "error"
+        for i, s in enumerate(live):
+            s.index = i
+        group.seqs = live
 
     def finish(self, group: RequestGroup, reason: str | None) -> list[CompletionOutput]:
         """End a search (``reason`` None: it ended; "abort"/"error": cut short): release every
         live beam (its computed full pages are published, so the cache keeps what the search
-        computed) and return the request's outputs, best first."""
+        computed) and return the request's outputs, best first (after an "error", every one
+        ends with "error", and there is one, empty, if no beam is left to show)."""
         self.forget(group)
         search = group.beam
         assert search is not None
@@ -142,6 +211,10 @@ class BeamRunner:
         )
         for s in live:
             self.scheduler.finish(s, reason or "stop")
+        if reason == "error":  # the request failed: what it had found is shown as it stood
+            hyps = [replace(h, finish_reason="error") for h in hyps] or [
+                Hypothesis([], 0.0, 0.0, "error")  # its last beam was the one that failed
+            ]
         outs = []
         for i, h in enumerate(hyps):
             text = decode_output(

@@ -247,6 +247,25 @@ class EngineConfig:
             choices=SCHEDULE_POLICIES,
         ),
     )
+    # fair admission (schedule_policy.py): waiting requests of different tenants
+    # (SamplingParams.tenant, which the server sets from the API key) are interleaved, the
+    # least-served tenant first; requests without a tenant are admitted as before
+    fair_admission: bool = field(
+        default=True,
+        metadata=_cli(
+            "admit waiting requests in the schedule policy's order over the whole queue instead "
+            "of interleaving tenants (API keys), the one running fewest first",
+            flag="--disable-fair-admission",
+        ),
+    )
+    tenant_max_running: int | None = field(
+        default=None,
+        metadata=_cli(
+            "most sequences of one tenant (API key) running at once; the rest wait their turn "
+            "(default: no cap but --max-running-requests)",
+            type=int,
+        ),
+    )
     enable_prefix_cache: bool = field(
         default=True,
         metadata=_cli(
@@ -442,6 +461,10 @@ class EngineConfig:
             _pos_int("chunked_prefill_size", self.chunked_prefill_size)
         _one_of("prefill_budget", self.prefill_budget, PREFILL_BUDGETS)
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if not isinstance(self.fair_admission, bool):
+            raise ValueError(f"fair_admission must be a bool, got {self.fair_admission!r}")
+        if self.tenant_max_running is not None:
+            _pos_int("tenant_max_running", self.tenant_max_running)
         if not isinstance(self.enable_prefix_cache, bool):
             raise ValueError(
                 f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"

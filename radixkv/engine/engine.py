@@ -404,8 +404,9 @@ class Engine:
         accepted: dict[Seq, list[int]] = {}  # drafted sequences: the drafts they keep
         drawn: dict[int, int] = {}  # drafted sampled or guided rows: verification's token
         kept_logits: dict[Seq, torch.Tensor] = {}  # ... wanting logprobs: the drafts' logits
+        spec_failed: list[tuple[Seq, Exception]] = []  # rows whose verification raised
         if spec is not None and drafts:  # cut rejected drafts before the step is recorded
-            accepted, drawn, kept_logits = spec.verify(
+            accepted, drawn, kept_logits, spec_failed = spec.verify(
                 batch, drafts, hidden[len(owing) :], logits, self.runner.logits
             )
         rows = self.scheduler.after_forward(batch)  # sequences that reached their last token
@@ -416,11 +417,14 @@ class Engine:
             )
         for seq, e in owed_failed:
             self._fail_sequence(seq, "prompt logprobs", e)
-        if owed_failed:
+        for seq, e in spec_failed:
+            self._fail_sequence(seq, "speculative verification", e)
+        if owed_failed or spec_failed:
             rows = [i for i in rows if not batch.seqs[i].finished]
         beam_rows = [i for i in rows if batch.seqs[i].group.beam is not None]
         if beam_rows:  # beam search: the rows wait for their requests' other beams
-            self.beams.observe([batch.seqs[i] for i in beam_rows], logits[beam_rows])
+            failed_beams = self.beams.observe([batch.seqs[i] for i in beam_rows], logits[beam_rows])
+            self._fail_beam_searches(failed_beams)
             rows = [i for i in rows if batch.seqs[i].group.beam is None]
         seqs, tokens, entries = self._pick_tokens(logits, rows, drawn, accepted, kept_logits, batch)
         t3 = time.perf_counter()
@@ -807,10 +811,18 @@ class Engine:
     def _advance_beams(self) -> None:
         """Take the step of each beam search request whose beams all have their logits now,
         and end the searches that are over."""
-        ended, appended = self.beams.advance()
+        ended, appended, failed = self.beams.advance()
         self._stats.record_generated(appended)
+        self._fail_beam_searches(failed)
         for group in ended:
             self._end_beam_search(group, None)
+
+    def _fail_beam_searches(self, failed: list[tuple[RequestGroup, Exception]]) -> None:
+        """Beam search requests whose step raised (beam_runner.py contains it per request):
+        each ends alone with "error", through one of its live beams (there is always one)."""
+        for group, e in failed:
+            live = next(s for s in group.seqs if not s.finished)
+            self._fail_sequence(live, "beam search", e)
 
     def _end_beam_search(self, group: RequestGroup, reason: str | None) -> None:
         """End a beam search request (``reason`` None: the search is over; "abort"/"error":

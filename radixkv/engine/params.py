@@ -213,6 +213,12 @@ class SamplingParams:
             can still beat the W best finished hypotheses at its current length; True stops
             as soon as W hypotheses are finished; "never" only when no beam could beat them
             even at ``max_tokens`` (with ``length_penalty`` > 0).
+        tenant: who the request is for, for fair admission (engine/schedule_policy.py): the
+            scheduler interleaves waiting requests of different tenants and caps each
+            tenant's running ones (``EngineConfig.tenant_max_running``). None (default): the
+            engine user's own requests, all one tenant (admitted exactly as without it). The
+            server sets it from the API key. It does not partition the prefix cache (the
+            namespace does).
 
     Raises:
         ValueError: on any out-of-range value or wrongly typed field (the message names it).
@@ -244,6 +250,7 @@ class SamplingParams:
     beam_width: int = 0
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -331,6 +338,8 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", float(rp))
         if not is_int(self.priority):
             raise ValueError(f"priority must be an int, got {self.priority!r}")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {self.tenant!r}")
         g = self.guided
         if isinstance(g, Mapping):
             try:

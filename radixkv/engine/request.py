@@ -142,6 +142,11 @@ class Sequence:
         return self.group.params
 
     @property
+    def tenant(self) -> str | None:
+        """Whose request this is, for fair admission (``SamplingParams.tenant``)."""
+        return self.group.params.tenant
+
+    @property
     def namespace(self) -> Namespace:
         """The prefix-cache namespace of its pages (the request's, or its LoRA adapter's)."""
         return self.group.cache_namespace

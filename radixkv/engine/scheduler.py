@@ -12,6 +12,10 @@ Each ``schedule()`` builds one mixed batch, in this order:
 2. admission of waiting sequences in the order of the schedule policy (schedule_policy.py:
    ``lpm``, longest cached prefix first; ``fcfs``, arrival; ``priority``, the requests'
    priority, then as lpm), while the budget, ``max_running_requests`` and the pool allow.
+   With fair admission (``EngineConfig.fair_admission``, the default) and requests that name
+   a tenant (``SamplingParams.tenant``), the tenants are interleaved, the one with the fewest
+   running sequences first, each in the policy's order, none past ``tenant_max_running``
+   (schedule_policy.fair_order).
    ``max_running_requests`` counts running slots: one per running sequence, except that a beam
    search request holds ``beam_width`` slots from the admission of its first beam until none of
    its beams runs (its beams fork into them without admission, beam_runner.py).
@@ -62,6 +66,7 @@ from radixkv.engine.kv_manager import SeqKV
 from radixkv.engine.names import SCHEDULE_POLICIES
 from radixkv.engine.prefill_cost import chunk_cost, max_chunk
 from radixkv.engine.request import RequestGroup, SeqStatus, Sequence
+from radixkv.engine.schedule_policy import fair_order
 from radixkv.model.runner import SeqInput
 from radixkv.pages import pages_for
 
@@ -147,6 +152,11 @@ class Scheduler:
         self.policy = config.schedule_policy
         self.step_overhead_tokens = step_overhead_tokens
         self._admission_order = SCHEDULE_POLICIES[config.schedule_policy]
+        # fair admission (schedule_policy.fair_order): tenants interleaved once any request
+        # names one (until then every request is the engine user's: the policy's order as is)
+        self.fair = config.fair_admission
+        self.tenant_max_running = config.tenant_max_running
+        self._tenanted = config.tenant_max_running is not None
         # None: the budget counts new tokens only
         self._ratio = attention_ratio if config.prefill_budget == "attention" else None
         self.waiting: deque[Sequence] = deque()
@@ -158,6 +168,8 @@ class Scheduler:
         """Queue a sequence holding no pages (``front``: ahead of the others, as a preempted
         one goes)."""
         seq.status = SeqStatus.WAITING
+        if seq.tenant is not None:
+            self._tenanted = True
         if front:
             self.waiting.appendleft(seq)
         else:
@@ -349,12 +361,32 @@ class Scheduler:
         overhead = self.step_overhead_tokens + decode_rows
         return math.ceil(math.sqrt(waiting * overhead / max(cost, 1.0)))
 
+    def _candidates(self) -> list[Sequence]:
+        """The waiting sequences in the order to try them (schedule_policy.py): the policy's,
+        interleaved by tenant under fair admission."""
+        if not (self.fair and self._tenanted):
+            return self._admission_order(self.waiting, self.kv)
+        return fair_order(
+            self.waiting,
+            self.kv,
+            self._admission_order,
+            self.running_by_tenant(),
+            self.tenant_max_running,
+        )
+
+    def running_by_tenant(self) -> dict[str | None, int]:
+        """Running sequences per tenant (``SamplingParams.tenant``)."""
+        out: dict[str | None, int] = {}
+        for s in self.running:
+            out[s.tenant] = out.get(s.tenant, 0) + 1
+        return out
+
     def _admit(self, batch: ScheduledBatch, budget: float) -> bool:
         """Admit waiting sequences in policy order while the budget, ``max_running_requests``,
         the pool and the burst cap allow. Returns True when the cap stopped it."""
         if not self.waiting:
             return False
-        order = self._admission_order(self.waiting, self.kv)  # schedule_policy.py
+        order = self._candidates()
         used = 0.0  # budget units
         tokens = 0
         admitted: list[Sequence] = []

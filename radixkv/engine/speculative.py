@@ -189,7 +189,12 @@ class Speculator:
         hidden: list[torch.Tensor],
         logits: torch.Tensor,
         head: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[dict[Sequence, list[int]], dict[int, int], dict[Sequence, torch.Tensor]]:
+    ) -> tuple[
+        dict[Sequence, list[int]],
+        dict[int, int],
+        dict[Sequence, torch.Tensor],
+        list[tuple[Sequence, Exception]],
+    ]:
         """Keep each row's drafts as far as the model agrees (greedy: its argmax; sampled:
         :func:`accept_sampled`); cut the rest from the sequence and the row. A greedy row's
         logits after its run go into ``logits`` (the row's sampling logits: its argmax is the
@@ -197,48 +202,28 @@ class Speculator:
         token is drawn here (a guided row's by its language after the kept drafts). ``hidden``: the rows' trunk states ``[1 + k, hidden]``, in ``drafts``
         order; ``head``: hidden -> logits (``ModelRunner.logits``). Returns ({sequence: kept
         drafts}, {row: its drawn token}, {sequence wanting logprobs: its kept drafts' raw
-        logits ``[a, V]``}); the second replaces what sampling the row's logits gives."""
+        logits ``[a, V]``}, [(sequence, error)]); the second replaces what sampling the row's
+        logits gives.
+
+        Contained per row: a row whose verification raises (its penalties, its language, its
+        sampling...) keeps no draft (they are cut, as if all were refused) and is returned
+        with its error in the fourth, for the engine to end alone with "error" once the
+        scheduler has recorded the step; the other rows are verified as without it."""
         accepted: dict[Sequence, list[int]] = {}
         drawn: dict[int, int] = {}
         kept_logits: dict[Sequence, torch.Tensor] = {}
+        failed: list[tuple[Sequence, Exception]] = []
         for (i, d), h in zip(drafts.items(), hidden):
             seq = batch.seqs[i]
-            p = seq.params
-            row_logits = head(h)  # [1 + k, V]: position j predicts the token after it
-            judged = row_logits  # what the drafts are judged by: the logits sampling would see
-            if p.adjusts_logits:  # penalties, bias, min_tokens: each position's own history
-                base = len(seq.token_ids) - len(d)
-                history = [seq.token_ids[: base + j] for j in range(len(d) + 1)]
-                judged = adjust_logits(
-                    row_logits,
-                    [p] * len(history),
-                    history,
-                    [seq.num_prompt_tokens] * len(history),
-                    self.eos_token_ids,
-                )
-            guide = seq.guide
-            if guide is not None:  # each position masked by the language after the drafts
-                if judged is row_logits:
-                    judged = row_logits.clone()
-                guide.judge_drafts(d, judged, force=self.forces(seq))
-            banned = set(p.stop_token_ids)
-            if not p.ignore_eos:
-                banned |= self.eos_token_ids
-            if p.temperature > 0.0:
-                assert seq.generator is not None
-                a, drawn[i] = accept_sampled(sampling_probs(judged, p), d, banned, seq.generator)
-            else:
-                choice = judged.argmax(dim=-1).tolist()
-                a = 0
-                while a < len(d) and choice[a] == d[a] and d[a] not in banned:
-                    a += 1
-                if guide is not None:  # the step's mask would be the one before the drafts
-                    drawn[i] = choice[a]
-            if p.temperature == 0.0 or seq.logprobs is not None:
-                with torch.inference_mode():  # the runner's logits are inference tensors
-                    logits[i] = row_logits[a]  # raw: the step adjusts them as any row's
-            if seq.logprobs is not None:
-                kept_logits[seq] = row_logits[:a]
+            try:
+                a, token, kept = self._verify_row(seq, i, d, h, logits, head)
+            except Exception as e:
+                failed.append((seq, e))
+                a, token, kept = 0, None, None
+            if token is not None:
+                drawn[i] = token
+            if kept is not None:
+                kept_logits[seq] = kept
             if a < len(d):
                 del seq.token_ids[a - len(d) :]
             batch.num_new[i] = 1 + a
@@ -247,7 +232,57 @@ class Speculator:
             # nothing, skip the next 2**m - 1 lookups (at most MAX_BACKOFF); one kept resets it
             seq.spec_misses = 0 if a else seq.spec_misses + 1
             seq.spec_wait = min(MAX_BACKOFF, 2**seq.spec_misses - 1)
-        return accepted, drawn, kept_logits
+        return accepted, drawn, kept_logits, failed
+
+    def _verify_row(
+        self,
+        seq: Sequence,
+        i: int,
+        d: list[int],
+        h: torch.Tensor,
+        logits: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[int, int | None, torch.Tensor | None]:
+        """One drafted row (batch row ``i``, drafts ``d``, trunk states ``h``): (drafts kept,
+        the step's token when verification draws it, the kept drafts' raw logits when the
+        sequence wants logprobs). Changes nothing of the sequence; writes the row's logits
+        after its run into ``logits[i]`` where :meth:`verify` says."""
+        p = seq.params
+        row_logits = head(h)  # [1 + k, V]: position j predicts the token after it
+        judged = row_logits  # what the drafts are judged by: the logits sampling would see
+        if p.adjusts_logits:  # penalties, bias, min_tokens: each position's own history
+            base = len(seq.token_ids) - len(d)
+            history = [seq.token_ids[: base + j] for j in range(len(d) + 1)]
+            judged = adjust_logits(
+                row_logits,
+                [p] * len(history),
+                history,
+                [seq.num_prompt_tokens] * len(history),
+                self.eos_token_ids,
+            )
+        guide = seq.guide
+        if guide is not None:  # each position masked by the language after the drafts
+            if judged is row_logits:
+                judged = row_logits.clone()
+            guide.judge_drafts(d, judged, force=self.forces(seq))
+        banned = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned |= self.eos_token_ids
+        token = None
+        if p.temperature > 0.0:
+            assert seq.generator is not None
+            a, token = accept_sampled(sampling_probs(judged, p), d, banned, seq.generator)
+        else:
+            choice = judged.argmax(dim=-1).tolist()
+            a = 0
+            while a < len(d) and choice[a] == d[a] and d[a] not in banned:
+                a += 1
+            if guide is not None:  # the step's mask would be the one before the drafts
+                token = choice[a]
+        if p.temperature == 0.0 or seq.logprobs is not None:
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                logits[i] = row_logits[a]  # raw: the step adjusts them as any row's
+        return a, token, (row_logits[:a] if seq.logprobs is not None else None)
 
     def release_rejected(self, accepted: dict[Sequence, list[int]]) -> None:
         """After the scheduler recorded the step: free the slots reserved for rejected drafts."""

@@ -24,8 +24,8 @@ Request contract: on a server without API keys, a request whose Host is not the 
 refused first (400, server/hosts.py); a request is authenticated (401), then its body, which
 must be typed JSON (415), is read with a size limit (413) and a deadline (408,
 server/timeouts.py), decoded (400, nesting at most ``protocol.MAX_JSON_DEPTH`` deep; unknown
-fields are ignored unless ``config.strict_api``), admitted against ``max_queue`` (503), and
-only then submitted. Errors raised before a route runs are answered in the route's own shape
+fields are ignored unless ``config.strict_api``), admitted against its tenant's limits (429,
+server/tenant_limits.py) and ``max_queue`` (503), and only then submitted. Errors raised before a route runs are answered in the route's own shape
 (Anthropic's on /v1/messages, SGLang's on the native routes); an unexpected exception is a 500
 logged once, and the keep-alive connection stays usable (errors.ContainErrors). Whatever happens afterwards (finish,
 error, client disconnect, server shutdown), its engine requests are finished or aborted, so

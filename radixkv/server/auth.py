@@ -134,6 +134,7 @@ class Authenticator:
             api_keys = parse_api_keys(text, self._file)
             self._file_digest = hashlib.sha256(text).digest()
         self._tenants = self._digests(api_keys)
+        self._num_tenants = len(set(self._tenants.values()))
         if admin_key is not None and len(admin_key) < 8:
             raise ValueError("admin key must be at least 8 characters")
         self._admin = _digest(admin_key) if admin_key is not None else None
@@ -184,11 +185,13 @@ class Authenticator:
                 )
             self._revoked_because = str(e)
             self._tenants = {}
+            self._num_tenants = 0
             return False
         added = len(tenants.keys() - self._tenants.keys())
         removed = len(self._tenants.keys() - tenants.keys())
         changed = tenants != self._tenants or self._revoked_because is not None
         self._tenants = tenants
+        self._num_tenants = len(set(tenants.values()))
         self._file_digest = digest
         self._revoked_because = None
         if changed:
@@ -204,6 +207,11 @@ class Authenticator:
             or time.monotonic() - self._read_at >= RECHECK_S
         ):
             self.reload()
+
+    @property
+    def num_tenants(self) -> int:
+        """How many tenants the keys in force name (0 without keys: one anonymous tenant)."""
+        return self._num_tenants
 
     @property
     def enabled(self) -> bool:

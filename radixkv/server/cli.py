@@ -65,6 +65,31 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=1024, help="max sequences in flight before 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument(
+        "--tenant-max-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most sequences (prompts x n) in one request of a tenant (API key); more is a 429 "
+        "(default: --max-queue / 2 when the API keys name two tenants or more, else no limit)",
+    )
+    p.add_argument(
+        "--tenant-max-waiting",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most sequences of one tenant waiting to start; a request past it is a 429 "
+        "(default: --max-queue / 2 when the API keys name two tenants or more, else no limit; "
+        "--tenant-max-running caps the running ones)",
+    )
+    p.add_argument(
+        "--tenant-max-queued-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most prompt tokens of one tenant's waiting sequences; a request past it is a 429 "
+        "(default: no limit)",
+    )
+    p.add_argument(
         "--strict-api",
         action="store_true",
         help="reject unknown request fields with 400 (default: ignore them, warning once per "
@@ -141,6 +166,9 @@ def server_config_from_args(
         admin_key=args.admin_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        tenant_max_prompts=args.tenant_max_prompts,
+        tenant_max_waiting=args.tenant_max_waiting,
+        tenant_max_queued_tokens=args.tenant_max_queued_tokens,
         kv_events=kv_events,
         kv_events_replay=kv_events_replay,
         strict_api=args.strict_api,

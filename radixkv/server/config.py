@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from radixkv.server.reasoning import REASONING_PARSERS
+from radixkv.server.tenant_limits import TenantLimitValues
 from radixkv.server.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -55,6 +56,17 @@ class ServerConfig:
             the HTTP server: ``radixkv serve`` and BackgroundServer (server/timeouts.py).
         body_timeout_s: seconds from a request's headers to the end of its body; a body still
             incomplete then is a 408 and the connection is closed.
+        tenant_max_prompts: most sequences (prompts x ``n``) in one request of a tenant (API
+            key); more is a 429 (server/tenant_limits.py).
+        tenant_max_waiting: most sequences of one tenant waiting for their first output; a
+            request that would exceed it is a 429.
+        tenant_max_queued_tokens: most prompt tokens of one tenant's waiting sequences; a
+            request that would exceed it is a 429.
+            For each of the three, None (default): half of ``max_queue`` for the first two and
+            no limit for the tokens when the API keys name two tenants or more, no limit with
+            one tenant (no keys, or one key), so a single-user server never meets them
+            (:meth:`tenant_limits`). How many of a tenant's sequences *run* at once is the
+            engine's ``tenant_max_running``.
     """
 
     model_name: str | None = None
@@ -76,6 +88,9 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
+    tenant_max_prompts: int | None = None
+    tenant_max_waiting: int | None = None
+    tenant_max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -105,9 +120,25 @@ class ServerConfig:
         ):
             raise ValueError(f"allowed_hosts must be a tuple of names, got {self.allowed_hosts!r}")
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))  # a list, say
+        for name in ("tenant_max_prompts", "tenant_max_waiting", "tenant_max_queued_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def tenant_limits(self, num_tenants: int) -> TenantLimitValues:
+        """The per-tenant limits in force while the API keys name ``num_tenants`` tenants
+        (the unset ones: half of ``max_queue`` for prompts and waiting sequences with two
+        tenants or more, else none)."""
+        shared = num_tenants >= 2
+        half = max(1, self.max_queue // 2) if shared else None
+        return TenantLimitValues(
+            max_prompts=self.tenant_max_prompts if self.tenant_max_prompts is not None else half,
+            max_waiting=self.tenant_max_waiting if self.tenant_max_waiting is not None else half,
+            max_queued_tokens=self.tenant_max_queued_tokens,
+        )
 
     @property
     def metrics_key_required(self) -> bool:

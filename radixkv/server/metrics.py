@@ -7,7 +7,11 @@ Two sources:
 - engine/cache series read from ``engine.stats()`` at scrape time by ``EngineStatsCollector``
   (prefix cache queries and hits in tokens, hit rate, KV pages used/total/cached/locked/private,
   evictions, running/waiting requests, aborts, preemptions), so they are never stale and cost
-  nothing between scrapes.
+  nothing between scrapes;
+- per tenant (label ``tenant``: the key file's tenant name, never a key, capped at
+  ``MAX_TENANT_LABELS`` names, the rest as ``other``): running and waiting sequences and queued
+  prompt tokens, read from the server's TenantLimiter at scrape time, and requests refused for
+  a per-tenant limit (server/tenant_limits.py), by limit.
 
 Every series carries a ``model_name`` label (the served model id), as vLLM's and SGLang's do, so
 dashboards that aggregate several servers can tell models apart. docs/serving.md lists each
@@ -28,6 +32,9 @@ from prometheus_client.registry import Collector
 log = logging.getLogger("radixkv.server")
 
 PREFIX = "radixkv"
+# distinct tenant label values at most (the others are counted under OTHER_TENANTS)
+MAX_TENANT_LABELS = 100
+OTHER_TENANTS = "other"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -311,14 +318,74 @@ class EngineStatsCollector(Collector):
             yield info
 
 
-class ServerMetrics:
-    """All metrics of one app. ``stats_fn`` is usually ``engine.stats``; ``model_name`` is the
-    value of every series' ``model_name`` label."""
+class TenantLabels:
+    """The ``tenant`` label value of each tenant: its name (the key file's, never the key) for
+    the first ``MAX_TENANT_LABELS`` tenants seen, ``"other"`` for the rest, ``"-"`` for the
+    anonymous tenant of a server without keys, so the series stay bounded however many keys
+    come and go."""
+
+    def __init__(self, most: int = MAX_TENANT_LABELS) -> None:
+        self._most = most
+        self._names: dict[str, str] = {}
+
+    def __call__(self, tenant: str) -> str:
+        label = self._names.get(tenant)
+        if label is None:
+            if len(self._names) >= self._most:
+                return OTHER_TENANTS
+            label = self._names[tenant] = tenant or "-"
+        return label
+
+
+class TenantLoadCollector(Collector):
+    """Each tenant's running and waiting sequences and queued prompt tokens, read from
+    ``load_fn()`` (``TenantLimiter.load``: tenants with none are absent) on every scrape."""
 
     def __init__(
-        self, stats_fn: Callable[[], Any] | None = None, *, model_name: str = "radixkv"
+        self, load_fn: Callable[[], dict[str, Any]], labels: TenantLabels, model_name: str
+    ) -> None:
+        self._load_fn = load_fn
+        self._labels = labels
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        series = {
+            "running": ("tenant_num_requests_running", "Sequences of a tenant running"),
+            "waiting": (
+                "tenant_num_requests_waiting",
+                "Sequences of a tenant waiting for their first output",
+            ),
+            "queued_tokens": (
+                "tenant_queued_prompt_tokens",
+                "Prompt tokens of a tenant's waiting sequences",
+            ),
+        }
+        totals: dict[str, dict[str, float]] = {k: {} for k in series}
+        for tenant, load in self._load_fn().items():
+            label = self._labels(tenant)
+            for k in series:
+                totals[k][label] = totals[k].get(label, 0.0) + getattr(load, k)
+        for k, (name, doc) in series.items():
+            metric = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name", "tenant"])
+            for label, value in sorted(totals[k].items()):
+                metric.add_metric([self._model, label], value)
+            yield metric
+
+
+class ServerMetrics:
+    """All metrics of one app. ``stats_fn`` is usually ``engine.stats``; ``model_name`` is the
+    value of every series' ``model_name`` label; ``tenants_fn`` gives each tenant's load
+    (``TenantLimiter.load``) for the per-tenant gauges."""
+
+    def __init__(
+        self,
+        stats_fn: Callable[[], Any] | None = None,
+        *,
+        model_name: str = "radixkv",
+        tenants_fn: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.model_name = model_name
+        self.tenant_label = TenantLabels()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         m = ["model_name"]
@@ -390,16 +457,28 @@ class ServerMetrics:
                 registry=r,
             )
         )
+        self._tenant_rejected = Counter(
+            f"{PREFIX}_tenant_rejected_requests",
+            "Requests refused with 429 for a per-tenant limit, by tenant and limit",
+            [*m, "tenant", "limit"],
+            registry=r,
+        )
         for phase in CLIENT_CLOSED_PHASES:  # exported at 0 from the start, so rates work
             self._client_closed.labels(model_name, phase)
         if stats_fn is not None:
             r.register(EngineStatsCollector(stats_fn, model_name))
+        if tenants_fn is not None:
+            r.register(TenantLoadCollector(tenants_fn, self.tenant_label, model_name))
 
     def _labelled(self, metric: Any) -> Any:
         return metric.labels(self.model_name)
 
     def count_http_error(self, status: int) -> None:
         self._http_errors.labels(self.model_name, str(status)).inc()
+
+    def count_tenant_rejected(self, tenant: str, limit: str) -> None:
+        """A request of ``tenant`` was refused for ``limit`` (server/tenant_limits.py)."""
+        self._tenant_rejected.labels(self.model_name, self.tenant_label(tenant), limit).inc()
 
     def count_client_closed(self, phase: str) -> None:
         """A client went away during ``phase`` (one of CLIENT_CLOSED_PHASES)."""

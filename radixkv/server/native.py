@@ -143,7 +143,7 @@ class NativeAPI:
             body = await read_body(request, st.config.max_body_bytes)
             req = st.decode(body, GenerateRequest)
             plan = Planner(st, principal).plan(req)
-            return await self.run(request, plan)
+            return await self.run(request, plan, principal.tenant)
         except APIError as e:
             st.metrics.count_http_error(e.status)
             return native_error(e)
@@ -159,7 +159,7 @@ class NativeAPI:
             )
         return engine_error(err, item.guided_param)
 
-    async def run(self, request: Request, plan: Plan) -> Response:
+    async def run(self, request: Request, plan: Plan, tenant: str) -> Response:
         st = self.st
         items = plan.items
         slot = st.admit(
@@ -167,6 +167,8 @@ class NativeAPI:
             len(items),
             items[0].params.n,
             plan.source if len(items) > 1 else "sampling_params.n",
+            tenant=tenant,
+            prompt_tokens=sum(len(it.ids) for it in items),
         )
         subs = slot.subs
         handed_off = False  # True once an SSEResponse owns the release
@@ -193,6 +195,8 @@ class NativeAPI:
                         echo=[Echo("", "")] if it.hidden else None,
                         echo_only=it.hidden,
                         lora=it.lora,
+                        tenant=slot.tenant,
+                        on_start=slot.started,
                     )
                 )
             renderer = Renderer(st)

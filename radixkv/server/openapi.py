@@ -59,6 +59,10 @@ _ERROR_TEXT = {
     408: "Request body not received in time (the connection is closed)",
     413: "Request body over the size limit",
     415: "Content-Type is not application/json",
+    429: (
+        "A per-tenant limit (code tenant_max_prompts, tenant_max_waiting or "
+        "tenant_max_queued_tokens, retry-after)"
+    ),
     500: "The server failed while serving the request",
     503: "Server at capacity (code queue_full, retry-after), or the engine is unavailable",
 }
@@ -117,7 +121,7 @@ def generation_route(request: str, response: str, chunk: str, summary: str) -> d
                     "text/event-stream": {"schema": sse_event(chunk)},
                 },
             },
-            **_errors(400, 401, 404, 408, 413, 415, 500, 503),
+            **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503),
         },
     }
 
@@ -153,7 +157,7 @@ def responses_route() -> dict[str, Any]:
                 "description": "A ResponseObject; with stream=true, its events",
                 "content": {**_json("ResponseObject"), "text/event-stream": {"schema": event}},
             },
-            **_errors(400, 401, 404, 408, 413, 415, 500, 503),
+            **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503),
         },
     }
 
@@ -162,8 +166,8 @@ def json_route(
     request: str, response: str, summary: str, *, runs_engine: bool = False
 ) -> dict[str, Any]:
     """``openapi_extra`` of a JSON-in, JSON-out route (/tokenize); ``runs_engine``: it submits
-    engine requests (/v1/score), so a full queue answers 503."""
-    errors = (400, 401, 404, 408, 413, 415, 500) + ((503,) if runs_engine else ())
+    engine requests (/v1/score), so a tenant's limit answers 429 and a full queue 503."""
+    errors = (400, 401, 404, 408, 413, 415) + ((429, 500, 503) if runs_engine else (500,))
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(request)},

@@ -48,7 +48,14 @@ def add_score_route(app: FastAPI, st: ServerState) -> None:
         ]
         for p in ids:
             st.check_length(p, params.max_tokens, "items")
-        slot = st.admit(len(ids), len(ids), 1, "items")
+        slot = st.admit(
+            len(ids),
+            len(ids),
+            1,
+            "items",
+            tenant=principal.tenant,
+            prompt_tokens=sum(map(len, ids)),
+        )
         try:
             sub = Submission(
                 st.engine,
@@ -57,6 +64,8 @@ def add_score_route(app: FastAPI, st: ServerState) -> None:
                 namespace=principal.namespace(req.cache_salt),
                 request_id=f"score-{uuid.uuid4().hex}",
                 lora=lora,
+                tenant=slot.tenant,
+                on_start=slot.started,
             )
             slot.subs.append(sub)
             err = await wait_or_disconnect(sub.wait_finished(), request.receive)

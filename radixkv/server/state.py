@@ -41,7 +41,8 @@ from radixkv.server.responses import (
 from radixkv.server.responses import history as responses_history
 from radixkv.server.responses import shell as responses_shell
 from radixkv.server.structured import request_constraint
-from radixkv.server.submission import Echo, Submission
+from radixkv.server.submission import Echo, PromptState, Submission
+from radixkv.server.tenant_limits import TenantLimiter, TenantLimitExceeded, TenantTicket
 from radixkv.server.tool_calls import NativeParser, ToolCall, ToolCallStream, ToolParser
 from radixkv.server.transport import ClientGone, SSEResponse, wait_or_disconnect
 
@@ -71,7 +72,12 @@ class ServerState:
         self.vocab_size: int = info.vocab_size
         self.model_name = config.model_name or info.model
         self.last_stats: Any = None
-        self.metrics = ServerMetrics(stats_fn=lambda: self.last_stats, model_name=self.model_name)
+        self.tenants = TenantLimiter()  # each tenant's load, its limits (tenant_limits.py)
+        self.metrics = ServerMetrics(
+            stats_fn=lambda: self.last_stats,
+            model_name=self.model_name,
+            tenants_fn=lambda: self.tenants.load(),
+        )
         self._warned_fields: set[str] = set()  # unknown request fields already logged
         self.created = int(time.time())
         self.in_flight = 0  # sequences admitted and not yet released
@@ -448,7 +454,12 @@ class ServerState:
             tool_parser = self.native_tool_parser(req, constraint is not None)
         guided_param = None if constraint is None else constraint.param
         slot = self.admit(
-            len(prompts) * params.n, len(prompts), params.n, "prompt" if len(prompts) > 1 else "n"
+            len(prompts) * params.n,
+            len(prompts),
+            params.n,
+            "prompt" if len(prompts) > 1 else "n",
+            tenant=principal.tenant,
+            prompt_tokens=sum(map(len, prompts)),
         )
         if params.guided is not None:
             # compiled (off the event loop) before anything is submitted: a language the
@@ -476,6 +487,8 @@ class ServerState:
             echo=echo,
             echo_only=echo_only,
             lora=lora,
+            tenant=slot.tenant,
+            on_start=slot.started,
         )
         slot.subs.append(sub)
         handed_off = False  # True once an SSEResponse owns the release
@@ -549,18 +562,31 @@ class ServerState:
             if not handed_off:
                 await slot.release()
 
-    def admit(self, seqs: int, prompts: int, n: int, param: str) -> Admission:
-        """Count a request's ``seqs`` sequences (its ``prompts`` prompts, ``n`` samples each,
-        as the messages say) in flight (``max_queue``): a request that could never fit is a
-        400 naming ``param``, one that does not fit now a 503 (``queue_full``, retry-after).
-        The caller releases the slot however the request ends."""
+    def admit(
+        self, seqs: int, prompts: int, n: int, param: str, *, tenant: str, prompt_tokens: int
+    ) -> Admission:
+        """Count a request's ``seqs`` sequences (its ``prompts`` prompts of ``prompt_tokens``
+        tokens in all, ``n`` samples each, as the messages say) in flight (``max_queue``) and
+        in ``tenant``'s load: a request that could never fit is a 400 naming ``param``, one
+        past a limit of its tenant a 429 naming the limit (server/tenant_limits.py), one that
+        does not fit the server now a 503 (``queue_full``, retry-after). The caller releases
+        the slot however the request ends."""
         if seqs > self.config.max_queue:  # could never be admitted: retrying will not help
             raise bad_request(
                 f"This request has {seqs} sequences ({prompts} prompts x n={n}), "
                 f"more than the server admits at once (max_queue={self.config.max_queue})",
                 param,
             )
+        limits = self.config.tenant_limits(self.auth.num_tenants)
+        try:
+            ticket = self.tenants.admit(
+                tenant, limits, seqs=seqs, prompts=prompts, n=n, tokens=prompt_tokens, param=param
+            )
+        except TenantLimitExceeded as e:
+            self.metrics.count_tenant_rejected(tenant, e.limit)
+            raise
         if self.in_flight + seqs > self.config.max_queue:
+            ticket.release()
             raise APIError(
                 503,
                 f"Server is at capacity ({self.in_flight} sequences in flight, max_queue="
@@ -569,7 +595,7 @@ class ServerState:
                 headers={"retry-after": "1"},
             )
         self.in_flight += seqs
-        return Admission(self, seqs)
+        return Admission(self, seqs, ticket)
 
     def submission_error(
         self, err: BaseException, guided_param: str | None, lora: str | None
@@ -756,15 +782,26 @@ class Admission:
     under it (``subs``): ``release`` closes them (aborting what still runs, freeing locks and
     pages) and gives the count back, once, however often it is called."""
 
-    def __init__(self, state: ServerState, seqs: int) -> None:
+    def __init__(self, state: ServerState, seqs: int, ticket: TenantTicket) -> None:
         self._state = state
         self.seqs = seqs
         self.subs: list[Submission] = []
+        self._ticket = ticket
         self._released = False
+
+    @property
+    def tenant(self) -> str:
+        return self._ticket.tenant
+
+    def started(self, prompt: PromptState) -> None:
+        """A prompt's first output came: its sequences count as running (Submission's
+        ``on_start``)."""
+        self._ticket.started(len(prompt.choices), prompt.prompt_tokens)
 
     async def release(self) -> None:
         if not self._released:
             self._released = True
+            self._ticket.release()
             for sub in self.subs:
                 await sub.close()
             self._state.in_flight -= self.seqs

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.outputs import RequestOutput
@@ -71,7 +71,9 @@ class Submission:
     ``echo``: per prompt, what its choices start with (completions' ``echo=true``);
     ``echo_only``: the choices show that and nothing the engine generated (``max_tokens=0``,
     run as one generated token since the engine always generates); ``lora``: the LoRA adapter
-    every prompt runs with (None: the base model)."""
+    every prompt runs with (None: the base model); ``tenant``: whose request it is (the
+    engine's fair admission, ``SamplingParams.tenant``); ``on_start``: called with a prompt's
+    state when its first output comes (server/tenant_limits.py counts it running then)."""
 
     def __init__(
         self,
@@ -84,13 +86,18 @@ class Submission:
         echo: Sequence[Echo] | None = None,
         echo_only: bool = False,
         lora: str | None = None,
+        tenant: str | None = None,
+        on_start: Callable[[PromptState], None] | None = None,
     ) -> None:
         if echo is not None and len(echo) != len(prompts):
             raise ValueError(f"{len(echo)} echoes for {len(prompts)} prompts")
         if echo_only and echo is None:
             raise ValueError("echo_only needs echo")
         self.engine = engine
+        if tenant is not None:
+            params = replace(params, tenant=tenant)
         self.params = params
+        self._on_start = on_start
         self.request_id = request_id
         self.echo_only = echo_only
         self.lora = lora  # the LoRA adapter every prompt runs with (None: the base model)
@@ -113,6 +120,7 @@ class Submission:
         ]
 
     async def _pump(self, i: int, ids: list[int], namespace: Namespace) -> None:
+        started = False
         try:
             async for out in self.engine.generate(
                 ids,
@@ -121,6 +129,10 @@ class Submission:
                 namespace=namespace,
                 lora=self.lora,
             ):
+                if not started:
+                    started = True
+                    if self._on_start is not None:
+                        self._on_start(self.prompts[i])
                 if out.finished and out.error is not None:  # the engine ended it alone
                     self._events.put_nowait((i, RequestFailed(out.error)))
                     return
