@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from radixkv.model.loader import LoadedModel
 
 DEFAULT_MODEL = SMOLLM2  # the packaged SmolLM2-135M-Instruct
+PRESENCE = 0.5  # the chat workload's presence penalty (see _chat)
 
 
 def add_demo_arguments(d: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -191,15 +192,18 @@ def _chat(args: argparse.Namespace, lm: LoadedModel, setting: str) -> _Run:
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{lm.name} has no chat template: use --workload code")
     max_tokens = 64 if args.max_tokens is None else args.max_tokens
-    # greedy with a repetition penalty: a 135M model's greedy answers otherwise fall into loops
-    # over a few turns (the penalty is deterministic: cache off and on must still agree)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, repetition_penalty=1.15)
+    # Greedy with a small presence penalty: a 135M model's greedy answers can fall into loops
+    # over a few turns. The penalty counts only the answer's own tokens: a repetition penalty
+    # (1.15, 1.05) also pushes down every token of the prompt, the few-shot answers and the
+    # question's own words, and made the answers worse ("Paris ... fashion, fashion, ...", a
+    # wrong string reversal). It is deterministic: cache off and on must still agree.
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, presence_penalty=PRESENCE)
     shared = encode_chat(tok, cw.shared_prefix_messages(shots), add_generation_prompt=False)
     print(
         f"radixkv demo: {lm.name} answers the users of an assistant. Every request starts with "
         f"the same system prompt and {shots} few-shot examples ({len(shared):,} tokens); {n_q} "
         f"users ask one question each, {n_c} hold a {turns}-turn conversation (each turn "
-        f"resends the conversation so far). Greedy (repetition penalty 1.15), up to {max_tokens} "
+        f"resends the conversation so far). Greedy (presence penalty {PRESENCE}), up to {max_tokens} "
         f"tokens an answer; "
         f"{setting}"
     )
