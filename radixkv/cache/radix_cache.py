@@ -445,14 +445,23 @@ class RadixCache(Trie):
             pool = self.pool
             # The last check of the call: pages that are the cached ones followed by a run of
             # HELD pages (what match + alloc hand out) are checked and adopted at once, and the
-            # run is appended to canon (nothing below can fail); anything else is checked here
-            # and adopted below.
+            # run is appended to canon (nothing below can fail); so are the cached ones followed
+            # by any other HELD pages (a fragmented list: pages allocated a decode step at a
+            # time), in one pass over them; anything else is checked here and adopted below.
             new = pool.adopt_run(pages, canon)
             adopted = new is not None
             if adopted:
                 dups = []
             else:
-                dups, new = self._check_passed(pages, canon)  # raises: nothing changed yet
+                new = pages[ncached:]  # (a fresh list: the node's own)
+                canon += new
+                if pages == canon and pool.adopt_held(new):
+                    # no duplicate, and the rest HELD: checked and adopted in one pass
+                    dups = []
+                    adopted = True
+                else:
+                    del canon[ncached:]
+                    dups, new = self._check_passed(pages, canon)  # raises: nothing changed
 
             # ---- mutation starts: nothing below can fail (but a listener may raise at the end)
             self._insert_calls += 1

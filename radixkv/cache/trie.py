@@ -263,10 +263,13 @@ class Trie:
         top = run[0]
         parent = top.parent
         low.key = b"".join([u.key for u in run] + [low.key])
-        pages: list[int] = []
-        for u in run:
+        # the top node's list grows in place (it leaves the trie): a run that a request
+        # extends a turn at a time copies each turn's pages once, not the whole path each time
+        pages = top._pages
+        for u in run[1:]:
             pages += u._pages
-        low._pages = pages + low._pages
+        pages += low._pages
+        low._pages = pages
         if low._hashes is not None and all(u._hashes is not None for u in run):
             low._hashes = [h for u in run for h in u._hashes] + low._hashes
         else:
