@@ -279,9 +279,12 @@ class ChatTrace:
             self.batches.append(batch)
             if self.first_timed < 0 and cached >= size:
                 self.first_timed = len(self.batches)
-            elif self.first_timed >= 0 and timed_tokens >= size // 4:
-                if len(self.prompts) - self.batches[self.first_timed][0] >= 8:
-                    break
+            elif (
+                self.first_timed >= 0
+                and timed_tokens >= size // 4
+                and len(self.prompts) - self.batches[self.first_timed][0] >= 8
+            ):
+                break
         self.size = size
         self.page = page
 

@@ -69,10 +69,12 @@ class RadixCache(Trie):
       into a child).
     * The trie stays edge-compressed as requests publish their pages one page or chunk at a
       time (each publication adds a child to the last one): once such a run of nodes, each
-      with a single child, is wholly unlocked again, the next ``alloc`` or ``insert`` merges
-      it into its lowest node (that node object survives; the others leave the trie), so a
-      long generated path costs one node to match, not one per page. (TieredRadixCache keeps
-      its runs: merging would have to join host copies too.)
+      with a single child, is unlocked again (or locked only through its lowest node, as when
+      a conversation's next turn locks the last turn's end), the next ``alloc`` or ``insert``
+      merges it into its lowest node (that node object survives; the others leave the trie),
+      so a long generated path, or a long conversation, costs one node to match, not one per
+      page or turn. A node that is itself a lock target is never merged away. (TieredRadixCache
+      keeps its runs: merging would have to join host copies too.)
     * ``insert(tokens, pages)`` takes ownership of every page passed: a page that already is
       the cached page for its tokens stays; another page whose tokens were cached already is
       a duplicate and goes back to the pool; the rest join the trie. Use
