@@ -158,6 +158,60 @@ def test_adopt_run_after_a_prefix_extends_it_only_on_success() -> None:
     pool.check_invariants()
 
 
+def test_adopt_held_moves_distinct_held_ints_or_nothing() -> None:
+    """One pass that checks and moves: any failure (a page listed twice, free, cached, out of
+    range, negative, a bool, a float, a numpy integer) undoes the moves made before it."""
+    pool = PagePool(32)
+    pages = pool.alloc(12)
+    pool.adopt(pool.check_held([10, 11]))  # two cached pages
+    before = (bytes(pool._state), list(pool._free), pool.num_cached)
+    for bad in (
+        [7, 3, 5, 3],  # listed twice
+        [7, 3, 20],  # 20 is free
+        [7, 3, 10],  # 10 is cached
+        [7, 3, 32],  # out of range
+        [7, 3, -1],  # negative: would index from the end
+        [7, True, 3],  # a bool is not a page id
+        [7, 3.0, 5],  # nor a float
+        [7, np.int64(3)],  # a numpy integer takes check_held, which canonicalises it
+        [7, None],  # ids that do not compare
+        [7],  # one page: check_held's
+    ):
+        assert pool.adopt_held(bad) is False
+        assert (bytes(pool._state), list(pool._free), pool.num_cached) == before, bad
+    assert pool.adopt_held([9, 2, 6, 0]) is True
+    assert [pool.state(p) for p in (9, 2, 6, 0)] == ["cached"] * 4 and pool.num_cached == 6
+    assert pool.num_held == len(pages) - 6
+    pool.check_invariants()
+
+
+def test_insert_adopts_fragmented_pages_in_one_pass_and_refuses_bad_ones() -> None:
+    """Pages allocated one decode step at a time across a batch (page size 1): the cached
+    prefix, then pages that are no run; the insert takes them all, and a bad page anywhere
+    leaves cache and pool as they were."""
+    cache = make_cache(num_pages=128, page_size=1)
+    m = cache.match_prefix(list(range(8)))
+    prompt = cache.alloc(4)
+    decode = [cache.alloc(1)[0] for _ in range(12)]
+    mine, other = decode[::2], decode[1::2]  # interleaved with another sequence's pages
+    r = cache.insert(list(range(10)), [*m.pages, *prompt, *mine])
+    assert r.pages == [*prompt, *mine] and r.num_cached_before == 0
+    cache.check_invariants()
+    m = cache.match_prefix(list(range(12)))
+    assert m.num_tokens == 10
+    more = [cache.alloc(1)[0] for _ in range(4)]
+    for bad in ([*more[:2], other[0], other[0]], [*more[:3], r.pages[0]], [*more[:3], 127]):
+        before = snapshot(cache)
+        with pytest.raises(ValueError):
+            cache.insert(list(range(10 + len(bad))), [*m.pages, *bad])
+        assert snapshot(cache) == before
+    r2 = cache.insert(list(range(14)), [*m.pages, more[0], more[3], more[1], more[2]])
+    assert r2.pages == [*m.pages, more[0], more[3], more[1], more[2]]
+    cache.pool.free(other)
+    cache.check_invariants()
+    assert cache.pool.num_held == 0
+
+
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_insert_takes_runs_and_scattered_pages_alike(shuffled: bool) -> None:
     cache = make_cache(num_pages=64, page_size=2)

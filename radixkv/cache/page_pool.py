@@ -33,8 +33,9 @@ class PagePool:
     ``adopt`` (HELD -> CACHED), ``release_held`` (HELD -> FREE) and ``release_cached``
     (CACHED -> FREE); the last three trust their input, so they take only pages that
     ``check_held`` accepted or that the trie owns. ``adopt_run`` checks and adopts an
-    ascending run of HELD pages at once, or changes nothing. Every error leaves the pool
-    unchanged. Not thread-safe.
+    ascending run of HELD pages at once, ``adopt_held`` any list of distinct HELD int ids in
+    one pass; both change nothing when they decline. Every error leaves the pool unchanged.
+    Not thread-safe.
 
     ``on_free`` (None by default), when set, is called with every list of pages that just
     became FREE (by ``free``, ``release_held`` or ``release_cached``), after the move: what
