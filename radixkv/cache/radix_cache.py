@@ -456,13 +456,14 @@ class RadixCache(Trie):
                 dups = []
             else:
                 new = pages[ncached:]  # (a fresh list: the node's own)
-                canon += new
-                if pages == canon and pool.adopt_held(new):
+                if len(new) > 1:
+                    canon += new
                     # no duplicate, and the rest HELD: checked and adopted in one pass
-                    dups = []
-                    adopted = True
-                else:
-                    del canon[ncached:]
+                    adopted = pages == canon and pool.adopt_held(new)
+                    if not adopted:
+                        del canon[ncached:]
+                dups = []
+                if not adopted:
                     dups, new = self._check_passed(pages, canon)  # raises: nothing changed
 
             # ---- mutation starts: nothing below can fail (but a listener may raise at the end)
