@@ -5,7 +5,9 @@ prompts (1,024 requests, shuffled), 2,048-token system prompt per group, a 128-t
 and 256 output tokens per request, page size 16. Each request runs a scheduler's flow on each
 cache: match the prompt, lock the match, insert prompt + output (page-aligned) with KV slots
 for the uncached rest, unlock. Three caches replay it, interleaved request by request (the
-order rotates per request, so a noisy moment hits all three alike):
+order goes through every permutation of the caches, so a noisy moment hits all three alike,
+and each runs right after each other equally often: a radixkv runs about 10% faster right
+after another radixkv, warm from the same Python code, which rotations alone left lopsided):
 
 * radixkv: ``RadixCache.match_prefix(tokens)`` / ``insert(tokens, pages)``;
 * SGLang Python: SGLang's pure-Python ``RadixCache`` (radix_cache.py of the wheel);
@@ -31,6 +33,18 @@ repeats of each replay's plain mean is reported too.
 
     python bench/bench_vs_sglang.py            # downloads sglang's wheel once (~40 MB)
     python bench/bench_vs_sglang.py --quick    # 8 groups x 4 prompts, prints only
+
+``--chat`` replays chat streams instead, at page size ``--page-size`` (1 by default,
+SGLang's) and each of ``--sizes`` cached tokens (1K, 10K, 100K, 1M): conversations on a
+shared system prompt whose turns extend the conversation so far (ChatTrace), in batches
+whose answers' pages are allocated one decode step at a time across the batch, as in an
+engine, so a request's pages are not one run. The caches are warmed to the size untimed,
+then match and insert are timed per request; results go to
+bench/results/bench_vs_sglang_chat_ps<page>.json. ``--base DIR`` adds another checkout's
+radixkv/cache (a worktree of main, say) as a fourth cache in the same run, for before/after
+rows (both modes).
+
+    python bench/bench_vs_sglang.py --chat --page-size 1 --base ../main-checkout
 
 Not part of CI (it downloads); ``nox -s bench_vs_sglang`` runs it and rebuilds the report.
 """
@@ -485,14 +499,14 @@ def replay(trace: Trace, peers: dict[str, Any], rotation: int) -> dict[str, dict
     """One interleaved replay; per cache, per op, the time of every request's call (ns)."""
     clock = time.perf_counter_ns
     names = list(peers)
+    perms = list(itertools.permutations(names))  # each cache after each other (chat_replay)
     times = {n: {op: [0] * len(trace) for op in OPS} for n in names}
     matched: dict[str, list[int]] = {n: [0] * len(trace) for n in names}
     gc.collect()
     gc.disable()
     try:
         for i in range(len(trace)):
-            k = (i + rotation) % len(names)
-            for name in names[k:] + names[:k]:
+            for name in perms[(i + rotation) % len(perms)]:
                 peer = peers[name]
                 t0 = clock()
                 m = peer.match(i)
@@ -602,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(groups=groups, prompts=prompts, sys_len=2048, q_len=128, out_len=256, vocab=150_000)
     trace = Trace(make_workload(**cfg, seed=args.seed))
 
-    samples: dict[str, dict[str, list[list[int]]]] = {n: {op: [] for op in OPS} for n in NAMES}
+    base = load_base(args.base) if args.base is not None else None
+    names = (*NAMES, "radixkv_base") if base is not None else NAMES
+    samples: dict[str, dict[str, list[list[int]]]] = {n: {op: [] for op in OPS} for n in names}
     cpu0 = time.process_time()
     for r in range(max(1, args.repeat)):
         peers = {
@@ -610,14 +626,16 @@ def main(argv: list[str] | None = None) -> int:
             "sglang_python": SGLangPython(trace, rc, bp),
             "sglang_rust": SGLangRust(trace, rs),
         }
+        if base is not None:
+            peers["radixkv_base"] = RadixKV(trace, impl=base)
         times = replay(trace, peers, rotation=r)
-        for n in NAMES:
+        for n in names:
             for op in OPS:
                 samples[n][op].append(times[n][op])
         del peers
     cpu = time.process_time() - cpu0
 
-    stats = {n: {op: summarize(samples[n][op]) for op in OPS} for n in NAMES}
+    stats = {n: {op: summarize(samples[n][op]) for op in OPS} for n in names}
     rows = []
     for op in OPS:
         for stat in ("mean", "p99"):
@@ -653,6 +671,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     for k, v in verdict.items():
         print(f"  {k:<32} {v['ratio']:5.2f}x >= {v['target']}x  {'ok' if v['met'] else 'MISSED'}")
+    if base is not None:
+        for op in OPS:
+            b, a = stats["radixkv_base"][op]["mean"], stats["radixkv"][op]["mean"]
+            print(f"  {op:>11} mean: base {b:.2f} us, this checkout {a:.2f} us: {b / a:.2f}x")
 
     out = {
         "benchmark": "bench_vs_sglang",
