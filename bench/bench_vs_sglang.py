@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import math
 import os
 import platform
 import time
@@ -399,7 +400,7 @@ def chat_replay(
             timed = b >= trace.first_timed
             if b == trace.first_timed:
                 held_at_start = rkv.cache.num_cached_pages * page
-            order = perms[(b + rotation) % len(perms)]
+            order = perms[perm_index(b, rotation, len(names))]
             matches: dict[str, list[Any]] = {}
             for name in order:
                 peer = peers[name]
@@ -495,6 +496,15 @@ def run_chat(args: Any, rc: Any, bp: Any, rs: Any) -> dict[str, Any]:
     return out
 
 
+def perm_index(i: int, rotation: int, n: int) -> int:
+    """Which of the ``n!`` orders (itertools.permutations, lexicographic) step ``i`` of replay
+    ``rotation`` runs: over ``n`` replays each cache comes first once at every step (the
+    orders that start with a given cache are consecutive there), and further replays shift
+    to the next orders."""
+    total = math.factorial(n)
+    return (i + (rotation % n) * (total // n) + rotation // n) % total
+
+
 def replay(trace: Trace, peers: dict[str, Any], rotation: int) -> dict[str, dict[str, list[int]]]:
     """One interleaved replay; per cache, per op, the time of every request's call (ns)."""
     clock = time.perf_counter_ns
@@ -506,7 +516,7 @@ def replay(trace: Trace, peers: dict[str, Any], rotation: int) -> dict[str, dict
     gc.disable()
     try:
         for i in range(len(trace)):
-            for name in perms[(i + rotation) % len(perms)]:
+            for name in perms[perm_index(i, rotation, len(names))]:
                 peer = peers[name]
                 t0 = clock()
                 m = peer.match(i)
