@@ -5,6 +5,7 @@ page checks, and children keyed by their first page's bytes."""
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import numpy as np
 import pytest
@@ -61,6 +62,54 @@ def test_heap_index_keeps_policy_order_through_stale_keys() -> None:
     assert cache.evict(10) == 10  # five two-page leaves, least recently used first
     assert [n.tokens for n in cache.eviction_order()] == [[1000 + i, i] for i in range(95)][::-1]
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_match_leaves_the_key_behind_and_eviction_catches_up(policy: str) -> None:
+    """match_prefix does not re-key the leaf it ends at (LRU, LFU: keys only grow); the
+    stored key is a lower bound until the leaf reaches the top of the heap, where ``first``
+    re-keys it: the eviction order stays exact."""
+    cache = make_cache(num_pages=64, page_size=1, policy=policy)
+    a, b, c = (fill(cache, [t, t + 1]).node for t in (10, 20, 30))
+    index = cache._index
+    stored = dict(index.keys)
+    cache.match_prefix([10, 11])  # a is now the most recently used (and most hit)
+    assert index.keys == stored and len(index._heap) == 3  # nothing re-keyed yet
+    cache.check_invariants()
+    assert cache.eviction_order() == [b, c, a]
+    assert cache.evict(2) == 2 and cache.eviction_order() == [c, a]  # b went, not a
+    assert index.keys[a] == policy_key(cache, a)  # re-keyed on its way past the top
+    cache.check_invariants()
+    k = index.keys[c]
+    big = k + (5 << 40)  # a stored key above the current one: corrupt
+    del index._nodes[k]
+    index._nodes[big] = c
+    index.keys[c] = big
+    index._heap.remove(k)
+    index._heap.append(big)
+    with pytest.raises(InvariantError, match="stored under key"):
+        cache.check_invariants()
+
+
+def test_other_policies_keep_their_keys_current() -> None:
+    class MostRecentFirst:
+        name = "mru"
+
+        @staticmethod
+        def key(node: Any) -> int:
+            return ((1 << 40) - node.last_access << 40) | node.node_id
+
+    cache = RadixCache(PagePool(64), page_size=1, policy=MostRecentFirst())
+    a, b = (fill(cache, [t, t + 1]).node for t in (10, 20))
+    assert not cache._index.lazy
+    cache.match_prefix([10, 11])
+    assert cache._index.keys[a] == MostRecentFirst.key(a)  # refreshed by the match itself
+    cache.check_invariants()
+    assert cache.eviction_order() == [a, b]
+
+
+def policy_key(cache: RadixCache, node: Any) -> int:
+    return cache.policy.key(node)
 
 
 def test_heap_index_check_finds_corruption() -> None:

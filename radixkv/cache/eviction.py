@@ -17,7 +17,7 @@ low 40 bits, which makes every key unique and breaks ties by creation order.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, heapreplace
 from typing import Protocol
 
 from radixkv.cache.node import TreeNode
@@ -88,14 +88,22 @@ class EvictionIndex:
 
     ``keys`` (node -> its key) is the membership table the cache's hot paths test directly
     (``node in index.keys``): one dict lookup, no method call. Read it, never write it.
+
+    ``lazy`` (the built-in LRU and LFU policies, whose keys only grow as a node is accessed):
+    a caller may leave a node's stored key behind its current key (``RadixCache.match_prefix``
+    does: the leaf it matched is usually locked right after, which takes it out again); the
+    stored key is then a lower bound, and ``first`` re-keys a node whose stored key turns out
+    stale when it reaches the top, so the order stays exact. Any other policy's keys are kept
+    current (``refresh`` on every access).
     """
 
-    __slots__ = ("_heap", "_key", "_lru", "_nodes", "keys")
+    __slots__ = ("_heap", "_key", "_lru", "_nodes", "keys", "lazy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._key = policy.key
         # LRU's key computed in place on the hot paths (a Python call less per insert)
         self._lru = type(policy) is LRUPolicy
+        self.lazy = type(policy) in (LRUPolicy, LFUPolicy)
         self._heap: list[int] = []
         self._nodes: dict[int, TreeNode] = {}  # live key -> node
         self.keys: dict[TreeNode, int] = {}  # node -> live key
@@ -145,9 +153,23 @@ class EvictionIndex:
         """The next victim (the index must not be empty)."""
         heap = self._heap
         nodes = self._nodes
-        while heap[0] not in nodes:
-            heappop(heap)
-        return nodes[heap[0]]
+        while True:
+            k = heap[0]
+            node = nodes.get(k)
+            if node is None:  # stale: a discarded or re-keyed node's old key
+                heappop(heap)
+                continue
+            if self.lazy:  # a stored key may lag behind (class docstring): re-key it now
+                cur = (
+                    (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
+                )
+                if cur != k:
+                    del nodes[k]
+                    nodes[cur] = node
+                    self.keys[node] = cur
+                    heapreplace(heap, cur)
+                    continue
+            return node
 
     def _compact(self) -> None:
         self._heap = list(self._nodes)
@@ -162,17 +184,24 @@ class EvictionIndex:
         return len(self._nodes)
 
     def __iter__(self) -> Iterator[TreeNode]:
-        """Nodes in eviction order (first victim first)."""
-        nodes = self._nodes
-        return (nodes[k] for k in sorted(nodes))
+        """Nodes in eviction order (first victim first), by their current keys."""
+        return iter(sorted(self._nodes.values(), key=self._key))
 
     def stored_keys(self) -> dict[int, int]:
-        """node id -> stored key (for invariant checks)."""
-        return {n.node_id: k for k, n in self._nodes.items()}
+        """node id -> the key the index orders it by (for invariant checks): its current key
+        (a lazy index's stored keys may lag behind: ``check`` checks them)."""
+        key = self._key
+        return {n.node_id: key(n) for n in self._nodes.values()}
 
     def check(self) -> str | None:
         """What is wrong with the index's own structure (None: nothing): every live key must be
-        in the heap, which must be a heap, and the two maps must mirror each other."""
+        in the heap, which must be a heap, the two maps must mirror each other, and each stored
+        key must be the node's current key (a lazy index: at most it)."""
+        key = self._key
+        for k, n in self._nodes.items():
+            cur = key(n)
+            if k > cur if self.lazy else k != cur:
+                return f"{n!r} is stored under key {k}, its key is {cur}"
         heap = self._heap
         if any(heap[i] < heap[(i - 1) >> 1] for i in range(1, len(heap))):
             return "eviction heap order broken"

@@ -234,7 +234,8 @@ class RadixCache(Trie):
         any int64 (TypeError/ValueError otherwise, before anything changes). Then: the query
         counts in the stats; the node the match ends inside is split (so the returned node ends
         exactly at the match); the clock ticks once and ``last_access``/``hit_count`` are
-        refreshed along the path, and the eviction key of its last node.
+        refreshed along the path (and the eviction key of its last node; with LRU or LFU, lazily:
+        EvictionIndex).
         """
         if type(tokens) is array and tokens.typecode == "q":
             qb: bytes | memoryview = memoryview(tokens).cast("B")  # read in place
@@ -282,8 +283,9 @@ class RadixCache(Trie):
                 n.last_access = clock
                 n.hit_count += 1
             last = path[-1]
-            # only the last node of a path can be a leaf, and only a leaf can be indexed
-            if not last._children and last in self._index.keys:
+            # only the last node of a path can be a leaf, and only a leaf can be indexed; a
+            # lazy index (LRU, LFU) re-keys it only if it ever reaches the top (EvictionIndex)
+            if not last._children and not self._index.lazy and last in self._index.keys:
                 self._index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
