@@ -151,6 +151,15 @@ class EvictionIndex:
 
     def first(self) -> TreeNode:
         """The next victim (the index must not be empty)."""
+        k = self._heap[0]
+        node = self._nodes.get(k)
+        # LRU's stored key is current when its access time is the node's (40: _ID_BITS)
+        if node is not None and self._lru and node.last_access == k >> 40:
+            return node
+        return self._first_slow()
+
+    def _first_slow(self) -> TreeNode:
+        """``first`` past stale keys (dropped) and lagging ones (re-keyed: class docstring)."""
         heap = self._heap
         nodes = self._nodes
         while True:
@@ -159,17 +168,16 @@ class EvictionIndex:
             if node is None:  # stale: a discarded or re-keyed node's old key
                 heappop(heap)
                 continue
-            if self.lazy:  # a stored key may lag behind (class docstring): re-key it now
-                cur = (
-                    (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
-                )
-                if cur != k:
-                    del nodes[k]
-                    nodes[cur] = node
-                    self.keys[node] = cur
-                    heapreplace(heap, cur)
-                    continue
-            return node
+            if not self.lazy:
+                return node
+            cur = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
+            if cur == k:
+                return node
+            # accessed since it was keyed: re-key it now and look again
+            del nodes[k]
+            nodes[cur] = node
+            self.keys[node] = cur
+            heapreplace(heap, cur)
 
     def _compact(self) -> None:
         self._heap = list(self._nodes)
