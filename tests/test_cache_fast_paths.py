@@ -75,10 +75,19 @@ def test_a_match_leaves_the_key_behind_and_eviction_catches_up(policy: str) -> N
     stored = dict(index.keys)
     cache.match_prefix([10, 11])  # a is now the most recently used (and most hit)
     assert index.keys == stored and len(index._heap) == 3  # nothing re-keyed yet
+    assert index.lagging == {a}
     cache.check_invariants()
     assert cache.eviction_order() == [b, c, a]
     assert cache.evict(2) == 2 and cache.eviction_order() == [c, a]  # b went, not a
-    assert index.keys[a] == policy_key(cache, a)  # re-keyed on its way past the top
+    assert index.keys[a] == policy_key(cache, a) and not index.lagging  # re-keyed at the top
+    cache.check_invariants()
+    cache.match_prefix([30, 31])
+    m = cache.match_prefix([30, 31])
+    assert index.lagging == {c}
+    cache.lock(m.node)  # out of the index, and no longer lagging
+    assert not index.lagging and c not in index.keys
+    cache.unlock(m.node)
+    assert index.keys[c] == policy_key(cache, c) and cache.eviction_order() == [a, c]
     cache.check_invariants()
     k = index.keys[c]
     big = k + (5 << 40)  # a stored key above the current one: corrupt

@@ -90,20 +90,21 @@ class EvictionIndex:
     (``node in index.keys``): one dict lookup, no method call. Read it, never write it.
 
     ``lazy`` (the built-in LRU and LFU policies, whose keys only grow as a node is accessed):
-    a caller may leave a node's stored key behind its current key (``RadixCache.match_prefix``
-    does: the leaf it matched is usually locked right after, which takes it out again); the
-    stored key is then a lower bound, and ``first`` re-keys a node whose stored key turns out
-    stale when it reaches the top, so the order stays exact. Any other policy's keys are kept
-    current (``refresh`` on every access).
+    instead of ``refresh``, a caller may put an indexed node in ``lagging`` after accessing it
+    (``RadixCache.match_prefix`` does: the leaf it matched is usually locked right after, which
+    takes it out again, so re-keying it would be wasted). A lagging node's stored key is a
+    lower bound of its key, and ``first`` re-keys it if it reaches the top of the heap, so the
+    order stays exact. Any other policy's keys are kept current (``refresh`` on every access).
     """
 
-    __slots__ = ("_heap", "_key", "_lru", "_nodes", "keys", "lazy")
+    __slots__ = ("_heap", "_key", "_lru", "_nodes", "keys", "lagging", "lazy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._key = policy.key
         # LRU's key computed in place on the hot paths (a Python call less per insert)
         self._lru = type(policy) is LRUPolicy
         self.lazy = type(policy) in (LRUPolicy, LFUPolicy)
+        self.lagging: set[TreeNode] = set()  # indexed nodes whose keys may lag (lazy only)
         self._heap: list[int] = []
         self._nodes: dict[int, TreeNode] = {}  # live key -> node
         self.keys: dict[TreeNode, int] = {}  # node -> live key
@@ -120,6 +121,8 @@ class EvictionIndex:
         k = self.keys.pop(node, None)
         if k is not None:
             del self._nodes[k]
+            if self.lagging:
+                self.lagging.discard(node)
             if len(self._heap) > 2 * len(self._nodes) + 64:
                 self._compact()
 
@@ -128,6 +131,8 @@ class EvictionIndex:
         k = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
         keys = self.keys
         old = keys[node]
+        if self.lagging:
+            self.lagging.discard(node)
         if k != old:
             nodes = self._nodes
             del nodes[old]
@@ -151,33 +156,37 @@ class EvictionIndex:
 
     def first(self) -> TreeNode:
         """The next victim (the index must not be empty)."""
-        k = self._heap[0]
-        node = self._nodes.get(k)
-        # LRU's stored key is current when its access time is the node's (40: _ID_BITS)
-        if node is not None and self._lru and node.last_access == k >> 40:
-            return node
-        return self._first_slow()
-
-    def _first_slow(self) -> TreeNode:
-        """``first`` past stale keys (dropped) and lagging ones (re-keyed: class docstring)."""
         heap = self._heap
         nodes = self._nodes
+        while heap[0] not in nodes:  # stale: a discarded or re-keyed node's old key
+            heappop(heap)
+        node = nodes[heap[0]]
+        lagging = self.lagging
+        if lagging and node in lagging:
+            return self._catch_up()
+        return node
+
+    def _catch_up(self) -> TreeNode:
+        """``first`` when a lagging node is on top: re-key lagging nodes until the top one's
+        key is its own (class docstring)."""
+        heap = self._heap
+        nodes = self._nodes
+        lagging = self.lagging
         while True:
             k = heap[0]
             node = nodes.get(k)
-            if node is None:  # stale: a discarded or re-keyed node's old key
+            if node is None:
                 heappop(heap)
                 continue
-            if not self.lazy:
+            if node not in lagging:
                 return node
+            lagging.discard(node)
             cur = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
-            if cur == k:
-                return node
-            # accessed since it was keyed: re-key it now and look again
-            del nodes[k]
-            nodes[cur] = node
-            self.keys[node] = cur
-            heapreplace(heap, cur)
+            if cur != k:
+                del nodes[k]
+                nodes[cur] = node
+                self.keys[node] = cur
+                heapreplace(heap, cur)
 
     def _compact(self) -> None:
         self._heap = list(self._nodes)
@@ -187,6 +196,7 @@ class EvictionIndex:
         self._heap.clear()
         self._nodes.clear()
         self.keys.clear()
+        self.lagging.clear()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -204,11 +214,14 @@ class EvictionIndex:
     def check(self) -> str | None:
         """What is wrong with the index's own structure (None: nothing): every live key must be
         in the heap, which must be a heap, the two maps must mirror each other, and each stored
-        key must be the node's current key (a lazy index: at most it)."""
+        key must be the node's current key (a lagging node's: at most it)."""
         key = self._key
+        lagging = self.lagging
+        if lagging and (not self.lazy or not lagging <= self.keys.keys()):
+            return "a lagging node is not in a lazy index"
         for k, n in self._nodes.items():
             cur = key(n)
-            if k > cur if self.lazy else k != cur:
+            if k > cur if n in lagging else k != cur:
                 return f"{n!r} is stored under key {k}, its key is {cur}"
         heap = self._heap
         if any(heap[i] < heap[(i - 1) >> 1] for i in range(1, len(heap))):

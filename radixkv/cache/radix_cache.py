@@ -284,9 +284,13 @@ class RadixCache(Trie):
                 n.hit_count += 1
             last = path[-1]
             # only the last node of a path can be a leaf, and only a leaf can be indexed; a
-            # lazy index (LRU, LFU) re-keys it only if it ever reaches the top (EvictionIndex)
-            if not last._children and not self._index.lazy and last in self._index.keys:
-                self._index.refresh(last)
+            # lazy index (LRU, LFU) re-keys it only if it reaches the top (EvictionIndex)
+            if not last._children and last in self._index.keys:
+                index = self._index
+                if index.lazy:
+                    index.lagging.add(last)
+                else:
+                    index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
             # MatchResult(last, None, ntok, last) without the Python-level __init__ call;
