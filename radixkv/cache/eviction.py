@@ -3,7 +3,8 @@
 An index holds exactly the eviction candidates of one tier, ordered by the policy's key
 (smallest is evicted first). RadixCache keeps one for its device pages: the unlocked leaves
 that own pages (a leaf enters when it is created, unlocked, or its last child goes; it leaves
-when it is locked, gains a child, or is evicted; its key is refreshed on access), so eviction
+when it is locked, gains a child, or is evicted; its key is refreshed on access, or for LRU
+and LFU marked as lagging and re-keyed only if it reaches the top), so eviction
 never rescans the tree: taking the next victim is O(log n), and keeping the index up to date
 on the hot paths is O(1) dict work plus one C ``heappush`` (stale keys are dropped lazily; see
 EvictionIndex). TieredRadixCache keeps a second instance of the same class for its host pages
