@@ -5,6 +5,7 @@ page checks, and children keyed by their first page's bytes."""
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import numpy as np
 import pytest
@@ -61,6 +62,63 @@ def test_heap_index_keeps_policy_order_through_stale_keys() -> None:
     assert cache.evict(10) == 10  # five two-page leaves, least recently used first
     assert [n.tokens for n in cache.eviction_order()] == [[1000 + i, i] for i in range(95)][::-1]
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_match_leaves_the_key_behind_and_eviction_catches_up(policy: str) -> None:
+    """match_prefix does not re-key the leaf it ends at (LRU, LFU: keys only grow); the
+    stored key is a lower bound until the leaf reaches the top of the heap, where ``first``
+    re-keys it: the eviction order stays exact."""
+    cache = make_cache(num_pages=64, page_size=1, policy=policy)
+    a, b, c = (fill(cache, [t, t + 1]).node for t in (10, 20, 30))
+    index = cache._index
+    stored = dict(index.keys)
+    cache.match_prefix([10, 11])  # a is now the most recently used (and most hit)
+    assert index.keys == stored and len(index._heap) == 3  # nothing re-keyed yet
+    assert index.lagging == {a}
+    cache.check_invariants()
+    assert cache.eviction_order() == [b, c, a]
+    assert cache.evict(2) == 2 and cache.eviction_order() == [c, a]  # b went, not a
+    assert index.keys[a] == policy_key(cache, a) and not index.lagging  # re-keyed at the top
+    cache.check_invariants()
+    cache.match_prefix([30, 31])
+    m = cache.match_prefix([30, 31])
+    assert index.lagging == {c}
+    cache.lock(m.node)  # out of the index, and no longer lagging
+    assert not index.lagging and c not in index.keys
+    cache.unlock(m.node)
+    assert index.keys[c] == policy_key(cache, c) and cache.eviction_order() == [a, c]
+    cache.check_invariants()
+    k = index.keys[c]
+    big = k + (5 << 40)  # a stored key above the current one: corrupt
+    del index._nodes[k]
+    index._nodes[big] = c
+    index.keys[c] = big
+    index._heap.remove(k)
+    index._heap.append(big)
+    with pytest.raises(InvariantError, match="stored under key"):
+        cache.check_invariants()
+
+
+def test_other_policies_keep_their_keys_current() -> None:
+    class MostRecentFirst:
+        name = "mru"
+
+        @staticmethod
+        def key(node: Any) -> int:
+            return ((1 << 40) - node.last_access << 40) | node.node_id
+
+    cache = RadixCache(PagePool(64), page_size=1, policy=MostRecentFirst())
+    a, b = (fill(cache, [t, t + 1]).node for t in (10, 20))
+    assert not cache._index.lazy
+    cache.match_prefix([10, 11])
+    assert cache._index.keys[a] == MostRecentFirst.key(a)  # refreshed by the match itself
+    cache.check_invariants()
+    assert cache.eviction_order() == [a, b]
+
+
+def policy_key(cache: RadixCache, node: Any) -> int:
+    return cache.policy.key(node)
 
 
 def test_heap_index_check_finds_corruption() -> None:
@@ -156,6 +214,60 @@ def test_adopt_run_after_a_prefix_extends_it_only_on_success() -> None:
     assert [pool.state(p) for p in pages] == ["held", "cached", "cached", "cached", "held", "held"]
     assert pool.adopt_run([*owned, *pages[1:3]], list(owned)) is None  # cached now
     pool.check_invariants()
+
+
+def test_adopt_held_moves_distinct_held_ints_or_nothing() -> None:
+    """One pass that checks and moves: any failure (a page listed twice, free, cached, out of
+    range, negative, a bool, a float, a numpy integer) undoes the moves made before it."""
+    pool = PagePool(32)
+    pages = pool.alloc(12)
+    pool.adopt(pool.check_held([10, 11]))  # two cached pages
+    before = (bytes(pool._state), list(pool._free), pool.num_cached)
+    for bad in (
+        [7, 3, 5, 3],  # listed twice
+        [7, 3, 20],  # 20 is free
+        [7, 3, 10],  # 10 is cached
+        [7, 3, 32],  # out of range
+        [7, 3, -1],  # negative: would index from the end
+        [7, True, 3],  # a bool is not a page id
+        [7, 3.0, 5],  # nor a float
+        [7, np.int64(3)],  # a numpy integer takes check_held, which canonicalises it
+        [7, None],  # ids that do not compare
+        [7],  # one page: check_held's
+    ):
+        assert pool.adopt_held(bad) is False
+        assert (bytes(pool._state), list(pool._free), pool.num_cached) == before, bad
+    assert pool.adopt_held([9, 2, 6, 0]) is True
+    assert [pool.state(p) for p in (9, 2, 6, 0)] == ["cached"] * 4 and pool.num_cached == 6
+    assert pool.num_held == len(pages) - 6
+    pool.check_invariants()
+
+
+def test_insert_adopts_fragmented_pages_in_one_pass_and_refuses_bad_ones() -> None:
+    """Pages allocated one decode step at a time across a batch (page size 1): the cached
+    prefix, then pages that are no run; the insert takes them all, and a bad page anywhere
+    leaves cache and pool as they were."""
+    cache = make_cache(num_pages=128, page_size=1)
+    m = cache.match_prefix(list(range(8)))
+    prompt = cache.alloc(4)
+    decode = [cache.alloc(1)[0] for _ in range(12)]
+    mine, other = decode[::2], decode[1::2]  # interleaved with another sequence's pages
+    r = cache.insert(list(range(10)), [*m.pages, *prompt, *mine])
+    assert r.pages == [*prompt, *mine] and r.num_cached_before == 0
+    cache.check_invariants()
+    m = cache.match_prefix(list(range(12)))
+    assert m.num_tokens == 10
+    more = [cache.alloc(1)[0] for _ in range(4)]
+    for bad in ([*more[:2], other[0], other[0]], [*more[:3], r.pages[0]], [*more[:3], 127]):
+        before = snapshot(cache)
+        with pytest.raises(ValueError):
+            cache.insert(list(range(10 + len(bad))), [*m.pages, *bad])
+        assert snapshot(cache) == before
+    r2 = cache.insert(list(range(14)), [*m.pages, more[0], more[3], more[1], more[2]])
+    assert r2.pages == [*m.pages, more[0], more[3], more[1], more[2]]
+    cache.pool.free(other)
+    cache.check_invariants()
+    assert cache.pool.num_held == 0
 
 
 @pytest.mark.parametrize("shuffled", [False, True])

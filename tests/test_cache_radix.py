@@ -515,7 +515,7 @@ def test_a_run_published_page_by_page_merges_into_one_node(hash_fn: Any) -> None
     cache.check_invariants()
 
 
-def test_locked_and_branching_nodes_are_not_merged(hash_fn: Any) -> None:
+def test_lock_targets_and_branching_nodes_are_not_merged_away(hash_fn: Any) -> None:
     cache = make_cache(page_size=2, hash_fn=hash_fn)
     tokens = seq(16)
     last = _publish_page_by_page(cache, tokens)
@@ -523,13 +523,16 @@ def test_locked_and_branching_nodes_are_not_merged(hash_fn: Any) -> None:
     cache.lock(reader)
     cache.unlock(last)
     fill(cache, seq(2, 300))
-    # the locked three stay apart; the five unlocked pages below them merge into one node
+    # the reader's node, a lock target, survives: the two nodes above it (locked only through
+    # it) merge into it, the five unlocked pages below it merge into one node
     path = []
     n = last
     while n is not cache.root:
         path.append(n.num_tokens)
         n = n.parent
-    assert path[::-1] == [2, 2, 2, 10] and cache.stats.merged_nodes == 4
+    assert path[::-1] == [6, 10] and cache.stats.merged_nodes == 6
+    assert last.parent is reader and reader.lock_ref == 1 and reader.num_tokens == 6
+    cache.check_invariants()
     cache.unlock(reader)
     fill(cache, [*tokens[:2], 99, 98])  # the run branches after its first page from now on
     fill(cache, seq(2, 400))
@@ -540,6 +543,36 @@ def test_locked_and_branching_nodes_are_not_merged(hash_fn: Any) -> None:
     )
     top = cache.match_prefix(tokens[:2]).node
     assert len(list(top.children)) == 2  # a branch point: never merged
+
+
+def test_a_conversation_stays_one_node_turn_after_turn(hash_fn: Any) -> None:
+    """One chat at a time: each turn matches the conversation so far, locks it, allocates
+    (the alloc merges the last turn into the conversation's locked end) and inserts; the
+    conversation is the branch of a shared system prompt plus at most the newest turn's leaf,
+    however many turns (at page size 1, SGLang's default, a turn is one node per page run)."""
+    cache = make_cache(num_pages=400, page_size=1, hash_fn=hash_fn)
+    fill(cache, [*seq(8, 900), *seq(4, 800)])  # another conversation on the system prompt
+    history = seq(8, 900)
+    for turn in range(8):
+        prompt = [*history, *seq(3, 1000 + 10 * turn)]
+        m = cache.match_prefix(prompt)
+        assert m.num_tokens == len(history)
+        cache.lock(m.node)
+        node = m.node
+        full = [*prompt, *seq(5, 2000 + 10 * turn)]
+        r = cache.insert(full, m.pages + cache.alloc(len(full) - m.num_tokens))
+        assert r.pages[: m.num_tokens] == m.pages and node.parent is not None  # still there
+        cache.unlock(node)
+        cache.check_invariants()
+        depth = 0
+        n = r.node
+        while n is not cache.root:
+            depth += 1
+            n = n.parent
+        assert depth <= 3, depth  # system prompt, conversation, newest turn
+        history = full
+    assert cache.match_prefix(history).num_tokens == len(history)
+    cache.check_invariants()
 
 
 def test_a_merged_away_node_is_no_longer_in_the_cache(hash_fn: Any) -> None:

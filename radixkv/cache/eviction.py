@@ -3,7 +3,8 @@
 An index holds exactly the eviction candidates of one tier, ordered by the policy's key
 (smallest is evicted first). RadixCache keeps one for its device pages: the unlocked leaves
 that own pages (a leaf enters when it is created, unlocked, or its last child goes; it leaves
-when it is locked, gains a child, or is evicted; its key is refreshed on access), so eviction
+when it is locked, gains a child, or is evicted; its key is refreshed on access, or for LRU
+and LFU marked as lagging and re-keyed only if it reaches the top), so eviction
 never rescans the tree: taking the next victim is O(log n), and keeping the index up to date
 on the hot paths is O(1) dict work plus one C ``heappush`` (stale keys are dropped lazily; see
 EvictionIndex). TieredRadixCache keeps a second instance of the same class for its host pages
@@ -17,7 +18,7 @@ low 40 bits, which makes every key unique and breaks ties by creation order.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, heapreplace
 from typing import Protocol
 
 from radixkv.cache.node import TreeNode
@@ -88,14 +89,23 @@ class EvictionIndex:
 
     ``keys`` (node -> its key) is the membership table the cache's hot paths test directly
     (``node in index.keys``): one dict lookup, no method call. Read it, never write it.
+
+    ``lazy`` (the built-in LRU and LFU policies, whose keys only grow as a node is accessed):
+    instead of ``refresh``, a caller may put an indexed node in ``lagging`` after accessing it
+    (``RadixCache.match_prefix`` does: the leaf it matched is usually locked right after, which
+    takes it out again, so re-keying it would be wasted). A lagging node's stored key is a
+    lower bound of its key, and ``first`` re-keys it if it reaches the top of the heap, so the
+    order stays exact. Any other policy's keys are kept current (``refresh`` on every access).
     """
 
-    __slots__ = ("_heap", "_key", "_lru", "_nodes", "keys")
+    __slots__ = ("_heap", "_key", "_lru", "_nodes", "keys", "lagging", "lazy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._key = policy.key
         # LRU's key computed in place on the hot paths (a Python call less per insert)
         self._lru = type(policy) is LRUPolicy
+        self.lazy = type(policy) in (LRUPolicy, LFUPolicy)
+        self.lagging: set[TreeNode] = set()  # indexed nodes whose keys may lag (lazy only)
         self._heap: list[int] = []
         self._nodes: dict[int, TreeNode] = {}  # live key -> node
         self.keys: dict[TreeNode, int] = {}  # node -> live key
@@ -112,6 +122,8 @@ class EvictionIndex:
         k = self.keys.pop(node, None)
         if k is not None:
             del self._nodes[k]
+            if self.lagging:
+                self.lagging.discard(node)
             if len(self._heap) > 2 * len(self._nodes) + 64:
                 self._compact()
 
@@ -120,6 +132,8 @@ class EvictionIndex:
         k = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
         keys = self.keys
         old = keys[node]
+        if self.lagging:
+            self.lagging.discard(node)
         if k != old:
             nodes = self._nodes
             del nodes[old]
@@ -145,9 +159,35 @@ class EvictionIndex:
         """The next victim (the index must not be empty)."""
         heap = self._heap
         nodes = self._nodes
-        while heap[0] not in nodes:
+        while heap[0] not in nodes:  # stale: a discarded or re-keyed node's old key
             heappop(heap)
-        return nodes[heap[0]]
+        node = nodes[heap[0]]
+        lagging = self.lagging
+        if lagging and node in lagging:
+            return self._catch_up()
+        return node
+
+    def _catch_up(self) -> TreeNode:
+        """``first`` when a lagging node is on top: re-key lagging nodes until the top one's
+        key is its own (class docstring)."""
+        heap = self._heap
+        nodes = self._nodes
+        lagging = self.lagging
+        while True:
+            k = heap[0]
+            node = nodes.get(k)
+            if node is None:
+                heappop(heap)
+                continue
+            if node not in lagging:
+                return node
+            lagging.discard(node)
+            cur = (node.last_access << _ID_BITS) | node.node_id if self._lru else self._key(node)
+            if cur != k:
+                del nodes[k]
+                nodes[cur] = node
+                self.keys[node] = cur
+                heapreplace(heap, cur)
 
     def _compact(self) -> None:
         self._heap = list(self._nodes)
@@ -157,22 +197,33 @@ class EvictionIndex:
         self._heap.clear()
         self._nodes.clear()
         self.keys.clear()
+        self.lagging.clear()
 
     def __len__(self) -> int:
         return len(self._nodes)
 
     def __iter__(self) -> Iterator[TreeNode]:
-        """Nodes in eviction order (first victim first)."""
-        nodes = self._nodes
-        return (nodes[k] for k in sorted(nodes))
+        """Nodes in eviction order (first victim first), by their current keys."""
+        return iter(sorted(self._nodes.values(), key=self._key))
 
     def stored_keys(self) -> dict[int, int]:
-        """node id -> stored key (for invariant checks)."""
-        return {n.node_id: k for k, n in self._nodes.items()}
+        """node id -> the key the index orders it by (for invariant checks): its current key
+        (a lazy index's stored keys may lag behind: ``check`` checks them)."""
+        key = self._key
+        return {n.node_id: key(n) for n in self._nodes.values()}
 
     def check(self) -> str | None:
         """What is wrong with the index's own structure (None: nothing): every live key must be
-        in the heap, which must be a heap, and the two maps must mirror each other."""
+        in the heap, which must be a heap, the two maps must mirror each other, and each stored
+        key must be the node's current key (a lagging node's: at most it)."""
+        key = self._key
+        lagging = self.lagging
+        if lagging and (not self.lazy or not lagging <= self.keys.keys()):
+            return "a lagging node is not in a lazy index"
+        for k, n in self._nodes.items():
+            cur = key(n)
+            if k > cur if n in lagging else k != cur:
+                return f"{n!r} is stored under key {k}, its key is {cur}"
         heap = self._heap
         if any(heap[i] < heap[(i - 1) >> 1] for i in range(1, len(heap))):
             return "eviction heap order broken"

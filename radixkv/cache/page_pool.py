@@ -33,8 +33,9 @@ class PagePool:
     ``adopt`` (HELD -> CACHED), ``release_held`` (HELD -> FREE) and ``release_cached``
     (CACHED -> FREE); the last three trust their input, so they take only pages that
     ``check_held`` accepted or that the trie owns. ``adopt_run`` checks and adopts an
-    ascending run of HELD pages at once, or changes nothing. Every error leaves the pool
-    unchanged. Not thread-safe.
+    ascending run of HELD pages at once, ``adopt_held`` any list of distinct HELD int ids in
+    one pass; both change nothing when they decline. Every error leaves the pool unchanged.
+    Not thread-safe.
 
     ``on_free`` (None by default), when set, is called with every list of pages that just
     became FREE (by ``free``, ``release_held`` or ``release_cached``), after the move: what
@@ -145,12 +146,12 @@ class PagePool:
         unusual (then the loop decides, and names the problem).
 
         An ascending run of ints (what alloc hands out) costs one list compare against the
-        canonical run and one count of state bytes. Anything else: every id >= 2 (so no bool
-        and no negative id, which would index from the end; lists with pages 0 or 1 take the
-        loop), all HELD (one C gather of the
-        state bytes; an id out of range or not an integer raises), distinct (a set). The result
-        is the canonical int objects of those ids, so an id passed as, say, a numpy integer is
-        stored as a plain int.
+        canonical run and one count of state bytes. Anything else (a fragmented list): all
+        HELD (one C gather of the state bytes; an id out of range or not an integer raises),
+        each id equal to its canonical int (a negative id reads another page's entries and
+        fails this), distinct (a set, which also sends lists holding page 0 or 1 to the loop:
+        a bool equals one of them). The result is the canonical int objects of those ids, so
+        an id passed as, say, a numpy integer is stored as a plain int.
         """
         n = len(pages)
         ids = self._ids
@@ -161,14 +162,51 @@ class PagePool:
                 run = ids[a : a + n]
                 if pages == run:  # exactly a, a+1, ..., a+n-1
                     return run if self._state.count(HELD, a, a + n) == n else None
-            if min(pages) < 2:
-                return None
             get = itemgetter(*pages)
-            if get(self._state) != (HELD,) * n or len(set(pages)) != n:
+            if get(self._state).count(HELD) != n:
                 return None
-            return list(get(ids))
+            out = list(get(ids))
+            if out != pages:
+                return None
+            seen = set(out)
+            if len(seen) != n or 0 in seen or 1 in seen:
+                return None
+            return out
         except (TypeError, IndexError, ValueError):
             return None
+
+    def adopt_held(self, pages: list[int]) -> bool:
+        """HELD -> CACHED for ``pages`` when every one is a plain int id of a HELD page, listed
+        once: True. Otherwise False, and nothing changed (False says nothing about validity:
+        use ``check_held`` and ``adopt`` then, which name the problem). The cache's path for
+        a fragmented list (pages allocated one decode step at a time): check and move in one
+        pass, where a page listed twice is found CACHED by its second visit."""
+        n = len(pages)
+        if n < 2:
+            return False
+        state = self._state
+        try:
+            if min(pages) < 0:  # a negative id would index from the end
+                return False
+        except TypeError:  # ids that do not compare
+            return False
+        it = iter(pages)
+        try:
+            for p in it:
+                if state[p] == HELD and type(p) is int:  # (a bool is not an int here)
+                    state[p] = CACHED
+                else:
+                    break
+            else:
+                self._num_cached += n
+                return True
+        except (TypeError, IndexError):  # an id that is no index, or out of range
+            pass
+        # undo the moves before the page the loop stopped at: those pages were HELD
+        stop = n - 1 - sum(1 for _ in it)
+        for q in pages[:stop]:
+            state[q] = HELD
+        return False
 
     def adopt_run(self, pages: list[int], prefix: list[int] | None = None) -> list[int] | None:
         """HELD -> CACHED, in one slice, when ``pages`` is an ascending run of two or more HELD

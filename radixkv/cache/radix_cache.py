@@ -69,10 +69,12 @@ class RadixCache(Trie):
       into a child).
     * The trie stays edge-compressed as requests publish their pages one page or chunk at a
       time (each publication adds a child to the last one): once such a run of nodes, each
-      with a single child, is wholly unlocked again, the next ``alloc`` or ``insert`` merges
-      it into its lowest node (that node object survives; the others leave the trie), so a
-      long generated path costs one node to match, not one per page. (TieredRadixCache keeps
-      its runs: merging would have to join host copies too.)
+      with a single child, is unlocked again (or locked only through its lowest node, as when
+      a conversation's next turn locks the last turn's end), the next ``alloc`` or ``insert``
+      merges it into its lowest node (that node object survives; the others leave the trie),
+      so a long generated path, or a long conversation, costs one node to match, not one per
+      page or turn. A node that is itself a lock target is never merged away. (TieredRadixCache
+      keeps its runs: merging would have to join host copies too.)
     * ``insert(tokens, pages)`` takes ownership of every page passed: a page that already is
       the cached page for its tokens stays; another page whose tokens were cached already is
       a duplicate and goes back to the pool; the rest join the trie. Use
@@ -232,7 +234,8 @@ class RadixCache(Trie):
         any int64 (TypeError/ValueError otherwise, before anything changes). Then: the query
         counts in the stats; the node the match ends inside is split (so the returned node ends
         exactly at the match); the clock ticks once and ``last_access``/``hit_count`` are
-        refreshed along the path, and the eviction key of its last node.
+        refreshed along the path (and the eviction key of its last node; with LRU or LFU, lazily:
+        EvictionIndex).
         """
         if type(tokens) is array and tokens.typecode == "q":
             qb: bytes | memoryview = memoryview(tokens).cast("B")  # read in place
@@ -280,9 +283,14 @@ class RadixCache(Trie):
                 n.last_access = clock
                 n.hit_count += 1
             last = path[-1]
-            # only the last node of a path can be a leaf, and only a leaf can be indexed
+            # only the last node of a path can be a leaf, and only a leaf can be indexed; a
+            # lazy index (LRU, LFU) re-keys it only if it reaches the top (EvictionIndex)
             if not last._children and last in self._index.keys:
-                self._index.refresh(last)
+                index = self._index
+                if index.lazy:
+                    index.lagging.add(last)
+                else:
+                    index.refresh(last)
             ntok = off >> TOKEN_SHIFT
             self._hit_tokens += ntok
             # MatchResult(last, None, ntok, last) without the Python-level __init__ call;
@@ -445,14 +453,24 @@ class RadixCache(Trie):
             pool = self.pool
             # The last check of the call: pages that are the cached ones followed by a run of
             # HELD pages (what match + alloc hand out) are checked and adopted at once, and the
-            # run is appended to canon (nothing below can fail); anything else is checked here
-            # and adopted below.
+            # run is appended to canon (nothing below can fail); so are the cached ones followed
+            # by any other HELD pages (a fragmented list: pages allocated a decode step at a
+            # time), in one pass over them; anything else is checked here and adopted below.
             new = pool.adopt_run(pages, canon)
             adopted = new is not None
             if adopted:
                 dups = []
             else:
-                dups, new = self._check_passed(pages, canon)  # raises: nothing changed yet
+                new = pages[ncached:]  # (a fresh list: the node's own)
+                if len(new) > 1:
+                    canon += new
+                    # no duplicate, and the rest HELD: checked and adopted in one pass
+                    adopted = pages == canon and pool.adopt_held(new)
+                    if not adopted:
+                        del canon[ncached:]
+                dups = []
+                if not adopted:
+                    dups, new = self._check_passed(pages, canon)  # raises: nothing changed
 
             # ---- mutation starts: nothing below can fail (but a listener may raise at the end)
             self._insert_calls += 1

@@ -225,18 +225,22 @@ class Trie:
         return upper
 
     def _merge_runs(self) -> None:
-        """Merge the runs of single-child nodes through the unlocked candidates (RadixCache's
+        """Merge the runs of single-child nodes through the candidates (RadixCache's
         docstring). Changes no page, lock, count of cached pages or event hash."""
         candidates, self._merge_candidates = self._merge_candidates, []
         for node in candidates:
-            if node.parent is not None and not node.lock_ref:  # still there, still unlocked
+            if node.parent is not None:  # still there
                 self._merge_run(node)
 
     def _merge_run(self, node: TreeNode) -> None:
-        """Merge every run of single-child unlocked nodes on the path through ``node`` (from
-        the end of its single-child descent up to the first locked node or root) into the
-        run's lowest node, which keeps its object, id and depth. A lock count is at least each
-        child's, so everything below an unlocked node is unlocked."""
+        """Merge every run on the path through ``node`` (from the end of its single-child
+        descent up to the root) into the run's lowest node, which keeps its object, id and
+        depth. A run is a chain of nodes each with a single child and the same lock count as
+        that child: a node's count is its own locks plus its children's, so an equal count
+        says that nobody locked the node itself (it is locked, if at all, only as an ancestor
+        of the node below it), and merging it away leaves every lock target in the trie. An
+        unlocked run (all zero) is the common case; a locked one is a conversation whose next
+        turn locked the last turn's end before the run above it was merged."""
         low = node
         while len(low._children) == 1:
             (c,) = low._children.values()
@@ -245,10 +249,14 @@ class Trie:
             low = c
         run: list[TreeNode] = []  # the nodes above ``low`` that it absorbs, bottom up
         x, up = low, low.parent
-        while up.key and not up.lock_ref:
-            if len(up._children) == 1 and up._children.get(x._hkey) is x:
+        while up.key:
+            if (
+                up.lock_ref == x.lock_ref
+                and len(up._children) == 1
+                and up._children.get(x._hkey) is x
+            ):
                 run.append(up)
-            else:  # a branch point: it ends this run and is the lowest node of the next
+            else:  # a branch point or a lock target: it ends this run, is the next one's low
                 if run:
                     self._absorb(low, run)
                     run = []
@@ -263,10 +271,13 @@ class Trie:
         top = run[0]
         parent = top.parent
         low.key = b"".join([u.key for u in run] + [low.key])
-        pages: list[int] = []
-        for u in run:
+        # the top node's list grows in place (it leaves the trie): a run that a request
+        # extends a turn at a time copies each turn's pages once, not the whole path each time
+        pages = top._pages
+        for u in run[1:]:
             pages += u._pages
-        low._pages = pages + low._pages
+        pages += low._pages
+        low._pages = pages
         if low._hashes is not None and all(u._hashes is not None for u in run):
             low._hashes = [h for u in run for h in u._hashes] + low._hashes
         else:
