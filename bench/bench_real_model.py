@@ -65,6 +65,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -202,8 +203,8 @@ def llama_cpp_systems(gguf: Path, kind: str, ctx: int, extra_buffers: bool = Tru
 
     def reset(ram_cache: bool) -> None:
         llm.reset()  # forget the context: the first prompt is computed from scratch
-        # room for a whole round of states (16 here, ~300 MB each): the default 2 GiB would evict a
-        # conversation's state before its next turn
+        # room for a whole round of states (16 here, up to ~60 MB of KV each in f32): the default
+        # 2 GiB would evict a conversation's state before its next turn
         llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=8 << 30) if ram_cache else None)
         state["ram"] = ram_cache
 
@@ -225,7 +226,14 @@ def llama_cpp_systems(gguf: Path, kind: str, ctx: int, extra_buffers: bool = Tru
             if len(got) == new:
                 break
         if cache is not None:
-            cache[prompt + got] = llm.save_state()
+            saved = llm.save_state()
+            # The state carries a copy of every context row's logits (n_tokens x 49,152 floats,
+            # ~250 MB here) that the cache's capacity does not count (only the KV bytes): 64
+            # turns of C filled 16 GB and the kernel killed the run. Generation needs only the
+            # last row (a longer prompt is evaluated past the cached prefix, and load_state
+            # broadcasts the row it gets), so the state keeps that one.
+            saved.scores = saved.scores[-1:].copy()
+            cache[prompt + got] = saved
         return got
 
     def round_(prompts: list[list[int]], new: int, more: bool) -> list[list[int]]:
@@ -380,17 +388,22 @@ def memory_child(args: argparse.Namespace) -> int:
 
 
 def measure_memory(names: list[str], workloads: dict[str, Workload], num_seqs: int,
-                   max_len: int, argv: list[str]) -> dict[str, Any]:  # fmt: skip
+                   max_len: int, argv: list[str],
+                   cpus: set[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Peak RSS of each system, one child process at a time (pinned to ``cpus`` when given:
+    peak memory does not depend on speed, so the children can run on CPUs the timing does
+    not use, beside it)."""
     spec = {"workloads": [{"name": w.name, "rounds": w.rounds, "new_tokens": w.new_tokens,
                            "shared_prefix": w.shared_prefix} for w in workloads.values()],
             "num_seqs": num_seqs, "max_len": max_len}  # fmt: skip
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / "prompts.json"
     path.write_text(json.dumps(spec))
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     out: dict[str, Any] = {}
     for name in names:
         cmd = [sys.executable, __file__, *argv, "--memory-child", name, "--prompts-file", str(path)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pin)
         if done.returncode != 0:
             raise RuntimeError(f"memory run of {name} failed:\n{done.stderr[-3000:]}")
         out[name] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -444,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-llama-cpp-extra-buffers", dest="llama_cpp_extra_buffers",
                     action="store_false", help="load llama.cpp without its repacked (AMX) weight "
                     "buffers: for VMs that list AMX but do not enable it (SIGILL)")  # fmt: skip
+    ap.add_argument("--memory-cpus", default=None,
+                    help="run the memory children on these CPUs (e.g. 0) beside the timing, "
+                    "which then runs on the others (set with taskset)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
@@ -485,6 +501,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "quick": args.quick,
         "workloads": {w.name: w.describe() for w in workloads.values()},
     }
+    memory_cpus = (
+        None if args.memory_cpus is None else {int(c) for c in args.memory_cpus.split(",")}
+    )
+    background: dict[str, Any] = {}
+    if args.memory and memory_cpus is not None:  # beside the timing, on other CPUs
+        child_argv = [a for i, a in enumerate(passed)  # without --memory-cpus and its value
+                      if not a.startswith("--memory-cpus")
+                      and not (i and passed[i - 1] == "--memory-cpus")]  # fmt: skip
+        thread = threading.Thread(
+            target=lambda: background.update(
+                memory=measure_memory(
+                    [s.name for s in systems], workloads, num_seqs, max_len, child_argv, memory_cpus
+                )
+            )
+        )
+        thread.start()
     for r in range(runs):  # one round at a time, the order rotated one place a round
         order = names[r % len(names) :] + names[: r % len(names)]
         got, out = rotated_rounds({k: tasks[k] for k in order}, 1, label=f"{r + 1}/{runs} ")
@@ -494,12 +526,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if last.setdefault(k, o) != o:
                 head.setdefault("answered_differently_in_a_later_round", []).append(k)
                 print(f"note: {k} answered differently in round {r + 1}", flush=True)
-        if r == 0 and args.memory:  # after one round, so that a cut-short run still has it
+        if (
+            r == 0 and args.memory and memory_cpus is None
+        ):  # after one round: a cut-short run has it
             memory = measure_memory([s.name for s in systems], workloads, num_seqs, max_len,
                                     passed)  # fmt: skip
         data = _results(head, workloads, jobs, times, last, memory, r + 1)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=2) + "\n")  # after every round
+    if memory_cpus is not None and args.memory:
+        thread.join()
+        memory = background.get("memory")
+        data = _results(head, workloads, jobs, times, last, memory, runs)
+        args.out.write_text(json.dumps(data, indent=2) + "\n")
     _print(data, workloads)
     print(f"wrote {args.out}")
     return 0

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from radixkv.model.loader import LoadedModel
 
 DEFAULT_MODEL = SMOLLM2  # the packaged SmolLM2-135M-Instruct
-PRESENCE = 0.5  # the chat workload's presence penalty (see _chat)
+PRESENCE = 1.0  # the chat workload's presence penalty (see _chat)
 
 
 def add_demo_arguments(d: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -58,7 +58,10 @@ def add_demo_arguments(d: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--chats", type=int, default=3, help="chat: multi-turn conversations")
     d.add_argument("--turns", type=int, default=3, help="chat: user turns per conversation")
     d.add_argument(
-        "--examples", type=int, default=6, help="chat: few-shot examples in the shared prefix"
+        "--examples",
+        type=int,
+        default=12,
+        help="chat: few-shot examples in the shared prefix (fewer: worse answers)",
     )
     d.add_argument(  # radixkv-tiny was trained on 512-token windows: prompt + output fit in that
         "--system-words", type=int, default=12, help="code: shared module docstring length"
