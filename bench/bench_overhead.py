@@ -280,7 +280,7 @@ def worker(names: list[str], steps: int, warmup: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- the driver side
 def _run_worker(checkout: Path, names: list[str], steps: int, warmup: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
+    env = dict(os.environ, BENCH_OVERHEAD_CHECKOUT=str(checkout))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(names)]
     cmd += ["--steps", str(steps), "--warmup", str(warmup)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -323,6 +323,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default bench/results/bench_overhead.json")
     args = ap.parse_args()
     if args.worker is not None:
+        # the checkout under test first (peerkit put this one there)
+        sys.path.insert(0, os.environ.get("BENCH_OVERHEAD_CHECKOUT", str(ROOT)))
         print(json.dumps(worker(json.loads(args.worker), args.steps, args.warmup)))
         return
     if args.quick:
