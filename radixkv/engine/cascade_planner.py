@@ -51,6 +51,7 @@ from typing import NamedTuple, Protocol
 
 from radixkv.attention.base import outgrown_windows
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
+from radixkv.debug import debug_checks_enabled
 from radixkv.engine.names import CASCADE_MODES
 
 # K+V values (per layer) a step must save for "auto" to pick the cascade, by the KV's bytes per
@@ -152,7 +153,10 @@ class CascadePlanner:
         min_step_saved_tokens: int = 4096,
         min_step_saved_fraction: float = 0.1,
         layer_windows: Sequence[int] = (),
+        check_entries: bool | None = None,
     ) -> None:
+        """``check_entries``: validate every entry of every ``plan`` call (None: with the debug
+        checks, radixkv/debug.py; the engine's entries are right by construction)."""
         if mode not in CASCADE_MODES:
             raise ValueError(f"cascade mode must be one of {CASCADE_MODES}, got {mode!r}")
         if page_size < 1:
@@ -171,6 +175,11 @@ class CascadePlanner:
         # where every layer is such gets a plain decision
         self.layer_windows = tuple(layer_windows)
         self._last: _Shared | None = None  # the last cascade plan's shared part (module doc)
+        self.check_entries = debug_checks_enabled() if check_entries is None else check_entries
+        # the last level's pages of the last plan: (its shared part, the rows' page tables
+        # (held), their page counts, kv_indptr, kv_indices); see _last_level
+        self._last_pages: tuple[_Shared, tuple[Sequence[int], ...], list[int], tuple[int, ...],
+                                tuple[int, ...]] | None = None  # fmt: skip
 
     @staticmethod
     def min_step_tokens_for(kv_values_per_token: int, bytes_per_value: int = 4) -> int:
@@ -188,21 +197,9 @@ class CascadePlanner:
         if not entries:
             raise ValueError("cascade planner: empty decode batch")
         ps = self.page_size
-        plain_tokens = 0
-        for i, e in enumerate(entries):
-            n_pages = -(-e.seq_len // ps)
-            if e.seq_len < 1 or len(e.page_table) < n_pages:
-                raise ValueError(
-                    f"entry {i}: seq_len {e.seq_len} needs {n_pages} pages, "
-                    f"page table has {len(e.page_table)}"
-                )
-            if not 0 <= e.num_shared_pages < n_pages:
-                # the decoded token's page is private, so shared pages are strictly fewer
-                raise ValueError(
-                    f"entry {i}: num_shared_pages {e.num_shared_pages} must be < {n_pages} "
-                    "(the page of the token being decoded is never shared)"
-                )
-            plain_tokens += e.seq_len
+        if self.check_entries:
+            self._check(entries)
+        plain_tokens = sum(e.seq_len for e in entries)
         if self.mode == "off" or len(entries) == 1:
             return self._plain(entries, plain_tokens)
         if self.layer_windows:
@@ -224,6 +221,24 @@ class CascadePlanner:
         return CascadeDecision(
             shared.order, True, plain_tokens, cascade_tokens, shared.num_segments, lambda: plan
         )
+
+    def _check(self, entries: Sequence[DecodeEntry]) -> None:
+        """ValueError naming the first entry whose page table cannot hold its tokens, or whose
+        shared pages reach the decoded token's page."""
+        ps = self.page_size
+        for i, e in enumerate(entries):
+            n_pages = -(-e.seq_len // ps)
+            if e.seq_len < 1 or len(e.page_table) < n_pages:
+                raise ValueError(
+                    f"entry {i}: seq_len {e.seq_len} needs {n_pages} pages, "
+                    f"page table has {len(e.page_table)}"
+                )
+            if not 0 <= e.num_shared_pages < n_pages:
+                # the decoded token's page is private, so shared pages are strictly fewer
+                raise ValueError(
+                    f"entry {i}: num_shared_pages {e.num_shared_pages} must be < {n_pages} "
+                    "(the page of the token being decoded is never shared)"
+                )
 
     # ---------------------------------------------------------------- steps
     def _plain(self, entries: Sequence[DecodeEntry], plain_tokens: int) -> CascadeDecision:
@@ -403,19 +418,33 @@ class CascadePlanner:
         )
 
     def _last_level(self, entries: Sequence[DecodeEntry], shared: _Shared) -> CascadeLevel:
-        """Each row's pages not read at a shared level (its ranges there are disjoint)."""
+        """Each row's pages not read at a shared level (its ranges there are disjoint).
+
+        Its pages are the last step's while the shared part is the same object (same nodes,
+        same shared page counts), the rows' page tables are the same and each row's page count
+        is unchanged: a table's pages up to its count change only when pages are published
+        (the shared page counts change) or the sequence is released (a new table), so a decode
+        step mostly rebuilds only the last page lengths."""
         ps = self.page_size
         n = len(shared.order)
-        kv, idx, last = [0], [], []
-        for i, ranges in zip(shared.order, shared.covered):
-            e = entries[i]
-            n_pages = -(-e.seq_len // ps)
-            table = e.page_table
-            start = 0
-            for lo, hi in ranges:
-                idx.extend(table[start:lo])
-                start = hi
-            idx.extend(table[start:n_pages])
-            kv.append(len(idx))
-            last.append(e.seq_len - (n_pages - 1) * ps)
-        return CascadeLevel(tuple(range(n + 1)), tuple(kv), tuple(idx), tuple(last))
+        ordered = [entries[i] for i in shared.order]
+        n_pages = [-(-e.seq_len // ps) for e in ordered]
+        tables = tuple([e.page_table for e in ordered])
+        memo = self._last_pages
+        # (tuple equality: identity first, then contents: equal contents have equal pages)
+        if memo is not None and memo[0] is shared and memo[2] == n_pages and memo[1] == tables:
+            kv, idx = memo[3], memo[4]
+        else:
+            kv_l, idx_l = [0], []
+            for e, k, ranges in zip(ordered, n_pages, shared.covered):
+                table = e.page_table
+                start = 0
+                for lo, hi in ranges:
+                    idx_l.extend(table[start:lo])
+                    start = hi
+                idx_l.extend(table[start:k])
+                kv_l.append(len(idx_l))
+            kv, idx = tuple(kv_l), tuple(idx_l)
+            self._last_pages = (shared, tables, n_pages, kv, idx)
+        last = tuple([e.seq_len - (k - 1) * ps for e, k in zip(ordered, n_pages)])
+        return CascadeLevel(tuple(range(n + 1)), kv, idx, last)
