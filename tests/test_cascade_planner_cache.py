@@ -128,3 +128,34 @@ def test_decode_steps_reuse_the_shared_levels_and_stay_exact() -> None:
     for r in [*running, newcomer]:
         cache.unlock(r.node)
     cache.check_invariants()
+
+
+def test_private_level_reused_over_tables_grown_in_place() -> None:
+    """As the engine holds them, each request's page table is one list grown in place as it
+    decodes, and a finished request's row is taken by a newcomer on the same node: the planner
+    kept over the steps plans exactly what a fresh planner plans from the same entries."""
+    ps = 4
+    cache = RadixCache(PagePool(2000), page_size=ps)
+    rng = random.Random(5)
+    prompt = [rng.randrange(1000) for _ in range(24)]
+    _insert(cache, prompt)
+    m = cache.match_prefix(prompt)
+    cache.lock(m.node)
+    shared = list(m.pages)
+    lens = [25 + b for b in range(5)]
+    tables = [shared + cache.alloc(-(-n // ps) - len(shared)) for n in lens]
+    kept = CascadePlanner(ps, mode="on")
+    for step in range(12):
+        entries = [DecodeEntry(m.node, t, n, len(shared)) for t, n in zip(tables, lens)]
+        got = kept.plan(entries).plan
+        want = CascadePlanner(ps, mode="on").plan(entries).plan
+        assert got.levels == want.levels, step
+        for b, t in enumerate(tables):  # each request decodes a token
+            lens[b] += 1
+            if -(-lens[b] // ps) > len(t):
+                t.extend(cache.alloc(1))  # in place, as SeqKV.reserve does
+        if step == 6:  # request 2 finishes; a newcomer on the same node takes its row
+            cache.pool.free(tables[2][len(shared) :])
+            lens[2] = 26
+            tables[2] = shared + cache.alloc(-(-lens[2] // ps) - len(shared))
+    cache.unlock(m.node)

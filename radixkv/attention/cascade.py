@@ -51,6 +51,25 @@ __all__ = [
 merge_state = merge_attention_states  # the exact log-sum-exp merge, under its cascade name
 
 
+# chunks of at least this many segments get their page index by tensor ops (a decode step's
+# per-request level: one segment per row) rather than a Python pass over the segments
+_VECTOR_SEGMENTS = 16
+
+
+def _padded_pages(
+    kv_indptr: tuple[int, ...], kv_indices: tuple[int, ...], segs: list[int], n_pages: int
+) -> torch.Tensor:
+    """``[len(segs) * n_pages]`` long (CPU): each segment's pages, padded to ``n_pages`` with
+    its first page."""
+    kv = torch.tensor(kv_indptr, dtype=torch.long)
+    sel = torch.tensor(segs, dtype=torch.long)
+    start = kv[sel][:, None]  # [S, 1]
+    count = (kv[sel + 1] - kv[sel])[:, None]
+    j = torch.arange(n_pages, dtype=torch.long)[None, :]  # [1, P]
+    pos = torch.where(j < count, start + j, start)  # padding repeats the first page
+    return torch.tensor(kv_indices, dtype=torch.long)[pos.view(-1)]
+
+
 @dataclass
 class _Chunk:
     """Segments computed together: ``S`` segments padded to ``G`` rows and ``n_pages`` pages."""
@@ -376,13 +395,17 @@ class TorchCascadeAttention:
         n_pages = max(kv[i + 1] - kv[i] for i, _, _ in segs)
         splits = self._num_splits(num, n_pages, min(lens))
         n_pages = -(-n_pages // splits) * splits  # pad so that every part has as many pages
-        flat_pages: list[int] = []
-        for i, _, _ in segs:
-            a, b = kv[i], kv[i + 1]
-            flat_pages.extend(idx[a:b])
-            if b - a < n_pages:
-                flat_pages.extend([idx[a]] * (n_pages - (b - a)))
         dev = self.device
+        flat_pages: list[int] = []  # (the vector path leaves it empty: read only when num == 1)
+        if num >= _VECTOR_SEGMENTS:
+            flat = _padded_pages(kv, idx, [i for i, _, _ in segs], n_pages).to(dev)
+        else:
+            for i, _, _ in segs:
+                a, b = kv[i], kv[i + 1]
+                flat_pages.extend(idx[a:b])
+                if b - a < n_pages:
+                    flat_pages.extend([idx[a]] * (n_pages - (b - a)))
+            flat = torch.tensor(flat_pages, dtype=torch.long, device=dev)
         first_row, last_row = qo[segs[0][0]], qo[segs[-1][0] + 1]
         padded = g != min(r for _, r, _ in segs)
         contiguous = not padded and all(
@@ -418,7 +441,6 @@ class TorchCascadeAttention:
         page_run = None
         if num == 1 and flat_pages == list(range(flat_pages[0], flat_pages[0] + n_pages)):
             page_run = (flat_pages[0], n_pages)
-        flat = torch.tensor(flat_pages, dtype=torch.long, device=dev)
         return _Chunk(
             num_segments=num,
             group=g,
