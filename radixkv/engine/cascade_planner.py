@@ -44,6 +44,7 @@ the batch instead of a tree build.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -123,6 +124,13 @@ class _Shared:
     covered: tuple[tuple[tuple[int, int], ...], ...]  # per row: page ranges read when shared
     shared_tokens: int  # KV tokens the shared levels read
     num_segments: int
+    # per entry: the segment its path ends in is traversed by it alone (it may grow below)
+    private: tuple[bool, ...] = ()
+
+
+def _structure(s: _Shared) -> tuple[object, ...]:
+    """What a plan takes from its shared part, beside the nodes and shared page counts."""
+    return (s.order, s.levels, s.covered, s.shared_tokens, s.num_segments, s.private)
 
 
 class _Seg:
@@ -259,15 +267,79 @@ class CascadePlanner:
         # tuple equality tests identity first; nodes have no __eq__ of their own
         if last is not None and last.num_shared == num_shared and last.nodes == nodes:
             return last
+        grown = None if last is None else self._grown(last, nodes, num_shared)
+        if grown is not None and not self.check_entries:
+            self._last = grown
+            return grown
+        built = self._build(entries, nodes, num_shared)
+        if grown is not None:  # (debug checks) what the shortcut gave is what a build gives
+            assert _structure(grown) == _structure(built), "cascade shortcut differs"
+        self._last = built
+        return built
+
+    def _build(
+        self,
+        entries: Sequence[DecodeEntry],
+        nodes: tuple[TrieNode | None, ...],
+        num_shared: tuple[int, ...],
+    ) -> _Shared:
+        """The shared levels of these entries, built from the trie."""
         root = self._build_tree(entries)
         threshold = 1 if self.mode == "on" else max(1, self.min_saved_tokens)
         kept = self._decide(root, threshold)
+        private = self._private(root, len(entries))
         if kept:
             order = self._assign_rows(root)
-            self._last = self._shared_levels(entries, nodes, num_shared, order, kept)
-        else:
-            self._last = _Shared(nodes, num_shared, (), (), (), 0, 0)
-        return self._last
+            return self._shared_levels(entries, nodes, num_shared, order, kept, private)
+        return _Shared(nodes, num_shared, (), (), (), 0, 0, private)
+
+    @staticmethod
+    def _private(root: _Seg, n: int) -> tuple[bool, ...]:
+        """Per entry: whether the segment its path ends in has it alone (no other end, no
+        child segment)."""
+        private = [False] * n
+        stack = list(root.children)
+        while stack:
+            seg = stack.pop()
+            if len(seg.ends) == 1 and not seg.children:
+                private[seg.ends[0]] = True
+            stack.extend(seg.children)
+        return tuple(private)
+
+    def _grown(
+        self, last: _Shared, nodes: tuple[TrieNode | None, ...], num_shared: tuple[int, ...]
+    ) -> _Shared | None:
+        """The last shared part for these nodes when a build would give the same one, else None.
+
+        That is so when every entry whose node changed had its last path's end segment to
+        itself (``private``) and its new node lies below its old one, the nodes between being
+        on no other changed entry's way (the usual decode step: some sequences publish a page
+        under their own branch). No other entry goes through the old node (it was private), so
+        none goes through those below it either, except another changed entry (checked): the
+        private segment only grows downwards, it stays unshared, and the kept segments, the row
+        order and the covered ranges stay as they were."""
+        if len(last.nodes) != len(nodes) or not last.private:
+            return None
+        ps = self.page_size
+        counts = list(last.num_shared)
+        changed = [i for i, (a, b) in enumerate(zip(last.nodes, nodes)) if a is not b]
+        # an old node of a changed entry is never on another changed entry's way down
+        seen = {id(last.nodes[i]) for i in changed}
+        for i in changed:
+            old, node = last.nodes[i], nodes[i]
+            if old is None or not last.private[i]:
+                return None
+            pages = 0
+            while node is not old:
+                if node is None or id(node) in seen:
+                    return None
+                seen.add(id(node))
+                pages += node.num_tokens // ps
+                node = node.parent
+            counts[i] += pages
+        if tuple(counts) != num_shared:
+            return None
+        return dataclasses.replace(last, nodes=nodes, num_shared=num_shared)
 
     def _path(self, i: int, e: DecodeEntry) -> list[TrieNode]:
         """Trie nodes holding pages, root first; their pages total ``num_shared_pages``."""
@@ -370,6 +442,7 @@ class CascadePlanner:
         num_shared: tuple[int, ...],
         order: list[int],
         kept: list[_Seg],
+        private: tuple[bool, ...],
     ) -> _Shared:
         ps = self.page_size
         n = len(order)
@@ -415,6 +488,7 @@ class CascadePlanner:
             tuple(tuple(sorted(c)) for c in covered),
             tokens,
             len(kept),
+            private,
         )
 
     def _last_level(self, entries: Sequence[DecodeEntry], shared: _Shared) -> CascadeLevel:
