@@ -14,7 +14,7 @@ from radixkv.engine.sampler import make_generator, sample, sampling_probs
 def _logits(kind: str, rows: int, vocab: int) -> torch.Tensor:
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(7)) * 3
     if kind == "ties":  # equal logits inside the kept tokens: the sort must decide
-        x[:, : vocab // 2] = 1.5
+        x[:, 3 : vocab // 2 : 7] = 9.5  # above the rest: ties among the top tokens
     if kind == "min_p":  # -inf ties after the min-p cut
         x[:, 10:] -= 40.0
     return x
