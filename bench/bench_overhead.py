@@ -177,10 +177,10 @@ def _instrument(eng: Any) -> _Phases:
 def _run_scenario(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     import random
 
+    import torch
+
     from radixkv.engine.engine import Engine
     from radixkv.engine.params import SamplingParams
-
-    import torch
 
     # the micro model's few kernels run on one thread: the overhead measured is the engine's
     # single-threaded Python, and OpenMP workers spinning on a shared machine only add noise

@@ -56,18 +56,22 @@ merge_state = merge_attention_states  # the exact log-sum-exp merge, under its c
 _VECTOR_SEGMENTS = 16
 
 
-def _padded_pages(
-    kv_indptr: tuple[int, ...], kv_indices: tuple[int, ...], segs: list[int], n_pages: int
-) -> torch.Tensor:
-    """``[len(segs) * n_pages]`` long (CPU): each segment's pages, padded to ``n_pages`` with
-    its first page."""
-    kv = torch.tensor(kv_indptr, dtype=torch.long)
-    sel = torch.tensor(segs, dtype=torch.long)
-    start = kv[sel][:, None]  # [S, 1]
-    count = (kv[sel + 1] - kv[sel])[:, None]
-    j = torch.arange(n_pages, dtype=torch.long)[None, :]  # [1, P]
-    pos = torch.where(j < count, start + j, start)  # padding repeats the first page
-    return torch.tensor(kv_indices, dtype=torch.long)[pos.view(-1)]
+class _SegmentPages:
+    """Where some segments' pages lie in a level's ``kv_indices`` (CPU tensors), for chunks of
+    many segments."""
+
+    def __init__(self, kv_indptr: tuple[int, ...], segs: list[int]) -> None:
+        kv = torch.tensor(kv_indptr, dtype=torch.long)
+        sel = torch.tensor(segs, dtype=torch.long)
+        self.start = kv[sel][:, None]  # [S, 1]
+        self.count = (kv[sel + 1] - kv[sel])[:, None]  # [S, 1]
+        self.most = int(self.count.max())
+
+    def padded(self, kv_indices: tuple[int, ...], n_pages: int) -> torch.Tensor:
+        """``[S * n_pages]`` long: each segment's pages, padded with its first page."""
+        j = torch.arange(n_pages, dtype=torch.long)[None, :]  # [1, P]
+        pos = torch.where(j < self.count, self.start + j, self.start)
+        return torch.tensor(kv_indices, dtype=torch.long)[pos.view(-1)]
 
 
 @dataclass
@@ -389,16 +393,23 @@ class TorchCascadeAttention:
         ps = self.plan.page_size
         qo, kv, idx = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_indices
         num = len(segs)
-        g = max(r for _, r, _ in segs)
+        seg_rows = [r for _, r, _ in segs]
+        g = max(seg_rows)
+        padded = g != min(seg_rows)
         lens = [n for _, _, n in segs]
         kv_len = max(lens)
-        n_pages = max(kv[i + 1] - kv[i] for i, _, _ in segs)
-        splits = self._num_splits(num, n_pages, min(lens))
-        n_pages = -(-n_pages // splits) * splits  # pad so that every part has as many pages
         dev = self.device
         flat_pages: list[int] = []  # (the vector path leaves it empty: read only when num == 1)
+        firsts = [qo[i] for i, _, _ in segs]  # each segment's first row
+        if num >= _VECTOR_SEGMENTS:  # many segments (a level of one per request): tensor ops
+            pages = _SegmentPages(kv, [i for i, _, _ in segs])
+            n_pages = pages.most
+        else:
+            n_pages = max(kv[i + 1] - kv[i] for i, _, _ in segs)
+        splits = self._num_splits(num, n_pages, min(lens))
+        n_pages = -(-n_pages // splits) * splits  # pad so that every part has as many pages
         if num >= _VECTOR_SEGMENTS:
-            flat = _padded_pages(kv, idx, [i for i, _, _ in segs], n_pages).to(dev)
+            flat = pages.padded(idx, n_pages).to(dev)
         else:
             for i, _, _ in segs:
                 a, b = kv[i], kv[i + 1]
@@ -406,14 +417,14 @@ class TorchCascadeAttention:
                 if b - a < n_pages:
                     flat_pages.extend([idx[a]] * (n_pages - (b - a)))
             flat = torch.tensor(flat_pages, dtype=torch.long, device=dev)
-        first_row, last_row = qo[segs[0][0]], qo[segs[-1][0] + 1]
-        padded = g != min(r for _, r, _ in segs)
-        contiguous = not padded and all(
-            qo[i] == first_row + k * g for k, (i, _, _) in enumerate(segs)
-        )
+        first_row, last_row = firsts[0], qo[segs[-1][0] + 1]
+        contiguous = not padded and firsts == list(range(first_row, first_row + num * g, g))
         rows = out_rows = row_valid = None
         row_range = (first_row, last_row) if contiguous else None
-        if not contiguous:
+        if not contiguous and g == 1:  # one row each: the rows are the segments' first rows
+            out_rows = torch.tensor(firsts, dtype=torch.long, device=dev)
+            rows = out_rows.view(num, 1)
+        elif not contiguous:
             row_lists = [list(range(qo[i], qo[i] + r)) for i, r, _ in segs]
             rows = torch.tensor(
                 [rl + [rl[0]] * (g - len(rl)) for rl in row_lists], dtype=torch.long, device=dev
