@@ -155,7 +155,7 @@ class ModelRunner:
         which must then be decode-only): their shared prefixes are read once per group (same
         logits, fewer KV reads). A plan over part of a batch needs ``supports_mixed_cascade``."""
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
-        idx_t = None if all_logits else self._last_rows(seqs)
+        idx_t = None if all_logits else self._last_rows([len(s.new_token_ids) for s in seqs])
         return self.model(ids_t, pos_t, attn, idx_t, max_position=max_pos)
 
     @torch.inference_mode()
@@ -173,7 +173,9 @@ class ModelRunner:
         (prompt logprobs need every position, and ``[T, vocab]`` at once can be gigabytes)."""
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
         h = self.model.trunk(ids_t, pos_t, attn, max_position=max_pos)  # [T, hidden]
-        logits = self.model.head(h.index_select(0, self._last_rows(seqs)))
+        logits = self.model.head(
+            h.index_select(0, self._last_rows([len(s.new_token_ids) for s in seqs]))
+        )
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + len(s.new_token_ids))
@@ -215,14 +217,14 @@ class ModelRunner:
         attn.plan(layout)
         return ids_t, pos_t, max(positions), attn
 
-    def _last_rows(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
-        """Row of each sequence's last new token in the flattened batch ``[len(seqs)]``."""
-        if all(len(s.new_token_ids) == 1 for s in seqs):
-            return torch.arange(len(seqs), device=self.device)
+    def _last_rows(self, num_new: Sequence[int]) -> torch.Tensor:
+        """Row of each sequence's last new token in the flattened batch ``[len(num_new)]``."""
+        if sum(num_new) == len(num_new):  # one token each
+            return torch.arange(len(num_new), device=self.device)
         last: list[int] = []
         end = -1
-        for s in seqs:
-            end += len(s.new_token_ids)
+        for n in num_new:
+            end += n
             last.append(end)
         return torch.tensor(last, dtype=torch.int64).to(self.device)
 
