@@ -393,7 +393,11 @@ class Engine:
         t1 = time.perf_counter()
         spec = self.speculator
         drafts = spec.propose(batch) if spec is not None else {}  # {row: draft tokens}
-        owing = [i for i, s in enumerate(batch.seqs) if s.owes_prompt_logprobs]
+        owing = [
+            i
+            for i, s in enumerate(batch.seqs)
+            if s.group.prompt_logprobs is not None and s.owes_prompt_logprobs
+        ]  # (the property asked only of the few requests that want prompt logprobs)
         past = [batch.seqs[i].num_computed for i in owing]
         # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing rows, then the drafted
         logits, hidden = self._forward(batch, owing, drafts)
@@ -418,7 +422,8 @@ class Engine:
             self._fail_sequence(seq, "prompt logprobs", e)
         if owed_failed:
             rows = [i for i in rows if not batch.seqs[i].finished]
-        beam_rows = [i for i in rows if batch.seqs[i].group.beam is not None]
+        in_batch = batch.seqs
+        beam_rows = [i for i in rows if in_batch[i].group.beam is not None]
         if beam_rows:  # beam search: the rows wait for their requests' other beams
             self.beams.observe([batch.seqs[i] for i in beam_rows], logits[beam_rows])
             rows = [i for i in rows if batch.seqs[i].group.beam is None]
