@@ -159,3 +159,54 @@ def test_private_level_reused_over_tables_grown_in_place() -> None:
             lens[2] = 26
             tables[2] = shared + cache.alloc(-(-lens[2] // ps) - len(shared))
     cache.unlock(m.node)
+
+
+def test_publishing_under_own_branch_reuses_the_shared_part_exactly() -> None:
+    """Each step some requests complete a page and publish it under their own branch (their
+    lock moves one node down): the planner kept over the steps reuses its shared part (the
+    same levels object) and plans exactly what a fresh planner plans."""
+    ps = 4
+    cache = RadixCache(PagePool(4000), page_size=ps)
+    rng = random.Random(9)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    _insert(cache, prompt)
+    # each request has a branch of its own already (one published page below the prompt)
+    tokens = [[*prompt, *[rng.randrange(1000) for _ in range(ps + 1 + b)]] for b in range(6)]
+    nodes = []
+    for t in tokens:
+        _insert(cache, t)
+        m = cache.match_prefix(t)
+        cache.lock(m.node)
+        nodes.append(m.node)
+    kept = CascadePlanner(ps, mode="on", check_entries=False)
+    checked = CascadePlanner(ps, mode="on", check_entries=True)  # asserts reuse == build
+
+    def entries() -> list[DecodeEntry]:
+        out = []
+        for node, t in zip(nodes, tokens):
+            shared = cache.path_pages(node)
+            private = list(range(3000 + 10 * len(out), 3000 + 10 * len(out) + 3))
+            n = len(t) + 1
+            need = -(-n // ps) - len(shared)
+            out.append(DecodeEntry(node, shared + private[:need], n, len(shared)))
+        return out
+
+    first = kept.plan(entries())
+    levels = first.plan.levels[0]
+    for step in range(8):
+        for b in (step % 6, (step + 3) % 6):  # two requests publish a page of their own
+            tokens[b] += [rng.randrange(1000) for _ in range(ps)]
+            _insert(cache, tokens[b])
+            m = cache.match_prefix(tokens[b])
+            cache.lock(m.node)
+            cache.unlock(nodes[b])
+            nodes[b] = m.node
+        es = entries()
+        got = kept.plan(es)
+        want = CascadePlanner(ps, mode="on").plan(es)
+        assert got.order == want.order and got.plan.levels == want.plan.levels, step
+        assert got.plan.levels[0] is levels  # reused, not rebuilt
+        checked.plan(es)
+    for node in nodes:
+        cache.unlock(node)
+    cache.check_invariants()
