@@ -45,6 +45,8 @@ the batch instead of a tree build.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -126,6 +128,9 @@ class _Shared:
     num_segments: int
     # per entry: the segment its path ends in is traversed by it alone (it may grow below)
     private: tuple[bool, ...] = ()
+    # per row, when every row's shared pages are one leading range: where its own pages start
+    # (the last level then takes each table's slice from there, at C speed); else None
+    starts: tuple[int, ...] | None = None
 
 
 def _structure(s: _Shared) -> tuple[object, ...]:
@@ -480,15 +485,20 @@ class CascadePlanner:
                 kv.append(len(idx))
                 last.append(0)
             levels.append(CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last)))
+        cov = tuple(tuple(sorted(c)) for c in covered)
+        starts = None
+        if all(len(c) <= 1 and (not c or c[0][0] == 0) for c in cov):
+            starts = tuple([c[0][1] if c else 0 for c in cov])
         return _Shared(
             nodes,
             num_shared,
             tuple(order),
             tuple(levels),
-            tuple(tuple(sorted(c)) for c in covered),
+            cov,
             tokens,
             len(kept),
             private,
+            starts,
         )
 
     def _last_level(self, entries: Sequence[DecodeEntry], shared: _Shared) -> CascadeLevel:
@@ -502,12 +512,18 @@ class CascadePlanner:
         ps = self.page_size
         n = len(shared.order)
         ordered = [entries[i] for i in shared.order]
-        n_pages = [-(-e.seq_len // ps) for e in ordered]
+        lens = [e.seq_len for e in ordered]
+        n_pages = [-(-k // ps) for k in lens]
         tables = tuple([e.page_table for e in ordered])
         memo = self._last_pages
         # (tuple equality: identity first, then contents: equal contents have equal pages)
         if memo is not None and memo[0] is shared and memo[2] == n_pages and memo[1] == tables:
             kv, idx = memo[3], memo[4]
+        elif shared.starts is not None:  # one leading shared range per row: slices, at C speed
+            own = list(map(operator.getitem, tables, map(slice, shared.starts, n_pages)))
+            kv = (0, *itertools.accumulate(map(len, own)))
+            idx = tuple(itertools.chain.from_iterable(own))
+            self._last_pages = (shared, tables, n_pages, kv, idx)
         else:
             kv_l, idx_l = [0], []
             for e, k, ranges in zip(ordered, n_pages, shared.covered):
@@ -520,5 +536,5 @@ class CascadePlanner:
                 kv_l.append(len(idx_l))
             kv, idx = tuple(kv_l), tuple(idx_l)
             self._last_pages = (shared, tables, n_pages, kv, idx)
-        last = tuple([e.seq_len - (k - 1) * ps for e, k in zip(ordered, n_pages)])
+        last = tuple([(k - 1) % ps + 1 for k in lens])  # tokens in each row's last page
         return CascadeLevel(tuple(range(n + 1)), kv, idx, last)
