@@ -20,8 +20,9 @@ the runner's input preparation (token/position tensors, the attention plan) is o
 batch row ("per token": decode rows each make one token) and each phase's median.
 
 ``--compare DIR`` runs DIR's engine (another checkout, e.g. ``main``) side by side: each side is
-a worker subprocess with its checkout first on ``sys.path`` and this harness; the two alternate
-for ``--rounds`` rounds, and each number is the median over rounds (the machine is shared).
+a worker subprocess with its checkout first on ``sys.path`` and this harness; per scenario the
+two run back to back (alternating which goes first) for ``--rounds`` rounds, and each number is
+the median over rounds (the machine is shared).
 
     python bench/bench_overhead.py [--quick] [--compare DIR] [--rounds N] [--out FILE]
 """
@@ -350,17 +351,23 @@ def main() -> None:
     sides = {"this": ROOT}
     if args.compare is not None:
         sides = {"base": args.compare.resolve(), "this": ROOT}
-    rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    # per scenario and round, one worker process per side, back to back (which side goes
+    # first alternates), so a change of load on the shared machine hits both sides alike
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {n: [] for n in names} for s in sides}
+    checkouts: dict[str, str] = {}
     for r in range(args.rounds):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for side in order:
-            rounds[side].append(_run_worker(sides[side], names, args.steps, args.warmup))
-            print(f"round {r + 1}/{args.rounds}: {side} done", file=sys.stderr)
+        for k, name in enumerate(names):
+            order = list(sides) if (r + k) % 2 == 0 else list(reversed(sides))
+            for side in order:
+                got = _run_worker(sides[side], [name], args.steps, args.warmup)
+                checkouts[side] = got["radixkv"]
+                runs[side][name].append(got[name])
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     results: dict[str, Any] = {}
-    for side, runs in rounds.items():
+    for side in sides:
         results[side] = {
-            "checkout": runs[0]["radixkv"],
-            "scenarios": {n: _median_of([run[n] for run in runs]) for n in names},
+            "checkout": checkouts[side],
+            "scenarios": {n: _median_of(runs[side][n]) for n in names},
         }
         print(f"{side} ({results[side]['checkout']}):")
         for n in names:
