@@ -88,6 +88,7 @@ def bench(session: nox.Session) -> None:
         ("bench_cache.py",),
         ("bench_model.py",),
         ("bench_engine.py",),
+        ("bench_overhead.py",),  # the engine's own cost per step, forward excluded
         ("bench_cascade.py",),
         ("bench_cascade.py", "--dtype", "bfloat16"),
         ("bench_tuning.py",),

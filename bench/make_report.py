@@ -77,6 +77,19 @@ SECTIONS: list[tuple[str, str, str]] = [
         "run's TTFT under `runs`.",
     ),
     (
+        "bench_overhead",
+        "Engine: its own cost per step (the forward excluded)",
+        "`bench/bench_overhead.py`: `Engine.step()` timed phase by phase on a random Llama so "
+        "small that its forward is negligible (hidden 64, one layer), the model's forward "
+        "excluded: steady decode of B requests sharing a 256-token system prompt (B = 1, 32, "
+        "256, 512; greedy and top-p/top-k sampled, streaming on and off, cascade auto and off), "
+        "a mixed step (B = 248 decoding while 8 x 256-token prompts are prefilled), and "
+        "radixkv-tiny's whole step at B = 256 for scale. Times are the stepping thread's CPU "
+        "time (one torch thread). With `--compare DIR`, another checkout's engine runs side by "
+        "side in alternating worker processes (`base` vs `this`); `table` has both and the "
+        "speedup.",
+    ),
+    (
         "bench_cascade",
         "Cascade attention",
         "`bench/bench_cascade.py`: decode attention over a shared prefix on radixkv-tiny's head "

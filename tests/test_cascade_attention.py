@@ -372,3 +372,37 @@ def test_gather_views_kept_across_layers_and_rebuilt_for_new_buffers() -> None:
     check(step2, tables2, lens2, torch.bfloat16, tol=5e-2)  # bf16 caches: new buffers again
     assert shared.kv_views[3].dtype == torch.bfloat16
     check(step2, tables2, lens2)
+
+
+def test_many_segment_chunks_match_the_per_segment_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk of many one-row segments (a decode step's per-request level) gets its page index
+    and rows by tensor ops: the same chunk as the per-segment pass builds."""
+    import random
+
+    import radixkv.attention.cascade as cascade_mod
+    from radixkv.attention.cascade import TorchCascadeAttention
+    from radixkv.attention.cascade_plan import CascadeLevel
+
+    rng = random.Random(0)
+    for ps in (1, 4, 16):
+        n = 40
+        segs, page = [], 0
+        for _ in range(n):
+            length = rng.randrange(1, 60)
+            k = -(-length // ps)
+            segs.append((1, list(range(page, page + k)), length))
+            page += k
+        shared = CascadeLevel.from_segments(ps, [(n, [900, 901, 902], 3 * ps)])
+        plan = CascadePlan(ps, n, (shared, CascadeLevel.from_segments(ps, segs)))
+        built = []
+        for threshold in (16, 10**9):
+            monkeypatch.setattr(cascade_mod, "_VECTOR_SEGMENTS", threshold)
+            built.append(TorchCascadeAttention(plan, threads=2)._levels)
+        for fast, slow in zip(*built):
+            for a, b in zip(fast, slow, strict=True):
+                for f in ("num_segments", "group", "kv_len", "row_range", "splits", "page_run"):
+                    assert getattr(a, f) == getattr(b, f), f
+                for f in ("rows", "pages_flat", "kv_mask", "out_rows", "split_mask"):
+                    x, y = getattr(a, f), getattr(b, f)
+                    assert (x is None) == (y is None), f
+                    assert x is None or torch.equal(x, y), f

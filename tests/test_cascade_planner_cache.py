@@ -128,3 +128,85 @@ def test_decode_steps_reuse_the_shared_levels_and_stay_exact() -> None:
     for r in [*running, newcomer]:
         cache.unlock(r.node)
     cache.check_invariants()
+
+
+def test_private_level_reused_over_tables_grown_in_place() -> None:
+    """As the engine holds them, each request's page table is one list grown in place as it
+    decodes, and a finished request's row is taken by a newcomer on the same node: the planner
+    kept over the steps plans exactly what a fresh planner plans from the same entries."""
+    ps = 4
+    cache = RadixCache(PagePool(2000), page_size=ps)
+    rng = random.Random(5)
+    prompt = [rng.randrange(1000) for _ in range(24)]
+    _insert(cache, prompt)
+    m = cache.match_prefix(prompt)
+    cache.lock(m.node)
+    shared = list(m.pages)
+    lens = [25 + b for b in range(5)]
+    tables = [shared + cache.alloc(-(-n // ps) - len(shared)) for n in lens]
+    kept = CascadePlanner(ps, mode="on")
+    for step in range(12):
+        entries = [DecodeEntry(m.node, t, n, len(shared)) for t, n in zip(tables, lens)]
+        got = kept.plan(entries).plan
+        want = CascadePlanner(ps, mode="on").plan(entries).plan
+        assert got.levels == want.levels, step
+        for b, t in enumerate(tables):  # each request decodes a token
+            lens[b] += 1
+            if -(-lens[b] // ps) > len(t):
+                t.extend(cache.alloc(1))  # in place, as SeqKV.reserve does
+        if step == 6:  # request 2 finishes; a newcomer on the same node takes its row
+            cache.pool.free(tables[2][len(shared) :])
+            lens[2] = 26
+            tables[2] = shared + cache.alloc(-(-lens[2] // ps) - len(shared))
+    cache.unlock(m.node)
+
+
+def test_publishing_under_own_branch_reuses_the_shared_part_exactly() -> None:
+    """Each step some requests complete a page and publish it under their own branch (their
+    lock moves one node down): the planner kept over the steps reuses its shared part (the
+    same levels object) and plans exactly what a fresh planner plans."""
+    ps = 4
+    cache = RadixCache(PagePool(4000), page_size=ps)
+    rng = random.Random(9)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    _insert(cache, prompt)
+    # each request has a branch of its own already (one published page below the prompt)
+    tokens = [[*prompt, *[rng.randrange(1000) for _ in range(ps + 1 + b)]] for b in range(6)]
+    nodes = []
+    for t in tokens:
+        _insert(cache, t)
+        m = cache.match_prefix(t)
+        cache.lock(m.node)
+        nodes.append(m.node)
+    kept = CascadePlanner(ps, mode="on", check_entries=False)
+    checked = CascadePlanner(ps, mode="on", check_entries=True)  # asserts reuse == build
+
+    def entries() -> list[DecodeEntry]:
+        out = []
+        for node, t in zip(nodes, tokens):
+            shared = cache.path_pages(node)
+            private = list(range(3000 + 10 * len(out), 3000 + 10 * len(out) + 3))
+            n = len(t) + 1
+            need = -(-n // ps) - len(shared)
+            out.append(DecodeEntry(node, shared + private[:need], n, len(shared)))
+        return out
+
+    first = kept.plan(entries())
+    levels = first.plan.levels[0]
+    for step in range(8):
+        for b in (step % 6, (step + 3) % 6):  # two requests publish a page of their own
+            tokens[b] += [rng.randrange(1000) for _ in range(ps)]
+            _insert(cache, tokens[b])
+            m = cache.match_prefix(tokens[b])
+            cache.lock(m.node)
+            cache.unlock(nodes[b])
+            nodes[b] = m.node
+        es = entries()
+        got = kept.plan(es)
+        want = CascadePlanner(ps, mode="on").plan(es)
+        assert got.order == want.order and got.plan.levels == want.plan.levels, step
+        assert got.plan.levels[0] is levels  # reused, not rebuilt
+        checked.plan(es)
+    for node in nodes:
+        cache.unlock(node)
+    cache.check_invariants()

@@ -176,6 +176,15 @@ class AttentionBackend(ABC):
     def _plan_slots(self, layout: BatchLayout) -> None:
         """Record the step's write slots (ragged batch order) on the pool's device."""
         ps = self.kv_pool.page_size
+        num_tokens = sum(layout.num_new)
+        if num_tokens == len(layout.num_new):  # decode: one slot each, in one pass
+            slots = torch.tensor(
+                [pt[p // ps] * ps + p % ps for pt, p in zip(layout.page_tables, layout.num_past)],
+                dtype=torch.int64,
+            )
+            self._num_tokens = num_tokens
+            self._slots = slots.to(self.kv_pool.device, non_blocking=True)
+            return
         parts: list[torch.Tensor] = []
         singles: list[int] = []  # consecutive one-token sequences (decode), as plain ints
         for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):

@@ -24,6 +24,7 @@ converts).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,36 @@ __all__ = [
 
 
 merge_state = merge_attention_states  # the exact log-sum-exp merge, under its cascade name
+
+
+# chunks of at least this many segments get their page index by tensor ops (a decode step's
+# per-request level: one segment per row) rather than a Python pass over the segments
+_VECTOR_SEGMENTS = 16
+
+
+def _long_tensor(values: tuple[int, ...]) -> torch.Tensor:
+    """A CPU long tensor of ``values`` (non-empty) through an int64 array: a few times faster
+    than ``torch.tensor`` on a tuple of Python ints."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
+class _SegmentPages:
+    """Where some segments' pages lie in a level's ``kv_indices``, for chunks of many
+    segments: ``kv`` / ``idx`` are the level's ``kv_indptr`` / ``kv_indices`` (CPU tensors,
+    made once per level)."""
+
+    def __init__(self, kv: torch.Tensor, idx: torch.Tensor, segs: list[int]) -> None:
+        sel = torch.tensor(segs, dtype=torch.long)
+        self.idx = idx
+        self.start = kv[sel][:, None]  # [S, 1]
+        self.count = (kv[sel + 1] - kv[sel])[:, None]  # [S, 1]
+        self.most = int(self.count.max())
+
+    def padded(self, n_pages: int) -> torch.Tensor:
+        """``[S * n_pages]`` long: each segment's pages, padded with its first page."""
+        j = torch.arange(n_pages, dtype=torch.long)[None, :]  # [1, P]
+        pos = torch.where(j < self.count, self.start + j, self.start)
+        return self.idx[pos.view(-1)]
 
 
 @dataclass
@@ -364,33 +395,53 @@ class TorchCascadeAttention:
             c.row_range == (0, n) and c.row_valid is None for chunks in self._levels for c in chunks
         )
 
-    def _make_chunk(self, lvl: CascadeLevel, segs: list[tuple[int, int, int]]) -> _Chunk:
+    def _make_chunk(
+        self,
+        lvl: CascadeLevel,
+        segs: list[tuple[int, int, int]],
+        level_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> _Chunk:
         """A chunk of the level's segments ``(index, rows, kv_len)`` (one chunk per step for
-        a batch's private pages: kept to a few list passes and tensor builds)."""
+        a batch's private pages: kept to a few list passes and tensor builds).
+        ``level_tensors``: the level's ``kv_indptr`` and ``kv_indices`` as CPU tensors, shared
+        by its chunks (made here when needed and not given)."""
         ps = self.plan.page_size
         qo, kv, idx = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_indices
         num = len(segs)
-        g = max(r for _, r, _ in segs)
+        seg_rows = [r for _, r, _ in segs]
+        g = max(seg_rows)
+        padded = g != min(seg_rows)
         lens = [n for _, _, n in segs]
         kv_len = max(lens)
-        n_pages = max(kv[i + 1] - kv[i] for i, _, _ in segs)
+        dev = self.device
+        flat_pages: list[int] = []  # (the vector path leaves it empty: read only when num == 1)
+        firsts = [qo[i] for i, _, _ in segs]  # each segment's first row
+        if num >= _VECTOR_SEGMENTS:  # many segments (a level of one per request): tensor ops
+            if level_tensors is None:
+                level_tensors = (_long_tensor(kv), _long_tensor(idx))
+            pages = _SegmentPages(*level_tensors, [i for i, _, _ in segs])
+            n_pages = pages.most
+        else:
+            n_pages = max(kv[i + 1] - kv[i] for i, _, _ in segs)
         splits = self._num_splits(num, n_pages, min(lens))
         n_pages = -(-n_pages // splits) * splits  # pad so that every part has as many pages
-        flat_pages: list[int] = []
-        for i, _, _ in segs:
-            a, b = kv[i], kv[i + 1]
-            flat_pages.extend(idx[a:b])
-            if b - a < n_pages:
-                flat_pages.extend([idx[a]] * (n_pages - (b - a)))
-        dev = self.device
-        first_row, last_row = qo[segs[0][0]], qo[segs[-1][0] + 1]
-        padded = g != min(r for _, r, _ in segs)
-        contiguous = not padded and all(
-            qo[i] == first_row + k * g for k, (i, _, _) in enumerate(segs)
-        )
+        if num >= _VECTOR_SEGMENTS:
+            flat = pages.padded(n_pages).to(dev)
+        else:
+            for i, _, _ in segs:
+                a, b = kv[i], kv[i + 1]
+                flat_pages.extend(idx[a:b])
+                if b - a < n_pages:
+                    flat_pages.extend([idx[a]] * (n_pages - (b - a)))
+            flat = torch.tensor(flat_pages, dtype=torch.long, device=dev)
+        first_row, last_row = firsts[0], qo[segs[-1][0] + 1]
+        contiguous = not padded and firsts == list(range(first_row, first_row + num * g, g))
         rows = out_rows = row_valid = None
         row_range = (first_row, last_row) if contiguous else None
-        if not contiguous:
+        if not contiguous and g == 1:  # one row each: the rows are the segments' first rows
+            out_rows = torch.tensor(firsts, dtype=torch.long, device=dev)
+            rows = out_rows.view(num, 1)
+        elif not contiguous:
             row_lists = [list(range(qo[i], qo[i] + r)) for i, r, _ in segs]
             rows = torch.tensor(
                 [rl + [rl[0]] * (g - len(rl)) for rl in row_lists], dtype=torch.long, device=dev
@@ -418,7 +469,6 @@ class TorchCascadeAttention:
         page_run = None
         if num == 1 and flat_pages == list(range(flat_pages[0], flat_pages[0] + n_pages)):
             page_run = (flat_pages[0], n_pages)
-        flat = torch.tensor(flat_pages, dtype=torch.long, device=dev)
         return _Chunk(
             num_segments=num,
             group=g,
@@ -484,10 +534,13 @@ class TorchCascadeAttention:
             if len(single) * widest > SINGLE_CHUNK_TOKENS:
                 single.sort(key=lambda seg: -seg[2])
         start = 0
+        tensors = None  # the level's indptr and indices as tensors, for its many-segment chunks
+        if len(single) >= _VECTOR_SEGMENTS:
+            tensors = (_long_tensor(kv), _long_tensor(lvl.kv_indices))
         while start < len(single):
             width = pages_for(single[start][2], ps) * ps  # padded tokens per row
             n = max(1, SINGLE_CHUNK_TOKENS // width)
-            chunks.append(self._make_chunk(lvl, single[start : start + n]))
+            chunks.append(self._make_chunk(lvl, single[start : start + n], tensors))
             start += n
         return chunks
 

@@ -45,9 +45,11 @@ class CascadeDecodeBackend(AttentionBackend):
     """Decode rows attended through a :class:`CascadePlan`; see the module docstring.
 
     ``set_plan`` must precede ``plan``. ``plan`` raises ValueError (and changes nothing) when the
-    planned sequences are not all decode (one new token on a non-empty past), do not match the
-    cascade plan's rows and KV lengths, or when a plan covering only part of the batch is given
-    to a backend wrapping anything but the torch backend.
+    plan's row count differs from the planned sequences', or a plan covering only part of the
+    batch is given to a backend wrapping anything but the torch backend; and, with
+    ``check_layouts`` (debug checks, radixkv/debug.py: per row, so not every step in
+    production), when the planned sequences are not all decode (one new token on a non-empty
+    past) or do not match the cascade plan's rows and KV lengths.
     """
 
     name = "cascade"
@@ -109,23 +111,14 @@ class CascadeDecodeBackend(AttentionBackend):
         mixed = rows != tuple(range(n))
         if mixed and not self.supports_mixed:
             raise ValueError("a cascade plan over part of a batch needs the torch backend")
-        if len(set(rows)) != len(rows) or (rows and not 0 <= min(rows) <= max(rows) < n):
-            raise ValueError(f"cascade rows {rows[:8]} are not distinct sequences of the batch")
-        if any(layout.num_new[i] != 1 or layout.num_past[i] < 1 for i in rows):
-            raise ValueError("cascade attention runs decode-only sequences (one new token each)")
         if len(rows) != cp.num_queries:
             raise ValueError(f"batch has {len(rows)} sequences, the cascade plan {cp.num_queries}")
-        want = plan_row_kv_lens(cp)
-        for r, i in enumerate(self._order):
-            seq = rows[i]
-            if want[r] != layout.num_past[seq] + 1:
-                raise ValueError(
-                    f"cascade plan row {r} reads {want[r]} tokens but sequence {seq} has "
-                    f"{layout.num_past[seq] + 1}"
-                )
+        if self.check_layouts:  # per row: debug-only, as the layout's own checks
+            self._check_rows(layout, rows)
         dev = pool.device
         self._plan_slots(layout)
-        longest = max(layout.num_past[i] + 1 for i in rows)  # the planned rows' longest
+        # the planned rows' longest
+        longest = 1 + (max(layout.num_past[i] for i in rows) if mixed else max(layout.num_past))
         self._cut = frozenset(outgrown_windows(self.windows, longest))
         if self._cut:
             if self._banded is None:
@@ -162,6 +155,23 @@ class CascadeDecodeBackend(AttentionBackend):
             torch_impl = self._torch_impl = TorchCascadeAttention(cp, dev, previous=prev)
             scale = self.scale
             self._impl = lambda q, kc, vc: torch_impl.forward(q, kc, vc, scale)
+
+    def _check_rows(self, layout: BatchLayout, rows: tuple[int, ...]) -> None:
+        """ValueError unless the planned rows are distinct decode sequences of the batch whose
+        contexts are what the cascade plan's rows read."""
+        n = len(layout.num_new)
+        if len(set(rows)) != len(rows) or (rows and not 0 <= min(rows) <= max(rows) < n):
+            raise ValueError(f"cascade rows {rows[:8]} are not distinct sequences of the batch")
+        if any(layout.num_new[i] != 1 or layout.num_past[i] < 1 for i in rows):
+            raise ValueError("cascade attention runs decode-only sequences (one new token each)")
+        want = plan_row_kv_lens(self._cascade)  # type: ignore[arg-type]  # set_plan ran
+        for r, i in enumerate(self._order):
+            seq = rows[i]
+            if want[r] != layout.num_past[seq] + 1:
+                raise ValueError(
+                    f"cascade plan row {r} reads {want[r]} tokens but sequence {seq} has "
+                    f"{layout.num_past[seq] + 1}"
+                )
 
     def _plan_mixed(self, layout: BatchLayout, rows: tuple[int, ...]) -> None:
         """Token indices of the plan's rows (in plan-row order) and of every other sequence's

@@ -11,6 +11,7 @@ lengths in range).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,9 +23,10 @@ __all__ = ["CascadeLevel", "CascadePlan"]
 def _check_indptr(name: str, indptr: Sequence[int]) -> None:
     if len(indptr) < 1 or indptr[0] != 0:
         raise ValueError(f"{name} must start at 0, got {list(indptr[:3])}...")
-    for a, b in itertools.pairwise(indptr):
-        if b < a:
-            raise ValueError(f"{name} must be non-decreasing, got {a} then {b}")
+    if any(map(operator.lt, itertools.islice(indptr, 1, None), indptr)):  # C speed; then find it
+        for a, b in itertools.pairwise(indptr):
+            if b < a:
+                raise ValueError(f"{name} must be non-decreasing, got {a} then {b}")
 
 
 @dataclass(frozen=True)
@@ -57,14 +59,20 @@ class CascadeLevel:
             raise ValueError(
                 f"kv_indptr ends at {self.kv_indptr[-1]} but there are {len(self.kv_indices)} pages"
             )
-        for i in range(n):
-            if self.qo_indptr[i + 1] == self.qo_indptr[i]:
-                raise ValueError(f"segment {i} has no query rows")
-            empty = self.kv_indptr[i + 1] == self.kv_indptr[i]
-            if empty != (self.kv_last_page_len[i] == 0):
-                raise ValueError(
-                    f"segment {i}: kv_last_page_len must be 0 exactly when it has no pages"
-                )
+        qo, kv, last = self.qo_indptr, self.kv_indptr, self.kv_last_page_len
+        # the per-segment checks below run at C speed (map over operator), a loop finds the
+        # culprit only when one fails: a decode step builds a level of one segment per row
+        empties = map(operator.eq, itertools.islice(kv, 1, None), kv)
+        if any(map(operator.eq, itertools.islice(qo, 1, None), qo)) or any(
+            map(operator.ne, empties, map(operator.not_, last))
+        ):
+            for i in range(n):
+                if qo[i + 1] == qo[i]:
+                    raise ValueError(f"segment {i} has no query rows")
+                if (kv[i + 1] == kv[i]) != (last[i] == 0):
+                    raise ValueError(
+                        f"segment {i}: kv_last_page_len must be 0 exactly when it has no pages"
+                    )
         if self.kv_indices and min(self.kv_indices) < 0:
             raise ValueError("kv_indices must be non-negative page ids")
 
@@ -98,7 +106,11 @@ class CascadeLevel:
 
     def kv_tokens_read(self, page_size: int) -> int:
         """KV tokens read at this level (each segment's KV read once)."""
-        return sum(self.segment_kv_len(i, page_size) for i in range(self.num_segments))
+        # each non-empty segment reads its pages but the last whole, then kv_last_page_len
+        # (0 exactly for the empty ones)
+        last = self.kv_last_page_len
+        nonempty = len(last) - last.count(0)
+        return (self.kv_indptr[-1] - nonempty) * page_size + sum(last)
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,7 @@ class CascadePlan:
         if not self.levels:
             raise ValueError("a CascadePlan needs at least one level")
         covered = [False] * self.num_queries
+        whole = False  # a level whose segments cover every row with KV (a decode plan's last)
         for li, lvl in enumerate(self.levels):
             if lvl.qo_indptr[-1] > self.num_queries:
                 raise ValueError(
@@ -125,10 +138,13 @@ class CascadePlan:
             if max(lvl.kv_last_page_len, default=0) > self.page_size:
                 raise ValueError(f"level {li}: kv_last_page_len above page_size")
             qo = lvl.qo_indptr
+            if qo[-1] == self.num_queries and 0 not in lvl.kv_last_page_len:
+                whole = True
+                continue
             for i, last in enumerate(lvl.kv_last_page_len):
                 if last > 0:
                     covered[qo[i] : qo[i + 1]] = [True] * (qo[i + 1] - qo[i])
-        missing = [r for r, c in enumerate(covered) if not c]
+        missing = [] if whole else [r for r, c in enumerate(covered) if not c]
         if missing:
             raise ValueError(f"query rows {missing[:8]} read no KV at any level")
 

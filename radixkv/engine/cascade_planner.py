@@ -44,6 +44,9 @@ the batch instead of a tree build.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -51,6 +54,7 @@ from typing import NamedTuple, Protocol
 
 from radixkv.attention.base import outgrown_windows
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
+from radixkv.debug import debug_checks_enabled
 from radixkv.engine.names import CASCADE_MODES
 
 # K+V values (per layer) a step must save for "auto" to pick the cascade, by the KV's bytes per
@@ -122,6 +126,16 @@ class _Shared:
     covered: tuple[tuple[tuple[int, int], ...], ...]  # per row: page ranges read when shared
     shared_tokens: int  # KV tokens the shared levels read
     num_segments: int
+    # per entry: the segment its path ends in is traversed by it alone (it may grow below)
+    private: tuple[bool, ...] = ()
+    # per row, when every row's shared pages are one leading range: where its own pages start
+    # (the last level then takes each table's slice from there, at C speed); else None
+    starts: tuple[int, ...] | None = None
+
+
+def _structure(s: _Shared) -> tuple[object, ...]:
+    """What a plan takes from its shared part, beside the nodes and shared page counts."""
+    return (s.order, s.levels, s.covered, s.shared_tokens, s.num_segments, s.private)
 
 
 class _Seg:
@@ -152,7 +166,10 @@ class CascadePlanner:
         min_step_saved_tokens: int = 4096,
         min_step_saved_fraction: float = 0.1,
         layer_windows: Sequence[int] = (),
+        check_entries: bool | None = None,
     ) -> None:
+        """``check_entries``: validate every entry of every ``plan`` call (None: with the debug
+        checks, radixkv/debug.py; the engine's entries are right by construction)."""
         if mode not in CASCADE_MODES:
             raise ValueError(f"cascade mode must be one of {CASCADE_MODES}, got {mode!r}")
         if page_size < 1:
@@ -171,6 +188,11 @@ class CascadePlanner:
         # where every layer is such gets a plain decision
         self.layer_windows = tuple(layer_windows)
         self._last: _Shared | None = None  # the last cascade plan's shared part (module doc)
+        self.check_entries = debug_checks_enabled() if check_entries is None else check_entries
+        # the last level's pages of the last plan: (its shared part, the rows' page tables
+        # (held), their page counts, kv_indptr, kv_indices); see _last_level
+        self._last_pages: tuple[_Shared, tuple[Sequence[int], ...], list[int], tuple[int, ...],
+                                tuple[int, ...]] | None = None  # fmt: skip
 
     @staticmethod
     def min_step_tokens_for(kv_values_per_token: int, bytes_per_value: int = 4) -> int:
@@ -188,21 +210,9 @@ class CascadePlanner:
         if not entries:
             raise ValueError("cascade planner: empty decode batch")
         ps = self.page_size
-        plain_tokens = 0
-        for i, e in enumerate(entries):
-            n_pages = -(-e.seq_len // ps)
-            if e.seq_len < 1 or len(e.page_table) < n_pages:
-                raise ValueError(
-                    f"entry {i}: seq_len {e.seq_len} needs {n_pages} pages, "
-                    f"page table has {len(e.page_table)}"
-                )
-            if not 0 <= e.num_shared_pages < n_pages:
-                # the decoded token's page is private, so shared pages are strictly fewer
-                raise ValueError(
-                    f"entry {i}: num_shared_pages {e.num_shared_pages} must be < {n_pages} "
-                    "(the page of the token being decoded is never shared)"
-                )
-            plain_tokens += e.seq_len
+        if self.check_entries:
+            self._check(entries)
+        plain_tokens = sum(e.seq_len for e in entries)
         if self.mode == "off" or len(entries) == 1:
             return self._plain(entries, plain_tokens)
         if self.layer_windows:
@@ -225,6 +235,24 @@ class CascadePlanner:
             shared.order, True, plain_tokens, cascade_tokens, shared.num_segments, lambda: plan
         )
 
+    def _check(self, entries: Sequence[DecodeEntry]) -> None:
+        """ValueError naming the first entry whose page table cannot hold its tokens, or whose
+        shared pages reach the decoded token's page."""
+        ps = self.page_size
+        for i, e in enumerate(entries):
+            n_pages = -(-e.seq_len // ps)
+            if e.seq_len < 1 or len(e.page_table) < n_pages:
+                raise ValueError(
+                    f"entry {i}: seq_len {e.seq_len} needs {n_pages} pages, "
+                    f"page table has {len(e.page_table)}"
+                )
+            if not 0 <= e.num_shared_pages < n_pages:
+                # the decoded token's page is private, so shared pages are strictly fewer
+                raise ValueError(
+                    f"entry {i}: num_shared_pages {e.num_shared_pages} must be < {n_pages} "
+                    "(the page of the token being decoded is never shared)"
+                )
+
     # ---------------------------------------------------------------- steps
     def _plain(self, entries: Sequence[DecodeEntry], plain_tokens: int) -> CascadeDecision:
         ps = self.page_size
@@ -244,15 +272,79 @@ class CascadePlanner:
         # tuple equality tests identity first; nodes have no __eq__ of their own
         if last is not None and last.num_shared == num_shared and last.nodes == nodes:
             return last
+        grown = None if last is None else self._grown(last, nodes, num_shared)
+        if grown is not None and not self.check_entries:
+            self._last = grown
+            return grown
+        built = self._build(entries, nodes, num_shared)
+        if grown is not None:  # (debug checks) what the shortcut gave is what a build gives
+            assert _structure(grown) == _structure(built), "cascade shortcut differs"
+        self._last = built
+        return built
+
+    def _build(
+        self,
+        entries: Sequence[DecodeEntry],
+        nodes: tuple[TrieNode | None, ...],
+        num_shared: tuple[int, ...],
+    ) -> _Shared:
+        """The shared levels of these entries, built from the trie."""
         root = self._build_tree(entries)
         threshold = 1 if self.mode == "on" else max(1, self.min_saved_tokens)
         kept = self._decide(root, threshold)
+        private = self._private(root, len(entries))
         if kept:
             order = self._assign_rows(root)
-            self._last = self._shared_levels(entries, nodes, num_shared, order, kept)
-        else:
-            self._last = _Shared(nodes, num_shared, (), (), (), 0, 0)
-        return self._last
+            return self._shared_levels(entries, nodes, num_shared, order, kept, private)
+        return _Shared(nodes, num_shared, (), (), (), 0, 0, private)
+
+    @staticmethod
+    def _private(root: _Seg, n: int) -> tuple[bool, ...]:
+        """Per entry: whether the segment its path ends in has it alone (no other end, no
+        child segment)."""
+        private = [False] * n
+        stack = list(root.children)
+        while stack:
+            seg = stack.pop()
+            if len(seg.ends) == 1 and not seg.children:
+                private[seg.ends[0]] = True
+            stack.extend(seg.children)
+        return tuple(private)
+
+    def _grown(
+        self, last: _Shared, nodes: tuple[TrieNode | None, ...], num_shared: tuple[int, ...]
+    ) -> _Shared | None:
+        """The last shared part for these nodes when a build would give the same one, else None.
+
+        That is so when every entry whose node changed had its last path's end segment to
+        itself (``private``) and its new node lies below its old one, the nodes between being
+        on no other changed entry's way (the usual decode step: some sequences publish a page
+        under their own branch). No other entry goes through the old node (it was private), so
+        none goes through those below it either, except another changed entry (checked): the
+        private segment only grows downwards, it stays unshared, and the kept segments, the row
+        order and the covered ranges stay as they were."""
+        if len(last.nodes) != len(nodes) or not last.private:
+            return None
+        ps = self.page_size
+        counts = list(last.num_shared)
+        changed = [i for i, (a, b) in enumerate(zip(last.nodes, nodes)) if a is not b]
+        # an old node of a changed entry is never on another changed entry's way down
+        seen = {id(last.nodes[i]) for i in changed}
+        for i in changed:
+            old, node = last.nodes[i], nodes[i]
+            if old is None or not last.private[i]:
+                return None
+            pages = 0
+            while node is not old:
+                if node is None or id(node) in seen:
+                    return None
+                seen.add(id(node))
+                pages += node.num_tokens // ps
+                node = node.parent
+            counts[i] += pages
+        if tuple(counts) != num_shared:
+            return None
+        return dataclasses.replace(last, nodes=nodes, num_shared=num_shared)
 
     def _path(self, i: int, e: DecodeEntry) -> list[TrieNode]:
         """Trie nodes holding pages, root first; their pages total ``num_shared_pages``."""
@@ -355,6 +447,7 @@ class CascadePlanner:
         num_shared: tuple[int, ...],
         order: list[int],
         kept: list[_Seg],
+        private: tuple[bool, ...],
     ) -> _Shared:
         ps = self.page_size
         n = len(order)
@@ -392,30 +485,56 @@ class CascadePlanner:
                 kv.append(len(idx))
                 last.append(0)
             levels.append(CascadeLevel(tuple(qo), tuple(kv), tuple(idx), tuple(last)))
+        cov = tuple(tuple(sorted(c)) for c in covered)
+        starts = None
+        if all(len(c) <= 1 and (not c or c[0][0] == 0) for c in cov):
+            starts = tuple([c[0][1] if c else 0 for c in cov])
         return _Shared(
             nodes,
             num_shared,
             tuple(order),
             tuple(levels),
-            tuple(tuple(sorted(c)) for c in covered),
+            cov,
             tokens,
             len(kept),
+            private,
+            starts,
         )
 
     def _last_level(self, entries: Sequence[DecodeEntry], shared: _Shared) -> CascadeLevel:
-        """Each row's pages not read at a shared level (its ranges there are disjoint)."""
+        """Each row's pages not read at a shared level (its ranges there are disjoint).
+
+        Its pages are the last step's while the shared part is the same object (same nodes,
+        same shared page counts), the rows' page tables are the same and each row's page count
+        is unchanged: a table's pages up to its count change only when pages are published
+        (the shared page counts change) or the sequence is released (a new table), so a decode
+        step mostly rebuilds only the last page lengths."""
         ps = self.page_size
         n = len(shared.order)
-        kv, idx, last = [0], [], []
-        for i, ranges in zip(shared.order, shared.covered):
-            e = entries[i]
-            n_pages = -(-e.seq_len // ps)
-            table = e.page_table
-            start = 0
-            for lo, hi in ranges:
-                idx.extend(table[start:lo])
-                start = hi
-            idx.extend(table[start:n_pages])
-            kv.append(len(idx))
-            last.append(e.seq_len - (n_pages - 1) * ps)
-        return CascadeLevel(tuple(range(n + 1)), tuple(kv), tuple(idx), tuple(last))
+        ordered = [entries[i] for i in shared.order]
+        lens = [e.seq_len for e in ordered]
+        n_pages = [-(-k // ps) for k in lens]
+        tables = tuple([e.page_table for e in ordered])
+        memo = self._last_pages
+        # (tuple equality: identity first, then contents: equal contents have equal pages)
+        if memo is not None and memo[0] is shared and memo[2] == n_pages and memo[1] == tables:
+            kv, idx = memo[3], memo[4]
+        elif shared.starts is not None:  # one leading shared range per row: slices, at C speed
+            own = list(map(operator.getitem, tables, map(slice, shared.starts, n_pages)))
+            kv = (0, *itertools.accumulate(map(len, own)))
+            idx = tuple(itertools.chain.from_iterable(own))
+            self._last_pages = (shared, tables, n_pages, kv, idx)
+        else:
+            kv_l, idx_l = [0], []
+            for e, k, ranges in zip(ordered, n_pages, shared.covered):
+                table = e.page_table
+                start = 0
+                for lo, hi in ranges:
+                    idx_l.extend(table[start:lo])
+                    start = hi
+                idx_l.extend(table[start:k])
+                kv_l.append(len(idx_l))
+            kv, idx = tuple(kv_l), tuple(idx_l)
+            self._last_pages = (shared, tables, n_pages, kv, idx)
+        last = tuple([(k - 1) % ps + 1 for k in lens])  # tokens in each row's last page
+        return CascadeLevel(tuple(range(n + 1)), kv, idx, last)

@@ -393,7 +393,11 @@ class Engine:
         t1 = time.perf_counter()
         spec = self.speculator
         drafts = spec.propose(batch) if spec is not None else {}  # {row: draft tokens}
-        owing = [i for i, s in enumerate(batch.seqs) if s.owes_prompt_logprobs]
+        owing = [
+            i
+            for i, s in enumerate(batch.seqs)
+            if s.group.prompt_logprobs is not None and s.owes_prompt_logprobs
+        ]  # (the property asked only of the few requests that want prompt logprobs)
         past = [batch.seqs[i].num_computed for i in owing]
         # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing rows, then the drafted
         logits, hidden = self._forward(batch, owing, drafts)
@@ -421,7 +425,8 @@ class Engine:
             self._fail_sequence(seq, "speculative verification", e)
         if owed_failed or spec_failed:
             rows = [i for i in rows if not batch.seqs[i].finished]
-        beam_rows = [i for i in rows if batch.seqs[i].group.beam is not None]
+        in_batch = batch.seqs
+        beam_rows = [i for i in rows if in_batch[i].group.beam is not None]
         if beam_rows:  # beam search: the rows wait for their requests' other beams
             failed_beams = self.beams.observe([batch.seqs[i] for i in beam_rows], logits[beam_rows])
             self._fail_beam_searches(failed_beams)
@@ -449,8 +454,12 @@ class Engine:
         contained (:meth:`_contained`): a row whose stage raises ends with "error" and drops
         out; the sequences that remain, their tokens and entries are returned."""
         seqs = [batch.seqs[i] for i in rows]
-        picked = logits[rows]  # a copy: the stages below modify it, never ``logits``
-        if any(s.params.adjusts_logits for s in seqs):  # the raw logits; logprobs stay raw
+        # requests mostly share their params objects: ask each distinct one once
+        distinct = {id(p): p for p in [s.group.params for s in seqs]}.values()
+        # every row (rows ascend): ``logits`` itself, copied before a stage modifies it
+        whole = len(rows) == logits.shape[0]
+        picked = logits if whole else logits[rows]  # never modified: ``logits`` stays raw
+        if any(p.adjusts_logits for p in distinct):  # the raw logits; logprobs stay raw
 
             def adjust(js: list[int]) -> torch.Tensor:
                 ss = [seqs[j] for j in js]
@@ -465,6 +474,8 @@ class Engine:
             seqs, rows, picked = self._contained_rows("logit adjustment", seqs, rows, adjust)
         # after the adjustments: the mask is final (a drafted row's was applied by verify)
         if any(s.guide is not None and i not in drawn for i, s in zip(rows, seqs)):
+            if picked is logits:
+                picked = logits.clone()  # masking is in place
 
             def guide(js: list[int]) -> torch.Tensor:
                 part = picked if len(js) == len(seqs) else picked[js]  # masking is idempotent
@@ -775,13 +786,36 @@ class Engine:
         end of their guided language or ``max_tokens``."""
         now = time.monotonic()
         jump = self.config.guided_jump_forward
+        eos = self.eos_token_ids
+        news = self._news
         appended = 0
         for seq, tok in zip(seqs, tokens):
             group = seq.group
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-                group.metrics.ttft = now - group.metrics.arrival_time
-            self._news[group.request_id] = group
+            metrics = group.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.ttft = now - metrics.arrival_time
+            news[group.request_id] = group
+            if seq.guide is None and seq.logprobs is None and (not drafted or seq not in drafted):
+                # the common token (no drafts, logprobs or grammar): _accept's checks, inline
+                try:
+                    seq.token_ids.append(tok)
+                    p = group.params
+                    reason = None
+                    if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                        seq.stop_reason = tok
+                        reason = "stop"
+                    elif seq.live_detok and seq.detok.add(tok):
+                        seq.stop_reason = seq.detok.stop_matched
+                        reason = "stop"
+                    elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
+                        reason = "length"
+                    appended += 1
+                    if reason is not None:
+                        self._finish(seq, reason)
+                except Exception as e:
+                    self._fail_sequence(seq, "appending its token", e)
+                continue
             ahead = drafted.get(seq)
             logged = iter(entries.get(seq, ()))
             reason = None

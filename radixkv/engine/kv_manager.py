@@ -208,8 +208,8 @@ class SeqKV:
         the canonical pages (duplicates computed concurrently by another sequence are freed by
         the cache) and holds its lock on the deeper node. With window slots, then unpin the
         pages its windows no longer read."""
-        if self.enabled:
-            self._publish(seq)
+        if self.enabled and seq.num_computed // self.page_size > seq.num_shared_pages:
+            self._publish(seq)  # (a decode step mostly completes no page: nothing to insert)
         if self.window is not None:
             lo = self.window_first_page(seq.num_computed)
             if lo > seq.window_lo:

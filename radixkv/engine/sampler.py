@@ -11,17 +11,57 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from radixkv.engine.params import SamplingParams
 
 
+def _largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest values of each row of ``x [S, V]``, descending, and their columns
+    (any order among equal values). On a CPU by NumPy's partition then a sort of the ``k``
+    (``torch.topk`` costs about twice as much there)."""
+    if x.device.type != "cpu":
+        return x.topk(k, dim=-1)
+    xn = x.numpy()
+    part = np.argpartition(xn, xn.shape[1] - k, axis=-1)[:, -k:]  # the k largest, unordered
+    part_vals = np.take_along_axis(xn, part, -1)
+    rank = np.argsort(-part_vals, axis=-1, kind="stable")
+    idx = np.take_along_axis(part, rank, -1)
+    return torch.from_numpy(np.take_along_axis(part_vals, rank, -1)), torch.from_numpy(idx)
+
+
+def _top_sorted(
+    x: torch.Tensor, sp: Sequence[SamplingParams], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``x [S, V]`` sorted descending and its order, as far as a top-k keeps it: when every
+    row has a top-k, its ``k_max + 1`` largest values (``topk``, far cheaper than sorting a
+    large vocabulary) are all distinct, so their order is the sort's; the columns past
+    ``k_max`` are -inf (top-k masks them anyway) and their order is 0 (never read: only a kept
+    column is drawn). None when some row has no top-k or values tie (then sort)."""
+    ks = [p.top_k for p in sp]
+    k_max = max(ks)
+    if min(ks) <= 0 or k_max + 1 >= vocab:
+        return None
+    vals, idx = _largest(x, k_max + 1)
+    if not bool((vals[:, :-1] > vals[:, 1:]).all()):  # a tie (or -inf, NaN): sort decides
+        return None
+    head = torch.full_like(x, float("-inf"))
+    head[:, :k_max] = vals[:, :k_max]
+    order = torch.zeros(x.shape, dtype=idx.dtype, device=x.device)
+    order[:, :k_max] = idx[:, :k_max]
+    return head, order
+
+
 def _filtered(
-    logits: torch.Tensor, sp: Sequence[SamplingParams]
+    logits: torch.Tensor, sp: Sequence[SamplingParams], *, full_order: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Temperature, min-p, top-k and top-p over ``logits [S, V]`` (all rows sampled, none
     greedy): probabilities ``[S, V]``, unnormalised once top-p has masked some, in vocabulary
-    order, or with ``order [S, V]`` (the token at each column) when they had to be sorted."""
+    order, or with ``order [S, V]`` (the token at each column) when they had to be sorted.
+    ``full_order=False``: ``order`` past the columns top-k keeps may be anything (a caller
+    that only reads the token of a kept column), which lets rows that all have a top-k skip the
+    full sort (the same probabilities, to the bit: :func:`_top_sorted`)."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev)
     x = logits.float() / temps[:, None]  # [S, V]
@@ -37,7 +77,8 @@ def _filtered(
     need_sort = any(p.top_p < 1.0 or 0 < p.top_k < vocab for p in sp)
     order: torch.Tensor | None = None
     if need_sort:
-        x, order = x.sort(dim=-1, descending=True)  # [S, V] each
+        top = None if full_order else _top_sorted(x, sp, vocab)
+        x, order = x.sort(dim=-1, descending=True) if top is None else top  # [S, V] each
         ks = torch.tensor(
             [p.top_k if 0 < p.top_k < vocab else vocab for p in sp], device=dev
         )  # [S]
@@ -90,17 +131,18 @@ def sample(
         raise ValueError(f"sample: {b} logit rows but {len(params)} params, {len(generators)} gens")
     if b == 0:
         return []
-    out = logits.argmax(dim=-1)  # [B]
     rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
     if not rows:
-        return out.tolist()
+        return logits.argmax(dim=-1).tolist()
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    sp = [params[i] for i in rows]
-    probs, order = _filtered(logits.index_select(0, idx), sp)  # [S, V] each
+    every = len(rows) == b  # no greedy row: no argmax, no row selection
+    idx = None if every else torch.tensor(rows, device=dev)
+    sp = params if every else [params[i] for i in rows]
+    picked = logits if idx is None else logits.index_select(0, idx)
+    probs, order = _filtered(picked, sp, full_order=False)  # [S, V] each
     vocab = probs.shape[1]
     cdf = probs.cumsum(dim=-1)  # [S, V], unnormalised after top-p masking
-    gens = [generators[i] for i in rows]
+    gens = generators if every else [generators[i] for i in rows]
     if any(g is None for g in gens):
         raise ValueError("sample: a sampled (temperature > 0) row has no generator")
     u = torch.cat([torch.rand(1, generator=g) for g in gens]).to(dev)  # [S] in [0, 1)
@@ -113,5 +155,8 @@ def sample(
         last_kept = (probs > 0).long().cumsum(-1).argmax(-1)  # index of last non-zero
         pos = torch.where(picked_p > 0, pos, torch.minimum(pos, last_kept))
     tok = order.gather(1, pos[:, None]).squeeze(1) if order is not None else pos
+    if idx is None:
+        return tok.tolist()
+    out = logits.argmax(dim=-1)  # [B]: the greedy rows'
     out[idx] = tok
     return out.tolist()

@@ -284,11 +284,18 @@ class Scheduler:
         tokens = 0
         held_back: list[int] = []
         share = self.step_budget / 2 if self.waiting else self.step_budget
+        ps = self.page_size
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             remaining = len(seq.token_ids) - seq.num_computed
             decode = remaining == 1
+            if decode and len(seq.page_table) * ps > seq.num_computed:
+                # the common decode: its token's slot is in a page it holds (nothing to reserve)
+                batch.add(seq, 1)
+                batch.num_decode += 1
+                i += 1
+                continue
             n = (
                 1
                 if decode

@@ -6,8 +6,7 @@ The runner never allocates or frees pages: the engine passes each sequence's pag
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -38,9 +37,8 @@ class CascadeSchedule(Protocol):
     def order(self) -> Sequence[int]: ...
 
 
-@dataclass(frozen=True)
-class SeqInput:
-    """One sequence of a step.
+class SeqInput(NamedTuple):
+    """One sequence of a step (a NamedTuple: the engine builds one per sequence per step).
 
     ``page_table`` covers all ``num_past + len(new_token_ids)`` tokens: token ``i`` lives at
     ``(page_table[i // page_size], i % page_size)``. The first ``num_past`` tokens' K/V are already
@@ -157,7 +155,7 @@ class ModelRunner:
         which must then be decode-only): their shared prefixes are read once per group (same
         logits, fewer KV reads). A plan over part of a batch needs ``supports_mixed_cascade``."""
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
-        idx_t = None if all_logits else self._last_rows(seqs)
+        idx_t = None if all_logits else self._last_rows([len(s.new_token_ids) for s in seqs])
         return self.model(ids_t, pos_t, attn, idx_t, max_position=max_pos)
 
     @torch.inference_mode()
@@ -175,7 +173,9 @@ class ModelRunner:
         (prompt logprobs need every position, and ``[T, vocab]`` at once can be gigabytes)."""
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
         h = self.model.trunk(ids_t, pos_t, attn, max_position=max_pos)  # [T, hidden]
-        logits = self.model.head(h.index_select(0, self._last_rows(seqs)))
+        logits = self.model.head(
+            h.index_select(0, self._last_rows([len(s.new_token_ids) for s in seqs]))
+        )
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + len(s.new_token_ids))
@@ -198,16 +198,16 @@ class ModelRunner:
             raise ValueError("ModelRunner.forward: empty batch")
         if self.check_inputs:
             self._check_inputs(seqs)
-        layout = BatchLayout.build(
-            [s.page_table for s in seqs],
-            [s.num_past for s in seqs],
-            [len(s.new_token_ids) for s in seqs],
-        )
-        ids: list[int] = []
-        positions: list[int] = []
-        for s in seqs:
-            ids.extend(int(t) for t in s.new_token_ids)
-            positions.extend(range(s.num_past, s.num_past + len(s.new_token_ids)))
+        num_new = [len(s.new_token_ids) for s in seqs]
+        positions = [s.num_past for s in seqs]
+        layout = BatchLayout.build([s.page_table for s in seqs], positions, num_new)
+        if len(num_new) == sum(num_new):  # decode: one token each, at its past length
+            ids = [int(s.new_token_ids[0]) for s in seqs]
+        else:
+            ids, positions = [], []
+            for s in seqs:
+                ids.extend(map(int, s.new_token_ids))
+                positions.extend(range(s.num_past, s.num_past + len(s.new_token_ids)))
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
@@ -217,12 +217,14 @@ class ModelRunner:
         attn.plan(layout)
         return ids_t, pos_t, max(positions), attn
 
-    def _last_rows(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
-        """Row of each sequence's last new token in the flattened batch ``[len(seqs)]``."""
+    def _last_rows(self, num_new: Sequence[int]) -> torch.Tensor:
+        """Row of each sequence's last new token in the flattened batch ``[len(num_new)]``."""
+        if sum(num_new) == len(num_new):  # one token each
+            return torch.arange(len(num_new), device=self.device)
         last: list[int] = []
         end = -1
-        for s in seqs:
-            end += len(s.new_token_ids)
+        for n in num_new:
+            end += n
             last.append(end)
         return torch.tensor(last, dtype=torch.int64).to(self.device)
 

@@ -130,6 +130,11 @@ class ByteTokenizer(_ChatMixin):
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        if type(ids) is list:  # (not a buffer, whose raw memory bytes() would copy)
+            try:  # all ordinary tokens, the usual case: one C call
+                return bytes(ids).decode("utf-8", errors="replace")
+            except (ValueError, TypeError):  # a special token (>= 256) among them
+                pass
         out: list[str] = []
         buf = bytearray()
         for i in ids:
