@@ -160,6 +160,16 @@ class EngineConfig:
         default=1,
         metadata=_cli("hits before write_through_selective backs a prefix up to the host tier"),
     )
+    # a host hit copied back layer by layer, each layer of the forward waiting only for its own
+    # pages (radixkv/kv/layer_loads.py); bench/bench_tiers.py --layerwise measures it
+    host_layerwise_load: bool = field(
+        default=True,
+        metadata=_cli(
+            "copy host-tier hits back all at once before the forward instead of layer by "
+            "layer as the forward reaches each layer",
+            flag="--disable-host-layerwise-load",
+        ),
+    )
     # off by default: a storage tier is for prefixes that must outlive the process or be shared
     # by a fleet (docs/cache_design.md "Storage tier", docs/tuning.md "Storage tier")
     kv_storage: str | None = field(
@@ -429,6 +439,10 @@ class EngineConfig:
                 _pos_int(name, value)
         _one_of("write_policy", self.write_policy, WRITE_POLICIES)
         _pos_int("write_through_threshold", self.write_through_threshold)
+        if not isinstance(self.host_layerwise_load, bool):
+            raise ValueError(
+                f"host_layerwise_load must be a bool, got {self.host_layerwise_load!r}"
+            )
         if self.kv_storage is not None and (
             not isinstance(self.kv_storage, str) or not self.kv_storage.strip()
         ):

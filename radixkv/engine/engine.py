@@ -397,6 +397,8 @@ class Engine:
         past = [batch.seqs[i].num_computed for i in owing]
         # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing rows, then the drafted
         logits, hidden = self._forward(batch, owing, drafts)
+        if self.seq_kv.landing and self._landing_failed(batch, drafts):
+            return self.drain()
         t2 = time.perf_counter()
         owed_failed: list[tuple[Seq, Exception]] = []
         if owing:
@@ -646,6 +648,21 @@ class Engine:
                 self.speculator.discard(batch, drafts)
             self._fail_batch(batch, e)
             raise
+
+    def _landing_failed(self, batch: ScheduledBatch, drafts: dict[int, list[int]]) -> bool:
+        """After a forward that read host-tier loads layer by layer as they landed: wait for
+        them; if one failed, its sequences go back to the queue (a miss, as for a load that
+        failed before the forward) and the step is undone for the others (their slots of the
+        step given back, drafts taken out: their forward's results are dropped and the next
+        step computes the same tokens again). True when the step was undone."""
+        failed = self.seq_kv.finish_landing()
+        if not failed:
+            return False
+        if self.speculator is not None:
+            self.speculator.discard(batch, drafts)
+        self.scheduler.unschedule_failed_loads(batch, failed)
+        self.scheduler.fail_batch(batch)  # only gives back the slots past num_computed
+        return True
 
     def _plan_cascade(
         self, batch: ScheduledBatch
@@ -1370,7 +1387,7 @@ def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopi
         host = HostKVPool.from_memory_budget(budget, kv)
     except ValueError as e:
         raise ValueError(f"host_cache_memory is too small for the host KV tier: {e}") from None
-    return host, KVCopier(kv, host)
+    return host, KVCopier(kv, host, layerwise=cfg.host_layerwise_load)
 
 
 _DEFAULT_STORAGE_HOST_BYTES = 4 << 30  # host tier with storage and no host_cache_memory: at most
