@@ -202,7 +202,7 @@ def layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     for label, page_layer_us in (("simulated", args.page_layer_us), ("memcpy", 0.0)):
         engines = {}
-        for mode, on in (("all_at_once", False), ("layerwise", True)):
+        for mode, on in (("all_at_once", "off"), ("layerwise", "on")):
             eng = Engine(
                 lm,
                 page_size=ps,

@@ -24,7 +24,8 @@ recorded and the others still run):
   host tier (CUDA side-stream copies, pinned host memory) against an unbounded device pool:
   the same hit rate and token-identical greedy outputs, host loads seen, invariants and locks
   clean, and the same outputs with host loads layer by layer (per-layer events) and all at
-  once (``host_layerwise_load=False``); a file storage tier across an engine restart (outputs equal, prefix from storage);
+  once (``host_layerwise_load`` "on" vs "off"); a file storage tier across an engine restart
+  (outputs equal, prefix from storage);
   ``dtype="auto"`` gives bf16 on the GPU for the float32 tiny checkpoint;
 * ``sampling``, ``prompt_logprobs``, ``speculative``, ``lora``, ``moe`` (a mixture-of-experts
   model): those engine features on the GPU (each function's docstring says what it compares).
@@ -752,15 +753,21 @@ def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[s
 
     working_set = (512 + 16 * 3 * (64 + 16)) // 16  # pages
     unbounded, ref = run(Engine("radixkv-tiny", num_pages=4 * working_set, **base))
-    tiered, stats = run(
-        Engine("radixkv-tiny", num_pages=working_set // 4, host_cache_memory=64 << 20, **base)
+    tiered, stats = run(  # host loads layer by layer (per-layer CUDA events)
+        Engine(
+            "radixkv-tiny",
+            num_pages=working_set // 4,
+            host_cache_memory=64 << 20,
+            host_layerwise_load="on",
+            **base,
+        )
     )
     whole, _ = run(  # host loads all at once: the same outputs as layer by layer (default)
         Engine(
             "radixkv-tiny",
             num_pages=working_set // 4,
             host_cache_memory=64 << 20,
-            host_layerwise_load=False,
+            host_layerwise_load="off",
             **base,
         )
     )

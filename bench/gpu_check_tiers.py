@@ -4,10 +4,11 @@ KVCopier on a CUDA KVPool with a pinned HostKVPool: pages written by work still 
 current stream are backed up correctly (the side stream waits for it), a round trip device ->
 host -> other device pages is bit-exact, a copy overlaps work on the current stream, a
 RadixCache with the tier loads back exact KV, and the transfer rate of 64 pages each way.
-Layer-wise loads (the default): the handle is a per-layer one registered in ``kv.loads``, a
-reader on the current stream that waits for layer i (``wait_layer``) and reads it at once sees
-exact data in every layer while later layers are still in flight, the pool's ``loads`` empties
-once the load is waited for; and the transfer rate of a load layer by layer vs all at once.
+Layer-wise loads (``layerwise=True``; off by default on CUDA until measured here): the handle
+is a per-layer one registered in ``kv.loads``, a reader on the current stream that waits for
+layer i (``wait_layer``) and reads it at once sees exact data in every layer while later
+layers are still in flight, the pool's ``loads`` empties once the load is waited for; and the
+transfer rate and issue cost of a load layer by layer vs all at once.
 Results go to $OUT/gpu_check_tiers.json (or bench/results/gpu_check_tiers.json).
 
     python bench/gpu_check_tiers.py      # exit status 1 if any check fails
@@ -63,7 +64,7 @@ def check_layerwise(dtype: torch.dtype) -> dict[str, Any]:
     """A layer-wise load read layer by layer on the current stream as it lands."""
     kv = KVPool(LAYERS, 256, PS, HKV, D, dtype, "cuda")
     host = HostKVPool.like(kv, 128)
-    copier = KVCopier(kv, host)  # layerwise=True
+    copier = KVCopier(kv, host, layerwise=True)
     big = torch.randn((64, LAYERS, PS, HKV, D)).to(dtype)
     host.k[:64] = big
     host.v[:64] = -big

@@ -7,6 +7,7 @@ the last layer has landed."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 
 import pytest
@@ -54,7 +55,7 @@ def _engine(tiny: LoadedModel, layerwise: bool) -> Engine:
         page_size=4,
         num_pages=48,
         host_cache_memory=HOST_BYTES,
-        host_layerwise_load=layerwise,
+        host_layerwise_load="on" if layerwise else "off",
     )
 
 
@@ -245,16 +246,25 @@ def test_cache_level_release_while_loading_leaks_nothing() -> None:
         assert torch.all(kv.k[:, lb.pages] == 1.0)
 
 
-def test_config_flag() -> None:
-    assert EngineConfig().host_layerwise_load is True
-    assert EngineConfig(host_layerwise_load=False).host_layerwise_load is False
-    with pytest.raises(ValueError, match="host_layerwise_load must be a bool"):
-        EngineConfig(host_layerwise_load="yes")  # type: ignore[arg-type]
-    import argparse
-
+def test_config_flag(tiny: LoadedModel) -> None:
+    assert EngineConfig().host_layerwise_load == "auto"
+    for bad in (True, "yes", None):
+        with pytest.raises(ValueError, match="host_layerwise_load must be one of"):
+            EngineConfig(host_layerwise_load=bad)  # type: ignore[arg-type]
     parser = EngineConfig.add_cli_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--disable-host-layerwise-load"])
-    assert EngineConfig.from_cli_args(args).host_layerwise_load is False
+    for value in ("on", "off", "auto"):
+        args = parser.parse_args(["--host-layerwise-load", value])
+        assert EngineConfig.from_cli_args(args).host_layerwise_load == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--host-layerwise-load", "sometimes"])
+    # auto: layer by layer on a CPU pool (a CUDA pool loads all at once)
+    for mode, want in (("auto", True), ("on", True), ("off", False)):
+        eng = Engine(tiny, page_size=4, num_pages=16, host_cache_memory=HOST_BYTES,
+                     host_layerwise_load=mode)  # fmt: skip
+        assert eng.copier.layerwise is want
+        eng.close()
+    kv = KVPool(1, 2, 4, 1, 8)
     with pytest.raises(TypeError, match="layerwise"):
-        kv = KVPool(1, 2, 4, 1, 8)
         KVCopier(kv, HostKVPool.like(kv, 2), layerwise=1)  # type: ignore[arg-type]
+    with KVCopier(kv, HostKVPool.like(kv, 2)) as copier:  # None: layer by layer on a CPU pool
+        assert copier.layerwise is True

@@ -59,6 +59,9 @@ KEYWORD_ALIASES: dict[str, str] = {
     "context_length": "max_model_len",  # SGLang
 }
 
+# EngineConfig.host_layerwise_load: "auto" is "on" for a CPU KV pool, "off" for a CUDA one
+LAYERWISE_LOAD_MODES = ("auto", "on", "off")
+
 # EngineConfig.window_kv: how sliding-window layers keep K/V (radixkv/cache/window_slots.py)
 WINDOW_KV_MODES = ("auto", "hybrid", "full")
 
@@ -161,13 +164,17 @@ class EngineConfig:
         metadata=_cli("hits before write_through_selective backs a prefix up to the host tier"),
     )
     # a host hit copied back layer by layer, each layer of the forward waiting only for its own
-    # pages (radixkv/kv/layer_loads.py); bench/bench_tiers.py --layerwise measures it
-    host_layerwise_load: bool = field(
-        default=True,
+    # pages (radixkv/kv/layer_loads.py). "auto": where measured to pay, a CPU pool
+    # (bench/bench_tiers.py --layerwise); a CUDA pool loads all at once until
+    # bench/gpu_check_tiers.py has measured its per-layer copies (one transfer per page and
+    # layer, issued from Python) on a GPU
+    host_layerwise_load: str = field(
+        default="auto",
         metadata=_cli(
-            "copy host-tier hits back all at once before the forward instead of layer by "
-            "layer as the forward reaches each layer",
-            flag="--disable-host-layerwise-load",
+            "copy host-tier hits back layer by layer while the forward runs, each layer "
+            "waiting only for its own pages (on), or all at once before it (off); auto: on for "
+            "a CPU KV pool, off on CUDA",
+            choices=LAYERWISE_LOAD_MODES,
         ),
     )
     # off by default: a storage tier is for prefixes that must outlive the process or be shared
@@ -439,10 +446,7 @@ class EngineConfig:
                 _pos_int(name, value)
         _one_of("write_policy", self.write_policy, WRITE_POLICIES)
         _pos_int("write_through_threshold", self.write_through_threshold)
-        if not isinstance(self.host_layerwise_load, bool):
-            raise ValueError(
-                f"host_layerwise_load must be a bool, got {self.host_layerwise_load!r}"
-            )
+        _one_of("host_layerwise_load", self.host_layerwise_load, LAYERWISE_LOAD_MODES)
         if self.kv_storage is not None and (
             not isinstance(self.kv_storage, str) or not self.kv_storage.strip()
         ):

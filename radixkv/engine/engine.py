@@ -1387,7 +1387,8 @@ def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopi
         host = HostKVPool.from_memory_budget(budget, kv)
     except ValueError as e:
         raise ValueError(f"host_cache_memory is too small for the host KV tier: {e}") from None
-    return host, KVCopier(kv, host, layerwise=cfg.host_layerwise_load)
+    layerwise = {"on": True, "off": False, "auto": None}[cfg.host_layerwise_load]
+    return host, KVCopier(kv, host, layerwise=layerwise)  # None: the copier's default
 
 
 _DEFAULT_STORAGE_HOST_BYTES = 4 << 30  # host tier with storage and no host_cache_memory: at most
