@@ -161,8 +161,9 @@ class SeqKV:
         the caller must release them (``insert=False``) and admit them again, which then hits
         the device prefix only.
 
-        A layer-wise load (``LoadBack.layered``) is not waited for here: the forward waits for
-        each layer of it before reading that layer, and the sequence is listed in ``landing``;
+        A layer-wise load (``LoadBack.layered``) still landing is not waited for here: the
+        forward waits for each layer of it before reading that layer, and the sequence is
+        listed in ``landing``;
         after the forward, before its results are used, the caller must call
         :meth:`finish_landing` (when ``landing`` is not empty); ``layered=True`` waits for
         those too."""
@@ -174,7 +175,8 @@ class SeqKV:
             lb = seq.load
             if lb is None:
                 continue
-            if lb.layered and not layered:  # the forward waits for it per layer (KVPool.loads)
+            # still landing: the forward waits for it layer by layer (KVPool.loads)
+            if lb.layered and not layered and not lb.handle.done():
                 self.landing.append(seq)
                 continue
             if self.cache.wait_load(lb):
