@@ -144,6 +144,8 @@ def test_layer_is_never_read_before_it_landed(
     assert _run(eng, one_at_a_time=True) == ref_single  # one load a step
     assert not stalls, f"the forward did not read layer {stalls[0] - 1} before it fully loaded"
     assert eng.stats().load_back_pages > 0
+    # the forward's per-layer waits count as load-back time
+    assert eng.stats().load_back_seconds >= eng.kv_pool.loads.waited_seconds > 0
     landed_at = [i for i, e in enumerate(log) if e == ("landed", 0)]
     assert landed_at, "no load happened"
     for start in landed_at:  # each load: its layers land one by one, each before it is read

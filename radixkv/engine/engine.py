@@ -1274,7 +1274,8 @@ class Engine:
             locked_pages=kv.num_locked_pages,
             private_pages=kv.num_private_pages,
             cache=counters if kv.tiered else None,
-            load_back_seconds=kv.load_back_seconds,
+            # waits before the forward, and of layer-wise loads inside it (per layer)
+            load_back_seconds=kv.load_back_seconds + self.kv_pool.loads.waited_seconds,
             storage=None if self.storage is None else self.storage.stats(),
             loras=(len(self.loras.infos()), sorted(run_loras), sorted(wait_loras)),
             window=self.window_slots,

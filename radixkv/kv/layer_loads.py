@@ -16,18 +16,23 @@ forward; the copier's own threads never touch the list.
 
 from __future__ import annotations
 
+import time
+
 from radixkv.cache.tiers import LayeredCopyHandle
 
 __all__ = ["LayerLoads"]
 
 
 class LayerLoads:
-    """The layer-wise loads still landing in one KV pool (``pending``, issue order)."""
+    """The layer-wise loads still landing in one KV pool (``pending``, issue order), and the
+    seconds forwards waited for them here (``waited_seconds``, cumulative: the engine adds it
+    to ``load_back_seconds``; on CUDA the wait is the stream's, so this stays about 0)."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("pending", "waited_seconds")
 
     def __init__(self) -> None:
         self.pending: list[LayeredCopyHandle] = []
+        self.waited_seconds = 0.0
 
     def add(self, load: LayeredCopyHandle) -> None:
         """Register a load just issued (by the copier)."""
@@ -40,8 +45,10 @@ class LayerLoads:
 
     def wait(self, layer: int) -> None:
         """Return once layer ``layer`` of every pending load has landed (or its load failed)."""
+        t = time.perf_counter()
         for load in tuple(self.pending):  # a wait may retire (discard) the load
             load.wait_layer(layer)
+        self.waited_seconds += time.perf_counter() - t
 
     def __len__(self) -> int:
         return len(self.pending)
