@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -199,6 +200,7 @@ def layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
         "question_tokens": args.question,
         "page_bytes": page,
         "repeats": args.repeats,
+        "load_average_at_start": os.getloadavg()[0],  # a shared machine: how busy it was
     }
     for label, page_layer_us in (("simulated", args.page_layer_us), ("memcpy", 0.0)):
         engines = {}
@@ -265,6 +267,7 @@ def layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
         }
         out[label] = row
         print(f"{label}: {json.dumps({k: v for k, v in row.items() if k != 'ttft_ms_all'})}")
+    out["load_average_at_end"] = os.getloadavg()[0]
     return out
 
 

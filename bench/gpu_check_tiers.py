@@ -4,7 +4,7 @@ KVCopier on a CUDA KVPool with a pinned HostKVPool: pages written by work still 
 current stream are backed up correctly (the side stream waits for it), a round trip device ->
 host -> other device pages is bit-exact, a copy overlaps work on the current stream, a
 RadixCache with the tier loads back exact KV, and the transfer rate of 64 pages each way.
-Layer-wise loads (``layerwise=True``; off by default on CUDA until measured here): the handle
+Layer-wise loads (``layerwise=True``; off by default until measured here to pay): the handle
 is a per-layer one registered in ``kv.loads``, a reader on the current stream that waits for
 layer i (``wait_layer``) and reads it at once sees exact data in every layer while later
 layers are still in flight, the pool's ``loads`` empties once the load is waited for; and the

@@ -52,13 +52,14 @@ def test_host_budget_too_small_or_invalid_is_a_clear_error(budget: object) -> No
         HostKVPool(L, 1, PS, H, D, torch.int32)
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_is_exact(background: bool, dtype: torch.dtype) -> None:
+def test_round_trip_is_exact(background: bool, dtype: torch.dtype, layerwise: bool) -> None:
     """device page -> host page -> another device page: bit-identical, every layer, K and V."""
     kv = make_kv(dtype=dtype)
     host = HostKVPool.like(kv, 4)
-    with KVCopier(kv, host, background=background) as copier:
+    with KVCopier(kv, host, background=background, layerwise=layerwise) as copier:
         want_k = kv.k[:, [1, 5]].clone()
         want_v = kv.v[:, [1, 5]].clone()
         copier.to_host([(1, 3), (5, 0)]).wait()
@@ -71,11 +72,12 @@ def test_round_trip_is_exact(background: bool, dtype: torch.dtype) -> None:
         assert torch.equal(kv.k[:, 1], want_k[:, 0])  # the source is untouched
 
 
-def test_copies_run_in_order_on_the_thread() -> None:
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
+def test_copies_run_in_order_on_the_thread(layerwise: bool) -> None:
     """One worker: a load issued after a backup reads what the backup wrote."""
     kv = make_kv()
     host = HostKVPool.like(kv, 2)
-    with KVCopier(kv, host) as copier:
+    with KVCopier(kv, host, layerwise=layerwise) as copier:
         want = kv.k[:, 4].clone()
         copier.to_host([(4, 1)])
         copier.to_device([(1, 7)]).wait()
@@ -135,12 +137,13 @@ def test_copier_checks_its_pools() -> None:
         KVCopier(HostKVPool.like(kv, 2), HostKVPool.like(kv, 2))  # type: ignore[arg-type]
 
 
-def test_cache_with_a_real_host_tier_loads_back_exact_kv() -> None:
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
+def test_cache_with_a_real_host_tier_loads_back_exact_kv(layerwise: bool) -> None:
     """The engine's flow over real tensors: write KV, insert (backed up), evict (demoted),
     match (host continuation), load back into other pages, compare the data."""
     kv = KVPool(L, 6, PS, H, D)
     host = HostKVPool.like(kv, 8)
-    with KVCopier(kv, host) as copier:
+    with KVCopier(kv, host, layerwise=layerwise) as copier:
         cache = TieredRadixCache(
             PagePool(kv.num_pages), page_size=PS, host_pool=PagePool(host.num_pages), copier=copier
         )

@@ -59,7 +59,7 @@ KEYWORD_ALIASES: dict[str, str] = {
     "context_length": "max_model_len",  # SGLang
 }
 
-# EngineConfig.host_layerwise_load: "auto" is "on" for a CPU KV pool, "off" for a CUDA one
+# EngineConfig.host_layerwise_load ("auto": "off" for now, as measured; see the field)
 LAYERWISE_LOAD_MODES = ("auto", "on", "off")
 
 # EngineConfig.window_kv: how sliding-window layers keep K/V (radixkv/cache/window_slots.py)
@@ -164,16 +164,17 @@ class EngineConfig:
         metadata=_cli("hits before write_through_selective backs a prefix up to the host tier"),
     )
     # a host hit copied back layer by layer, each layer of the forward waiting only for its own
-    # pages (radixkv/kv/layer_loads.py). "auto": where measured to pay, a CPU pool
-    # (bench/bench_tiers.py --layerwise); a CUDA pool loads all at once until
-    # bench/gpu_check_tiers.py has measured its per-layer copies (one transfer per page and
-    # layer, issued from Python) on a GPU
+    # pages (radixkv/kv/layer_loads.py). "auto" is off for now on every device, as measured
+    # (bench/bench_tiers.py --layerwise, docs/tuning.md): on a CPU pool the copy is a memcpy
+    # that competes with the forward for the cores (no gain, at worst slower, where none is
+    # free); on CUDA the per-layer path (two transfers per page and layer, issued from Python)
+    # awaits bench/gpu_check_tiers.py on a GPU. With DMA-like transfers (simulated) it pays.
     host_layerwise_load: str = field(
         default="auto",
         metadata=_cli(
             "copy host-tier hits back layer by layer while the forward runs, each layer "
-            "waiting only for its own pages (on), or all at once before it (off); auto: on for "
-            "a CPU KV pool, off on CUDA",
+            "waiting only for its own pages (on), or all at once before it (off); auto: off "
+            "for now on every device (docs/tuning.md)",
             choices=LAYERWISE_LOAD_MODES,
         ),
     )

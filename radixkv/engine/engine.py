@@ -1388,8 +1388,9 @@ def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopi
         host = HostKVPool.from_memory_budget(budget, kv)
     except ValueError as e:
         raise ValueError(f"host_cache_memory is too small for the host KV tier: {e}") from None
-    layerwise = {"on": True, "off": False, "auto": None}[cfg.host_layerwise_load]
-    return host, KVCopier(kv, host, layerwise=layerwise)  # None: the copier's default
+    # "auto" is all at once for now on every device (EngineConfig.host_layerwise_load says why)
+    layerwise = cfg.host_layerwise_load == "on"
+    return host, KVCopier(kv, host, layerwise=layerwise)
 
 
 _DEFAULT_STORAGE_HOST_BYTES = 4 << 30  # host tier with storage and no host_cache_memory: at most

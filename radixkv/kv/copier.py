@@ -14,8 +14,8 @@ It moves whole pages, every layer, K and V, between the device pool and the host
 Pages are checked (ints in range, distinct destinations) when a copy is issued: ValueError
 then, before anything runs. An error while copying is raised by the handle's ``wait()``.
 
-Layer-wise loads (``layerwise=True``, the default on a CPU pool; SGLang HiCache's layer-wise
-load): a load
+Layer-wise loads (``layerwise=True``; off by default, EngineConfig.host_layerwise_load says
+when it pays; SGLang HiCache's layer-wise load): a load
 (``to_device``) copies layer 0 of every page, then layer 1, and so on, and its handle is a
 radixkv.cache.tiers.LayeredCopyHandle registered in the device pool's ``loads``
 (radixkv/kv/layer_loads.py), so that a forward may start at once and wait, layer by layer,
@@ -165,12 +165,9 @@ class KVCopier:
             each copy in the calling thread before returning (a completed handle), which is
             simpler to debug and what a caller that would wait at once anyway wants.
         layerwise: loads land layer by layer (see the module docstring) and register in
-            ``kv.loads``; False: a load is one copy of every layer, waited for as a whole.
-            None (default): where measured to pay, a CPU pool (bench/bench_tiers.py
-            --layerwise); a CUDA pool loads all at once until bench/gpu_check_tiers.py has
-            measured its per-layer path (one transfer per page and layer, issued from Python,
-            against one per page). Without a background thread on a CPU pool loads are done
-            when issued, so this changes nothing there.
+            ``kv.loads``; False (default): a load is one copy of every layer, waited for as a
+            whole. Without a background thread on a CPU pool loads are done when issued, so
+            this changes nothing there.
     """
 
     def __init__(
@@ -179,7 +176,7 @@ class KVCopier:
         host: HostKVPool,
         *,
         background: bool = True,
-        layerwise: bool | None = None,
+        layerwise: bool = False,
     ) -> None:
         if not isinstance(kv, KVPool):
             raise TypeError(f"kv must be a KVPool, got {type(kv).__name__}")
@@ -187,11 +184,11 @@ class KVCopier:
             raise TypeError(f"host must be a HostKVPool, got {type(host).__name__}")
         if not host.matches(kv):
             raise ValueError(f"host pages are not shaped like the device pool's: {host} vs {kv}")
-        if layerwise is not None and not isinstance(layerwise, bool):
-            raise TypeError(f"layerwise must be a bool or None, got {layerwise!r}")
+        if not isinstance(layerwise, bool):
+            raise TypeError(f"layerwise must be a bool, got {layerwise!r}")
         self.kv = kv
         self.host = host
-        self.layerwise = kv.device.type != "cuda" if layerwise is None else layerwise
+        self.layerwise = layerwise
         # the copies move bytes: fp8 pages through uint8 views (see kv_pool.movable)
         self._dk, self._dv = movable(kv.k), movable(kv.v)
         self._hk, self._hv = movable(host.k), movable(host.v)
