@@ -60,3 +60,23 @@ def test_sampling_probs_keeps_the_full_order() -> None:
     assert torch.allclose(probs.sum(-1), torch.ones(4))
     assert int((probs > 0).sum(-1).max()) == 10
     assert torch.equal(probs.argmax(-1), x.argmax(-1))
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1 - 2**-24])
+def test_top_k_head_draw_at_the_cdf_ends(u: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A uniform at either end (round-off can put ``u * total`` on the total): the head-only
+    draw picks what the full sort picks, and never a token top-k or top-p dropped."""
+    x = _logits("plain", 12, 400)
+    params = [
+        SamplingParams(temperature=0.8, top_k=(1, 5, 40)[i % 3], top_p=(1.0, 0.5)[i % 2], seed=i)
+        for i in range(12)
+    ]
+    monkeypatch.setattr(sampler.torch, "rand", lambda *a, **k: torch.full((1,), u))
+    gens = [make_generator(i) for i in range(12)]
+    fast = sample(x, params, gens)
+    with monkeypatch.context() as m:
+        m.setattr(sampler, "_top_sorted", lambda *a: None)  # always sort
+        assert sample(x, params, gens) == fast
+    for row, (p, tok) in enumerate(zip(params, fast)):
+        probs = sampling_probs(x[row : row + 1], p)[0]
+        assert float(probs[tok]) > 0.0
