@@ -174,6 +174,35 @@ def test_detokenizer_stop_string_cut_and_holdback() -> None:
     assert hit and d.text == "a"
 
 
+class _CountingTok(_ByteTok):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_detokenizer_one_token_memo_changes_nothing_and_saves_decodes() -> None:
+    """A memo of one-token texts shared by detokenizers: the same text and deltas (multi-byte
+    characters, stop strings) with far fewer decodes; it holds exactly ``decode([id])``."""
+    memo: dict[int, str] = {}
+    tok, slow = _CountingTok(), _CountingTok()
+    for text, stop in (("héllo wörld ✓ done " * 4, ()), ("abc STOP def", ("STOP",)), ("aa bb", ())):
+        plain = IncrementalDetokenizer(slow, list(b"prompt "), stop)
+        fast = IncrementalDetokenizer(tok, list(b"prompt "), stop, one_token_texts=memo)
+        for b in text.encode():
+            hits = (plain.add(b), fast.add(b))
+            assert hits[0] == hits[1] and plain.take_delta(hits[0]) == fast.take_delta(hits[1])
+            if hits[0]:
+                break
+        plain.flush()
+        fast.flush()
+        assert fast.text == plain.text and fast.stop_matched == plain.stop_matched
+    assert memo and all(t == _ByteTok().decode([i]) for i, t in memo.items())
+    assert tok.calls < 0.8 * slow.calls  # without the memo: two decodes per token
+
+
 # ---------------------------------------------------------------- pages_for
 @pytest.mark.parametrize("page_size", [1, 2, 16, 64])
 def test_pages_for_is_the_ceiling_of_tokens_over_page_size(page_size: int) -> None:

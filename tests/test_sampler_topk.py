@@ -43,9 +43,13 @@ def test_top_k_rows_sample_as_with_the_full_sort(
             gens = [make_generator(1000 * _ + i) for i in range(rows)]
             assert sample(x, params, gens) == fast
     sampled = [p for p in params if p.temperature > 0]
-    ref, _ = sampler._filtered(x[: len(sampled)], sampled)
-    got, _ = sampler._filtered(x[: len(sampled)], sampled, full_order=False)
-    assert torch.equal(ref, got)
+    ref, ref_order = sampler._filtered(x[: len(sampled)], sampled)
+    got, order = sampler._filtered(x[: len(sampled)], sampled, full_order=False)
+    k = got.shape[1]  # the head the top-k path keeps (the whole vocabulary when it sorted)
+    assert torch.equal(ref[:, :k], got) and not bool(ref[:, k:].any())
+    if kind == "plain":  # no ties: the top-k path ran, and kept only the largest top-k's
+        assert k == 20 and order is not None and ref_order is not None
+        assert torch.equal(order, ref_order[:, :k])
 
 
 def test_sampling_probs_keeps_the_full_order() -> None:
@@ -56,3 +60,23 @@ def test_sampling_probs_keeps_the_full_order() -> None:
     assert torch.allclose(probs.sum(-1), torch.ones(4))
     assert int((probs > 0).sum(-1).max()) == 10
     assert torch.equal(probs.argmax(-1), x.argmax(-1))
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1 - 2**-24])
+def test_top_k_head_draw_at_the_cdf_ends(u: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A uniform at either end (round-off can put ``u * total`` on the total): the head-only
+    draw picks what the full sort picks, and never a token top-k or top-p dropped."""
+    x = _logits("plain", 12, 400)
+    params = [
+        SamplingParams(temperature=0.8, top_k=(1, 5, 40)[i % 3], top_p=(1.0, 0.5)[i % 2], seed=i)
+        for i in range(12)
+    ]
+    monkeypatch.setattr(sampler.torch, "rand", lambda *a, **k: torch.full((1,), u))
+    gens = [make_generator(i) for i in range(12)]
+    fast = sample(x, params, gens)
+    with monkeypatch.context() as m:
+        m.setattr(sampler, "_top_sorted", lambda *a: None)  # always sort
+        assert sample(x, params, gens) == fast
+    for row, (p, tok) in enumerate(zip(params, fast)):
+        probs = sampling_probs(x[row : row + 1], p)[0]
+        assert float(probs[tok]) > 0.0

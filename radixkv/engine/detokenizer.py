@@ -31,7 +31,9 @@ class IncrementalDetokenizer:
         "_hold",
         "_ids",
         "_include_stop",
+        "_one",
         "_prefix_offset",
+        "_prev_text",
         "_read_offset",
         "_skip_special",
         "_stops",
@@ -47,12 +49,19 @@ class IncrementalDetokenizer:
         stop: Sequence[str],
         skip_special_tokens: bool = False,
         include_stop: bool = False,
+        one_token_texts: dict[int, str] | None = None,
     ) -> None:
+        """``one_token_texts``: a memo of ``decode([id])`` under this ``skip_special_tokens``
+        that detokenizers of one tokenizer may share (filled here as tokens come)."""
         self._tok = tokenizer
+        self._one = one_token_texts
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        # decode(ids[prefix_offset:read_offset]), kept while the window is unchanged (None:
+        # not decoded yet); usually one token, whose text ``one_token_texts`` memoises
+        self._prev_text: str | None = None
         self._stops = tuple(stop)
         self._include_stop = include_stop  # keep the matched stop string at the text's end
         self._hold = max((len(s) for s in self._stops), default=1) - 1
@@ -65,16 +74,32 @@ class IncrementalDetokenizer:
         or after it with ``include_stop``)."""
         if self.stop_matched is not None:
             raise RuntimeError("detokenizer: token added after a stop string matched")
-        self._ids.append(token_id)
-        prev = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
+        ids = self._ids
+        ids.append(token_id)
+        prev = self._prev_text
+        if prev is None:
+            prev = self._prev_text = self._window_text()
+        full = self._decode(ids[self._prefix_offset :])
         if len(full) <= len(prev) or full.endswith("\ufffd"):
             return False  # incomplete character: wait for more tokens
         old_len = len(self.text)
         self.text += full[len(prev) :]
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = len(ids)
+        self._prev_text = None
         return self._check_stop(old_len)
+
+    def _window_text(self) -> str:
+        """``decode(ids[prefix_offset:read_offset])``, a one-token window from the memo."""
+        lo, hi = self._prefix_offset, self._read_offset
+        one = self._one
+        if one is None or hi - lo != 1:
+            return self._decode(self._ids[lo:hi])
+        tok = self._ids[lo]
+        text = one.get(tok)
+        if text is None:
+            text = one[tok] = self._decode([tok])
+        return text
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip_special)
@@ -83,11 +108,12 @@ class IncrementalDetokenizer:
         """At finish: append whatever is still pending (even an incomplete character)."""
         if self.stop_matched is not None or self._read_offset == len(self._ids):
             return
-        prev = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prev = self._window_text() if self._prev_text is None else self._prev_text
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prev):
             self.text += full[len(prev) :]
         self._prefix_offset = self._read_offset = len(self._ids)
+        self._prev_text = None
 
     def _check_stop(self, old_len: int) -> bool:
         if not self._stops:

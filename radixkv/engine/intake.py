@@ -128,6 +128,9 @@ class RequestIntake:
         self._rng = random.Random(config.seed)
         self._special_prefix = _special_prefix(tokenizer)
         self._warned_double_bos = False
+        # decode([id]) per skip_special_tokens, shared by every detokenizer (they decode each
+        # new token's text alone once it is complete: detokenizer.py)
+        self._one_token_texts: dict[bool, dict[int, str]] = {False: {}, True: {}}
 
     def check(
         self, prompt: object, params: SamplingParams | None, namespace: object
@@ -227,6 +230,7 @@ class RequestIntake:
                 params.stop,
                 params.skip_special_tokens,
                 params.include_stop_str_in_output,
+                self._one_token_texts[params.skip_special_tokens],
             )
             seq = Sequence(group, i, ids, gen, detok)
             seq.live_detok = live_detok

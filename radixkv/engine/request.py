@@ -260,7 +260,10 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the usual n == 1: no generator expression
+            return seqs[0].status is SeqStatus.FINISHED
+        return all(s.status is SeqStatus.FINISHED for s in seqs)
 
     def make_output(self) -> RequestOutput:
         """Snapshot for the user; advances each sequence's emitted-delta cursor."""
@@ -292,24 +295,27 @@ class RequestGroup:
 
     def _sample_outputs(self) -> list[CompletionOutput]:
         outs = []
+        emitted = self._emitted_tokens
         for s in self.seqs:
-            out_ids = s.output_ids
-            fin = s.finished
-            delta = s.detok.take_delta(fin)
-            text = s.detok.emitted_text
-            prev = self._emitted_tokens[s.index]
-            self._emitted_tokens[s.index] = len(out_ids)
+            out_ids = s.token_ids[s.num_prompt_tokens :].tolist()
+            fin = s.status is SeqStatus.FINISHED
+            detok = s.detok
+            delta = detok.take_delta(fin)
+            i = s.index
+            prev = emitted[i]
+            emitted[i] = len(out_ids)
+            lps = s.logprobs
             outs.append(
                 CompletionOutput(
-                    index=s.index,
-                    text=text,
+                    index=i,
+                    text=detok.emitted_text,
                     token_ids=out_ids,
                     finish_reason=s.finish_reason,
                     delta_text=delta,
-                    delta_token_ids=out_ids[prev:],
+                    delta_token_ids=out_ids[prev:] if prev else out_ids.copy(),
                     stop_reason=s.stop_reason,
-                    logprobs=None if s.logprobs is None else list(s.logprobs),
-                    cumulative_logprob=None if s.logprobs is None else s.cumulative_logprob,
+                    logprobs=None if lps is None else list(lps),
+                    cumulative_logprob=None if lps is None else s.cumulative_logprob,
                 )
             )
         return outs

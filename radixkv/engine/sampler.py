@@ -34,11 +34,11 @@ def _largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _top_sorted(
     x: torch.Tensor, sp: Sequence[SamplingParams], vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``x [S, V]`` sorted descending and its order, as far as a top-k keeps it: when every
-    row has a top-k, its ``k_max + 1`` largest values (``topk``, far cheaper than sorting a
-    large vocabulary) are all distinct, so their order is the sort's; the columns past
-    ``k_max`` are -inf (top-k masks them anyway) and their order is 0 (never read: only a kept
-    column is drawn). None when some row has no top-k or values tie (then sort)."""
+    """The first ``k_max`` columns of ``x [S, V]`` sorted descending and their order, where
+    every row has a top-k (``k_max`` its largest): the ``k_max + 1`` largest values
+    (``topk``, far cheaper than sorting a large vocabulary) are all distinct, so their order is
+    the sort's, and every later column is one top-k masks. None when some row has no top-k or
+    values tie (then sort)."""
     ks = [p.top_k for p in sp]
     k_max = max(ks)
     if min(ks) <= 0 or k_max + 1 >= vocab:
@@ -46,11 +46,7 @@ def _top_sorted(
     vals, idx = _largest(x, k_max + 1)
     if not bool((vals[:, :-1] > vals[:, 1:]).all()):  # a tie (or -inf, NaN): sort decides
         return None
-    head = torch.full_like(x, float("-inf"))
-    head[:, :k_max] = vals[:, :k_max]
-    order = torch.zeros(x.shape, dtype=idx.dtype, device=x.device)
-    order[:, :k_max] = idx[:, :k_max]
-    return head, order
+    return vals[:, :k_max], idx[:, :k_max]
 
 
 def _filtered(
@@ -59,9 +55,10 @@ def _filtered(
     """Temperature, min-p, top-k and top-p over ``logits [S, V]`` (all rows sampled, none
     greedy): probabilities ``[S, V]``, unnormalised once top-p has masked some, in vocabulary
     order, or with ``order [S, V]`` (the token at each column) when they had to be sorted.
-    ``full_order=False``: ``order`` past the columns top-k keeps may be anything (a caller
-    that only reads the token of a kept column), which lets rows that all have a top-k skip the
-    full sort (the same probabilities, to the bit: :func:`_top_sorted`)."""
+    ``full_order=False``: when every row has a top-k, only the first ``k_max`` sorted columns
+    (the largest top-k; every later one has probability 0) of both are returned, which lets
+    such rows skip the full sort (the same probabilities, to the bit: :func:`_top_sorted`;
+    the softmax still spans the vocabulary, so its normaliser is the one the sort gives)."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev)
     x = logits.float() / temps[:, None]  # [S, V]
@@ -78,18 +75,30 @@ def _filtered(
     order: torch.Tensor | None = None
     if need_sort:
         top = None if full_order else _top_sorted(x, sp, vocab)
-        x, order = x.sort(dim=-1, descending=True) if top is None else top  # [S, V] each
         ks = torch.tensor(
             [p.top_k if 0 < p.top_k < vocab else vocab for p in sp], device=dev
         )  # [S]
-        ranks = torch.arange(vocab, device=dev)[None, :]  # [1, V]
-        x = x.masked_fill(ranks >= ks[:, None], float("-inf"))
-    probs = torch.softmax(x, dim=-1)  # [S, V]
-    if need_sort:
+        if top is None:
+            x, order = x.sort(dim=-1, descending=True)  # [S, V] each
+            ranks = torch.arange(vocab, device=dev)[None, :]  # [1, V]
+            x = x.masked_fill(ranks >= ks[:, None], float("-inf"))
+            probs = torch.softmax(x, dim=-1)  # [S, V]
+        else:
+            head, order = top  # [S, k_max] each
+            k_max = head.shape[1]
+            ranks = torch.arange(k_max, device=dev)[None, :]
+            full = torch.full_like(x, float("-inf"))
+            full[:, :k_max] = head.masked_fill(ranks >= ks[:, None], float("-inf"))
+            # the softmax over all V columns (the -inf ones add exact zeros): the normaliser
+            # of the sorted path, bit for bit; only the head is read after it
+            probs = torch.softmax(full, dim=-1)[:, :k_max]
         top_ps = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=dev)
-        # drop a token when the mass strictly before it already reaches top_p (rank 0 always kept)
+        # drop a token when the mass strictly before it already reaches top_p (rank 0 always
+        # kept); a prefix's cumulative sum does not depend on the columns after it
         before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(before >= top_ps[:, None], 0.0)
+    else:
+        probs = torch.softmax(x, dim=-1)  # [S, V]
     return probs, order
 
 
@@ -140,14 +149,15 @@ def sample(
     sp = params if every else [params[i] for i in rows]
     picked = logits if idx is None else logits.index_select(0, idx)
     probs, order = _filtered(picked, sp, full_order=False)  # [S, V] each
-    vocab = probs.shape[1]
+    vocab = probs.shape[1]  # (the head of the sorted vocabulary when top-k kept only that)
     cdf = probs.cumsum(dim=-1)  # [S, V], unnormalised after top-p masking
     gens = generators if every else [generators[i] for i in rows]
     if any(g is None for g in gens):
         raise ValueError("sample: a sampled (temperature > 0) row has no generator")
     u = torch.cat([torch.rand(1, generator=g) for g in gens]).to(dev)  # [S] in [0, 1)
     u = u * cdf[:, -1]
-    pos = (cdf <= u[:, None]).sum(dim=-1).clamp_(max=vocab - 1)  # [S]
+    # how many cdf entries are <= u (the cdf does not decrease): a binary search per row
+    pos = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
     # a zero-probability slot can only be picked through float round-off: step back to the last
     # kept one so masked tokens are never returned
     picked_p = probs.gather(1, pos[:, None]).squeeze(1)
