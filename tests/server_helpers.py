@@ -82,6 +82,17 @@ def assert_clean(st: ServerState) -> None:
 
 
 @contextmanager
+def checked_http(server: tuple[BackgroundServer, ServerState]) -> Iterator[Any]:
+    """An ``httpx`` client of the live server; on exit the server must be clean
+    (:func:`assert_clean`)."""
+    import httpx
+
+    with httpx.Client(base_url=server[0].url, timeout=60) as c:
+        yield c
+    assert_clean(server[1])
+
+
+@contextmanager
 def checked_client(server: tuple[BackgroundServer, ServerState]) -> Iterator[Any]:
     """An ``openai`` client of the live server (no retries); on exit, after the test's
     requests, the server must be clean (:func:`assert_clean`)."""

@@ -31,6 +31,7 @@ import pytest
 from server_helpers import (
     MODEL,
     assert_clean,
+    checked_http,
     failing_forward,
     in_loop,
     live_server,
@@ -229,9 +230,8 @@ def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
 @pytest.fixture
 def http(server: tuple[BackgroundServer, ServerState]) -> Iterator[httpx.Client]:
     """A client of the server; after the test the server holds nothing (assert_clean)."""
-    with httpx.Client(base_url=server[0].url, timeout=60) as c:
+    with checked_http(server) as c:
         yield c
-    assert_clean(server[1])
 
 
 @pytest.fixture

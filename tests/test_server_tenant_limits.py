@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import MODEL, assert_clean, in_loop, live_server, wait_drained
+from server_helpers import MODEL, checked_http, in_loop, live_server, wait_drained
 
 from radixkv.server.background import BackgroundServer
 from radixkv.server.config import ServerConfig
@@ -86,9 +86,8 @@ def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
 
 @pytest.fixture
 def http(server: tuple[BackgroundServer, ServerState]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server[0].url, timeout=60) as c:
+    with checked_http(server) as c:
         yield c
-    assert_clean(server[1])
 
 
 def _openai_429(r: httpx.Response, limit: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from engine_helpers import save_tiny_folder
-from server_helpers import assert_clean, in_loop, live_server, metric_values
+from server_helpers import checked_http, in_loop, live_server, metric_values
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.params import SamplingParams
@@ -34,9 +34,8 @@ def server() -> Iterator[tuple[BackgroundServer, ServerState]]:
 
 @pytest.fixture
 def http(server: tuple[BackgroundServer, ServerState]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server[0].url, timeout=60) as c:
+    with checked_http(server) as c:
         yield c
-    assert_clean(server[1])
 
 
 def greedy_ids(name: str, ids: list[int], n: int) -> list[int]:
