@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from radixkv.attention.names import ATTENTION_BACKENDS
 from radixkv.cache.eviction import POLICIES
 from radixkv.cache.tiers import WRITE_POLICIES, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE
-from radixkv.engine.names import CASCADE_MODES, PREFILL_BUDGETS, SCHEDULE_POLICIES
+from radixkv.engine.names import CASCADE_MODES, OVERLAP_MODES, PREFILL_BUDGETS, SCHEDULE_POLICIES
 from radixkv.kv.names import KV_CACHE_DTYPES
 from radixkv.units import parse_bytes
 
@@ -326,6 +326,16 @@ class EngineConfig:
             choices=CASCADE_MODES,
         ),
     )
+    # "auto": on where the device runs asynchronously (CUDA), off on a CPU, whose forward
+    # already uses every core (engine/overlap.py; measured in bench/bench_overlap.py)
+    overlap: str = field(
+        default="auto",
+        metadata=_cli(
+            "schedule and prepare the next step while the device runs this one (one step's "
+            "lag; auto: on CUDA, off on a CPU)",
+            choices=OVERLAP_MODES,
+        ),
+    )
     device: str | torch.device | None = field(
         default=None, metadata=_cli("torch device (default: cuda if available, else cpu)", type=str)
     )
@@ -488,6 +498,7 @@ class EngineConfig:
             _pos_int("max_model_len", self.max_model_len)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("cascade", self.cascade, CASCADE_MODES)
+        _one_of("overlap", self.overlap, OVERLAP_MODES)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         _check_dtype(self.dtype)

@@ -58,12 +58,19 @@ from radixkv.engine.logit_adjust import adjust_logits
 from radixkv.engine.logprobs import TokenTexts, prompt_logprobs, step_logprobs
 from radixkv.engine.lora import AdapterNamespace, LoRAInfo, LoRARegistry
 from radixkv.engine.outputs import EngineStats, Logprob, RequestOutput, WeightUpdate
+from radixkv.engine.overlap import (
+    DeviceWorker,
+    LaunchedStep,
+    fill_positions,
+    overlappable,
+    select_tokens,
+)
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.prefill_cost import attention_cost_ratio, weights_per_active
 from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
 from radixkv.engine.request import Sequence as Seq
 from radixkv.engine.sampler import sample
-from radixkv.engine.scheduler import ScheduledBatch, Scheduler
+from radixkv.engine.scheduler import PreemptionHeld, ScheduledBatch, Scheduler
 from radixkv.engine.scoring import label_scores, score_params, score_prompts
 from radixkv.engine.session import Session
 from radixkv.engine.speculative import Speculator
@@ -220,6 +227,12 @@ class Engine:
         self._next_id = 0
         self._stats = EngineStats(kv_pages_total=self.pool.num_pages)
         self._kv_bytes_per_token = self.kv_pool.bytes_per_page // cfg.page_size
+        # overlap (overlap.py): the step whose forward runs on the device worker, not yet
+        # processed, and the live requests whose steps must not overlap
+        self.overlap = self._overlap_mode()
+        self._device = DeviceWorker(self.runner)
+        self._in_flight: LaunchedStep | None = None
+        self._sync_ids: set[str] = set()
         # LoRA adapters by name (lora.py); requests name theirs (``lora=``)
         self.loras = LoRARegistry(
             self.runner.loras, mc, self.kv_pool.device, self.kv_pool.compute_dtype
@@ -228,6 +241,29 @@ class Engine:
             self.load_lora(name, path)
         self._closed = False
         self._log_startup()
+
+    def _overlap_mode(self) -> bool:
+        """Whether steps overlap (``EngineConfig.overlap``; "auto": on a CUDA device). Not with
+        speculative decoding, a host or storage KV tier, or hybrid window KV (overlap.py); an
+        explicit "on" that cannot be is logged."""
+        mode = self.config.overlap
+        on = self.kv_pool.device.type == "cuda" if mode == "auto" else mode == "on"
+        if not on:
+            return False
+        why = [
+            what
+            for what, present in (
+                ("speculative decoding", self.speculator is not None),
+                ("a host or storage KV tier", self.copier is not None),
+                ("hybrid window KV", self.window_slots is not None),
+            )
+            if present
+        ]
+        if why:
+            if mode == "on":
+                log.warning("overlap is off: steps run sequentially with %s", ", ".join(why))
+            return False
+        return True
 
     def _log_startup(self) -> None:
         """One INFO line saying what was built, and a WARNING when "auto" left a CUDA pool on
@@ -335,6 +371,8 @@ class Engine:
         if lora is not None and not self.loras.is_loaded(lora):  # unloaded since prepare()
             raise ValueError(f"LoRA adapter {lora.name!r} was unloaded")
         self._live[rid] = request
+        if self.overlap and not overlappable(request):
+            self._sync_ids.add(rid)
         request.weight_version = self.weight_version
         self._stats.record_request()
         if self.storage is not None:  # look the prompt up in storage meanwhile
@@ -373,7 +411,136 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns outputs of requests that progressed (streamed) or finished.
         If the forward raises, the batch's requests end with "error", their final outputs wait
-        for :meth:`drain` (or the next step) and the exception propagates."""
+        for :meth:`drain` (or the next step) and the exception propagates.
+
+        With overlap (``EngineConfig.overlap``, overlap.py) a step launches its batch on the
+        device and then processes the batch launched by the previous call, so a batch's
+        outputs (and a forward's error) come one call later; requests stay live meanwhile."""
+        if self.overlap and self._may_overlap():
+            return self._step_overlapped()
+        self._sync()
+        return self._step_sequential()
+
+    def _may_overlap(self) -> bool:
+        """No live request wants what only a sequential step gives (overlap.overlappable)."""
+        if self._sync_ids:
+            self._sync_ids = {rid for rid in self._sync_ids if rid in self._live}
+        return not self._sync_ids
+
+    def _sync(self, *, raise_errors: bool = True) -> None:
+        """Process the step in flight, if any (its outputs join the news). A forward that
+        raised ends its batch's requests with "error" (logged) and propagates unless
+        ``raise_errors`` is False."""
+        launched = self._in_flight
+        if launched is None:
+            return
+        self._in_flight = None
+        try:
+            self._process_launched(launched)
+        except Exception:
+            if raise_errors:
+                raise
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """:meth:`step` with overlap: schedule, launch, process the previous launch."""
+        t0 = time.perf_counter()
+        self.seq_kv.poll()
+        sched = self.scheduler
+        sched.hold_preemption = self._in_flight is not None
+        try:
+            batch = sched.schedule()
+        except PreemptionHeld:  # preempt only with nothing in flight
+            sched.hold_preemption = False
+            self._sync()
+            batch = sched.schedule()
+        finally:
+            sched.hold_preemption = False
+        self._record_schedule(batch)
+        if not batch.seqs:
+            if self._in_flight is not None:
+                self._sync()
+            else:
+                self._fail_unschedulable()
+            return self.drain()
+        t1 = time.perf_counter()
+        launched = self._launch(batch)
+        prev, self._in_flight = self._in_flight, launched
+        t2 = time.perf_counter()
+        if prev is not None:
+            self._process_launched(prev)
+        t3 = time.perf_counter()
+        outs = self.drain()
+        self._stats.record_step(t0, t1, t2, t3)
+        return outs
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Build ``batch``'s inputs here and queue its device work (overlap.py); advance its
+        counters and give each row that samples a pending token (none to a sequence's last
+        possible token, so it is not scheduled again before it is processed)."""
+        try:
+            cascade, rows = self._plan_cascade(batch)
+            step = self.runner.build(batch.model_inputs(), cascade, rows)
+        except Exception as e:
+            self._fail_batch(batch, e)
+            raise
+        prev = self._in_flight
+        fill = fill_positions(batch, prev)
+        sampling = self.scheduler.advance(batch)
+        seqs = batch.seqs
+        row_of: dict[Seq, int] = {}
+        for i in sampling:
+            seq = seqs[i]
+            if seq.num_output_tokens + seq.num_pending + 1 < seq.params.max_tokens:
+                seq.num_pending += 1
+                row_of[seq] = i
+        future = self._device.launch(step, fill, prev, select_tokens(batch, sampling))
+        upto = [s.num_computed for s in seqs]
+        return LaunchedStep(batch, sampling, row_of, upto, future)
+
+    def _process_launched(self, launched: LaunchedStep) -> None:
+        """A launched step's results: wait for its tokens, then for each sequence still live
+        publish the pages it computed and accept its token (stops, outputs), its
+        ``num_computed`` seen as of this step (a later step in flight may have advanced it:
+        nothing of that step is published or released here). If its forward raised, its
+        sequences end with "error" and the exception propagates."""
+        batch = launched.batch
+        try:
+            tokens = launched.tokens()
+        except Exception as e:
+            for seq in batch.seqs:
+                seq.num_pending = 0
+            live = [s for s in batch.seqs if not s.finished]
+            failed = ScheduledBatch(seqs=live, num_new=[0] * len(live))
+            self._fail_batch(failed, e)
+            raise
+        seqs = batch.seqs
+        ahead: dict[Seq, int] = {}  # sequences a later launch advanced: their num_computed
+        for seq, upto in zip(seqs, launched.upto):
+            if seq.finished:  # ended while this step ran: its row is void
+                continue
+            now = seq.num_computed
+            if now != upto:
+                ahead[seq] = now
+                seq.num_computed = upto
+            self.scheduler.publish(seq)
+        row_of = launched.row_of
+        took: list[Seq] = []
+        toks: list[int] = []
+        for i in launched.rows:
+            seq = seqs[i]
+            if seq.finished:
+                continue
+            if seq in row_of:
+                seq.num_pending -= 1
+            took.append(seq)
+            toks.append(tokens[i])
+        self._append_tokens(took, toks, {}, {})
+        for seq, now in ahead.items():
+            if not seq.finished:
+                seq.num_computed = now
+
+    def _step_sequential(self) -> list[RequestOutput]:
+        """:meth:`step` without overlap."""
         t0 = time.perf_counter()
         self.seq_kv.poll()  # retire finished host-tier copies
         if self.storage is not None:  # found pages join the host tier before admission
@@ -583,7 +750,9 @@ class Engine:
         group = self._live.get(request_id)
         if group is None:
             raise ValueError(f"abort: unknown or already finished request_id {request_id!r}")
-        self._abort_group(group)
+        self._sync(raise_errors=False)  # (it may finish now: its final output is returned)
+        if request_id in self._live:
+            self._abort_group(group)
         self._news.pop(request_id, None)
         return group.make_output()
 
@@ -1123,6 +1292,7 @@ class Engine:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork: n must be an int >= 1, got {n!r}")
         tokens: Prompt
+        self._sync(raise_errors=False)  # the source's tokens are all known
         if isinstance(source, str) and source in self._live:
             parent = self._live[source]
             tokens = parent.seqs[0].token_ids.tolist()
@@ -1146,12 +1316,14 @@ class Engine:
         ``lora=name``, in the same batches as the base model's and other adapters'. Its KV is
         cached apart (engine/lora.py). ValueError (the file and problem) when it cannot be
         read or does not fit the model, or the name is taken; nothing changes then."""
+        self._sync(raise_errors=False)  # the adapters a forward in flight reads stay put
         return self.loras.load(name, path)
 
     def unload_lora(self, name: str) -> LoRAInfo:
         """Detach the adapter ``name`` and drop its unlocked cache entries. ValueError when no
         adapter has that name or live requests use it (abort or finish them first)."""
         info = self.loras.get(name)
+        self._sync(raise_errors=False)
         users = [rid for rid, g in self._live.items() if g.lora is not None and g.lora.name == name]
         if users:
             more = f" and {len(users) - 1} more" if len(users) > 1 else ""
@@ -1220,6 +1392,7 @@ class Engine:
         t0 = time.perf_counter()
         self.check_update_options(in_flight, weight_version)
         staged = weights if isinstance(weights, StagedWeights) else self.stage_weights(weights)
+        self._sync(raise_errors=False)
         live = list(self._live.values())
         aborted = retracted = 0
         if in_flight == "abort":
@@ -1309,6 +1482,7 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Drop every unlocked cache entry (running requests keep theirs). Storage keeps its
         pages: they are keyed by content, model and namespace, so they stay valid."""
+        self._sync(raise_errors=False)
         self.seq_kv.reset_cache()
 
     def add_cache_listener(self, listener: Listener) -> None:
@@ -1335,6 +1509,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._sync(raise_errors=False)
+        self._device.close()
         if self.storage is not None:
             self.storage.close()
         if self.copier is not None:

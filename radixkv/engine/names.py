@@ -27,5 +27,7 @@ SCHEDULE_POLICIES: NameTable[AdmissionOrder] = NameTable(
 # EngineConfig.cascade: shared-prefix decode attention when it pays, always, never
 # (engine/cascade_planner.py)
 CASCADE_MODES = ("auto", "on", "off")
+# EngineConfig.overlap: schedule step N+1 while step N's forward runs (engine/overlap.py)
+OVERLAP_MODES = ("auto", "on", "off")
 # EngineConfig.prefill_budget: what a step's prefill budget counts (engine/prefill_cost.py)
 PREFILL_BUDGETS = ("tokens", "attention")

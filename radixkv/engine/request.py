@@ -52,7 +52,7 @@ class Sequence:
         num_shared_pages: ``page_table[:num_shared_pages]`` belong to the trie and are protected
             by the lock on ``locked_node``; the rest are this sequence's private pages.
         num_computed: tokens whose K/V are in the pool (once ``load``, a host-tier copy in
-            flight, has landed: ``SeqKV.finish_loads``).
+            flight, has landed: ``SeqKV.finish_loads``), or that a launched step writes (overlap).
         window_lo: with hybrid window KV, ``page_table[window_lo:]`` are the pages whose
             window slots this sequence pins (its windowed layers read them next step).
     """
@@ -72,6 +72,7 @@ class Sequence:
         "logprobs",
         "num_cached_tokens",
         "num_computed",
+        "num_pending",
         "num_prompt_tokens",
         "num_shared_pages",
         "page_keys",
@@ -120,6 +121,10 @@ class Sequence:
         self.locked_node: TreeNode | None = None
         self.window_lo = 0
         self.num_computed = 0
+        # overlap (engine/overlap.py): tokens sampled by launched steps and not yet known here;
+        # they follow ``token_ids`` (the next decode's input is the last of them, filled in on
+        # the device), so the sequence has ``len(token_ids) + num_pending`` tokens
+        self.num_pending = 0
         self.num_cached_tokens = -1  # set at first admission
         # host tier: the load back started at admission, waited for before the forward
         # (kv_manager.py); after one failed, this sequence stops trying the host tier

@@ -107,16 +107,23 @@ class ScheduledBatch:
         self.num_new = [self.num_new[i] for i in order]
 
     def model_inputs(self) -> list[SeqInput]:
-        """What the model runner computes: each sequence's new tokens over its page table."""
-        return [
-            SeqInput(
-                s.token_ids[s.num_computed : s.num_computed + n],
-                s.page_table,
-                s.num_computed,
-                s.lora_slot,
-            )
-            for s, n in zip(self.seqs, self.num_new)
-        ]
+        """What the model runner computes: each sequence's new tokens over its page table. A
+        token still pending (overlap.py: sampled by the step in flight) is given as 0; the
+        device fills it in before the forward."""
+        out = []
+        for s, n in zip(self.seqs, self.num_new):
+            a = s.num_computed
+            ids = s.token_ids[a : a + n]
+            if len(ids) < n:  # (only ever the decode token of a sequence with num_pending)
+                ids = [*ids, *[0] * (n - len(ids))]
+            out.append(SeqInput(ids, s.page_table, a, s.lora_slot))
+        return out
+
+
+class PreemptionHeld(Exception):
+    """``schedule()`` would preempt while ``Scheduler.hold_preemption`` is set (a step is in
+    flight, engine/overlap.py): nothing was preempted and the batch's reservations were
+    rolled back; finish the step in flight and schedule again."""
 
 
 class Scheduler:
@@ -162,6 +169,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._inflight = InflightPages(self.page_size, enabled=kv.enabled)  # see inflight.py
+        # set while a step is in flight (engine/overlap.py): preempting then would release the
+        # KV of sequences whose last token is not known yet; schedule() raises PreemptionHeld
+        self.hold_preemption = False
 
     # ------------------------------------------------------------------ queue ops
     def add(self, seq: Sequence, *, front: bool = False) -> None:
@@ -244,9 +254,18 @@ class Scheduler:
         while self.running and self.running[-1].params.priority > best.params.priority:
             if self._slots_taken() + need <= self.max_running and self._has_room(best, first):
                 return
+            self._check_hold(batch)
             victim = self.running[-1]
             self.preempt(victim)
             batch.preempted.append(victim)
+
+    def _check_hold(self, batch: ScheduledBatch) -> None:
+        """About to preempt: under ``hold_preemption``, undo the batch's reservations and
+        raise PreemptionHeld instead."""
+        if self.hold_preemption:
+            for seq in batch.seqs:
+                self.kv.rollback_uncomputed(seq)
+            raise PreemptionHeld
 
     def _slots_taken(self) -> int:
         """Running slots in use (module docstring): one per running sequence, and
@@ -288,7 +307,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            remaining = len(seq.token_ids) - seq.num_computed
+            remaining = len(seq.token_ids) + seq.num_pending - seq.num_computed
             decode = remaining == 1
             if decode and len(seq.page_table) * ps > seq.num_computed:
                 # the common decode: its token's slot is in a page it holds (nothing to reserve)
@@ -306,6 +325,7 @@ class Scheduler:
                 continue
             n = min(n, self._fit(seq, n))
             if n <= 0:
+                self._check_hold(batch)
                 victim = self.running[-1]  # most recently admitted, not yet in this batch
                 self.preempt(victim)
                 batch.preempted.append(victim)
@@ -333,6 +353,7 @@ class Scheduler:
         parked = [s for s in self.running if s.parked]
         if not parked:
             return
+        self._check_hold(batch)
         for seq in parked:
             self.preempt(seq)
             batch.preempted.append(seq)
@@ -528,6 +549,25 @@ class Scheduler:
                 rows.append(i)
         return rows
 
+    def advance(self, batch: ScheduledBatch) -> list[int]:
+        """A launched step's counters (engine/overlap.py), before its forward has run: record
+        its tokens as computed; the rows that sample a token are returned. Publishing waits for
+        the step's result (:meth:`publish`): the last token may not be known yet."""
+        rows = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            seq.num_computed += n
+            if seq.num_computed == len(seq.token_ids) + seq.num_pending:
+                rows.append(i)
+        return rows
+
+    def publish(self, seq: Sequence) -> None:
+        """:meth:`after_forward`'s publishing for one sequence of a step whose forward is done
+        (``seq.num_computed`` its tokens computed then): full pages into the trie, and the
+        pages it announced computing retired."""
+        self.kv.commit(seq)
+        if seq.inflight_keys:
+            self._inflight.retire(seq)
+
     def fail_batch(self, batch: ScheduledBatch) -> None:
         """A forward failed: give back the slots allocated for it (KV of those is garbage)."""
         for seq in batch.seqs:
@@ -538,7 +578,7 @@ class Scheduler:
         the pages themselves are checked by ``SeqKV.check_invariants``)."""
         for s in self.running:
             assert s.status is SeqStatus.RUNNING, s
-            assert 0 <= s.num_computed <= len(s.token_ids), s
+            assert 0 <= s.num_computed <= len(s.token_ids) + s.num_pending, s
             need = pages_for(s.num_computed, self.page_size)
             assert len(s.page_table) == need, (s, need)
             assert s.num_shared_pages <= len(s.page_table), s
@@ -547,4 +587,5 @@ class Scheduler:
         for s in self.waiting:
             assert s.status is SeqStatus.WAITING, s
             assert not s.page_table and s.locked_node is None and not s.inflight_keys, s
+            assert not s.num_pending, s  # (overlap.py preempts nothing while a step is in flight)
         self._inflight.check(self.running)

@@ -53,6 +53,21 @@ class SeqInput(NamedTuple):
     lora_slot: int = 0
 
 
+class PreparedStep(NamedTuple):
+    """A forward's inputs built on the host (:meth:`ModelRunner.build`): the attention layout,
+    the flat token ids and positions, the largest position, tokens per sequence, each
+    sequence's LoRA slot (None: no adapter is loaded) and the cascade schedule, if any."""
+
+    layout: BatchLayout
+    ids: list[int]
+    positions: list[int]
+    max_position: int
+    num_new: list[int]
+    lora_slots: list[int] | None
+    cascade: CascadeSchedule | None
+    cascade_rows: Sequence[int] | None
+
+
 class ModelRunner:
     """Runs ``model`` on batches of :class:`SeqInput` with ``kv_pool`` as its KV cache.
 
@@ -193,7 +208,21 @@ class ModelRunner:
         cascade_rows: Sequence[int] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, int, AttentionBackend]:
         """Token ids and positions ``[T]`` on the device, the largest position, and the
-        attention backend planned for the batch."""
+        attention backend planned for the batch (:meth:`build` then :meth:`place`)."""
+        step = self.build(seqs, cascade, cascade_rows)
+        ids_t, pos_t, attn = self.place(step)
+        return ids_t, pos_t, step.max_position, attn
+
+    def build(
+        self,
+        seqs: Sequence[SeqInput],
+        cascade: CascadeSchedule | None = None,
+        cascade_rows: Sequence[int] | None = None,
+    ) -> PreparedStep:
+        """The pure-data half of a forward's preparation (no device work, no backend state
+        touched): the batch layout, flat token ids and positions. The engine's overlap
+        (engine/overlap.py) builds step N+1 this way while step N's forward runs, and
+        :meth:`place` it on the device thread just before its forward."""
         if not seqs:
             raise ValueError("ModelRunner.forward: empty batch")
         if self.check_inputs:
@@ -208,14 +237,34 @@ class ModelRunner:
             for s in seqs:
                 ids.extend(map(int, s.new_token_ids))
                 positions.extend(range(s.num_past, s.num_past + len(s.new_token_ids)))
+        lora_slots = [s.lora_slot for s in seqs] if self.loras.adapters else None
+        return PreparedStep(
+            layout, ids, positions, max(positions), num_new, lora_slots, cascade, cascade_rows
+        )
+
+    def place(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
+        """The device half: ``step``'s token ids and positions as tensors on the device, the
+        LoRA rows set and the attention backend planned (backends hold their plan, so this
+        runs in forward order, right before the forward that reads it)."""
         dev = self.device
-        ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        if self.loras.adapters:
-            self.loras.set_rows([s.lora_slot for s in seqs], layout.num_new, dev)
-        attn = self.attn if cascade is None else self._cascade_attn(cascade, cascade_rows)
-        attn.plan(layout)
-        return ids_t, pos_t, max(positions), attn
+        ids_t = torch.tensor(step.ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos_t = torch.tensor(step.positions, dtype=torch.int64).to(dev, non_blocking=True)
+        if step.lora_slots is not None:
+            self.loras.set_rows(step.lora_slots, step.layout.num_new, dev)
+        cascade = step.cascade
+        attn = self.attn if cascade is None else self._cascade_attn(cascade, step.cascade_rows)
+        attn.plan(step.layout)
+        return ids_t, pos_t, attn
+
+    @torch.inference_mode()
+    def forward_placed(
+        self, step: PreparedStep, ids_t: torch.Tensor, pos_t: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """:meth:`forward` of a step already built and placed (``ids_t`` may have been
+        completed on the device since: engine/overlap.py fills in tokens sampled by the
+        previous step): the last-token logits ``[len(seqs), vocab]``."""
+        idx_t = self._last_rows(step.num_new)
+        return self.model(ids_t, pos_t, attn, idx_t, max_position=step.max_position)
 
     def _last_rows(self, num_new: Sequence[int]) -> torch.Tensor:
         """Row of each sequence's last new token in the flattened batch ``[len(num_new)]``."""

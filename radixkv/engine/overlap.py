@@ -1,0 +1,205 @@
+"""Overlap: the host schedules and prepares step N+1 while the device runs step N.
+
+A step's forward runs on a :class:`DeviceWorker`, one thread that executes launched steps
+strictly in launch order (as a CUDA stream does): step N+1's forward starts only after step
+N's has finished, so everything a forward writes (K/V pages) is in place for every later one,
+whatever the host did to its bookkeeping meanwhile. The engine's ``step()`` then reads:
+
+    schedule N+1 -> launch N+1 (build its inputs here; plan attention, forward and pick its
+    tokens on the worker) -> process N (wait for its tokens, publish its pages, accept its
+    tokens: stops, outputs) -> return the outputs
+
+so outputs come one call late, and the host's work hides behind the forward: a step costs
+about max(host, device) instead of their sum (bench/bench_overlap.py measures it).
+
+The lag's rules (Engine._launch / Engine._process_launched):
+
+* At launch, a row that samples a token gets a pending token (``Sequence.num_pending``): its
+  sequence counts one token more than ``token_ids`` holds, the scheduler decodes it in the
+  next step, whose input for that row is 0 on the host and is filled in on the device from
+  this step's sampled ids (``index_copy`` just before the forward). The tokens with K/V
+  (``token_ids[:num_computed]`` at the time the step is scheduled) are always known.
+* A token that is its sequence's last possible one (``max_tokens``, which intake keeps within
+  the context) gets no pending token: the sequence is not scheduled until it is processed.
+* Publishing a step's full pages to the cache (``Scheduler.publish``) and releasing a sequence
+  that finishes happen when the step is processed, against the tokens that step computed
+  (never pages a forward still in flight writes). A sequence that ends while it is in the next
+  step in flight has that row's result discarded. Pages it held may be handed out again at
+  once: only later forwards write them.
+* Preemption is never done while a step is in flight (``Scheduler.hold_preemption``): the
+  engine processes the step in flight first and schedules again.
+* Only steps whose sampling is self-contained on the device overlap: greedy and temperature /
+  top-p / top-k / min-p / seeded sampling. While any live request wants logprobs, prompt
+  logprobs, logit adjustments (penalties, logit bias, min_tokens), guided decoding or beam
+  search, or the engine has speculative decoding, a host or storage KV tier (copies read
+  pages outside the device's order) or hybrid window KV, steps run the sequential way.
+* A forward that raises surfaces when its step is processed: that step's requests end with
+  "error" as in a sequential step; rows of the following step whose sequences failed are void.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from radixkv.engine.params import SamplingParams
+from radixkv.engine.sampler import sample
+from radixkv.model.runner import ModelRunner, PreparedStep
+
+if TYPE_CHECKING:
+    from radixkv.engine.request import RequestGroup
+    from radixkv.engine.request import Sequence as Seq
+    from radixkv.engine.scheduler import ScheduledBatch
+
+
+def overlappable(group: RequestGroup) -> bool:
+    """Whether a request's steps may overlap: nothing in its token choice reads the host's
+    view of its latest tokens or wants more of the logits than the sampled id."""
+    p = group.params
+    return (
+        not p.adjusts_logits
+        and p.guided is None
+        and p.logprobs is None
+        and p.prompt_logprobs is None
+        and not p.logprob_token_ids
+        and not p.beam_width
+    )
+
+
+class Selection(NamedTuple):
+    """How the worker picks a launched step's tokens: the argmax of every row, except the
+    ``rows`` that sample (temperature > 0) with their ``params`` and ``generators``."""
+
+    rows: list[int]
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+
+
+class StepResult(NamedTuple):
+    """A finished forward's sampled ids: ``tokens [B]`` on the device (the next step's inputs
+    are filled from it), ``host`` their copy on the CPU, ready once ``ready`` (a CUDA event;
+    None on a CPU) has completed."""
+
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step handed to the device: its batch, the batch rows that sample, the row of each
+    sequence given a pending token (``Sequence.num_pending``), each row's ``num_computed``
+    once this step is done, and the worker's future result."""
+
+    batch: ScheduledBatch
+    rows: list[int]
+    row_of: dict[Seq, int]
+    upto: list[int]
+    future: Future[StepResult] = field(repr=False)
+
+    def tokens(self) -> list[int]:
+        """The sampled id of each batch row, waiting for the forward; raises what it raised."""
+        result = self.future.result()
+        if result.ready is not None:
+            result.ready.synchronize()
+        return result.host.tolist()
+
+
+class DeviceWorker:
+    """One thread that runs launched steps' device work in launch order: place the inputs
+    (tensors, LoRA rows, the attention plan, which backends hold in themselves), fill in
+    tokens the previous step sampled, run the forward and pick the tokens."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._pool: ThreadPoolExecutor | None = None  # started at the first launch
+
+    def launch(
+        self,
+        step: PreparedStep,
+        fill: tuple[list[int], list[int]],
+        prev: LaunchedStep | None,
+        selection: Selection,
+    ) -> Future[StepResult]:
+        """Queue ``step``; ``fill`` = (positions in its flat ids, rows of ``prev``'s sampled
+        ids) to copy in first."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixkv-device")
+        before = None if prev is None else prev.future
+        return self._pool.submit(self._run, step, fill, before, selection)
+
+    def _run(
+        self,
+        step: PreparedStep,
+        fill: tuple[list[int], list[int]],
+        prev: Future[StepResult] | None,
+        selection: Selection,
+    ) -> StepResult:
+        runner = self.runner
+        dev = runner.device
+        with torch.inference_mode():
+            ids_t, pos_t, attn = runner.place(step)
+            dst, src = fill
+            # (in launch order, prev is done; if it raised, its rows here are void anyway)
+            if dst and prev is not None and prev.exception() is None:
+                sampled = prev.result().tokens
+                ids_t.index_copy_(
+                    0,
+                    torch.tensor(dst, dtype=torch.int64, device=dev),
+                    sampled.index_select(0, torch.tensor(src, dtype=torch.int64, device=dev)),
+                )
+            logits = runner.forward_placed(step, ids_t, pos_t, attn)
+            tokens = logits.argmax(dim=-1)
+            if selection.rows:
+                idx = torch.tensor(selection.rows, dtype=torch.int64, device=dev)
+                drawn = sample(logits.index_select(0, idx), selection.params, selection.generators)
+                tokens.index_copy_(0, idx, torch.tensor(drawn, dtype=torch.int64, device=dev))
+            if dev.type == "cuda":
+                host = tokens.to("cpu", non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                return StepResult(tokens, host, ready)
+            return StepResult(tokens, tokens, None)
+
+    def close(self) -> None:
+        """Stop the thread (after the steps queued). Idempotent."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def fill_positions(batch: ScheduledBatch, prev: LaunchedStep | None) -> tuple[list[int], list[int]]:
+    """For each row of ``batch`` whose input is a pending token: its position in the flat ids
+    and its row in ``prev`` (the step that sampled it)."""
+    dst: list[int] = []
+    src: list[int] = []
+    if prev is None:
+        return dst, src
+    row_of = prev.row_of
+    at = 0
+    for seq, n in zip(batch.seqs, batch.num_new):
+        if seq.num_pending:  # (a decode row: its one new token is the pending one)
+            dst.append(at + n - 1)
+            src.append(row_of[seq])
+        at += n
+    return dst, src
+
+
+def select_tokens(batch: ScheduledBatch, rows: Sequence[int]) -> Selection:
+    """The worker's token choice for the sampling ``rows`` of ``batch``."""
+    srows: list[int] = []
+    params: list[SamplingParams] = []
+    gens: list[torch.Generator | None] = []
+    seqs = batch.seqs
+    for i in rows:
+        seq = seqs[i]
+        p = seq.params
+        if p.temperature > 0.0:
+            srows.append(i)
+            params.append(p)
+            gens.append(seq.generator)
+    return Selection(srows, params, gens)
