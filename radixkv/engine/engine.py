@@ -477,13 +477,15 @@ class Engine:
         """Build ``batch``'s inputs here and queue its device work (overlap.py); advance its
         counters and give each row that samples a pending token (none to a sequence's last
         possible token, so it is not scheduled again before it is processed)."""
+        prev = self._in_flight
+        slot = 0 if prev is None else 1 - prev.slot  # the step in flight keeps its plan
         try:
             cascade, rows = self._plan_cascade(batch)
             step = self.runner.build(batch.model_inputs(), cascade, rows)
+            attn = self.runner.plan(step, slot)
         except Exception as e:
             self._fail_batch(batch, e)
             raise
-        prev = self._in_flight
         fill = fill_positions(batch, prev)
         sampling = self.scheduler.advance(batch)
         seqs = batch.seqs
@@ -493,9 +495,9 @@ class Engine:
             if seq.num_output_tokens + seq.num_pending + 1 < seq.params.max_tokens:
                 seq.num_pending += 1
                 row_of[seq] = i
-        future = self._device.launch(step, fill, prev, select_tokens(batch, sampling))
+        future = self._device.launch(step, attn, fill, prev, select_tokens(batch, sampling))
         upto = [s.num_computed for s in seqs]
-        return LaunchedStep(batch, sampling, row_of, upto, future)
+        return LaunchedStep(batch, sampling, row_of, upto, slot, future)
 
     def _process_launched(self, launched: LaunchedStep) -> None:
         """A launched step's results: wait for its tokens, then for each sequence still live

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from radixkv.attention.base import AttentionBackend
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.sampler import sample
 from radixkv.model.runner import ModelRunner, PreparedStep
@@ -93,12 +94,13 @@ class StepResult(NamedTuple):
 class LaunchedStep:
     """A step handed to the device: its batch, the batch rows that sample, the row of each
     sequence given a pending token (``Sequence.num_pending``), each row's ``num_computed``
-    once this step is done, and the worker's future result."""
+    once this step is done, its plan slot and the worker's future result."""
 
     batch: ScheduledBatch
     rows: list[int]
     row_of: dict[Seq, int]
     upto: list[int]
+    slot: int  # the runner's plan slot its attention plan is in (ModelRunner.plan)
     future: Future[StepResult] = field(repr=False)
 
     def tokens(self) -> list[int]:
@@ -111,8 +113,9 @@ class LaunchedStep:
 
 class DeviceWorker:
     """One thread that runs launched steps' device work in launch order: place the inputs
-    (tensors, LoRA rows, the attention plan, which backends hold in themselves), fill in
-    tokens the previous step sampled, run the forward and pick the tokens."""
+    (tensors, LoRA rows), fill in tokens the previous step sampled, run the forward over the
+    attention backend the host planned (in a plan slot of its own: the step in flight keeps
+    the other) and pick the tokens."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -121,20 +124,22 @@ class DeviceWorker:
     def launch(
         self,
         step: PreparedStep,
+        attn: AttentionBackend,
         fill: tuple[list[int], list[int]],
         prev: LaunchedStep | None,
         selection: Selection,
     ) -> Future[StepResult]:
-        """Queue ``step``; ``fill`` = (positions in its flat ids, rows of ``prev``'s sampled
-        ids) to copy in first."""
+        """Queue ``step`` (``attn``: planned for it); ``fill`` = (positions in its flat ids,
+        rows of ``prev``'s sampled ids) to copy in first."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixkv-device")
         before = None if prev is None else prev.future
-        return self._pool.submit(self._run, step, fill, before, selection)
+        return self._pool.submit(self._run, step, attn, fill, before, selection)
 
     def _run(
         self,
         step: PreparedStep,
+        attn: AttentionBackend,
         fill: tuple[list[int], list[int]],
         prev: Future[StepResult] | None,
         selection: Selection,
@@ -142,7 +147,7 @@ class DeviceWorker:
         runner = self.runner
         dev = runner.device
         with torch.inference_mode():
-            ids_t, pos_t, attn = runner.place(step)
+            ids_t, pos_t = runner.inputs(step)
             dst, src = fill
             # (in launch order, prev is done; if it raised, its rows here are void anyway)
             if dst and prev is not None and prev.exception() is None:

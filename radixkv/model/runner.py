@@ -111,9 +111,24 @@ class ModelRunner:
         self.config = cfg
         self.kv_pool = kv_pool
         self.device = kv_pool.device
-        self.attn: AttentionBackend = get_backend(
-            backend,
-            kv_pool,
+        self._backend = backend
+        self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
+        self.attn: AttentionBackend = self._new_backend()
+        # created on the first cascade step: the backend a cascade step runs, and the cascade
+        # backend in it (the same object, or with hybrid window KV its full layers' part)
+        self._cascade: AttentionBackend | None = None
+        self._cascade_inner: CascadeDecodeBackend | None = None
+        # plan slots past 0 (:meth:`plan`): another runner's worth of attention backends each
+        self._spares: list[ModelRunner] = []
+        # LoRA adapters attached to the model (radixkv/model/lora.py); SeqInput.lora_slot
+        # picks one per sequence
+        self.loras = LoRASet.of(model)  # shared by the runners of one model
+
+    def _new_backend(self) -> AttentionBackend:
+        cfg = self.config
+        attn = get_backend(
+            self._backend,
+            self.kv_pool,
             num_qo_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
@@ -121,15 +136,8 @@ class ModelRunner:
             layer_windows=cfg.layer_windows,  # sliding windows (Mistral, Gemma 2/3, ...)
             softcap=cfg.attn_logit_softcapping,  # Gemma 2's; None elsewhere
         )
-        self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
-        self.attn.check_layouts = self.check_inputs  # the backend validates each layout
-        # created on the first cascade step: the backend a cascade step runs, and the cascade
-        # backend in it (the same object, or with hybrid window KV its full layers' part)
-        self._cascade: AttentionBackend | None = None
-        self._cascade_inner: CascadeDecodeBackend | None = None
-        # LoRA adapters attached to the model (radixkv/model/lora.py); SeqInput.lora_slot
-        # picks one per sequence
-        self.loras = LoRASet.of(model)  # shared by the runners of one model
+        attn.check_layouts = self.check_inputs  # the backend validates each layout
+        return attn
 
     @property
     def backend_name(self) -> str:
@@ -243,18 +251,38 @@ class ModelRunner:
         )
 
     def place(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
-        """The device half: ``step``'s token ids and positions as tensors on the device, the
-        LoRA rows set and the attention backend planned (backends hold their plan, so this
-        runs in forward order, right before the forward that reads it)."""
+        """The device half: :meth:`inputs` and :meth:`plan` (slot 0)."""
+        ids_t, pos_t = self.inputs(step)
+        return ids_t, pos_t, self.plan(step)
+
+    def inputs(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step``'s token ids and positions as tensors on the device, with the model's LoRA
+        rows set for it (model state: call it in forward order, before the forward)."""
         dev = self.device
         ids_t = torch.tensor(step.ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(step.positions, dtype=torch.int64).to(dev, non_blocking=True)
         if step.lora_slots is not None:
             self.loras.set_rows(step.lora_slots, step.layout.num_new, dev)
+        return ids_t, pos_t
+
+    def plan(self, step: PreparedStep, slot: int = 0) -> AttentionBackend:
+        """The attention backend of plan slot ``slot`` planned for ``step``. A backend holds
+        its plan until the next one, so a slot must not be planned again before the forward
+        that reads it has run; with two slots, the engine's overlap (engine/overlap.py) plans
+        step N+1 here while step N's forward runs on the other."""
+        if slot:
+            while len(self._spares) < slot:
+                spare = object.__new__(ModelRunner)  # the same runner, its own backends
+                spare.__dict__.update(self.__dict__)
+                spare.attn = self._new_backend()
+                spare._cascade = spare._cascade_inner = None
+                spare._spares = []
+                self._spares.append(spare)
+            return self._spares[slot - 1].plan(step)
         cascade = step.cascade
         attn = self.attn if cascade is None else self._cascade_attn(cascade, step.cascade_rows)
         attn.plan(step.layout)
-        return ids_t, pos_t, attn
+        return attn
 
     @torch.inference_mode()
     def forward_placed(
