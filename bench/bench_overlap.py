@@ -1,14 +1,15 @@
 """Overlap (engine/overlap.py): does a step cost max(host, device) instead of their sum?
 
-A random Llama so small that its forward is negligible (hidden 64, one layer; radixkv-tiny's
-byte tokenizer) decodes B requests (``ignore_eos``, a ``max_tokens`` never reached while
-measured) on a stand-in device (radixkv/model/stand_in.py) whose forward lasts ``d``
-seconds (max(d, the model's own time): asleep for the rest, which releases the
-GIL as a GPU leaves the host free). Per point, on fresh engines (decoding sequences grow, and
+A random Llama (hidden 64, one layer; radixkv-tiny's byte tokenizer) is served to B decoding
+requests (``ignore_eos``, a ``max_tokens`` never reached while measured) on a stand-in device
+(radixkv/model/stand_in.py, ``compute=False``) whose forward computes nothing and lasts ``d``
+seconds asleep, which releases the GIL and the core as a GPU leaves the host free: the device
+time is exactly ``d`` and the host's work (schedule, inputs, attention plan, token acceptance,
+outputs) is all that runs on the CPU. Per point, on fresh engines (decoding sequences grow, and
 the costs with them): the host's own time per step (``cpu``: overlap off, no device time, the
 model's forward excluded), then with d = 0.5, 1, 1.5 and 2 times it, the step time with
 overlap off and on, interleaved round by round (the machine is shared: each number is the
-median over rounds of the median step). Done when "on" is within
+median over rounds of the mean step). Done when "on" is within
 10% of max(cpu, d). The same run times radixkv-tiny's real CPU forward (no stand-in) off and
 on, which decides ``overlap="auto"`` on a CPU.
 
@@ -57,9 +58,12 @@ def micro_model() -> LoadedModel:
     return LoadedModel(model.eval(), cfg, tiny_tokenizer(), "micro-llama")
 
 
-def decoding_engine(model: LoadedModel | str, batch: int, overlap: str, **kw: Any) -> Engine:
+def decoding_engine(
+    model: LoadedModel | str, batch: int, overlap: str, *, compute: bool = False, **kw: Any
+) -> Engine:
     """An engine with ``batch`` requests admitted and decoding (shared 64-token prefix plus
-    8..23 tokens of their own), the stand-in device wrapped around its model."""
+    8..23 tokens of their own), the stand-in device wrapped around its model (``compute``:
+    the model computes too; else the device's time is the stand-in's alone)."""
     eng = Engine(
         model,
         page_size=16,
@@ -68,7 +72,7 @@ def decoding_engine(model: LoadedModel | str, batch: int, overlap: str, **kw: An
         num_pages=batch * 24 + 64,
         **kw,
     )
-    eng.runner.model = StandInDevice(eng.runner.model, 0.0)
+    eng.runner.model = StandInDevice(eng.runner.model, 0.0, compute=compute)
     system = list(range(5, 69))
     params = SamplingParams(max_tokens=4_000, ignore_eos=True)
     for i in range(batch):
@@ -78,14 +82,17 @@ def decoding_engine(model: LoadedModel | str, batch: int, overlap: str, **kw: An
     return eng
 
 
-def step_time(eng: Engine, steps: int) -> float:
-    """The median wall time of ``steps`` steady steps (seconds)."""
-    times = []
+def step_time(eng: Engine, steps: int) -> tuple[float, float]:
+    """The mean wall time of ``steps`` steady steps (seconds; with overlap a step's own call
+    is not its period: one call waits for the device, the next may not) and the device's
+    mean time per step as it really took (a sleep may end late on a busy machine)."""
+    model = eng.runner.model
+    assert isinstance(model, StandInDevice)
+    b0 = model.busy_seconds
+    t = time.perf_counter()
     for _ in range(steps):
-        t = time.perf_counter()
         eng.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return (time.perf_counter() - t) / steps, (model.busy_seconds - b0) / steps
 
 
 def host_and_forward(eng: Engine, steps: int) -> tuple[float, float]:
@@ -100,8 +107,8 @@ def host_and_forward(eng: Engine, steps: int) -> tuple[float, float]:
         eng.step()
         whole.append(time.perf_counter() - t)
         fwd.append(model.model_seconds - f0)
-    f = statistics.median(fwd)
-    return statistics.median(whole) - f, f
+    f = statistics.fmean(fwd)
+    return statistics.fmean(whole) - f, f
 
 
 def set_device_time(eng: Engine, seconds: float) -> None:
@@ -123,25 +130,29 @@ def run_batch(model: LoadedModel, batch: int, steps: int, rounds: int) -> dict[s
         d = max(f * cpu, fwd)
         set_device_time(off, d)
         set_device_time(on, d)
-        t_off, t_on = [], []
+        t_off: list[tuple[float, float]] = []
+        t_on: list[tuple[float, float]] = []
         for r in range(rounds):  # interleaved, alternating which goes first
             pair = ((off, t_off), (on, t_on)) if r % 2 == 0 else ((on, t_on), (off, t_off))
             for eng, out in pair:
                 out.append(step_time(eng, steps))
         off.close()
         on.close()
-        m_off, m_on = statistics.median(t_off), statistics.median(t_on)
-        target = max(cpu, d)
+        m_off = statistics.median(t for t, _ in t_off)
+        m_on = statistics.median(t for t, _ in t_on)
+        real = statistics.median(b for _, b in t_on)  # the on engine's device time, as taken
+        target = max(cpu, real)
         rows.append(
             dict(
                 factor=f,
                 cpu_ms=cpu * 1e3,
                 forward_ms=fwd * 1e3,
                 device_ms=d * 1e3,
+                device_taken_ms=real * 1e3,
                 off_ms=m_off * 1e3,
                 on_ms=m_on * 1e3,
                 max_ms=target * 1e3,
-                sum_ms=(cpu + d) * 1e3,
+                sum_ms=(cpu + real) * 1e3,
                 on_over_max=m_on / target,
             )
         )
@@ -152,13 +163,14 @@ def run_real(batch: int, steps: int, rounds: int) -> dict[str, Any]:
     """radixkv-tiny's real CPU forward (every core), no stand-in: overlap off vs on."""
     torch.set_num_threads(torch.get_num_threads())
     lm = load_model("radixkv-tiny")
-    off = decoding_engine(lm, batch, "off")
-    on = decoding_engine(lm, batch, "on")
-    t_off, t_on = [], []
+    off = decoding_engine(lm, batch, "off", compute=True)
+    on = decoding_engine(lm, batch, "on", compute=True)
+    t_off: list[float] = []
+    t_on: list[float] = []
     for r in range(rounds):
         pair = ((off, t_off), (on, t_on)) if r % 2 == 0 else ((on, t_on), (off, t_off))
         for eng, out in pair:
-            out.append(step_time(eng, steps))
+            out.append(step_time(eng, steps)[0])
     off.close()
     on.close()
     return dict(
@@ -184,11 +196,14 @@ def main() -> None:
         for b in args.batch:
             res = run_batch(model, b, args.steps, args.rounds)
             report["stand_in"].append(res)
-            print(f"decode B={b} (ms per step; device = max(d, the model's own forward)):")
-            print("  cpu   | fwd  | device | cpu+device | off    | on     | max(cpu,dev) | on/max")
+            print(
+                f"decode B={b} (ms per step; d: the stand-in's set time, device: the time its "
+                "forwards took in the overlapped engine):"
+            )
+            print("  cpu   | d     | device | cpu+device | off    | on     | max(cpu,dev) | on/max")
             for r in res["rows"]:
                 print(
-                    f"  {r['cpu_ms']:5.2f} | {r['forward_ms']:4.2f} | {r['device_ms']:6.2f} | "
+                    f"  {r['cpu_ms']:5.2f} | {r['device_ms']:5.2f} | {r['device_taken_ms']:6.2f} | "
                     f"{r['sum_ms']:10.2f} | {r['off_ms']:6.2f} | {r['on_ms']:6.2f} | "
                     f"{r['max_ms']:12.2f} | {r['on_over_max']:.3f}"
                 )

@@ -26,7 +26,9 @@ recorded and the others still run):
   clean; a file storage tier across an engine restart (outputs equal, prefix from storage);
   ``dtype="auto"`` gives bf16 on the GPU for the float32 tiny checkpoint;
 * ``sampling``, ``prompt_logprobs``, ``speculative``, ``lora``, ``moe`` (a mixture-of-experts
-  model): those engine features on the GPU (each function's docstring says what it compares).
+  model), ``overlap`` (the next step scheduled while the device runs this one: outputs and
+  locks with overlap on vs off, and the decode step time of both): those engine features on
+  the GPU (each function's docstring says what it compares).
 
 Results: ``$OUT/gpu_check.json`` and a short table ``$OUT/gpu_check.md`` (``bench/results/``
 when OUT is unset). The attention shapes it runs are :func:`kernel_variants`; bench/gpu_kit.py
@@ -665,6 +667,84 @@ def check_speculative(device: str = DEV) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _overlap_run(eng: Any, prompts: list[list[int]], params: list[Any]) -> list[Any]:
+    """Every prompt to completion, invariants after every step (a step in flight included)."""
+    ids = [eng.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
+    done: dict[str, Any] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        eng.check_invariants()
+    return [done[i] for i in ids]
+
+
+def check_overlap(device: str = DEV, batch: int = 64, steps: int = 40) -> dict[str, Any]:
+    """Overlap (engine/overlap.py) on the device: ``overlap="auto"`` is on there; greedy
+    outputs (stop ids, max_tokens, EOS) and seeded sampled ones with overlap on against off
+    (bf16 GEMMs may round differently for another batch composition, and the lag keeps a row
+    that just finished in the next step: near-ties may flip, so the check asks for the
+    outputs' common prefixes to cover 95% of the tokens, and reports whether all are
+    identical), locks drained; then the steady decode step time at ``batch`` rows, off vs on
+    (radixkv-tiny, its default backend: FlashInfer on a GPU with the kit; the last step's
+    forward, in flight when the clock stops, is not counted: at most 1/steps of it)."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.params import SamplingParams
+
+    rng = random.Random(0)
+    system = [rng.randrange(3, 250) for _ in range(40)]
+    prompts = [system + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 60))]
+               for _ in range(48)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + i % 40, stop_token_ids=[i % 200 + 3])
+        if i % 3 else
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=i, max_tokens=32)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    kw: dict[str, Any] = dict(device=device, dtype=TINY_DTYPE, num_pages=2048, page_size=16)
+    outs, engines = {}, {}
+    for mode in ("off", "auto" if device == "cuda" else "on"):
+        eng = Engine("radixkv-tiny", overlap=mode, **kw)
+        engines[mode] = eng
+        outs[mode] = [o.outputs[0] for o in _overlap_run(eng, prompts, params)]
+    on_mode = "auto" if device == "cuda" else "on"
+    auto_on = engines[on_mode].overlap
+    toks = {m: [c.token_ids for c in v] for m, v in outs.items()}
+    common, total = _agreeing_tokens(toks[on_mode], toks["off"])
+    identical = [(c.token_ids, c.finish_reason) for c in outs[on_mode]] == [
+        (c.token_ids, c.finish_reason) for c in outs["off"]
+    ]
+    locks = {m: _drained_locks(e) for m, e in engines.items()}
+    for e in engines.values():
+        e.close()
+    # steady decode: batch rows, ignore_eos, timed after warmup
+    times = {}
+    for mode in ("off", on_mode):
+        eng = Engine("radixkv-tiny", overlap=mode, max_running_requests=batch, **kw)
+        steady = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(system + [3 + (i * 7 + j) % 250 for j in range(8 + i % 16)], steady)
+        for _ in range(8):
+            eng.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        times[mode] = (time.perf_counter() - t) / steps * 1e3
+        while eng.has_unfinished():
+            eng.step()
+        eng.close()
+    return {
+        "auto_on": auto_on, "identical_outputs": identical,
+        "common_prefix_fraction": common / total, "locks_left": locks,
+        f"decode_b{batch}_off_ms": round(times["off"], 3),
+        f"decode_b{batch}_on_ms": round(times[on_mode], 3),
+        "on_over_off": round(times[on_mode] / times["off"], 3),
+        "ok": auto_on and common >= 0.95 * total and not any(locks.values()),
+    }  # fmt: skip
+
+
 def check_lora(device: str = DEV) -> dict[str, Any]:
     """LoRA adapters on the GPU: one forward of a batch mixing the base model and two random
     adapters (radixkv-tiny, bf16, FlashInfer) against the same forward on the torch backend,
@@ -833,6 +913,12 @@ def _table(result: dict[str, Any]) -> str:
             f"| speculative | 1 | {int(not spec['ok'])} | steps {spec['steps_spec']} vs "
             f"{spec['steps_plain']}, common prefix {spec['common_prefix_fraction']:.3f} |"
         )
+    ov = result.get("overlap", {})
+    if "on_over_off" in ov:
+        lines.append(
+            f"| overlap | 1 | {int(not ov['ok'])} | identical {ov['identical_outputs']}, "
+            f"common prefix {ov['common_prefix_fraction']:.3f}, step on/off {ov['on_over_off']} |"
+        )
     tiny = result.get("tiny_model", {})
     if "max_abs_diff" in tiny:
         lines.append(f"| tiny_model | 1 | {int(not tiny['ok'])} | {tiny['max_abs_diff']:.2e} |")
@@ -914,11 +1000,12 @@ def main() -> int:
         _section(result, "speculative", check_speculative)
         _section(result, "lora", check_lora)
         _section(result, "moe", check_moe)
+        _section(result, "overlap", check_overlap)
         _section(result, "timings", time_paged)
         _section(result, "cascade_timing", lambda: [time_cascade(p) for p in (4096, 32768)])
     sections = (
         "paged", "cascade", "window", "tiny_model", "engine_tiers", "sampling", "prompt_logprobs",
-        "speculative", "lora", "moe", "timings", "cascade_timing",
+        "speculative", "lora", "moe", "overlap", "timings", "cascade_timing",
     )  # fmt: skip
     result["ok"] = "error" not in result and all(
         _rows_ok(result.get(s, {"ok": False})) for s in sections

@@ -9,20 +9,30 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 
 class StandInDevice:
     """Wraps a model (``ModelRunner.model``): each forward (``__call__`` or ``trunk``) runs the
     model, then sleeps whatever is left of ``seconds``, so a forward takes
     max(``seconds``, the model's own time), as a device's kernels take their time whatever
     the host does. Everything else is the model's. ``model_seconds`` adds up the wall time of
-    the model's own forwards (the sleep excluded)."""
+    the model's own forwards (the sleep excluded), ``busy_seconds`` that of the whole forwards
+    (a sleeping thread may wake late on a busy machine: this is the device time it really
+    took).
 
-    def __init__(self, model: Any, seconds: float) -> None:
+    ``compute=False`` (benchmarks of the host's cost alone): ``__call__`` computes nothing (no
+    K/V is written) and returns logits whose argmax is each row's input id plus one, so the
+    device's time is exactly ``seconds`` and none of it holds the GIL or a core."""
+
+    def __init__(self, model: Any, seconds: float, *, compute: bool = True) -> None:
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds!r}")
         self.model = model
         self.seconds = seconds
+        self.compute = compute
         self.model_seconds = 0.0
+        self.busy_seconds = 0.0
 
     def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
@@ -33,9 +43,23 @@ class StandInDevice:
             self.model_seconds += took
             if took < self.seconds:
                 time.sleep(self.seconds - took)
+            self.busy_seconds += time.perf_counter() - t
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self.model, *args, **kwargs)
+        return self._timed(self.model if self.compute else self._no_compute, *args, **kwargs)
+
+    def _no_compute(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: Any,
+        logits_indices: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        ids = input_ids if logits_indices is None else input_ids.index_select(0, logits_indices)
+        vocab = self.model.config.vocab_size
+        logits = torch.zeros(ids.shape[0], vocab, dtype=torch.float32, device=ids.device)
+        return logits.scatter_(1, ((ids + 1) % vocab)[:, None], 1.0)
 
     def trunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(self.model.trunk, *args, **kwargs)
