@@ -362,3 +362,33 @@ def test_auto_is_off_on_a_cpu_and_tiers_fall_back(lm: Any) -> None:
     tiered.close()
     spec = Engine(lm, page_size=4, num_pages=64, overlap="on", num_speculative_tokens=2)
     assert not spec.overlap
+
+
+def test_lora_rows_identical_and_loading_waits_for_the_step(lm: Any, tmp_path: Any) -> None:
+    """Adapters' rows run in the same overlapped batches as the base model's; attaching an
+    adapter first finishes the step in flight (its forward reads the model's adapters)."""
+    from radixkv.model.lora import save_random_adapter
+
+    path = save_random_adapter(lm.config, tmp_path / "a", seed=1, rank=4)
+    prompts = _prompts(8, 8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = {}
+    for mode in ("off", "on"):
+        eng = _engine(lm, mode)
+        eng.load_lora("a", path)
+        names = [None if i % 2 else "a" for i in range(len(prompts))]
+        outs[mode] = eng.generate(prompts, params, use_tqdm=False, lora=names)
+        eng.check_invariants()
+        if mode == "on":
+            eng.add_request(prompts[0], params)
+            eng.step()
+            eng.step()
+            assert eng._in_flight is not None
+            eng.attach_lora(eng.loras.read("b", path))
+            assert eng._in_flight is None
+            eng.close()
+    assert [_key(o) for o in outs["on"]] == [_key(o) for o in outs["off"]]
+    # the adapter changes the outputs: its rows really ran with it
+    assert _key(outs["on"][0]) != _key(
+        _engine(lm, "off").generate([prompts[0]], params, use_tqdm=False)[0]
+    )

@@ -204,7 +204,7 @@ class AsyncEngine:
         adapter = await asyncio.to_thread(self.engine.loras.read, name, path)
 
         def attach() -> LoRAInfo:
-            info = self.engine.loras.attach(adapter)
+            info = self.engine.attach_lora(adapter)
             self._loras = tuple(self.engine.list_loras())
             return info
 

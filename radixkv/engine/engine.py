@@ -82,6 +82,7 @@ from radixkv.kv.kv_pool import KVPool, parse_kv_cache_dtype
 from radixkv.model.config import ModelConfig
 from radixkv.model.fingerprint import model_fingerprint
 from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.lora import LoRAAdapter
 from radixkv.model.runner import ModelRunner
 from radixkv.model.tokenizer import Tokenizer, encode_chat
 from radixkv.model.weight_update import StagedWeights, WeightSource, apply_weights, stage_weights
@@ -1318,8 +1319,14 @@ class Engine:
         ``lora=name``, in the same batches as the base model's and other adapters'. Its KV is
         cached apart (engine/lora.py). ValueError (the file and problem) when it cannot be
         read or does not fit the model, or the name is taken; nothing changes then."""
-        self._sync(raise_errors=False)  # the adapters a forward in flight reads stay put
-        return self.loras.load(name, path)
+        return self.attach_lora(self.loras.read(name, path))
+
+    def attach_lora(self, adapter: LoRAAdapter) -> LoRAInfo:
+        """:meth:`load_lora`'s second half, an adapter already read (``loras.read``: AsyncEngine
+        reads the files off its loop), after the step in flight, whose forward reads the
+        model's adapters, has finished."""
+        self._sync(raise_errors=False)
+        return self.loras.attach(adapter)
 
     def unload_lora(self, name: str) -> LoRAInfo:
         """Detach the adapter ``name`` and drop its unlocked cache entries. ValueError when no
