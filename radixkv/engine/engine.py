@@ -20,7 +20,9 @@ shared prefix once per group, cascade_planner.py) -> computed full pages are pub
 radix cache -> one token is sampled per sequence that reached its end (sampler.py) -> tokens are
 appended, stops detected, finished sequences released (their prompt + output pages stay
 cached, so the next chat turn, another sample or another user with the same system prompt skips
-recomputing them).
+recomputing them). With overlap (``EngineConfig.overlap``, overlap.py) the forward and token
+choice run on a device worker while the host schedules and prepares the next step, and a
+step's results are processed by the next ``step()`` call.
 """
 
 from __future__ import annotations
