@@ -83,8 +83,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
         if self.use_rope:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        loads = attn.kv_pool.loads  # host-tier loads landing layer by layer (layer_loads.py)
-        if loads.pending:  # this layer's pages must have landed before attention reads them
-            loads.wait(self.layer_idx)
+        # host-tier loads landing layer by layer (layer_loads.py): this layer's pages must have
+        # landed before attention reads them. A backend without a pool (training's, in
+        # tools/train_tiny.py) has nothing landing.
+        pool = getattr(attn, "kv_pool", None)
+        if pool is not None and pool.loads.pending:
+            pool.loads.wait(self.layer_idx)
         o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
