@@ -385,9 +385,16 @@ class Engine:
             self.scheduler.unschedule_failed_loads(batch, failed)
         self._record_schedule(batch)
         if not batch.seqs:
+            if failed:
+                return self.drain()
+            if self.seq_kv.copies_in_flight:
+                # host-tier backups lock their pages until retired: with nothing running,
+                # they may be all that keeps the queue's head out; wait, then admit next step
+                self.seq_kv.wait_copies()
+                return self.drain()
             # requests waiting for their storage prefetch: wait a little for it (nothing else
             # to run), else the queue's head cannot be admitted at all
-            if not failed and (self.storage is None or not self.storage.wait_prefetch()):
+            if self.storage is None or not self.storage.wait_prefetch():
                 self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()

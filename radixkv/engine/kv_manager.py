@@ -447,6 +447,11 @@ class SeqKV:
         if self.tiered:
             self.cache.poll()
 
+    @property
+    def copies_in_flight(self) -> int:
+        """Host-tier copies still running (each locks its nodes' pages until it is retired)."""
+        return self.cache.copies_in_flight if self.tiered else 0
+
     def wait_copies(self) -> None:
         """Wait for every host-tier copy in flight and retire it (before the copier stops);
         no-op without a host tier."""
