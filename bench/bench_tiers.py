@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -119,6 +120,155 @@ def run(lm: LoadedModel, args: argparse.Namespace, configs: dict[str, dict[str, 
     first = next(iter(history.values()))
     assert all(h == first for h in history.values()), "configurations answered differently"
     return results
+
+
+# ---------------------------------------------------------------------- layer-wise load
+def deep_model(num_layers: int, seed: int = 0) -> LoadedModel:
+    """A random Llama of radixkv-tiny's vocabulary with ``num_layers`` small layers (hidden
+    256, 4 heads, 2 KV heads of 64): deep enough that loading layer by layer can overlap, each
+    layer's forward cheap enough that a long hit's prefill runs in milliseconds here."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from radixkv.model.llama import LlamaForCausalLM
+    from radixkv.model.tiny import tiny_config, tiny_tokenizer
+
+    cfg = dataclasses.replace(
+        tiny_config(),
+        num_layers=num_layers,
+        hidden_size=256,
+        intermediate_size=768,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+    model = LlamaForCausalLM(cfg, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
+    model.eval()
+    return LoadedModel(model, cfg, tiny_tokenizer(), f"random-llama-{num_layers}-layers")
+
+
+def simulate_transfer(copier: Any, page_layer_s: float) -> None:
+    """Make ``copier`` (the engine's KVCopier, CPU) take ``page_layer_s`` per page per layer on
+    top of its copies, as a PCIe transfer would: a sleep (which releases the GIL, as a DMA
+    wait does) after each layer's copy, which both load modes run layer by layer on the
+    copier's thread (all at once only differs in when the forward may start). Backups are
+    left as they are (nothing waits for them here)."""
+    copy_layer = copier._copy_layer
+
+    def slow_layer(layer: int, s: Any, d: Any) -> None:
+        copy_layer(layer, s, d)
+        time.sleep(len(s) * page_layer_s)
+
+    copier._copy_layer = slow_layer
+
+
+def layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """A long host hit's prefill with the load layer by layer vs all at once, side by side.
+
+    One engine per mode (same model, page size, pools) computes a ``--hit``-token prefix once;
+    each repeat moves it to the host tier (device eviction under write_through keeps the host
+    copy), then times a request with that prefix and a new ``--question``-token suffix
+    (max_tokens 1: TTFT is the load plus the prefill of the suffix). The modes run
+    interleaved, repeat by repeat. Transfer time is simulated per page per layer
+    (``--page-layer-us``) and, in a second pass, the CPU copier runs as it is (memcpy).
+    Reference rows: the same request as a device hit (no load) and the copy alone."""
+    import torch
+
+    torch.set_num_threads(1)  # a shared 2-core machine: one intra-op thread, and the copier's
+    lm = deep_model(args.layers)
+    rng = random.Random(args.seed)
+    ps = args.page_size
+    hit_pages = args.hit // ps
+    num_pages = 2 * pages_for(args.hit + args.question + 8, ps) + 8
+    mc = lm.config
+    page = KVPool.page_bytes(mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out: dict[str, Any] = {
+        "model": lm.name,
+        "layers": args.layers,
+        "hit_tokens": hit_pages * ps,
+        "hit_pages": hit_pages,
+        "question_tokens": args.question,
+        "page_bytes": page,
+        "repeats": args.repeats,
+        "load_average_at_start": os.getloadavg()[0],  # a shared machine: how busy it was
+    }
+    for label, page_layer_us in (("simulated", args.page_layer_us), ("memcpy", 0.0)):
+        engines = {}
+        for mode, on in (("all_at_once", "off"), ("layerwise", "on")):
+            eng = Engine(
+                lm,
+                page_size=ps,
+                num_pages=num_pages,
+                host_cache_memory=4 * num_pages * page,
+                host_layerwise_load=on,
+            )
+            if page_layer_us:
+                simulate_transfer(eng.copier, page_layer_us * 1e-6)
+            engines[mode] = eng
+        times: dict[str, list[float]] = {m: [] for m in (*engines, "device_hit")}
+        answers: dict[str, list[list[int]]] = {m: [] for m in engines}
+        prefix = [rng.randrange(10, 256) for _ in range(hit_pages * ps)]
+        for eng in engines.values():
+            eng.generate([[*prefix, 7]], params, use_tqdm=False)  # computes the prefix
+        for r in range(args.repeats + 1):  # the first round warms up, uncounted
+            question = [rng.randrange(10, 256) for _ in range(args.question)]
+            for mode, eng in engines.items():
+                cache = eng.cache
+                cache.wait_all()  # the backups have landed: the prefix is in both tiers
+                cache.evict(cache.num_evictable_pages)  # ... and now in the host tier only
+                assert cache.peek_prefix(prefix) == 0
+                assert cache.peek_prefix(prefix, host=True) == hit_pages * ps
+                o = eng.generate([prefix + question], params, use_tqdm=False)[0]
+                st = eng.stats()
+                assert st.load_back_failures == 0
+                if r:
+                    times[mode].append(o.metrics.ttft)
+                    answers[mode].append(list(o.outputs[0].token_ids))
+                if mode == "layerwise":  # another question after the prefix: a device hit
+                    other = [rng.randrange(10, 256) for _ in range(args.question)]
+                    o = eng.generate([prefix + other], params, use_tqdm=False)[0]
+                    if r:
+                        times["device_hit"].append(o.metrics.ttft)
+        assert answers["layerwise"] == answers["all_at_once"], "layer-wise load changed outputs"
+        for eng in engines.values():
+            eng.cache.wait_all()
+            eng.check_invariants()
+            eng.close()
+        med = {m: 1e3 * float(np.median(v)) for m, v in times.items()}
+        best = {m: 1e3 * float(np.min(v)) for m, v in times.items()}  # least disturbed
+        copy_ms = 1e-3 * page_layer_us * hit_pages * args.layers
+        row = {
+            "page_layer_us": page_layer_us,
+            "simulated_copy_ms": copy_ms,
+            "simulated_slowest_layer_ms": copy_ms / args.layers,
+            # medians of the repeats, then the best (least disturbed) of each
+            "ttft_all_at_once_ms": med["all_at_once"],
+            "ttft_layerwise_ms": med["layerwise"],
+            "ttft_device_hit_ms": med["device_hit"],
+            "speedup": med["all_at_once"] / med["layerwise"],
+            # what the load adds to a device hit's prefill, each way
+            "load_cost_all_at_once_ms": med["all_at_once"] - med["device_hit"],
+            "load_cost_layerwise_ms": med["layerwise"] - med["device_hit"],
+            "best_ttft_all_at_once_ms": best["all_at_once"],
+            "best_ttft_layerwise_ms": best["layerwise"],
+            "best_ttft_device_hit_ms": best["device_hit"],
+            "best_speedup": best["all_at_once"] / best["layerwise"],
+            "ttft_ms_all": {m: [1e3 * t for t in v] for m, v in times.items()},
+        }
+        out[label] = row
+        print(f"{label}: {json.dumps({k: v for k, v in row.items() if k != 'ttft_ms_all'})}")
+    out["load_average_at_end"] = os.getloadavg()[0]
+    return out
 
 
 # ---------------------------------------------------------------------- storage tier
@@ -382,8 +532,18 @@ def main() -> None:
     ap.add_argument("--out", default="bench_tiers.json", help="file name under bench/results")
     ap.add_argument("--quick", action="store_true", help="8 x 3, 256-token system prompt")
     ap.add_argument("--storage", action="store_true", help="the storage tier (see above)")
+    ap.add_argument("--layerwise", action="store_true", help="layer-wise load (see above)")
+    ap.add_argument("--layers", type=int, default=16, help="--layerwise: the model's layers")
+    ap.add_argument("--hit", type=int, default=4096, help="--layerwise: host hit tokens")
+    ap.add_argument("--question", type=int, default=128, help="--layerwise: tokens after it")
+    ap.add_argument(
+        "--page-layer-us",
+        type=float,
+        default=20.0,
+        help="--layerwise: simulated transfer time of one page's layer (K and V)",
+    )
     ap.add_argument("--restart-prefix", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="(--layerwise: 15 by default)")
     args = ap.parse_args()
     if args.storage and not args.quick:
         args.convs = 16  # five fleet configurations: keep the whole run to minutes
@@ -392,6 +552,16 @@ def main() -> None:
         args.restart_prefix, args.repeats = 1024, 1
     if args.storage:
         storage_main(args)
+        return
+    if args.layerwise:
+        if args.repeats == ap.get_default("repeats"):
+            args.repeats = 15  # cheap repeats (the prefix is computed once), a noisy machine
+        if args.quick:
+            args.hit, args.layers, args.repeats = 1024, 8, 2
+        res = layerwise_bench(args)
+        if not args.quick:
+            res.update(machine=platform.platform(), date=utc_now())
+            write_json(results_path("bench_tiers_layerwise"), res)
         return
     lm = load_model("radixkv-tiny")
     per_conv = args.turns * (args.user + args.answer)

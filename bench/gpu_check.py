@@ -23,7 +23,9 @@ recorded and the others still run):
   kit's kernels run): multi-turn chats whose working set is 4x a small device pool, with the
   host tier (CUDA side-stream copies, pinned host memory) against an unbounded device pool:
   the same hit rate and token-identical greedy outputs, host loads seen, invariants and locks
-  clean; a file storage tier across an engine restart (outputs equal, prefix from storage);
+  clean, and the same outputs with host loads layer by layer (per-layer events) and all at
+  once (``host_layerwise_load`` "on" vs "off"); a file storage tier across an engine restart
+  (outputs equal, prefix from storage);
   ``dtype="auto"`` gives bf16 on the GPU for the float32 tiny checkpoint;
 * ``sampling``, ``prompt_logprobs``, ``speculative``, ``lora``, ``moe`` (a mixture-of-experts
   model), ``overlap`` (the next step scheduled while the device runs this one: outputs and
@@ -831,8 +833,23 @@ def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[s
 
     working_set = (512 + 16 * 3 * (64 + 16)) // 16  # pages
     unbounded, ref = run(Engine("radixkv-tiny", num_pages=4 * working_set, **base))
-    tiered, stats = run(
-        Engine("radixkv-tiny", num_pages=working_set // 4, host_cache_memory=64 << 20, **base)
+    tiered, stats = run(  # host loads layer by layer (per-layer CUDA events)
+        Engine(
+            "radixkv-tiny",
+            num_pages=working_set // 4,
+            host_cache_memory=64 << 20,
+            host_layerwise_load="on",
+            **base,
+        )
+    )
+    whole, _ = run(  # host loads all at once: the same outputs as layer by layer (default)
+        Engine(
+            "radixkv-tiny",
+            num_pages=working_set // 4,
+            host_cache_memory=64 << 20,
+            host_layerwise_load="off",
+            **base,
+        )
     )
     same = sum(a == b for a, b in zip(unbounded, tiered))
     n = len(unbounded)
@@ -848,11 +865,12 @@ def check_engine_tiers(device: str = DEV, backend: str = "flashinfer") -> dict[s
         "requests": n, "identical_outputs": f"{same}/{n}",
         "hit_rate_unbounded": ref["hit_rate"], "hit_rate_tiered": stats["hit_rate"],
         "host_hit_tokens": stats["host_hit_tokens"], "load_back_pages": stats["load_back_pages"],
+        "layerwise_equals_all_at_once": whole == tiered,
         "storage_hit_tokens": storage_hits,
         "storage_outputs_equal": list(cold.outputs[0].token_ids) == list(warm.outputs[0].token_ids),
         "auto_dtype": str(auto.kv_pool.dtype), "auto_backend": auto.backend_choice.name,
         "ok": same == n and abs(ref["hit_rate"] - stats["hit_rate"]) < 1e-9
-        and stats["host_hit_tokens"] > 0 and stats["locked_pages"] == 0
+        and stats["host_hit_tokens"] > 0 and stats["locked_pages"] == 0 and whole == tiered
         and storage_hits >= 512 - 16
         and list(cold.outputs[0].token_ids) == list(warm.outputs[0].token_ids)
         and auto.kv_pool.dtype == torch.bfloat16,

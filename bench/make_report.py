@@ -160,6 +160,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "per token vs recompute; a missed lookup's round trip (the prefetch threshold).",
     ),
     (
+        "bench_tiers_layerwise",
+        "Host KV tier: a long host hit loaded layer by layer vs all at once",
+        "`bench/bench_tiers.py --layerwise`: a 4,096-token prefix in the host tier only, then a "
+        "request with it and a new suffix (TTFT = load + prefill of the suffix), a random "
+        "16-layer Llama; the load layer by layer (each layer of the forward waits for its own "
+        "pages) vs all at once before the forward, interleaved repeat by repeat, with a copier "
+        "that sleeps a simulated transfer time per page per layer and with the CPU copier as "
+        "it is (memcpy); a device hit of the same prefix for reference.",
+    ),
+    (
         "bench_model",
         "Model forward",
         "`bench/bench_model.py`: the paged model forward on its own.",

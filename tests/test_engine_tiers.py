@@ -219,3 +219,35 @@ def test_serve_flags_and_metrics(tiny: LoadedModel) -> None:
     for series in ("prefix_cache_host_hits_tokens_total", "host_load_back_pages_total"):
         assert values[f"{PREFIX}_{series}"] > 0, series
     assert f"{PREFIX}_host_kv_pages_total" in values
+
+
+class _SlowBackup:
+    """A backup handle that finishes only when waited for: poll() never retires it."""
+
+    def __init__(self, handle: object) -> None:
+        self.handle = handle
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        self.handle.wait()  # type: ignore[attr-defined]
+
+
+def test_backups_in_flight_do_not_fail_the_queue_head(tiny: LoadedModel) -> None:
+    """Backups lock their nodes until retired. When they are all that keeps the queue's head
+    out (nothing running), the engine waits for them and admits it: it must not end the
+    request with "cannot be admitted" (a race: it happened whenever the copier thread lagged)."""
+    prompts = [[(7 * i + 3 * j) % 190 + 5 for i in range(100)] for j in range(3)]  # 25 pages
+    ref = Engine(tiny, page_size=4, num_pages=40).generate(prompts, GREEDY, use_tqdm=False)
+    eng = Engine(tiny, page_size=4, num_pages=40, host_cache_memory=HOST_BYTES)
+    to_host = eng.copier.to_host
+    eng.copier.to_host = lambda pairs: _SlowBackup(to_host(pairs))  # type: ignore[method-assign]
+    outs = []
+    for p in prompts:  # one at a time: the previous request's backup holds 25 of 40 pages
+        outs += eng.generate([p], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert eng.stats().backup_pages > 0
+    eng.cache.wait_all()
+    eng.check_invariants()

@@ -4,6 +4,7 @@ driving them (a RadixCache with a host tier over real K/V tensors)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,13 +52,14 @@ def test_host_budget_too_small_or_invalid_is_a_clear_error(budget: object) -> No
         HostKVPool(L, 1, PS, H, D, torch.int32)
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "inline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_is_exact(background: bool, dtype: torch.dtype) -> None:
+def test_round_trip_is_exact(background: bool, dtype: torch.dtype, layerwise: bool) -> None:
     """device page -> host page -> another device page: bit-identical, every layer, K and V."""
     kv = make_kv(dtype=dtype)
     host = HostKVPool.like(kv, 4)
-    with KVCopier(kv, host, background=background) as copier:
+    with KVCopier(kv, host, background=background, layerwise=layerwise) as copier:
         want_k = kv.k[:, [1, 5]].clone()
         want_v = kv.v[:, [1, 5]].clone()
         copier.to_host([(1, 3), (5, 0)]).wait()
@@ -70,38 +72,55 @@ def test_round_trip_is_exact(background: bool, dtype: torch.dtype) -> None:
         assert torch.equal(kv.k[:, 1], want_k[:, 0])  # the source is untouched
 
 
-def test_copies_run_in_order_on_the_thread() -> None:
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
+def test_copies_run_in_order_on_the_thread(layerwise: bool) -> None:
     """One worker: a load issued after a backup reads what the backup wrote."""
     kv = make_kv()
     host = HostKVPool.like(kv, 2)
-    with KVCopier(kv, host) as copier:
+    with KVCopier(kv, host, layerwise=layerwise) as copier:
         want = kv.k[:, 4].clone()
         copier.to_host([(4, 1)])
         copier.to_device([(1, 7)]).wait()
         assert torch.equal(kv.k[:, 7], want)
 
 
-def test_bad_pairs_raise_at_issue_and_copy_errors_at_wait() -> None:
+def _break_loads(copier: KVCopier, fn: Callable[..., None]) -> None:
+    """Make ``copier``'s loads run ``fn`` instead of copying: the whole copy, or with
+    layer-wise loads each layer's."""
+    if copier.layerwise:
+        copier._copy_layer = fn  # type: ignore[method-assign]
+    else:
+        copier._cpu_to_device = fn  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
+def test_bad_pairs_raise_at_issue_and_copy_errors_at_wait(layerwise: bool) -> None:
     kv = make_kv()
     host = HostKVPool.like(kv, 2)
-    with KVCopier(kv, host) as copier:
+    with KVCopier(kv, host, layerwise=layerwise) as copier:
         for bad in ([(0, 2)], [(8, 0)], [(-1, 0)], [(0, 1), (1, 1)], [(True, 0)]):
             with pytest.raises(ValueError):
                 copier.to_host(bad)
+            with pytest.raises(ValueError):
+                copier.to_device([(2, 0)] if bad == [(0, 2)] else bad)
         gate = threading.Event()
 
-        def broken(src: list[int], dst: list[int]) -> None:
+        def broken(*args: object) -> None:
             gate.wait(5)
             raise RuntimeError("DMA error")
 
-        copier._cpu_to_device = broken  # type: ignore[method-assign]
+        _break_loads(copier, broken)
         h = copier.to_device([(0, 0)])
         assert not h.done()
+        assert len(kv.loads) == int(layerwise)  # a layer-wise load waits to be read
         gate.set()
+        if layerwise:  # a failed layer never blocks a reader: wait() says it failed
+            for layer in range(L):
+                h.wait_layer(layer)  # type: ignore[attr-defined]
         for _ in range(2):  # every wait re-raises
             with pytest.raises(RuntimeError, match="DMA error"):
                 h.wait()
-        assert h.done()
+        assert h.done() and not kv.loads
     inline = KVCopier(kv, host, background=False)
     inline._cpu_to_host = broken  # type: ignore[method-assign]
     h = inline.to_host([(0, 0)])
@@ -118,12 +137,13 @@ def test_copier_checks_its_pools() -> None:
         KVCopier(HostKVPool.like(kv, 2), HostKVPool.like(kv, 2))  # type: ignore[arg-type]
 
 
-def test_cache_with_a_real_host_tier_loads_back_exact_kv() -> None:
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
+def test_cache_with_a_real_host_tier_loads_back_exact_kv(layerwise: bool) -> None:
     """The engine's flow over real tensors: write KV, insert (backed up), evict (demoted),
     match (host continuation), load back into other pages, compare the data."""
     kv = KVPool(L, 6, PS, H, D)
     host = HostKVPool.like(kv, 8)
-    with KVCopier(kv, host) as copier:
+    with KVCopier(kv, host, layerwise=layerwise) as copier:
         cache = TieredRadixCache(
             PagePool(kv.num_pages), page_size=PS, host_pool=PagePool(host.num_pages), copier=copier
         )
@@ -150,10 +170,11 @@ def test_cache_with_a_real_host_tier_loads_back_exact_kv() -> None:
         assert cache.stats.loaded_pages == 3 and cache.stats.backup_pages == 3
 
 
-def test_cache_turns_a_failing_copier_into_a_miss() -> None:
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-at-once", "layerwise"])
+def test_cache_turns_a_failing_copier_into_a_miss(layerwise: bool) -> None:
     kv = KVPool(L, 4, PS, H, D)
     host = HostKVPool.like(kv, 4)
-    with KVCopier(kv, host) as copier:
+    with KVCopier(kv, host, layerwise=layerwise) as copier:
         cache = TieredRadixCache(
             PagePool(kv.num_pages), page_size=PS, host_pool=PagePool(host.num_pages), copier=copier
         )
@@ -162,14 +183,14 @@ def test_cache_turns_a_failing_copier_into_a_miss() -> None:
         cache.wait_all()
         cache.evict(2)
 
-        def broken(src: list[int], dst: list[int]) -> None:
+        def broken(*args: object) -> None:
             raise RuntimeError("DMA error")
 
-        copier._cpu_to_device = broken  # type: ignore[method-assign]
+        _break_loads(copier, broken)
         lb = cache.load_back(cache.match_prefix(tokens))
         cache.lock(lb.node)
-        assert lb.num_loaded_tokens == 2 * PS
-        assert not cache.wait_load(lb)
+        assert lb.num_loaded_tokens == 2 * PS and lb.layered == layerwise
+        assert not cache.wait_load(lb) and not kv.loads
         cache.unlock(lb.node)
         cache.check_invariants()
         assert cache.pool.num_free == kv.num_pages and cache.num_locked_pages == 0

@@ -33,6 +33,7 @@ __all__ = [
     "CopyHandle",
     "HostObserver",
     "HostRun",
+    "LayeredCopyHandle",
     "LoadBack",
     "TierState",
     "check_tier_args",
@@ -93,6 +94,26 @@ class CopyHandle(Protocol):
     def done(self) -> bool: ...
 
     def wait(self) -> None: ...
+
+
+@runtime_checkable
+class LayeredCopyHandle(CopyHandle, Protocol):
+    """A load (``Copier.to_device``) that lands layer by layer, layer 0 first.
+
+    ``wait_layer(layer)`` returns once every page of the copy holds its data in layer
+    ``layer`` (K and V), or once the copy has failed: it never raises, so a reader that went
+    on reads garbage in the failed copy's pages only, and learns of the failure from
+    ``wait()`` (which raises, as for any CopyHandle). On a GPU it may instead order the
+    calling thread's current stream after that layer's transfer (no host wait). Like
+    ``wait()`` it is called from the thread that runs the forward.
+
+    The cache treats such a load like any other (``wait_load`` waits for all of it); the
+    engine lets its forward start before the load has landed, each layer waiting for its own
+    pages (radixkv.kv.layer_loads.LayerLoads), then calls ``wait_load`` before it uses the
+    forward's results, and redoes the step without the sequences whose load failed.
+    """
+
+    def wait_layer(self, layer: int) -> None: ...
 
 
 @runtime_checkable
@@ -162,7 +183,9 @@ class LoadBack:
     copy and returns False if it failed (the loaded nodes are then back in the host tier only,
     their device pages free again: treat the request as a miss and match again). A copy that
     failed when issued leaves ``error`` set and ``pages`` covering the device prefix only, which
-    can be read (``wait_load`` returns True).
+    can be read (``wait_load`` returns True). A ``layered`` load may instead be read layer by
+    layer as it lands (LayeredCopyHandle.wait_layer before each layer), but ``wait_load`` must
+    still be called before anything computed from those reads is used.
     """
 
     __slots__ = (
@@ -195,6 +218,12 @@ class LoadBack:
         self.handle = handle
         self.error = error
         self._copy = copy
+
+    @property
+    def layered(self) -> bool:
+        """Whether the copy lands layer by layer (its handle is a LayeredCopyHandle): a forward
+        may then start before it has landed, each layer waiting for its own pages."""
+        return self.handle is not None and hasattr(self.handle, "wait_layer")
 
     def __repr__(self) -> str:
         return (

@@ -59,6 +59,9 @@ KEYWORD_ALIASES: dict[str, str] = {
     "context_length": "max_model_len",  # SGLang
 }
 
+# EngineConfig.host_layerwise_load ("auto": "off" for now, as measured; see the field)
+LAYERWISE_LOAD_MODES = ("auto", "on", "off")
+
 # EngineConfig.window_kv: how sliding-window layers keep K/V (radixkv/cache/window_slots.py)
 WINDOW_KV_MODES = ("auto", "hybrid", "full")
 
@@ -159,6 +162,21 @@ class EngineConfig:
     write_through_threshold: int = field(
         default=1,
         metadata=_cli("hits before write_through_selective backs a prefix up to the host tier"),
+    )
+    # a host hit copied back layer by layer, each layer of the forward waiting only for its own
+    # pages (radixkv/kv/layer_loads.py). "auto" is off for now on every device, as measured
+    # (bench/bench_tiers.py --layerwise, docs/tuning.md): on a CPU pool the copy is a memcpy
+    # that competes with the forward for the cores (no gain, at worst slower, where none is
+    # free); on CUDA the per-layer path (two transfers per page and layer, issued from Python)
+    # awaits bench/gpu_check_tiers.py on a GPU. With DMA-like transfers (simulated) it pays.
+    host_layerwise_load: str = field(
+        default="auto",
+        metadata=_cli(
+            "copy host-tier hits back layer by layer while the forward runs, each layer "
+            "waiting only for its own pages (on), or all at once before it (off); auto: off "
+            "for now on every device (docs/tuning.md)",
+            choices=LAYERWISE_LOAD_MODES,
+        ),
     )
     # off by default: a storage tier is for prefixes that must outlive the process or be shared
     # by a fleet (docs/cache_design.md "Storage tier", docs/tuning.md "Storage tier")
@@ -439,6 +457,7 @@ class EngineConfig:
                 _pos_int(name, value)
         _one_of("write_policy", self.write_policy, WRITE_POLICIES)
         _pos_int("write_through_threshold", self.write_through_threshold)
+        _one_of("host_layerwise_load", self.host_layerwise_load, LAYERWISE_LOAD_MODES)
         if self.kv_storage is not None and (
             not isinstance(self.kv_storage, str) or not self.kv_storage.strip()
         ):

@@ -557,9 +557,16 @@ class Engine:
             self.scheduler.unschedule_failed_loads(batch, failed)
         self._record_schedule(batch)
         if not batch.seqs:
+            if failed:
+                return self.drain()
+            if self.seq_kv.copies_in_flight:
+                # host-tier backups lock their pages until retired: with nothing running,
+                # they may be all that keeps the queue's head out; wait, then admit next step
+                self.seq_kv.wait_copies()
+                return self.drain()
             # requests waiting for their storage prefetch: wait a little for it (nothing else
             # to run), else the queue's head cannot be admitted at all
-            if not failed and (self.storage is None or not self.storage.wait_prefetch()):
+            if self.storage is None or not self.storage.wait_prefetch():
                 self._fail_unschedulable()
             return self.drain()
         t1 = time.perf_counter()
@@ -573,6 +580,8 @@ class Engine:
         past = [batch.seqs[i].num_computed for i in owing]
         # logits [B, vocab] fp32; hidden [num_new, hidden] of the owing rows, then the drafted
         logits, hidden = self._forward(batch, owing, drafts)
+        if self.seq_kv.landing and self._landing_failed(batch, drafts):
+            return self.drain()
         t2 = time.perf_counter()
         owed_failed: list[tuple[Seq, Exception]] = []
         if owing:
@@ -831,6 +840,21 @@ class Engine:
                 self.speculator.discard(batch, drafts)
             self._fail_batch(batch, e)
             raise
+
+    def _landing_failed(self, batch: ScheduledBatch, drafts: dict[int, list[int]]) -> bool:
+        """After a forward that read host-tier loads layer by layer as they landed: wait for
+        them; if one failed, its sequences go back to the queue (a miss, as for a load that
+        failed before the forward) and the step is undone for the others (their slots of the
+        step given back, drafts taken out: their forward's results are dropped and the next
+        step computes the same tokens again). True when the step was undone."""
+        failed = self.seq_kv.finish_landing()
+        if not failed:
+            return False
+        if self.speculator is not None:
+            self.speculator.discard(batch, drafts)
+        self.scheduler.unschedule_failed_loads(batch, failed)
+        self.scheduler.fail_batch(batch)  # only gives back the slots past num_computed
+        return True
 
     def _plan_cascade(
         self, batch: ScheduledBatch
@@ -1475,7 +1499,8 @@ class Engine:
             locked_pages=kv.num_locked_pages,
             private_pages=kv.num_private_pages,
             cache=counters if kv.tiered else None,
-            load_back_seconds=kv.load_back_seconds,
+            # waits before the forward, and of layer-wise loads inside it (per layer)
+            load_back_seconds=kv.load_back_seconds + self.kv_pool.loads.waited_seconds,
             storage=None if self.storage is None else self.storage.stats(),
             loras=(len(self.loras.infos()), sorted(run_loras), sorted(wait_loras)),
             window=self.window_slots,
@@ -1591,7 +1616,9 @@ def _host_tier(kv: KVPool, cfg: EngineConfig) -> tuple[HostKVPool | None, KVCopi
         host = HostKVPool.from_memory_budget(budget, kv)
     except ValueError as e:
         raise ValueError(f"host_cache_memory is too small for the host KV tier: {e}") from None
-    return host, KVCopier(kv, host)
+    # "auto" is all at once for now on every device (EngineConfig.host_layerwise_load says why)
+    layerwise = cfg.host_layerwise_load == "on"
+    return host, KVCopier(kv, host, layerwise=layerwise)
 
 
 _DEFAULT_STORAGE_HOST_BYTES = 4 << 30  # host tier with storage and no host_cache_memory: at most

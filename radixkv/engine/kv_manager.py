@@ -62,6 +62,8 @@ class SeqKV:
         # host tier: tokens the last acquire() loaded back, and cumulative load-back wait time
         self.last_loaded_tokens = 0
         self.load_back_seconds = 0.0
+        # sequences whose layer-wise load the next forward reads as it lands (finish_loads)
+        self.landing: list[Sequence] = []
         # storage tier: of the last acquire's loaded tokens, how many a prefetch had brought
         # from storage
         self.last_storage_tokens = 0
@@ -151,18 +153,31 @@ class SeqKV:
             window.pin(pages[seq.window_lo :])
         return hit
 
-    def finish_loads(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+    def finish_loads(self, seqs: Iterable[Sequence], *, layered: bool = False) -> list[Sequence]:
         """Wait for the host-tier loads the sequences started in :meth:`acquire`; call before a
         forward reads their pages. Returns the sequences whose copy failed: their loaded pages
         went back to the pool (the nodes are host-only again), so their page tables are not
         valid past the device prefix (their ``load`` stays set until then, for the record);
         the caller must release them (``insert=False``) and admit them again, which then hits
-        the device prefix only."""
+        the device prefix only.
+
+        A layer-wise load (``LoadBack.layered``) still landing is not waited for here: the
+        forward waits for each layer of it before reading that layer, and the sequence is
+        listed in ``landing``;
+        after the forward, before its results are used, the caller must call
+        :meth:`finish_landing` (when ``landing`` is not empty); ``layered=True`` waits for
+        those too."""
         failed = []
         t = time.perf_counter()
+        if self.landing:  # left by a forward that raised: those loads retire by poll()
+            self.landing = []
         for seq in seqs:
             lb = seq.load
             if lb is None:
+                continue
+            # still landing: the forward waits for it layer by layer (KVPool.loads)
+            if lb.layered and not layered and not lb.handle.done():
+                self.landing.append(seq)
                 continue
             if self.cache.wait_load(lb):
                 seq.load = None
@@ -171,6 +186,15 @@ class SeqKV:
                 failed.append(seq)
         self.load_back_seconds += time.perf_counter() - t
         return failed
+
+    def finish_landing(self) -> list[Sequence]:
+        """After a forward: wait for (and retire) the layer-wise loads of ``landing``, which
+        that forward read layer by layer as they landed. Returns the sequences whose copy
+        failed, as :meth:`finish_loads` does: what the forward computed from their pages is
+        garbage (only theirs: no one else reads a page being loaded), so the caller drops
+        them as after a failed ``finish_loads`` and does not use the step's results for them."""
+        landing, self.landing = self.landing, []
+        return self.finish_loads([s for s in landing if s.load is not None], layered=True)
 
     def max_chunk(self, seq: Sequence) -> int | None:
         """Most tokens one step could ever compute for the sequence: with window slots, as
@@ -422,6 +446,11 @@ class SeqKV:
         without a host tier."""
         if self.tiered:
             self.cache.poll()
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Host-tier copies still running (each locks its nodes' pages until it is retired)."""
+        return self.cache.copies_in_flight if self.tiered else 0
 
     def wait_copies(self) -> None:
         """Wait for every host-tier copy in flight and retire it (before the copier stops);

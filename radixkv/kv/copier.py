@@ -13,10 +13,21 @@ It moves whole pages, every layer, K and V, between the device pool and the host
 
 Pages are checked (ints in range, distinct destinations) when a copy is issued: ValueError
 then, before anything runs. An error while copying is raised by the handle's ``wait()``.
+
+Layer-wise loads (``layerwise=True``; off by default, EngineConfig.host_layerwise_load says
+when it pays; SGLang HiCache's layer-wise load): a load
+(``to_device``) copies layer 0 of every page, then layer 1, and so on, and its handle is a
+radixkv.cache.tiers.LayeredCopyHandle registered in the device pool's ``loads``
+(radixkv/kv/layer_loads.py), so that a forward may start at once and wait, layer by layer,
+only for the layer it is about to read: on the CPU, the background thread counts the layers
+landed (a condition variable the forward waits on); on CUDA, one event per layer is recorded on
+the side stream and the forward's stream waits for it (no host wait). Backups (``to_host``)
+move whole pages as before: nothing waits for them layer by layer.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,6 +37,7 @@ import torch
 from radixkv.cache.tiers import CompletedCopy
 from radixkv.kv.host_pool import HostKVPool
 from radixkv.kv.kv_pool import KVPool, movable
+from radixkv.kv.layer_loads import LayerLoads
 
 __all__ = ["KVCopier"]
 
@@ -66,6 +78,83 @@ class _CudaCopy:
         self._keep = None
 
 
+class _LayeredCopy:
+    """Handle of a layer-wise load on the background thread (a LayeredCopyHandle).
+
+    The thread calls ``landed()`` after each layer, in order, then ``finish(error)`` once
+    (also after a failure, so that no ``wait_layer`` waits for a layer that will never land).
+    ``wait()`` and a ``done()`` that says True take the load off the pool's ``loads``.
+    """
+
+    __slots__ = ("_cond", "_error", "_finished", "_landed", "_loads")
+
+    def __init__(self, loads: LayerLoads) -> None:
+        self._cond = threading.Condition()
+        self._landed = 0  # layers whose pages all hold their data
+        self._finished = False
+        self._error: BaseException | None = None
+        self._loads = loads
+
+    # ---- the copier's thread
+    def landed(self) -> None:
+        with self._cond:
+            self._landed += 1
+            self._cond.notify_all()
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._cond:
+            self._error = error
+            self._finished = True
+            self._cond.notify_all()
+
+    # ---- the caller's thread
+    def wait_layer(self, layer: int) -> None:
+        if self._landed > layer or self._finished:  # plain reads: only ever grow
+            return
+        with self._cond:
+            while self._landed <= layer and not self._finished:
+                self._cond.wait()
+
+    def done(self) -> bool:
+        if self._finished:
+            self._loads.discard(self)
+            return True
+        return False
+
+    def wait(self) -> None:
+        with self._cond:
+            while not self._finished:
+                self._cond.wait()
+        self._loads.discard(self)
+        if self._error is not None:
+            raise self._error
+
+
+class _CudaLayeredCopy:
+    """Handle of a layer-wise load on the side stream: one event per layer, recorded when
+    issued; ``wait_layer`` makes the caller's current stream wait for one (a LayeredCopyHandle)."""
+
+    __slots__ = ("_device", "_events", "_loads")
+
+    def __init__(self, events: list[Any], device: Any, loads: LayerLoads) -> None:
+        self._events = events
+        self._device = device
+        self._loads = loads
+
+    def wait_layer(self, layer: int) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._events[layer])
+
+    def done(self) -> bool:
+        if self._events[-1].query():  # one stream: the last layer's event passes last
+            self._loads.discard(self)
+            return True
+        return False
+
+    def wait(self) -> None:
+        self._events[-1].synchronize()
+        self._loads.discard(self)
+
+
 class KVCopier:
     """Copies pages between ``kv`` (device) and ``host`` for a RadixCache's host tier.
 
@@ -75,17 +164,31 @@ class KVCopier:
         background: CPU pools only: run copies on a background thread (default). False runs
             each copy in the calling thread before returning (a completed handle), which is
             simpler to debug and what a caller that would wait at once anyway wants.
+        layerwise: loads land layer by layer (see the module docstring) and register in
+            ``kv.loads``; False (default): a load is one copy of every layer, waited for as a
+            whole. Without a background thread on a CPU pool loads are done when issued, so
+            this changes nothing there.
     """
 
-    def __init__(self, kv: KVPool, host: HostKVPool, *, background: bool = True) -> None:
+    def __init__(
+        self,
+        kv: KVPool,
+        host: HostKVPool,
+        *,
+        background: bool = True,
+        layerwise: bool = False,
+    ) -> None:
         if not isinstance(kv, KVPool):
             raise TypeError(f"kv must be a KVPool, got {type(kv).__name__}")
         if not isinstance(host, HostKVPool):
             raise TypeError(f"host must be a HostKVPool, got {type(host).__name__}")
         if not host.matches(kv):
             raise ValueError(f"host pages are not shaped like the device pool's: {host} vs {kv}")
+        if not isinstance(layerwise, bool):
+            raise TypeError(f"layerwise must be a bool, got {layerwise!r}")
         self.kv = kv
         self.host = host
+        self.layerwise = layerwise
         # the copies move bytes: fp8 pages through uint8 views (see kv_pool.movable)
         self._dk, self._dv = movable(kv.k), movable(kv.v)
         self._hk, self._hv = movable(host.k), movable(host.v)
@@ -107,7 +210,14 @@ class KVCopier:
         """Copy host page ``h`` to device page ``d`` for each ``(h, d)``; returns a handle."""
         src, dst = self._split(pairs, self.host.num_pages, self.kv.num_pages)
         if self._cuda:
+            if self.layerwise and src:
+                return self._cuda_to_device_layers(src, dst)
             return self._cuda_to_device(src, dst)
+        if self.layerwise and src and self._executor is not None:
+            handle = _LayeredCopy(self.kv.loads)
+            self._executor.submit(self._cpu_to_device_layers, handle, src, dst)
+            self.kv.loads.add(handle)  # after submit: a refused submit issues nothing
+            return handle
         return self._run(self._cpu_to_device, src, dst)
 
     def close(self) -> None:
@@ -132,18 +242,39 @@ class KVCopier:
             return CompletedCopy()
         return _FutureCopy(self._executor.submit(fn, src, dst))
 
+    # Layer by layer, each layer's pages are contiguous blocks on the device side: 2-3x faster
+    # than one copy of every layer through a transposed [L, n, ...] view (2 cores, fp32).
     def _cpu_to_host(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
-        # [L, n, ...] gathered from the device layout, stored page-major
-        self._hk.index_copy_(0, d, self._dk.index_select(1, s).transpose(0, 1))
-        self._hv.index_copy_(0, d, self._dv.index_select(1, s).transpose(0, 1))
+        for layer in range(self.kv.num_layers):  # into the page-major host layout
+            self._hk.select(1, layer).index_copy_(0, d, self._dk[layer].index_select(0, s))
+            self._hv.select(1, layer).index_copy_(0, d, self._dv[layer].index_select(0, s))
 
     def _cpu_to_device(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
-        self._dk.index_copy_(1, d, self._hk.index_select(0, s).transpose(0, 1))
-        self._dv.index_copy_(1, d, self._hv.index_select(0, s).transpose(0, 1))
+        for layer in range(self.kv.num_layers):
+            self._copy_layer(layer, s, d)
+
+    def _cpu_to_device_layers(self, handle: _LayeredCopy, src: list[int], dst: list[int]) -> None:
+        """The background thread's half of a layer-wise load: layer 0 first; tells ``handle``
+        of each layer landed, then that the copy is over (with its error, if it failed)."""
+        error: BaseException | None = None
+        try:
+            s = torch.tensor(src, dtype=torch.long)
+            d = torch.tensor(dst, dtype=torch.long)
+            for layer in range(self.kv.num_layers):
+                self._copy_layer(layer, s, d)
+                handle.landed()
+        except BaseException as e:  # reported by handle.wait(); wait_layer stops waiting
+            error = e
+        handle.finish(error)
+
+    def _copy_layer(self, layer: int, s: torch.Tensor, d: torch.Tensor) -> None:
+        """Copy layer ``layer`` (K and V) of host pages ``s`` to device pages ``d`` (CPU)."""
+        self._dk[layer].index_copy_(0, d, self._hk.select(1, layer).index_select(0, s))
+        self._dv[layer].index_copy_(0, d, self._hv.select(1, layer).index_select(0, s))
 
     # ------------------------------------------------------------------ CUDA (side stream)
     def _cuda_to_host(self, src: list[int], dst: list[int]) -> _CudaCopy:
@@ -178,6 +309,27 @@ class KVCopier:
             event.record(stream)
         return _CudaCopy(event, (d, k, v))
 
+    def _cuda_to_device_layers(self, src: list[int], dst: list[int]) -> _CudaLayeredCopy:
+        """A layer-wise load on the side stream: per layer, each page's K and V of that layer
+        (one contiguous pinned block each) straight into its device page, then an event."""
+        stream = self._stream
+        device = self.kv.device
+        stream.wait_stream(torch.cuda.current_stream(device))  # pages' last readers
+        events = []
+        with torch.cuda.stream(stream):
+            for layer in range(self.kv.num_layers):
+                dk, dv = self._dk[layer], self._dv[layer]
+                hk, hv = self._hk.select(1, layer), self._hv.select(1, layer)
+                for h, d in zip(src, dst):
+                    dk[d].copy_(hk[h], non_blocking=True)
+                    dv[d].copy_(hv[h], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        handle = _CudaLayeredCopy(events, device, self.kv.loads)
+        self.kv.loads.add(handle)
+        return handle
+
     # ------------------------------------------------------------------ checks
     @staticmethod
     def _split(
@@ -203,4 +355,6 @@ class KVCopier:
 
     def __repr__(self) -> str:
         mode = "cuda side stream" if self._cuda else ("thread" if self._executor else "inline")
+        if self.layerwise and (self._cuda or self._executor):
+            mode += ", layer-wise loads"
         return f"KVCopier({self.kv.num_pages} device pages, {self.host.num_pages} host, {mode})"

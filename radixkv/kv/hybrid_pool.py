@@ -21,6 +21,7 @@ import torch
 
 from radixkv.cache.window_slots import NO_SLOT, WindowSlots
 from radixkv.kv.kv_pool import KVPool, check_positive
+from radixkv.kv.layer_loads import LayerLoads
 
 
 def layer_counts(layer_windows: Sequence[int]) -> tuple[int, int]:
@@ -86,6 +87,9 @@ class HybridKVPool:
         self.dtype = window.dtype
         self.compute_dtype = window.compute_dtype
         self.device = window.device
+        # what a forward waits on per layer (KVPool.loads); never fed: hybrid window KV has
+        # no host tier
+        self.loads = LayerLoads()
 
     @classmethod
     def build(

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from radixkv.kv.layer_loads import LayerLoads
 from radixkv.kv.names import KV_CACHE_DTYPE_ATTRS
 from radixkv.pages import pages_for
 
@@ -170,6 +171,9 @@ class KVPool:
     cache and the same prefix recomputed give the same outputs.
 
     Buffers start zeroed, so a gather that pads with unused slots never reads NaN garbage.
+
+    ``loads`` lists the host-tier loads still landing in the pool layer by layer
+    (radixkv/kv/layer_loads.py): a forward waits on it for each layer before reading it.
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class KVPool:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.loads = LayerLoads()  # fed by a layer-wise KVCopier
 
     @property
     def converts(self) -> bool:

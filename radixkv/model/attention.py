@@ -30,7 +30,8 @@ QK_NORM_PLACES = ("head", "projection", "heads")
 
 class Attention(nn.Module):
     """``x [T, hidden]`` -> ``[T, hidden]``; writes layer ``layer_idx``'s K/V through the
-    attention backend (its ``forward``)."""
+    attention backend (its ``forward``), after waiting for that layer of any host-tier load
+    still landing in the pool (``KVPool.loads``: the only place a forward reads the pool)."""
 
     def __init__(
         self,
@@ -82,5 +83,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
         if self.use_rope:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        # host-tier loads landing layer by layer (layer_loads.py): this layer's pages must have
+        # landed before attention reads them. A backend without a pool (training's, in
+        # tools/train_tiny.py) has nothing landing.
+        pool = getattr(attn, "kv_pool", None)
+        if pool is not None and pool.loads.pending:
+            pool.loads.wait(self.layer_idx)
         o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
