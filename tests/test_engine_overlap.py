@@ -302,12 +302,13 @@ def test_failing_forward_ends_its_batch_others_go_on(lm: Any, overlap: str) -> N
 
 
 def test_requests_that_need_the_host_run_sequentially(lm: Any) -> None:
-    """Logprobs, penalties and guided decoding make steps sequential while such a request is
+    """Logprobs, penalties and beam search make steps sequential while such a request is
     live; the others' outputs do not change, and overlap resumes after."""
     prompts = _prompts(7, 8)
     params = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in prompts]
     params[2] = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
     params[5] = SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.3)
+    params[6] = SamplingParams(max_tokens=5, ignore_eos=True, beam_width=2, n=2)
     ref, _ = _drive(_engine(lm, "off"), prompts, params)
     eng = _engine(lm, "on")
     got, _ = _drive(eng, prompts, params)
