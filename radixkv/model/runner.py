@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade_backend import CascadeDecodeBackend
 from radixkv.attention.hybrid import HybridAttention
+from radixkv.attention.page_table_rows import PageTableRows
 from radixkv.attention.registry import get_backend
 from radixkv.attention.torch_backend import TorchAttention
 from radixkv.debug import debug_checks_enabled
@@ -107,6 +109,9 @@ class ModelRunner:
             softcap=cfg.attn_logit_softcapping,  # Gemma 2's; None elsewhere
         )
         self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
+        # the page tables of the last steps as array rows, converted again only where they
+        # changed (a persistent batch: radixkv/attention/page_table_rows.py)
+        self._page_rows = PageTableRows(check=self.check_inputs)
         self.attn.check_layouts = self.check_inputs  # the backend validates each layout
         # created on the first cascade step: the backend a cascade step runs, and the cascade
         # backend in it (the same object, or with hybrid window KV its full layers' part)
@@ -200,7 +205,9 @@ class ModelRunner:
             self._check_inputs(seqs)
         num_new = [len(s.new_token_ids) for s in seqs]
         positions = [s.num_past for s in seqs]
-        layout = BatchLayout.build([s.page_table for s in seqs], positions, num_new)
+        layout = BatchLayout.build(
+            [s.page_table for s in seqs], positions, num_new, rows=self._page_rows
+        )
         if len(num_new) == sum(num_new):  # decode: one token each, at its past length
             ids = [int(s.new_token_ids[0]) for s in seqs]
         else:
@@ -209,8 +216,9 @@ class ModelRunner:
                 ids.extend(map(int, s.new_token_ids))
                 positions.extend(range(s.num_past, s.num_past + len(s.new_token_ids)))
         dev = self.device
-        ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        # through numpy: torch.tensor on a list of Python ints costs several times more
+        ids_t = torch.from_numpy(np.array(ids, dtype=np.int64)).to(dev, non_blocking=True)
+        pos_t = torch.from_numpy(np.array(positions, dtype=np.int64)).to(dev, non_blocking=True)
         if self.loras.adapters:
             self.loras.set_rows([s.lora_slot for s in seqs], layout.num_new, dev)
         attn = self.attn if cascade is None else self._cascade_attn(cascade, cascade_rows)
