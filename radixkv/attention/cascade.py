@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
@@ -513,6 +514,8 @@ class TorchCascadeAttention:
                     seen[r] = True
 
     def _prepare_level(self, lvl: CascadeLevel) -> list[_Chunk]:
+        if lvl.num_segments >= _VECTOR_SEGMENTS:
+            return self._prepare_level_arrays(lvl)
         ps = self.plan.page_size
         qo, kv, last = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_last_page_len
         single: list[tuple[int, int, int]] = []  # (segment, rows, kv_len)
@@ -543,6 +546,95 @@ class TorchCascadeAttention:
             chunks.append(self._make_chunk(lvl, single[start : start + n], tensors))
             start += n
         return chunks
+
+    def _prepare_level_arrays(self, lvl: CascadeLevel) -> list[_Chunk]:
+        """:meth:`_prepare_level` by array ops for a level of many segments (a decode step's
+        per-request level): the same chunks, in the same order, with the same tensors."""
+        ps = self.plan.page_size
+        qo = np.array(lvl.qo_indptr, np.int64)
+        kv = np.array(lvl.kv_indptr, np.int64)
+        last = np.array(lvl.kv_last_page_len, np.int64)
+        rows = qo[1:] - qo[:-1]
+        lens = (kv[1:] - kv[:-1] - 1) * ps + last  # KV tokens of each segment
+        live = last != 0
+        chunks = [
+            self._make_chunk(lvl, [(i, int(rows[i]), int(lens[i]))])
+            for i in np.flatnonzero(live & (rows != 1)).tolist()
+        ]
+        single = np.flatnonzero(live & (rows == 1))
+        if not len(single):
+            return chunks
+        single_lens = lens[single]
+        # longest first (a stable sort, as _prepare_level's) when they need several batches
+        if len(single) * pages_for(int(single_lens.max()), ps) * ps > SINGLE_CHUNK_TOKENS:
+            by_length = np.argsort(-single_lens, kind="stable")
+            single, single_lens = single[by_length], single_lens[by_length]
+        idx = np.array(lvl.kv_indices, np.int64)
+        lens_list = single_lens.tolist()
+        start = 0
+        while start < len(single):
+            width = pages_for(lens_list[start], ps) * ps  # padded tokens per row
+            end = start + max(1, SINGLE_CHUNK_TOKENS // width)
+            if len(single[start:end]) >= _VECTOR_SEGMENTS:
+                chunks.append(
+                    self._single_row_chunk(single[start:end], single_lens[start:end], qo, kv, idx)
+                )
+            else:
+                segs = [(i, 1, n) for i, n in zip(single[start:end].tolist(), lens_list[start:end])]
+                chunks.append(self._make_chunk(lvl, segs))
+            start = end
+        return chunks
+
+    def _single_row_chunk(
+        self, segs: np.ndarray, lens: np.ndarray, qo: np.ndarray, kv: np.ndarray, idx: np.ndarray
+    ) -> _Chunk:
+        """:meth:`_make_chunk` of ``_VECTOR_SEGMENTS`` or more one-row segments ``segs`` (their
+        KV tokens ``lens``) of a level given as arrays (``qo_indptr``, ``kv_indptr``,
+        ``kv_indices``), by array ops."""
+        ps, dev = self.plan.page_size, self.device
+        num = len(segs)
+        kv_len, shortest = int(lens.max()), int(lens.min())
+        start = kv[segs]
+        count = kv[segs + 1] - start
+        splits = self._num_splits(num, int(count.max()), shortest)
+        n_pages = -(-int(count.max()) // splits) * splits  # every part as many pages
+        j = np.arange(n_pages)
+        # each segment's pages, padded with its first page
+        pos = np.where(j < count[:, None], start[:, None] + j, start[:, None])
+        flat = torch.from_numpy(idx[pos.reshape(-1)]).to(dev)
+        firsts = qo[segs]  # each segment's (one) row
+        first_row, last_row = int(firsts[0]), int(qo[segs[-1] + 1])
+        contiguous = bool((firsts == np.arange(first_row, first_row + num)).all())
+        rows = out_rows = None
+        if not contiguous:
+            out_rows = torch.from_numpy(firsts).to(dev)
+            rows = out_rows.view(num, 1)
+        kv_mask = split_mask = None
+        split_len = kv_len if splits == 1 else n_pages // splits * ps
+        if shortest < (kv_len if splits == 1 else n_pages * ps):
+            if kv_len > shortest:
+                m = np.arange(kv_len)[None, :] >= lens[:, None]
+                kv_mask = torch.from_numpy(m).to(dev).view(num, 1, -1)
+            if splits == 1:
+                split_mask = kv_mask
+            else:
+                full = np.arange(n_pages * ps)[None, :] >= lens[:, None]  # [S, L]
+                split_mask = torch.from_numpy(full).to(dev).view(num * splits, 1, split_len)
+        return _Chunk(
+            num_segments=num,
+            group=1,
+            rows=rows,
+            row_valid=None,
+            pages=flat.view(num, n_pages),
+            pages_flat=flat,
+            kv_len=kv_len,
+            kv_mask=kv_mask,
+            out_rows=out_rows,
+            row_range=(first_row, last_row) if contiguous else None,
+            splits=splits,
+            split_len=split_len,
+            split_mask=split_mask,
+        )
 
     def forward(
         self,

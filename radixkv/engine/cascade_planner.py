@@ -537,4 +537,7 @@ class CascadePlanner:
             kv, idx = tuple(kv_l), tuple(idx_l)
             self._last_pages = (shared, tables, n_pages, kv, idx)
         last = tuple([(k - 1) % ps + 1 for k in lens])  # tokens in each row's last page
-        return CascadeLevel(tuple(range(n + 1)), kv, idx, last)
+        qo = tuple(range(n + 1))
+        if self.check_entries:  # (else right by construction: one segment per row)
+            return CascadeLevel(qo, kv, idx, last)
+        return CascadeLevel.unchecked(qo, kv, idx, last)
