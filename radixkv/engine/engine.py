@@ -49,7 +49,7 @@ from radixkv.cache.storage import (
 )
 from radixkv.cache.tiers import WRITE_THROUGH_SELECTIVE
 from radixkv.engine.beam_runner import BeamRunner
-from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
+from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner
 from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.detokenizer import decode_output
 from radixkv.engine.guided import GuideCompiler, mask_logits
@@ -688,17 +688,12 @@ class Engine:
             and self.runner.supports_cascade
             and (whole or self.runner.supports_mixed_cascade)
         ):
-            # one entry per row, built by C-speed maps (a decode step of 256 rows)
-            d = self.cascade_planner.plan(
-                list(
-                    map(
-                        DecodeEntry,
-                        map(_locked_node, decodes),
-                        map(_page_table, decodes),
-                        map((1).__add__, past),
-                        map(_num_shared_pages, decodes),
-                    )
-                )
+            # the entries column by column, read by C-speed maps (a decode step of 256 rows)
+            d = self.cascade_planner.plan_columns(
+                list(map(_locked_node, decodes)),
+                list(map(_page_table, decodes)),
+                list(map((1).__add__, past)),
+                list(map(_num_shared_pages, decodes)),
             )
             if d.use_cascade:
                 decision, read = d, d.kv_tokens_cascade
