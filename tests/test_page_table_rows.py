@@ -134,3 +134,37 @@ def test_torch_plan_from_arrays_reads_the_right_pages(seed: int) -> None:
         if g.first_row >= 0:
             assert g.rows.tolist() == list(range(g.first_row, g.first_row + g.num_seqs))
     assert seen == [i for i in range(b) if new[i] == 1 and past[i] > 0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_small_decode_batches_plan_the_same_groups(seed: int) -> None:
+    """A decode batch of fewer than ROWS_MIN_BATCH sequences is planned from its lists: the
+    same groups (rows, padded pages, masks) as the array ops give."""
+    rng = random.Random(seed)
+    ps = rng.choice([1, 4, 16])
+    pool = KVPool(
+        num_layers=1, num_pages=400, page_size=ps, num_kv_heads=1, head_dim=8,
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    attn = TorchAttention(pool, 2, 1, 8)
+    # a tiny group budget, so that several groups form
+    budget = 2 * ps * 8 * 4 * rng.choice([1, 3, 8])
+    n = rng.randrange(1, ROWS_MIN_BATCH)
+    past = [rng.randrange(1, 12 * ps) for _ in range(n)]
+    tables = [rng.sample(range(400), pages_for(p + 1, ps) + rng.randrange(2)) for p in past]
+    layout = BatchLayout.build(tables, past, [1] * n)
+    with pytest.MonkeyPatch.context() as mp:
+        import radixkv.attention.torch_backend as tb
+
+        mp.setattr(tb, "DECODE_GROUP_BYTES", budget)
+        small = attn._plan_small_decode(layout)
+        a = layout.arrays
+        n_pages = -(-(a.num_past + 1) // ps)
+        pages = np.where(np.arange(a.pages.shape[1]) < n_pages[:, None], a.pages, a.pages[:, :1])
+        big = attn._plan_decode(np.arange(n), pages, n_pages, a.num_past + 1)
+    assert len(small) == len(big)
+    for x, y in zip(small, big, strict=True):
+        assert (x.first_row, x.num_seqs, x.kv_len) == (y.first_row, y.num_seqs, y.kv_len)
+        assert torch.equal(x.rows, y.rows) and torch.equal(x.pages, y.pages)
+        assert (x.mask is None) == (y.mask is None)
+        assert x.mask is None or torch.equal(x.mask, y.mask)

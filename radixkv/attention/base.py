@@ -240,12 +240,21 @@ class AttentionBackend(ABC):
 
     def _plan_slots(self, layout: BatchLayout) -> None:
         """Record the step's write slots (ragged batch order) on the pool's device: array ops
-        over the layout's :attr:`~BatchLayout.arrays`, no pass over its page tables."""
+        over the layout's :attr:`~BatchLayout.arrays` (a Python pass for a few decodes)."""
         ps = self.kv_pool.page_size
+        num_tokens = layout.num_tokens
+        n = len(layout.num_new)
+        if num_tokens == n < ROWS_MIN_BATCH:  # a few decodes: a Python pass costs less
+            slots = torch.tensor(
+                [pt[p // ps] * ps + p % ps for pt, p in zip(layout.page_tables, layout.num_past)],
+                dtype=torch.int64,
+            )
+            self._num_tokens = num_tokens
+            self._slots = slots.to(self.kv_pool.device, non_blocking=True)
+            return
         a = layout.arrays
         past, new = a.num_past, a.num_new
-        num_tokens = layout.num_tokens
-        if num_tokens == len(new):  # decode: one slot each, at its past length
+        if num_tokens == n:  # decode: one slot each, at its past length
             slots = a.pages[np.arange(len(new)), past // ps] * ps + past % ps
         else:  # token t of sequence i sits at position past[i] + t
             rows = np.repeat(np.arange(len(new)), new)

@@ -41,7 +41,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention.base import AttentionBackend, BatchLayout, outgrown_windows
+from radixkv.attention.base import (
+    ROWS_MIN_BATCH,
+    AttentionBackend,
+    BatchLayout,
+    outgrown_windows,
+)
 from radixkv.attention.matmul_attention import causal_matmul_attention, pays
 from radixkv.attention.page_table_rows import pad_rows
 from radixkv.attention.paged_ops import (
@@ -152,6 +157,15 @@ class TorchAttention(AttentionBackend):
         if self.check_layouts:
             layout.validate(ps, pool.num_pages)
         self._plan_slots(layout)
+        n = len(layout.num_new)
+        if n < ROWS_MIN_BATCH and layout.num_tokens == n and min(layout.num_past) > 0:
+            self._prefills = []
+            self._groups = self._plan_small_decode(layout)
+            self._windowed = {
+                w: self._plan_window(layout, w, [])
+                for w in outgrown_windows(self.windows, layout.longest)
+            }
+            return
         a = layout.arrays
         past, new = a.num_past, a.num_new
         total = past + new
@@ -249,19 +263,9 @@ class TorchAttention(AttentionBackend):
             chunks.append((a, b, mask))
         return _Prefill(start, start + new, past, pt_cpu.to(dev), chunks)
 
-    def _plan_decode(
-        self,
-        rows: np.ndarray,
-        pages: np.ndarray,
-        n_pages: np.ndarray,
-        kv_lens: np.ndarray,
-        skipped: np.ndarray | None = None,
-    ) -> list[_DecodeGroup]:
-        """Groups of decode sequences, per sequence ``s``: its token's row ``rows[s]`` in the
-        batch, its pages ``pages[s, :n_pages[s]]`` (``pages [D, W]``), ``kv_lens[s]`` tokens
-        from the first page's first slot, of which the first ``skipped[s]`` are masked (before
-        a sliding window; None: none). Columns of ``pages`` past a row's ``n_pages`` must
-        repeat its first page (a valid page: the key mask hides it)."""
+    def _group_bounds(self, counts: list[int]) -> list[tuple[int, int]]:
+        """Decode groups as ranges ``[i, k)`` of sequences with ``counts`` pages each: a group's
+        gathered pages stay under DECODE_GROUP_BYTES (but it holds at least one sequence)."""
         pool = self.kv_pool
         page_bytes = 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
         page_bytes *= pool.compute_dtype.itemsize  # what a group's gathered pages take
@@ -274,11 +278,8 @@ class TorchAttention(AttentionBackend):
         # other thread reads half of it from across the chip: on 2 cores, a 2,144-token bf16
         # sequence with 4 kv heads took 918 us to gather and attend alone, 342 us in pairs.
         threads = torch.get_num_threads() if pool.device.type == "cpu" else 1
-        counts = n_pages.tolist()
-        lens = kv_lens.tolist()
         num = len(counts)
-        dev = pool.device
-        groups: list[_DecodeGroup] = []
+        bounds: list[tuple[int, int]] = []
         i = 0
         while i < num:
             j, biggest = i + 1, counts[i]
@@ -293,7 +294,29 @@ class TorchAttention(AttentionBackend):
                 n = min(threads, num - i)
             else:
                 n -= n % threads
-            k = i + n
+            bounds.append((i, i + n))
+            i += n
+        return bounds
+
+    def _plan_decode(
+        self,
+        rows: np.ndarray,
+        pages: np.ndarray,
+        n_pages: np.ndarray,
+        kv_lens: np.ndarray,
+        skipped: np.ndarray | None = None,
+    ) -> list[_DecodeGroup]:
+        """Groups of decode sequences, per sequence ``s``: its token's row ``rows[s]`` in the
+        batch, its pages ``pages[s, :n_pages[s]]`` (``pages [D, W]``), ``kv_lens[s]`` tokens
+        from the first page's first slot, of which the first ``skipped[s]`` are masked (before
+        a sliding window; None: none). Columns of ``pages`` past a row's ``n_pages`` must
+        repeat its first page (a valid page: the key mask hides it)."""
+        counts = n_pages.tolist()
+        lens = kv_lens.tolist()
+        dev = self.kv_pool.device
+        groups: list[_DecodeGroup] = []
+        for i, k in self._group_bounds(counts):
+            n = k - i
             kv_len, shortest = max(lens[i:k]), min(lens[i:k])
             skips = skipped is not None and bool(skipped[i:k].any())
             mask = None
@@ -316,7 +339,36 @@ class TorchAttention(AttentionBackend):
                     mask=mask,
                 )
             )
-            i = k
+        return groups
+
+    def _plan_small_decode(self, layout: BatchLayout) -> list[_DecodeGroup]:
+        """:meth:`_plan_decode`'s groups for a decode-only batch of fewer than
+        ``ROWS_MIN_BATCH`` sequences, from its page tables as lists: for a handful of rows a
+        Python pass costs less than the array calls' fixed cost. The same groups."""
+        ps, dev = self.kv_pool.page_size, self.kv_pool.device
+        lens = [p + 1 for p in layout.num_past]
+        tables = [list(pt[: -(-n // ps)]) for pt, n in zip(layout.page_tables, lens, strict=True)]
+        groups: list[_DecodeGroup] = []
+        for i, k in self._group_bounds([len(t) for t in tables]):
+            widest = max(len(t) for t in tables[i:k])
+            flat: list[int] = []
+            for t in tables[i:k]:
+                flat.extend(t + [t[0]] * (widest - len(t)))
+            kv_len = max(lens[i:k])
+            mask = None
+            if min(lens[i:k]) != kv_len:
+                lens_t = torch.tensor(lens[i:k], dtype=torch.int64).unsqueeze(1)
+                mask = (torch.arange(kv_len).unsqueeze(0) < lens_t).to(dev)[:, None, None, :]
+            groups.append(
+                _DecodeGroup(
+                    rows=torch.arange(i, k, device=dev),
+                    first_row=i,
+                    pages=torch.tensor(flat, dtype=torch.int64, device=dev),
+                    num_seqs=k - i,
+                    kv_len=kv_len,
+                    mask=mask,
+                )
+            )
         return groups
 
     # ---- forward -----------------------------------------------------------------------------
