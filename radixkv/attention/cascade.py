@@ -27,6 +27,7 @@ import math
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -117,6 +118,17 @@ class _Chunk:
     # of the gather buffers kept for every later layer and step while the buffers stay the same
     kv_views: tuple[torch.Tensor, torch.Tensor, torch.Size, torch.Tensor, torch.Tensor,
                     torch.Tensor, torch.Tensor] | None = None  # fmt: skip
+
+
+class _SingleRows(NamedTuple):
+    """A level's one-row segments in chunk order, column by column (_prepare_level_arrays)."""
+
+    lens: np.ndarray  # KV tokens of each
+    lens_list: list[int]  # the same as Python ints
+    start: np.ndarray  # where its pages start in the level's kv_indices
+    count: np.ndarray  # its pages
+    count_list: list[int]
+    first_row: np.ndarray  # its row
 
 
 # Budget of gathered KV tokens per padded batch of one-row segments (see _prepare_level).
@@ -555,7 +567,8 @@ class TorchCascadeAttention:
         kv = np.array(lvl.kv_indptr, np.int64)
         last = np.array(lvl.kv_last_page_len, np.int64)
         rows = qo[1:] - qo[:-1]
-        lens = (kv[1:] - kv[:-1] - 1) * ps + last  # KV tokens of each segment
+        count = kv[1:] - kv[:-1]  # pages of each segment
+        lens = (count - 1) * ps + last  # KV tokens of each segment
         live = last != 0
         chunks = [
             self._make_chunk(lvl, [(i, int(rows[i]), int(lens[i]))])
@@ -564,21 +577,23 @@ class TorchCascadeAttention:
         single = np.flatnonzero(live & (rows == 1))
         if not len(single):
             return chunks
-        single_lens = lens[single]
-        # longest first (a stable sort, as _prepare_level's) when they need several batches
-        if len(single) * pages_for(int(single_lens.max()), ps) * ps > SINGLE_CHUNK_TOKENS:
-            by_length = np.argsort(-single_lens, kind="stable")
-            single, single_lens = single[by_length], single_lens[by_length]
+        # the one-row segments' columns, in chunk order: longest first (a stable sort, as
+        # _prepare_level's) when they need several batches, else in row order
+        lens_list = lens[single].tolist()
+        by_length = len(single) * pages_for(max(lens_list), ps) * ps > SINGLE_CHUNK_TOKENS
+        if by_length:
+            single = single[np.argsort(-lens[single], kind="stable")]
+            lens_list = lens[single].tolist()
+        cols = _SingleRows(
+            lens[single], lens_list, kv[single], count[single], count[single].tolist(), qo[single]
+        )
         idx = np.array(lvl.kv_indices, np.int64)
-        lens_list = single_lens.tolist()
         start = 0
         while start < len(single):
             width = pages_for(lens_list[start], ps) * ps  # padded tokens per row
-            end = start + max(1, SINGLE_CHUNK_TOKENS // width)
-            if len(single[start:end]) >= _VECTOR_SEGMENTS:
-                chunks.append(
-                    self._single_row_chunk(single[start:end], single_lens[start:end], qo, kv, idx)
-                )
+            end = min(len(single), start + max(1, SINGLE_CHUNK_TOKENS // width))
+            if end - start >= _VECTOR_SEGMENTS:
+                chunks.append(self._single_row_chunk(cols, start, end, idx, not by_length))
             else:
                 segs = [(i, 1, n) for i, n in zip(single[start:end].tolist(), lens_list[start:end])]
                 chunks.append(self._make_chunk(lvl, segs))
@@ -586,39 +601,43 @@ class TorchCascadeAttention:
         return chunks
 
     def _single_row_chunk(
-        self, segs: np.ndarray, lens: np.ndarray, qo: np.ndarray, kv: np.ndarray, idx: np.ndarray
+        self, cols: _SingleRows, a: int, b: int, idx: np.ndarray, ascending: bool
     ) -> _Chunk:
-        """:meth:`_make_chunk` of ``_VECTOR_SEGMENTS`` or more one-row segments ``segs`` (their
-        KV tokens ``lens``) of a level given as arrays (``qo_indptr``, ``kv_indptr``,
-        ``kv_indices``), by array ops."""
+        """:meth:`_make_chunk` of the one-row segments ``a .. b-1`` of ``cols`` (at least
+        ``_VECTOR_SEGMENTS``; ``ascending``: their rows ascend), by array ops over the level's
+        ``kv_indices`` ``idx``."""
         ps, dev = self.plan.page_size, self.device
-        num = len(segs)
-        kv_len, shortest = int(lens.max()), int(lens.min())
-        start = kv[segs]
-        count = kv[segs + 1] - start
-        splits = self._num_splits(num, int(count.max()), shortest)
-        n_pages = -(-int(count.max()) // splits) * splits  # every part as many pages
+        num = b - a
+        lens = cols.lens[a:b]
+        kv_len, shortest = max(cols.lens_list[a:b]), min(cols.lens_list[a:b])
+        most = max(cols.count_list[a:b])
+        splits = self._num_splits(num, most, shortest)
+        n_pages = -(-most // splits) * splits  # every part as many pages
+        start = cols.start[a:b, None]
         j = np.arange(n_pages)
         # each segment's pages, padded with its first page
-        pos = np.where(j < count[:, None], start[:, None] + j, start[:, None])
+        pos = np.where(j < cols.count[a:b, None], start + j, start)
         flat = torch.from_numpy(idx[pos.reshape(-1)]).to(dev)
-        firsts = qo[segs]  # each segment's (one) row
-        first_row, last_row = int(firsts[0]), int(qo[segs[-1] + 1])
-        contiguous = bool((firsts == np.arange(first_row, first_row + num)).all())
+        firsts = cols.first_row[a:b]  # each segment's (one) row
+        first_row, last_row = int(firsts[0]), int(firsts[-1]) + 1
+        if ascending:  # rows ascend: consecutive exactly when the last is num - 1 after the first
+            contiguous = last_row - first_row == num
+        else:
+            contiguous = bool((firsts == np.arange(first_row, first_row + num)).all())
         rows = out_rows = None
         if not contiguous:
-            out_rows = torch.from_numpy(firsts).to(dev)
+            out_rows = torch.from_numpy(firsts.copy()).to(dev)
             rows = out_rows.view(num, 1)
         kv_mask = split_mask = None
         split_len = kv_len if splits == 1 else n_pages // splits * ps
         if shortest < (kv_len if splits == 1 else n_pages * ps):
             if kv_len > shortest:
-                m = np.arange(kv_len)[None, :] >= lens[:, None]
+                m = np.arange(kv_len) >= lens[:, None]
                 kv_mask = torch.from_numpy(m).to(dev).view(num, 1, -1)
             if splits == 1:
                 split_mask = kv_mask
             else:
-                full = np.arange(n_pages * ps)[None, :] >= lens[:, None]  # [S, L]
+                full = np.arange(n_pages * ps) >= lens[:, None]  # [S, L]
                 split_mask = torch.from_numpy(full).to(dev).view(num * splits, 1, split_len)
         return _Chunk(
             num_segments=num,

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from radixkv.attention.cascade_plan import CascadePlan
 
 
-_first = operator.itemgetter(0)
+_first = operator.itemgetter(0)  # a SeqInput's new_token_ids; a list's first item
 
 
 class CascadeSchedule(Protocol):
@@ -164,7 +164,7 @@ class ModelRunner:
         which must then be decode-only): their shared prefixes are read once per group (same
         logits, fewer KV reads). A plan over part of a batch needs ``supports_mixed_cascade``."""
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
-        idx_t = None if all_logits else self._last_rows([len(s.new_token_ids) for s in seqs])
+        idx_t = None if all_logits else self._last_rows(list(map(len, map(_first, seqs))))
         return self.model(ids_t, pos_t, attn, idx_t, max_position=max_pos)
 
     @torch.inference_mode()
@@ -183,7 +183,7 @@ class ModelRunner:
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
         h = self.model.trunk(ids_t, pos_t, attn, max_position=max_pos)  # [T, hidden]
         logits = self.model.head(
-            h.index_select(0, self._last_rows([len(s.new_token_ids) for s in seqs]))
+            h.index_select(0, self._last_rows(list(map(len, map(_first, seqs)))))
         )
         starts = [0]
         for s in seqs:
