@@ -563,7 +563,9 @@ class TorchCascadeAttention:
         """:meth:`_prepare_level` by array ops for a level of many segments (a decode step's
         per-request level): the same chunks, in the same order, with the same tensors."""
         ps = self.plan.page_size
-        qo = np.array(lvl.qo_indptr, np.int64)
+        n = lvl.num_segments
+        # n segments of at least one row each ending at row n: one row each (the usual case)
+        qo = np.arange(n + 1) if lvl.qo_indptr[-1] == n else np.array(lvl.qo_indptr, np.int64)
         kv = np.array(lvl.kv_indptr, np.int64)
         last = np.array(lvl.kv_last_page_len, np.int64)
         rows = qo[1:] - qo[:-1]

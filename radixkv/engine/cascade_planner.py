@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Protocol
 
+import numpy as np
+
 from radixkv.attention.base import outgrown_windows
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 from radixkv.debug import debug_checks_enabled
@@ -542,8 +544,8 @@ class CascadePlanner:
         step mostly rebuilds only the last page lengths."""
         ps = self.page_size
         n = len(shared.order)
-        lens = list(map(cols.lens.__getitem__, shared.order))
-        n_pages = [-(-k // ps) for k in lens]
+        lens = np.fromiter(map(cols.lens.__getitem__, shared.order), np.int64, n)
+        n_pages = (-(-lens // ps)).tolist()
         tables = tuple(map(cols.tables.__getitem__, shared.order))
         memo = self._last_pages
         # (tuple equality: identity first, then contents: equal contents have equal pages)
@@ -565,7 +567,7 @@ class CascadePlanner:
                 kv_l.append(len(idx_l))
             kv, idx = tuple(kv_l), tuple(idx_l)
             self._last_pages = (shared, tables, n_pages, kv, idx)
-        last = tuple([(k - 1) % ps + 1 for k in lens])  # tokens in each row's last page
+        last = tuple(((lens - 1) % ps + 1).tolist())  # tokens in each row's last page
         qo = tuple(range(n + 1))
         if self.check_entries:  # (else right by construction: one segment per row)
             return CascadeLevel(qo, kv, idx, last)
