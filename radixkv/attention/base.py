@@ -244,7 +244,8 @@ class AttentionBackend(ABC):
         ps = self.kv_pool.page_size
         num_tokens = layout.num_tokens
         n = len(layout.num_new)
-        if num_tokens == n < ROWS_MIN_BATCH:  # a few decodes: a Python pass costs less
+        if num_tokens == n and (n < ROWS_MIN_BATCH or not self.has_arrays(layout)):
+            # decodes without arrays (a few, or a cascade step's): a Python pass costs less
             slots = torch.tensor(
                 [pt[p // ps] * ps + p % ps for pt, p in zip(layout.page_tables, layout.num_past)],
                 dtype=torch.int64,
@@ -262,6 +263,13 @@ class AttentionBackend(ABC):
             slots = a.pages[rows, pos // ps] * ps + pos % ps
         self._num_tokens = num_tokens
         self._slots = torch.from_numpy(slots).to(self.kv_pool.device, non_blocking=True)
+
+    @staticmethod
+    def has_arrays(layout: BatchLayout) -> bool:
+        """Whether the layout's :attr:`~BatchLayout.arrays` are made already (by
+        ``BatchLayout.build`` with the runner's PageTableRows): else a plan that needs only a
+        little of them reads the page tables instead of making them."""
+        return layout._arrays is not None
 
     def _write_new_kv(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

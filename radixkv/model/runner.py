@@ -211,7 +211,10 @@ class ModelRunner:
         new_ids, tables, pasts, _ = zip(*seqs, strict=True)
         num_new = list(map(len, new_ids))
         positions = list(pasts)
-        layout = BatchLayout.build(tables, positions, num_new, rows=self._page_rows)
+        # a cascade over the whole batch reads only the write slots of the layout: no arrays
+        whole_cascade = cascade is not None and cascade_rows is None
+        rows = None if whole_cascade else self._page_rows
+        layout = BatchLayout.build(tables, positions, num_new, rows=rows)
         if len(num_new) == sum(num_new):  # decode: one token each, at its past length
             ids = list(map(int, map(_first, new_ids)))
         else:
