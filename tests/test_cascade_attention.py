@@ -376,7 +376,7 @@ def test_gather_views_kept_across_layers_and_rebuilt_for_new_buffers() -> None:
 
 def test_many_segment_chunks_match_the_per_segment_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk of many one-row segments (a decode step's per-request level) gets its page index
-    and rows by tensor ops: the same chunk as the per-segment pass builds."""
+    and rows by array ops: the same chunks as the per-segment pass builds."""
     import random
 
     import radixkv.attention.cascade as cascade_mod
@@ -384,8 +384,8 @@ def test_many_segment_chunks_match_the_per_segment_build(monkeypatch: pytest.Mon
     from radixkv.attention.cascade_plan import CascadeLevel
 
     rng = random.Random(0)
-    for ps in (1, 4, 16):
-        n = 40
+    # 300 rows of up to 59 tokens: sorted longest first into several chunks, rows not in order
+    for ps, n in ((1, 40), (4, 40), (16, 40), (16, 300), (4, 300)):
         segs, page = [], 0
         for _ in range(n):
             length = rng.randrange(1, 60)
@@ -393,12 +393,26 @@ def test_many_segment_chunks_match_the_per_segment_build(monkeypatch: pytest.Mon
             segs.append((1, list(range(page, page + k)), length))
             page += k
         shared = CascadeLevel.from_segments(ps, [(n, [900, 901, 902], 3 * ps)])
-        plan = CascadePlan(ps, n, (shared, CascadeLevel.from_segments(ps, segs)))
+        # a level of one- and many-row segments, some reading nothing
+        mixed, row = [], 0
+        while row < n:
+            rows = min(n - row, rng.choice([1, 1, 2, 3]))
+            length = rng.choice([0, rng.randrange(1, 40)])
+            mixed.append((rows, list(range(2000 + row, 2000 + row + -(-length // ps))), length))
+            row += rows
+        levels = (
+            shared,
+            CascadeLevel.from_segments(ps, mixed),
+            CascadeLevel.from_segments(ps, segs),
+        )
+        plan = CascadePlan(ps, n, levels)
         built = []
         for threshold in (16, 10**9):
             monkeypatch.setattr(cascade_mod, "_VECTOR_SEGMENTS", threshold)
             built.append(TorchCascadeAttention(plan, threads=2)._levels)
-        for fast, slow in zip(*built):
+        if n == 300:  # several chunks, the rows of each out of order
+            assert len(built[0][2]) > 1 and built[0][2][0].row_range is None
+        for fast, slow in zip(*built, strict=True):
             for a, b in zip(fast, slow, strict=True):
                 for f in ("num_segments", "group", "kv_len", "row_range", "splits", "page_run"):
                     assert getattr(a, f) == getattr(b, f), f

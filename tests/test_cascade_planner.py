@@ -235,6 +235,22 @@ def test_random_forests_exact(seed: int) -> None:
     _check_exact(dec, entries, ps, h_q=4, h_kv=rng.choice([1, 2, 4]), d=8)
     if dec.use_cascade:
         assert dec.kv_tokens_cascade < dec.kv_tokens_plain
+    # the same entries column by column (the engine's call), unchecked levels: the same plan
+    cols = CascadePlanner(
+        ps, mode=mode, min_saved_tokens=4, min_step_saved_tokens=8, check_entries=False
+    ).plan_columns(*(list(c) for c in zip(*entries, strict=True)))
+    assert (cols.order, cols.use_cascade, cols.kv_tokens_cascade) == (
+        dec.order, dec.use_cascade, dec.kv_tokens_cascade
+    )  # fmt: skip
+    assert cols.plan == dec.plan
+
+
+def test_plan_columns_rejects_ragged_columns() -> None:
+    planner = CascadePlanner(4)
+    with pytest.raises(ValueError, match="differ in length"):
+        planner.plan_columns([None, None], [[1], [2]], [1], [0, 0])
+    with pytest.raises(ValueError, match="empty"):
+        planner.plan_columns([], [], [], [])
 
 
 @pytest.mark.parametrize(

@@ -14,14 +14,31 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from radixkv.attention.paged_ops import token_slots
+from radixkv.attention.page_table_rows import PageTableRows, pad_rows
 from radixkv.debug import debug_checks_enabled
 from radixkv.kv.kv_pool import KVPool
 from radixkv.pages import pages_for
+
+# Batches of fewer sequences build their layout without the caller's PageTableRows (the
+# arrays are then made from the page tables when a plan first reads them): for a handful of
+# short tables its fixed cost (a few passes and array calls) outweighs converting them anew.
+ROWS_MIN_BATCH = 8
+
+
+class LayoutArrays(NamedTuple):
+    """A :class:`BatchLayout` as int64 arrays, for plans built by array ops instead of Python
+    loops over the page tables."""
+
+    pages: np.ndarray  # [B, W]: row i is page_tables[i], then its first page repeated (pad_rows)
+    num_pages: np.ndarray  # [B] pages in each table (len(page_tables[i]))
+    num_past: np.ndarray  # [B]
+    num_new: np.ndarray  # [B]
 
 
 @dataclass(frozen=True)
@@ -32,12 +49,17 @@ class BatchLayout:
     ``ceil((num_past + num_new) / page_size)`` pages; extra trailing pages are ignored).
     The first ``num_past[i]`` tokens' K/V are already in the pool; the ``num_new[i]`` new tokens
     sit at positions ``num_past[i] ..`` and attend causally to every earlier token of their own
-    sequence.
+    sequence. The page tables are the layout's own (copies nobody mutates), so a plan may read
+    them while the engine changes its lists for the next step.
+
+    :attr:`arrays` holds the same as int64 arrays (made on first use, or by :meth:`build` from
+    the rows a :class:`PageTableRows` keeps across steps).
     """
 
-    page_tables: tuple[tuple[int, ...], ...]
+    page_tables: tuple[Sequence[int], ...]
     num_past: tuple[int, ...]
     num_new: tuple[int, ...]
+    _arrays: LayoutArrays | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.page_tables)
@@ -52,14 +74,57 @@ class BatchLayout:
         page_tables: Sequence[Sequence[int]],
         num_past: Sequence[int],
         num_new: Sequence[int],
+        *,
+        rows: PageTableRows | None = None,
     ) -> BatchLayout:
+        """The layout of these sequences. ``rows``: the caller's :class:`PageTableRows`, which
+        converts only the page tables that changed since its last step into :attr:`arrays`
+        (the model runner keeps one; used from ``ROWS_MIN_BATCH`` sequences); without it the
+        arrays are made when first read."""
+        if rows is not None and len(page_tables) >= ROWS_MIN_BATCH:
+            snaps, pages, counts = rows.gather(page_tables)
+            past_a, new_a = np.array(num_past, np.int64), np.array(num_new, np.int64)
+            arrays = LayoutArrays(pages, counts, past_a, new_a)
+            return cls(snaps, tuple(past_a.tolist()), tuple(new_a.tolist()), arrays)
+        past = tuple(map(int, num_past))
+        new = tuple(map(int, num_new))
         # map(int, ...) runs at C speed and turns numpy/torch integers into plain ints; a list
         # is taken as holding ints already (the engine's page tables are lists of ints), and
         # copied as it is: a decode step of 32 sequences x 4k tokens converts 8k page ids
         return cls(
             tuple(tuple(pt) if type(pt) is list else tuple(map(int, pt)) for pt in page_tables),
-            tuple(map(int, num_past)),
-            tuple(map(int, num_new)),
+            past,
+            new,
+        )
+
+    @property
+    def arrays(self) -> LayoutArrays:
+        """The layout as int64 arrays (see :class:`LayoutArrays`); made once, on first use."""
+        a = self._arrays
+        if a is None:
+            a = LayoutArrays(
+                pad_rows(self.page_tables),
+                np.array([len(t) for t in self.page_tables], np.int64),
+                np.array(self.num_past, np.int64),
+                np.array(self.num_new, np.int64),
+            )
+            object.__setattr__(self, "_arrays", a)
+        return a
+
+    def select(self, rows: Sequence[int]) -> BatchLayout:
+        """The layout of sequences ``rows`` (batch indices) alone, in that order."""
+        a = self._arrays
+        sub = None
+        if a is not None:
+            idx = np.asarray(rows, dtype=np.int64)
+            counts = a.num_pages[idx]
+            width = max(1, int(counts.max(initial=0)))
+            sub = LayoutArrays(a.pages[idx, :width], counts, a.num_past[idx], a.num_new[idx])
+        return BatchLayout(
+            tuple(self.page_tables[i] for i in rows),
+            tuple(self.num_past[i] for i in rows),
+            tuple(self.num_new[i] for i in rows),
+            sub,
         )
 
     @property
@@ -174,10 +239,13 @@ class AttentionBackend(ABC):
         self._num_tokens = 0
 
     def _plan_slots(self, layout: BatchLayout) -> None:
-        """Record the step's write slots (ragged batch order) on the pool's device."""
+        """Record the step's write slots (ragged batch order) on the pool's device: array ops
+        over the layout's :attr:`~BatchLayout.arrays` (a Python pass for a few decodes)."""
         ps = self.kv_pool.page_size
-        num_tokens = sum(layout.num_new)
-        if num_tokens == len(layout.num_new):  # decode: one slot each, in one pass
+        num_tokens = layout.num_tokens
+        n = len(layout.num_new)
+        if num_tokens == n and (n < ROWS_MIN_BATCH or not self.has_arrays(layout)):
+            # decodes without arrays (a few, or a cascade step's): a Python pass costs less
             slots = torch.tensor(
                 [pt[p // ps] * ps + p % ps for pt, p in zip(layout.page_tables, layout.num_past)],
                 dtype=torch.int64,
@@ -185,23 +253,23 @@ class AttentionBackend(ABC):
             self._num_tokens = num_tokens
             self._slots = slots.to(self.kv_pool.device, non_blocking=True)
             return
-        parts: list[torch.Tensor] = []
-        singles: list[int] = []  # consecutive one-token sequences (decode), as plain ints
-        for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
-            if new == 1:
-                singles.append(pt[past // ps] * ps + past % ps)
-                continue
-            if singles:
-                parts.append(torch.tensor(singles, dtype=torch.int64))
-                singles = []
-            first = past // ps
-            pages = torch.tensor(pt[first : pages_for(past + new, ps)], dtype=torch.int64)
-            parts.append(token_slots(pages, past - first * ps, past + new - first * ps, ps))
-        if singles:
-            parts.append(torch.tensor(singles, dtype=torch.int64))
-        self._num_tokens = sum(layout.num_new)
-        slots = parts[0] if len(parts) == 1 else torch.cat(parts)
-        self._slots = slots.to(self.kv_pool.device, non_blocking=True)
+        a = layout.arrays
+        past, new = a.num_past, a.num_new
+        if num_tokens == n:  # decode: one slot each, at its past length
+            slots = a.pages[np.arange(len(new)), past // ps] * ps + past % ps
+        else:  # token t of sequence i sits at position past[i] + t
+            rows = np.repeat(np.arange(len(new)), new)
+            pos = np.arange(num_tokens) + np.repeat(past - (np.cumsum(new) - new), new)
+            slots = a.pages[rows, pos // ps] * ps + pos % ps
+        self._num_tokens = num_tokens
+        self._slots = torch.from_numpy(slots).to(self.kv_pool.device, non_blocking=True)
+
+    @staticmethod
+    def has_arrays(layout: BatchLayout) -> bool:
+        """Whether the layout's :attr:`~BatchLayout.arrays` are made already (by
+        ``BatchLayout.build`` with the runner's PageTableRows): else a plan that needs only a
+        little of them reads the page tables instead of making them."""
+        return layout._arrays is not None
 
     def _write_new_kv(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

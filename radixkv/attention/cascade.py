@@ -27,7 +27,9 @@ import math
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
@@ -116,6 +118,17 @@ class _Chunk:
     # of the gather buffers kept for every later layer and step while the buffers stay the same
     kv_views: tuple[torch.Tensor, torch.Tensor, torch.Size, torch.Tensor, torch.Tensor,
                     torch.Tensor, torch.Tensor] | None = None  # fmt: skip
+
+
+class _SingleRows(NamedTuple):
+    """A level's one-row segments in chunk order, column by column (_prepare_level_arrays)."""
+
+    lens: np.ndarray  # KV tokens of each
+    lens_list: list[int]  # the same as Python ints
+    start: np.ndarray  # where its pages start in the level's kv_indices
+    count: np.ndarray  # its pages
+    count_list: list[int]
+    first_row: np.ndarray  # its row
 
 
 # Budget of gathered KV tokens per padded batch of one-row segments (see _prepare_level).
@@ -513,6 +526,8 @@ class TorchCascadeAttention:
                     seen[r] = True
 
     def _prepare_level(self, lvl: CascadeLevel) -> list[_Chunk]:
+        if lvl.num_segments >= _VECTOR_SEGMENTS:
+            return self._prepare_level_arrays(lvl)
         ps = self.plan.page_size
         qo, kv, last = lvl.qo_indptr, lvl.kv_indptr, lvl.kv_last_page_len
         single: list[tuple[int, int, int]] = []  # (segment, rows, kv_len)
@@ -543,6 +558,104 @@ class TorchCascadeAttention:
             chunks.append(self._make_chunk(lvl, single[start : start + n], tensors))
             start += n
         return chunks
+
+    def _prepare_level_arrays(self, lvl: CascadeLevel) -> list[_Chunk]:
+        """:meth:`_prepare_level` by array ops for a level of many segments (a decode step's
+        per-request level): the same chunks, in the same order, with the same tensors."""
+        ps = self.plan.page_size
+        n = lvl.num_segments
+        # n segments of at least one row each ending at row n: one row each (the usual case)
+        qo = np.arange(n + 1) if lvl.qo_indptr[-1] == n else np.array(lvl.qo_indptr, np.int64)
+        kv = np.array(lvl.kv_indptr, np.int64)
+        last = np.array(lvl.kv_last_page_len, np.int64)
+        rows = qo[1:] - qo[:-1]
+        count = kv[1:] - kv[:-1]  # pages of each segment
+        lens = (count - 1) * ps + last  # KV tokens of each segment
+        live = last != 0
+        chunks = [
+            self._make_chunk(lvl, [(i, int(rows[i]), int(lens[i]))])
+            for i in np.flatnonzero(live & (rows != 1)).tolist()
+        ]
+        single = np.flatnonzero(live & (rows == 1))
+        if not len(single):
+            return chunks
+        # the one-row segments' columns, in chunk order: longest first (a stable sort, as
+        # _prepare_level's) when they need several batches, else in row order
+        lens_list = lens[single].tolist()
+        by_length = len(single) * pages_for(max(lens_list), ps) * ps > SINGLE_CHUNK_TOKENS
+        if by_length:
+            single = single[np.argsort(-lens[single], kind="stable")]
+            lens_list = lens[single].tolist()
+        cols = _SingleRows(
+            lens[single], lens_list, kv[single], count[single], count[single].tolist(), qo[single]
+        )
+        idx = np.array(lvl.kv_indices, np.int64)
+        start = 0
+        while start < len(single):
+            width = pages_for(lens_list[start], ps) * ps  # padded tokens per row
+            end = min(len(single), start + max(1, SINGLE_CHUNK_TOKENS // width))
+            if end - start >= _VECTOR_SEGMENTS:
+                chunks.append(self._single_row_chunk(cols, start, end, idx, not by_length))
+            else:
+                segs = [(i, 1, n) for i, n in zip(single[start:end].tolist(), lens_list[start:end])]
+                chunks.append(self._make_chunk(lvl, segs))
+            start = end
+        return chunks
+
+    def _single_row_chunk(
+        self, cols: _SingleRows, a: int, b: int, idx: np.ndarray, ascending: bool
+    ) -> _Chunk:
+        """:meth:`_make_chunk` of the one-row segments ``a .. b-1`` of ``cols`` (at least
+        ``_VECTOR_SEGMENTS``; ``ascending``: their rows ascend), by array ops over the level's
+        ``kv_indices`` ``idx``."""
+        ps, dev = self.plan.page_size, self.device
+        num = b - a
+        lens = cols.lens[a:b]
+        kv_len, shortest = max(cols.lens_list[a:b]), min(cols.lens_list[a:b])
+        most = max(cols.count_list[a:b])
+        splits = self._num_splits(num, most, shortest)
+        n_pages = -(-most // splits) * splits  # every part as many pages
+        start = cols.start[a:b, None]
+        j = np.arange(n_pages)
+        # each segment's pages, padded with its first page
+        pos = np.where(j < cols.count[a:b, None], start + j, start)
+        flat = torch.from_numpy(idx[pos.reshape(-1)]).to(dev)
+        firsts = cols.first_row[a:b]  # each segment's (one) row
+        first_row, last_row = int(firsts[0]), int(firsts[-1]) + 1
+        if ascending:  # rows ascend: consecutive exactly when the last is num - 1 after the first
+            contiguous = last_row - first_row == num
+        else:
+            contiguous = bool((firsts == np.arange(first_row, first_row + num)).all())
+        rows = out_rows = None
+        if not contiguous:
+            out_rows = torch.from_numpy(firsts.copy()).to(dev)
+            rows = out_rows.view(num, 1)
+        kv_mask = split_mask = None
+        split_len = kv_len if splits == 1 else n_pages // splits * ps
+        if shortest < (kv_len if splits == 1 else n_pages * ps):
+            if kv_len > shortest:
+                m = np.arange(kv_len) >= lens[:, None]
+                kv_mask = torch.from_numpy(m).to(dev).view(num, 1, -1)
+            if splits == 1:
+                split_mask = kv_mask
+            else:
+                full = np.arange(n_pages * ps) >= lens[:, None]  # [S, L]
+                split_mask = torch.from_numpy(full).to(dev).view(num * splits, 1, split_len)
+        return _Chunk(
+            num_segments=num,
+            group=1,
+            rows=rows,
+            row_valid=None,
+            pages=flat.view(num, n_pages),
+            pages_flat=flat,
+            kv_len=kv_len,
+            kv_mask=kv_mask,
+            out_rows=out_rows,
+            row_range=(first_row, last_row) if contiguous else None,
+            splits=splits,
+            split_len=split_len,
+            split_mask=split_mask,
+        )
 
     def forward(
         self,

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout, outgrown_windows
@@ -65,6 +66,8 @@ class CascadeDecodeBackend(AttentionBackend):
         self.inner_name = inner.name
         self._cascade: CascadePlan | None = None
         self._order: tuple[int, ...] = ()
+        self._order_src: Sequence[int] | None = None  # the order set_plan was given last
+        self._order_t_of: tuple[int, ...] | None = None  # the order _order_t was made from
         self._rows: tuple[int, ...] | None = None
         self._impl: Any = None
         self._fi: Any = None  # FlashInferCascadeAttention, created on first use
@@ -87,7 +90,8 @@ class CascadeDecodeBackend(AttentionBackend):
     ) -> None:
         """``rows``: the batch indices of the sequences the plan covers, in the planner's input
         order (``order`` indexes into them); None: the whole batch."""
-        if sorted(order) != list(range(plan.num_queries)):
+        # (the planner hands the same order tuple while its shared part is reused: checked once)
+        if order is not self._order_src and sorted(order) != list(range(plan.num_queries)):
             raise ValueError("cascade order must be a permutation of the plan's rows")
         if plan.page_size != self.kv_pool.page_size:
             raise ValueError(
@@ -96,7 +100,11 @@ class CascadeDecodeBackend(AttentionBackend):
         if rows is not None and len(rows) != plan.num_queries:
             raise ValueError(f"{len(rows)} cascade rows for a plan of {plan.num_queries}")
         self._cascade = plan
-        self._order = tuple(order)
+        if order is not self._order_src:
+            self._order_src = order
+            self._order = tuple(order)
+            self._order_t = None
+            self._order_t_of = None
         self._rows = None if rows is None else tuple(rows)
 
     def plan(self, layout: BatchLayout) -> None:
@@ -131,10 +139,11 @@ class CascadeDecodeBackend(AttentionBackend):
         self._mixed = None
         if mixed:
             self._plan_mixed(layout, rows)
-            self._order_t = None  # the plan's tokens are gathered in plan-row order
-        else:
+            self._order_t = self._order_t_of = None  # plan's tokens gathered in plan-row order
+        elif self._order_t_of is not self._order:  # (the same order: the same tensor)
             identity = self._order == tuple(range(n))
             self._order_t = None if identity else torch.tensor(self._order, device=dev)
+            self._order_t_of = self._order
         if dev.type == "cuda" and self.inner_name == "flashinfer":
             from radixkv.attention.cascade_flashinfer import FlashInferCascadeAttention
 
@@ -176,21 +185,20 @@ class CascadeDecodeBackend(AttentionBackend):
     def _plan_mixed(self, layout: BatchLayout, rows: tuple[int, ...]) -> None:
         """Token indices of the plan's rows (in plan-row order) and of every other sequence's
         tokens; the wrapped backend is planned over those other sequences."""
-        starts = [0]
-        for new in layout.num_new:
-            starts.append(starts[-1] + new)
-        planned = set(rows)
-        rest = [i for i in range(len(layout.num_new)) if i not in planned]
-        sub = BatchLayout(
-            tuple(layout.page_tables[i] for i in rest),
-            tuple(layout.num_past[i] for i in rest),
-            tuple(layout.num_new[i] for i in rest),
+        new = layout.arrays.num_new
+        starts = np.cumsum(new) - new  # each sequence's first token
+        planned = np.zeros(len(new), dtype=bool)
+        planned[list(rows)] = True
+        rest = np.flatnonzero(~planned)
+        self.inner.plan(layout.select(rest.tolist()))
+        casc_tok = starts[np.array(rows, np.int64)[np.array(self._order, np.int64)]]
+        # every token of the other sequences, in batch order
+        counts = new[rest]
+        rest_tok = np.arange(int(counts.sum())) + np.repeat(
+            starts[rest] - (np.cumsum(counts) - counts), counts
         )
-        self.inner.plan(sub)
-        casc_tok = [starts[rows[i]] for i in self._order]
-        rest_tok = [t for i in rest for t in range(starts[i], starts[i + 1])]
         dev = self.kv_pool.device
-        self._mixed = (torch.tensor(casc_tok, device=dev), torch.tensor(rest_tok, device=dev))
+        self._mixed = (torch.from_numpy(casc_tok).to(dev), torch.from_numpy(rest_tok).to(dev))
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -5,7 +5,8 @@ arrays ``MultiLevelCascadeAttentionWrapper.plan`` takes), so the torch and Flash
 implementations run the same plan. The engine's planner (engine/cascade_planner.py) builds plans
 from the trie; :mod:`radixkv.attention.cascade` runs them in PyTorch. Plans are immutable and
 validated on construction (every row covered exactly once per level, indptrs monotone, last-page
-lengths in range).
+lengths in range), but for the planner's per-request levels (:meth:`CascadeLevel.unchecked`),
+which are checked only under the debug checks.
 """
 
 from __future__ import annotations
@@ -75,6 +76,24 @@ class CascadeLevel:
                     )
         if self.kv_indices and min(self.kv_indices) < 0:
             raise ValueError("kv_indices must be non-negative page ids")
+
+    @classmethod
+    def unchecked(
+        cls,
+        qo_indptr: tuple[int, ...],
+        kv_indptr: tuple[int, ...],
+        kv_indices: tuple[int, ...],
+        kv_last_page_len: tuple[int, ...],
+    ) -> CascadeLevel:
+        """A level from tuples of plain ints its maker guarantees valid, without the checks
+        (the engine's planner builds one per decode step from page tables it owns, and runs
+        the checks under RADIXKV_DEBUG_CHECKS instead: radixkv/debug.py)."""
+        lvl = object.__new__(cls)
+        object.__setattr__(lvl, "qo_indptr", qo_indptr)
+        object.__setattr__(lvl, "kv_indptr", kv_indptr)
+        object.__setattr__(lvl, "kv_indices", kv_indices)
+        object.__setattr__(lvl, "kv_last_page_len", kv_last_page_len)
+        return lvl
 
     @classmethod
     def from_segments(

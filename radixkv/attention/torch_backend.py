@@ -37,11 +37,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention.base import AttentionBackend, BatchLayout, outgrown_windows
+from radixkv.attention.base import (
+    ROWS_MIN_BATCH,
+    AttentionBackend,
+    BatchLayout,
+    outgrown_windows,
+)
 from radixkv.attention.matmul_attention import causal_matmul_attention, pays
+from radixkv.attention.page_table_rows import pad_rows
 from radixkv.attention.paged_ops import (
     FLASH_CPU_WITH_LSE,
     GatherBuffer,
@@ -150,20 +157,32 @@ class TorchAttention(AttentionBackend):
         if self.check_layouts:
             layout.validate(ps, pool.num_pages)
         self._plan_slots(layout)
+        n = len(layout.num_new)
+        if n < ROWS_MIN_BATCH and layout.num_tokens == n and min(layout.num_past) > 0:
+            self._prefills = []
+            self._groups = self._plan_small_decode(layout)
+            self._windowed = {
+                w: self._plan_window(layout, w, [])
+                for w in outgrown_windows(self.windows, layout.longest)
+            }
+            return
+        a = layout.arrays
+        past, new = a.num_past, a.num_new
+        total = past + new
+        starts = np.cumsum(new) - new  # each sequence's first token row
+        decode = (new == 1) & (past > 0)
         prefills: list[_Prefill | _WindowChunk] = []
-        decodes: list[tuple[int, list[int], int, int]] = []  # (row, pages, kv_len, skipped)
-        start = 0
-        for pt, past, new in zip(layout.page_tables, layout.num_past, layout.num_new, strict=True):
-            total = past + new
-            n_pages = pages_for(total, ps)
-            if new == 1 and past > 0:
-                decodes.append((start, list(pt[:n_pages]), total, 0))
-            else:
-                pt_cpu = torch.tensor(pt[:n_pages], dtype=torch.int64)
-                prefills.append(self._plan_prefill(start, past, new, pt_cpu))
-            start += new
+        for i in np.flatnonzero(~decode).tolist():  # prefills and chunks: few per step
+            p, n = layout.num_past[i], layout.num_new[i]
+            pt_cpu = torch.from_numpy(a.pages[i, : pages_for(p + n, ps)].copy())
+            prefills.append(self._plan_prefill(int(starts[i]), p, n, pt_cpu))
         self._prefills = prefills
-        self._groups = self._plan_decode(decodes)
+        dec = np.flatnonzero(decode)
+        n_pages = -(-total[dec] // ps)
+        pages = a.pages[dec]
+        # pages a decode does not read (a table longer than its tokens need) repeat its first
+        pages = np.where(np.arange(pages.shape[1]) < n_pages[:, None], pages, pages[:, :1])
+        self._groups = self._plan_decode(starts[dec], pages, n_pages, total[dec])
         self._windowed = {
             w: self._plan_window(layout, w, prefills)
             for w in outgrown_windows(self.windows, layout.longest)
@@ -197,7 +216,15 @@ class TorchAttention(AttentionBackend):
                 )
                 k += 1
             start += new
-        return items, (self._plan_decode(decodes) if long_decode else self._groups)
+        if not long_decode:
+            return items, self._groups
+        return items, self._plan_decode(
+            np.array([r for r, _, _, _ in decodes], np.int64),
+            pad_rows([p for _, p, _, _ in decodes]),
+            np.array([len(p) for _, p, _, _ in decodes], np.int64),
+            np.array([n for _, _, n, _ in decodes], np.int64),
+            np.array([k for _, _, _, k in decodes], np.int64),
+        )
 
     def _window_chunks(
         self, start: int, past: int, new: int, pt: Sequence[int], window: int
@@ -236,13 +263,14 @@ class TorchAttention(AttentionBackend):
             chunks.append((a, b, mask))
         return _Prefill(start, start + new, past, pt_cpu.to(dev), chunks)
 
-    def _plan_decode(self, decodes: list[tuple[int, list[int], int, int]]) -> list[_DecodeGroup]:
-        """Groups of decode sequences ``(row, pages, kv_len, skipped)``: ``kv_len`` tokens from
-        the first page's first slot, of which the first ``skipped`` are masked (before a
-        sliding window)."""
+    def _group_bounds(self, counts: list[int]) -> list[tuple[int, int]]:
+        """Decode groups as ranges ``[i, k)`` of sequences with ``counts`` pages each: a group's
+        gathered pages stay under DECODE_GROUP_BYTES (but it holds at least one sequence)."""
         pool = self.kv_pool
         page_bytes = 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
         page_bytes *= pool.compute_dtype.itemsize  # what a group's gathered pages take
+        # (j pages x page_bytes > DECODE_GROUP_BYTES exactly when j > budget: integers)
+        budget = DECODE_GROUP_BYTES // page_bytes
         # On a CPU a group holds a multiple of the intra-op threads where there are that many
         # sequences, even past DECODE_GROUP_BYTES: the gather splits its pages evenly over the
         # threads and SDPA its (sequence, head) pairs, so each thread then reads the sequences
@@ -250,51 +278,98 @@ class TorchAttention(AttentionBackend):
         # other thread reads half of it from across the chip: on 2 cores, a 2,144-token bf16
         # sequence with 4 kv heads took 918 us to gather and attend alone, 342 us in pairs.
         threads = torch.get_num_threads() if pool.device.type == "cpu" else 1
-        groups: list[_DecodeGroup] = []
+        num = len(counts)
+        bounds: list[tuple[int, int]] = []
         i = 0
-        while i < len(decodes):
-            j, biggest = i + 1, len(decodes[i][1])
-            while j < len(decodes):
-                widest = max(biggest, len(decodes[j][1]))
-                if (j + 1 - i) * widest * page_bytes > DECODE_GROUP_BYTES:
+        while i < num:
+            j, biggest = i + 1, counts[i]
+            while j < num:
+                c = counts[j]
+                widest = c if c > biggest else biggest
+                if (j + 1 - i) * widest > budget:
                     break
                 biggest, j = widest, j + 1
             n = j - i
             if n < threads:
-                n = min(threads, len(decodes) - i)
+                n = min(threads, num - i)
             else:
                 n -= n % threads
-            groups.append(self._make_group(decodes[i : i + n]))
+            bounds.append((i, i + n))
             i += n
+        return bounds
+
+    def _plan_decode(
+        self,
+        rows: np.ndarray,
+        pages: np.ndarray,
+        n_pages: np.ndarray,
+        kv_lens: np.ndarray,
+        skipped: np.ndarray | None = None,
+    ) -> list[_DecodeGroup]:
+        """Groups of decode sequences, per sequence ``s``: its token's row ``rows[s]`` in the
+        batch, its pages ``pages[s, :n_pages[s]]`` (``pages [D, W]``), ``kv_lens[s]`` tokens
+        from the first page's first slot, of which the first ``skipped[s]`` are masked (before
+        a sliding window; None: none). Columns of ``pages`` past a row's ``n_pages`` must
+        repeat its first page (a valid page: the key mask hides it)."""
+        counts = n_pages.tolist()
+        lens = kv_lens.tolist()
+        dev = self.kv_pool.device
+        groups: list[_DecodeGroup] = []
+        for i, k in self._group_bounds(counts):
+            n = k - i
+            kv_len, shortest = max(lens[i:k]), min(lens[i:k])
+            skips = skipped is not None and bool(skipped[i:k].any())
+            mask = None
+            if skips or shortest != kv_len:
+                keys = np.arange(kv_len)
+                m = keys < kv_lens[i:k, None]
+                if skips:
+                    assert skipped is not None
+                    m &= keys >= skipped[i:k, None]
+                mask = torch.from_numpy(m).to(dev)[:, None, None, :]
+            first = int(rows[i])
+            groups.append(
+                _DecodeGroup(
+                    rows=torch.from_numpy(rows[i:k].copy()).to(dev),
+                    # rows ascend: consecutive exactly when the last is n - 1 after the first
+                    first_row=first if int(rows[k - 1]) - first == n - 1 else -1,
+                    pages=torch.from_numpy(pages[i:k, : max(counts[i:k])].reshape(-1)).to(dev),
+                    num_seqs=n,
+                    kv_len=kv_len,
+                    mask=mask,
+                )
+            )
         return groups
 
-    def _make_group(self, seqs: list[tuple[int, list[int], int, int]]) -> _DecodeGroup:
-        dev = self.kv_pool.device
-        rows = [r for r, _, _, _ in seqs]
-        lens = [n for _, _, n, _ in seqs]
-        skipped = [s for _, _, _, s in seqs]
-        max_pages = max(len(p) for _, p, _, _ in seqs)
-        flat: list[int] = []
-        for _, p, _, _ in seqs:
-            flat.extend(p + [p[0]] * (max_pages - len(p)))
-        kv_len = max(lens)
-        mask = None
-        if any(n != kv_len for n in lens) or any(skipped):
-            keys = torch.arange(kv_len).unsqueeze(0)
-            lens_t = torch.tensor(lens, dtype=torch.int64).unsqueeze(1)
-            mask = keys < lens_t
-            if any(skipped):
-                mask &= keys >= torch.tensor(skipped, dtype=torch.int64).unsqueeze(1)
-            mask = mask.to(dev)[:, None, None, :]
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        return _DecodeGroup(
-            rows=torch.tensor(rows, dtype=torch.int64, device=dev),
-            first_row=rows[0] if contiguous else -1,
-            pages=torch.tensor(flat, dtype=torch.int64, device=dev),
-            num_seqs=len(seqs),
-            kv_len=kv_len,
-            mask=mask,
-        )
+    def _plan_small_decode(self, layout: BatchLayout) -> list[_DecodeGroup]:
+        """:meth:`_plan_decode`'s groups for a decode-only batch of fewer than
+        ``ROWS_MIN_BATCH`` sequences, from its page tables as lists: for a handful of rows a
+        Python pass costs less than the array calls' fixed cost. The same groups."""
+        ps, dev = self.kv_pool.page_size, self.kv_pool.device
+        lens = [p + 1 for p in layout.num_past]
+        tables = [list(pt[: -(-n // ps)]) for pt, n in zip(layout.page_tables, lens, strict=True)]
+        groups: list[_DecodeGroup] = []
+        for i, k in self._group_bounds([len(t) for t in tables]):
+            widest = max(len(t) for t in tables[i:k])
+            flat: list[int] = []
+            for t in tables[i:k]:
+                flat.extend(t + [t[0]] * (widest - len(t)))
+            kv_len = max(lens[i:k])
+            mask = None
+            if min(lens[i:k]) != kv_len:
+                lens_t = torch.tensor(lens[i:k], dtype=torch.int64).unsqueeze(1)
+                mask = (torch.arange(kv_len).unsqueeze(0) < lens_t).to(dev)[:, None, None, :]
+            groups.append(
+                _DecodeGroup(
+                    rows=torch.arange(i, k, device=dev),
+                    first_row=i,
+                    pages=torch.tensor(flat, dtype=torch.int64, device=dev),
+                    num_seqs=k - i,
+                    kv_len=kv_len,
+                    mask=mask,
+                )
+            )
+        return groups
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(

@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Protocol
 
+import numpy as np
+
 from radixkv.attention.base import outgrown_windows
 from radixkv.attention.cascade_plan import CascadeLevel, CascadePlan
 from radixkv.debug import debug_checks_enabled
@@ -113,6 +115,19 @@ class CascadeDecision:
     @property
     def num_levels(self) -> int:
         return len(self.plan.levels)
+
+
+class _Columns(NamedTuple):
+    """A step's entries column by column (``DecodeEntry`` fields, one sequence per index)."""
+
+    nodes: tuple[TrieNode | None, ...]
+    tables: Sequence[Sequence[int]]
+    lens: Sequence[int]
+    num_shared: tuple[int, ...]
+
+    def entries(self) -> list[DecodeEntry]:
+        """The entries themselves (for the checks and a build from the trie)."""
+        return list(map(DecodeEntry, self.nodes, self.tables, self.lens, self.num_shared))
 
 
 @dataclass(frozen=True)
@@ -209,28 +224,47 @@ class CascadePlanner:
     def plan(self, entries: Sequence[DecodeEntry]) -> CascadeDecision:
         if not entries:
             raise ValueError("cascade planner: empty decode batch")
+        nodes, tables, lens, shared = zip(*entries, strict=True)  # columns, at C speed
+        return self.plan_columns(nodes, tables, lens, shared)
+
+    def plan_columns(
+        self,
+        nodes: Sequence[TrieNode | None],
+        page_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        num_shared_pages: Sequence[int],
+    ) -> CascadeDecision:
+        """:meth:`plan` of the entries ``DecodeEntry(nodes[i], page_tables[i], seq_lens[i],
+        num_shared_pages[i])``, given column by column (the engine's decode step: no entry
+        objects to build per row and step)."""
+        cols = _Columns(tuple(nodes), page_tables, seq_lens, tuple(num_shared_pages))
+        n = len(cols.nodes)
+        if not n:
+            raise ValueError("cascade planner: empty decode batch")
+        if not len(page_tables) == len(seq_lens) == len(cols.num_shared) == n:
+            raise ValueError("cascade planner: columns differ in length")
         ps = self.page_size
         if self.check_entries:
-            self._check(entries)
-        plain_tokens = sum(e.seq_len for e in entries)
-        if self.mode == "off" or len(entries) == 1:
-            return self._plain(entries, plain_tokens)
+            self._check(cols.entries())
+        plain_tokens = sum(seq_lens)
+        if self.mode == "off" or n == 1:
+            return self._plain(cols, plain_tokens)
         if self.layer_windows:
-            cut = outgrown_windows(self.layer_windows, max(e.seq_len for e in entries))
+            cut = outgrown_windows(self.layer_windows, max(seq_lens))
             if all(w in cut for w in self.layer_windows):
-                return self._plain(entries, plain_tokens)
-        shared = self._shared_part(entries)
+                return self._plain(cols, plain_tokens)
+        shared = self._shared_part(cols)
         if not shared.levels:  # nothing shared enough to keep
-            return self._plain(entries, plain_tokens)
-        last = self._last_level(entries, shared)
+            return self._plain(cols, plain_tokens)
+        last = self._last_level(cols, shared)
         cascade_tokens = shared.shared_tokens + last.kv_tokens_read(ps)
         saved = plain_tokens - cascade_tokens
         if self.mode == "auto" and (
             saved < self.min_step_saved_tokens
             or saved < self.min_step_saved_fraction * plain_tokens
         ):
-            return self._plain(entries, plain_tokens)
-        plan = CascadePlan(ps, len(entries), (*shared.levels, last))
+            return self._plain(cols, plain_tokens)
+        plan = CascadePlan(ps, n, (*shared.levels, last))
         return CascadeDecision(
             shared.order, True, plain_tokens, cascade_tokens, shared.num_segments, lambda: plan
         )
@@ -254,20 +288,19 @@ class CascadePlanner:
                 )
 
     # ---------------------------------------------------------------- steps
-    def _plain(self, entries: Sequence[DecodeEntry], plain_tokens: int) -> CascadeDecision:
+    def _plain(self, cols: _Columns, plain_tokens: int) -> CascadeDecision:
         ps = self.page_size
-        tables = [e.page_table for e in entries]
-        lens = [e.seq_len for e in entries]
-        order = tuple(range(len(entries)))
+        tables = list(cols.tables)
+        lens = list(cols.lens)
+        order = tuple(range(len(lens)))
         return CascadeDecision(
             order, False, plain_tokens, plain_tokens, 0, lambda: CascadePlan.plain(tables, lens, ps)
         )
 
-    def _shared_part(self, entries: Sequence[DecodeEntry]) -> _Shared:
+    def _shared_part(self, cols: _Columns) -> _Shared:
         """The shared levels for these entries: the last step's when they lock the same nodes
         (see the module docstring), else built from the trie (no levels: nothing to share)."""
-        nodes = tuple(e.node for e in entries)
-        num_shared = tuple(e.num_shared_pages for e in entries)
+        nodes, num_shared = cols.nodes, cols.num_shared
         last = self._last
         # tuple equality tests identity first; nodes have no __eq__ of their own
         if last is not None and last.num_shared == num_shared and last.nodes == nodes:
@@ -276,7 +309,7 @@ class CascadePlanner:
         if grown is not None and not self.check_entries:
             self._last = grown
             return grown
-        built = self._build(entries, nodes, num_shared)
+        built = self._build(cols.entries(), nodes, num_shared)
         if grown is not None:  # (debug checks) what the shortcut gave is what a build gives
             assert _structure(grown) == _structure(built), "cascade shortcut differs"
         self._last = built
@@ -501,7 +534,7 @@ class CascadePlanner:
             starts,
         )
 
-    def _last_level(self, entries: Sequence[DecodeEntry], shared: _Shared) -> CascadeLevel:
+    def _last_level(self, cols: _Columns, shared: _Shared) -> CascadeLevel:
         """Each row's pages not read at a shared level (its ranges there are disjoint).
 
         Its pages are the last step's while the shared part is the same object (same nodes,
@@ -511,10 +544,9 @@ class CascadePlanner:
         step mostly rebuilds only the last page lengths."""
         ps = self.page_size
         n = len(shared.order)
-        ordered = [entries[i] for i in shared.order]
-        lens = [e.seq_len for e in ordered]
-        n_pages = [-(-k // ps) for k in lens]
-        tables = tuple([e.page_table for e in ordered])
+        lens = np.fromiter(map(cols.lens.__getitem__, shared.order), np.int64, n)
+        n_pages = (-(-lens // ps)).tolist()
+        tables = tuple(map(cols.tables.__getitem__, shared.order))
         memo = self._last_pages
         # (tuple equality: identity first, then contents: equal contents have equal pages)
         if memo is not None and memo[0] is shared and memo[2] == n_pages and memo[1] == tables:
@@ -526,8 +558,7 @@ class CascadePlanner:
             self._last_pages = (shared, tables, n_pages, kv, idx)
         else:
             kv_l, idx_l = [0], []
-            for e, k, ranges in zip(ordered, n_pages, shared.covered):
-                table = e.page_table
+            for table, k, ranges in zip(tables, n_pages, shared.covered):
                 start = 0
                 for lo, hi in ranges:
                     idx_l.extend(table[start:lo])
@@ -536,5 +567,8 @@ class CascadePlanner:
                 kv_l.append(len(idx_l))
             kv, idx = tuple(kv_l), tuple(idx_l)
             self._last_pages = (shared, tables, n_pages, kv, idx)
-        last = tuple([(k - 1) % ps + 1 for k in lens])  # tokens in each row's last page
-        return CascadeLevel(tuple(range(n + 1)), kv, idx, last)
+        last = tuple(((lens - 1) % ps + 1).tolist())  # tokens in each row's last page
+        qo = tuple(range(n + 1))
+        if self.check_entries:  # (else right by construction: one segment per row)
+            return CascadeLevel(qo, kv, idx, last)
+        return CascadeLevel.unchecked(qo, kv, idx, last)

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from pathlib import Path
@@ -50,7 +51,7 @@ from radixkv.cache.storage import (
 )
 from radixkv.cache.tiers import WRITE_THROUGH_SELECTIVE
 from radixkv.engine.beam_runner import BeamRunner
-from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner, DecodeEntry
+from radixkv.engine.cascade_planner import CascadeDecision, CascadePlanner
 from radixkv.engine.config import EngineConfig, canonical_options
 from radixkv.engine.detokenizer import decode_output
 from radixkv.engine.guided import GuideCompiler, mask_logits
@@ -106,6 +107,11 @@ _DEFAULT_GPU_KV_FRACTION = 0.5  # of the free GPU memory after the weights are l
 # A step's fixed cost in prefill tokens (scheduler.py: sizes the groups in which a burst of
 # short prefills is admitted), on a GPU / a CPU: see Scheduler.__init__
 _STEP_OVERHEAD_TOKENS = {False: 1024.0, True: 64.0}
+# a decode step's per-row fields, read by C-speed maps (Engine._plan_cascade)
+_num_computed = operator.attrgetter("num_computed")
+_locked_node = operator.attrgetter("locked_node")
+_page_table = operator.attrgetter("page_table")
+_num_shared_pages = operator.attrgetter("num_shared_pages")
 
 
 class Engine:
@@ -863,26 +869,29 @@ class Engine:
         sequences (and their batch rows; None when the batch is all decode) when the planner
         finds sharing that pays, else (None, None): plain paged decode. A mixed step (someone
         prefills) plans its decodes too where the runner's backend can split the batch."""
-        rows = [
-            i
-            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
-            if n == 1 and s.num_computed
-        ]
-        decodes = [batch.seqs[i] for i in rows]
-        plain = sum(s.num_computed + 1 for s in decodes)
+        seqs = batch.seqs
+        past = list(map(_num_computed, seqs))
+        if batch.num_new.count(1) == len(seqs) and all(past):  # decode only: every row
+            rows, decodes = list(range(len(seqs))), seqs
+        else:
+            rows = [i for i, (p, n) in enumerate(zip(past, batch.num_new)) if n == 1 and p]
+            decodes = [seqs[i] for i in rows]
+            past = [past[i] for i in rows]
+        plain = sum(past) + len(past)
         read, decision = plain, None
-        whole = len(rows) == len(batch.seqs)
+        whole = len(rows) == len(seqs)
         if (
             len(rows) > 1
             and self.cascade_planner.mode != "off"
             and self.runner.supports_cascade
             and (whole or self.runner.supports_mixed_cascade)
         ):
-            d = self.cascade_planner.plan(
-                [
-                    DecodeEntry(s.locked_node, s.page_table, s.num_computed + 1, s.num_shared_pages)
-                    for s in decodes
-                ]
+            # the entries column by column, read by C-speed maps (a decode step of 256 rows)
+            d = self.cascade_planner.plan_columns(
+                list(map(_locked_node, decodes)),
+                list(map(_page_table, decodes)),
+                list(map((1).__add__, past)),
+                list(map(_num_shared_pages, decodes)),
             )
             if d.use_cascade:
                 decision, read = d, d.kv_tokens_cascade

@@ -5,14 +5,17 @@ The runner never allocates or frees pages: the engine passes each sequence's pag
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from radixkv.attention.base import AttentionBackend, BatchLayout
 from radixkv.attention.cascade_backend import CascadeDecodeBackend
 from radixkv.attention.hybrid import HybridAttention
+from radixkv.attention.page_table_rows import PageTableRows
 from radixkv.attention.registry import get_backend
 from radixkv.attention.torch_backend import TorchAttention
 from radixkv.debug import debug_checks_enabled
@@ -25,6 +28,9 @@ from radixkv.model.lora import LoRASet
 
 if TYPE_CHECKING:
     from radixkv.attention.cascade_plan import CascadePlan
+
+
+_first = operator.itemgetter(0)  # a SeqInput's new_token_ids; a list's first item
 
 
 class CascadeSchedule(Protocol):
@@ -114,6 +120,10 @@ class ModelRunner:
         self._backend = backend
         self.check_inputs = debug_checks_enabled() if check_inputs is None else check_inputs
         self.attn: AttentionBackend = self._new_backend()
+        # the page tables of the last steps as array rows, converted again only where they
+        # changed (a persistent batch: radixkv/attention/page_table_rows.py); built on the
+        # host thread only (not thread-safe), shared by the plan slots
+        self._page_rows = PageTableRows(check=self.check_inputs)
         # created on the first cascade step: the backend a cascade step runs, and the cascade
         # backend in it (the same object, or with hybrid window KV its full layers' part)
         self._cascade: AttentionBackend | None = None
@@ -178,7 +188,7 @@ class ModelRunner:
         which must then be decode-only): their shared prefixes are read once per group (same
         logits, fewer KV reads). A plan over part of a batch needs ``supports_mixed_cascade``."""
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
-        idx_t = None if all_logits else self._last_rows([len(s.new_token_ids) for s in seqs])
+        idx_t = None if all_logits else self._last_rows(list(map(len, map(_first, seqs))))
         return self.model(ids_t, pos_t, attn, idx_t, max_position=max_pos)
 
     @torch.inference_mode()
@@ -197,7 +207,7 @@ class ModelRunner:
         ids_t, pos_t, max_pos, attn = self._prepare(seqs, cascade, cascade_rows)
         h = self.model.trunk(ids_t, pos_t, attn, max_position=max_pos)  # [T, hidden]
         logits = self.model.head(
-            h.index_select(0, self._last_rows([len(s.new_token_ids) for s in seqs]))
+            h.index_select(0, self._last_rows(list(map(len, map(_first, seqs)))))
         )
         starts = [0]
         for s in seqs:
@@ -235,11 +245,16 @@ class ModelRunner:
             raise ValueError("ModelRunner.forward: empty batch")
         if self.check_inputs:
             self._check_inputs(seqs)
-        num_new = [len(s.new_token_ids) for s in seqs]
-        positions = [s.num_past for s in seqs]
-        layout = BatchLayout.build([s.page_table for s in seqs], positions, num_new)
+        # the batch column by column (SeqInput's fields), at C speed
+        new_ids, tables, pasts, _ = zip(*seqs, strict=True)
+        num_new = list(map(len, new_ids))
+        positions = list(pasts)
+        # a cascade over the whole batch reads only the write slots of the layout: no arrays
+        whole_cascade = cascade is not None and cascade_rows is None
+        rows = None if whole_cascade else self._page_rows
+        layout = BatchLayout.build(tables, positions, num_new, rows=rows)
         if len(num_new) == sum(num_new):  # decode: one token each, at its past length
-            ids = [int(s.new_token_ids[0]) for s in seqs]
+            ids = list(map(int, map(_first, new_ids)))
         else:
             ids, positions = [], []
             for s in seqs:
@@ -259,8 +274,11 @@ class ModelRunner:
         """``step``'s token ids and positions as tensors on the device, with the model's LoRA
         rows set for it (model state: call it in forward order, before the forward)."""
         dev = self.device
-        ids_t = torch.tensor(step.ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos_t = torch.tensor(step.positions, dtype=torch.int64).to(dev, non_blocking=True)
+        # through numpy: torch.tensor on a list of Python ints costs several times more
+        ids_t = torch.from_numpy(np.array(step.ids, dtype=np.int64)).to(dev, non_blocking=True)
+        pos_t = torch.from_numpy(np.array(step.positions, dtype=np.int64)).to(
+            dev, non_blocking=True
+        )
         if step.lora_slots is not None:
             self.loras.set_rows(step.lora_slots, step.layout.num_new, dev)
         return ids_t, pos_t
