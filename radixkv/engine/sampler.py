@@ -17,6 +17,16 @@ import torch
 from radixkv.engine.params import SamplingParams
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax of ``x [B, V]`` (the first of equal maxima; a NaN counts as the
+    largest, the first NaN wins), as ``x.argmax(dim=-1).tolist()`` gives. On a CPU by NumPy's
+    argmax, which is vectorised (about 10x faster than torch's there) and agrees with torch's on
+    ties, NaN and infinities (tests/test_sampler.py compares them)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return x.detach().numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return x.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+
+
 def _largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest values of each row of ``x [S, V]``, descending, and their columns
     (any order among equal values). On a CPU by NumPy's partition then a sort of the ``k``
@@ -142,7 +152,7 @@ def sample(
         return []
     rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
     if not rows:
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits)
     dev = logits.device
     every = len(rows) == b  # no greedy row: no argmax, no row selection
     idx = None if every else torch.tensor(rows, device=dev)
@@ -167,6 +177,7 @@ def sample(
     tok = order.gather(1, pos[:, None]).squeeze(1) if order is not None else pos
     if idx is None:
         return tok.tolist()
-    out = logits.argmax(dim=-1)  # [B]: the greedy rows'
-    out[idx] = tok
-    return out.tolist()
+    out = argmax_rows(logits)  # the greedy rows'
+    for i, t in zip(rows, tok.tolist()):
+        out[i] = t
+    return out
