@@ -141,6 +141,16 @@ class IncrementalDetokenizer:
     def emitted_text(self) -> str:
         return self.text[: self._emitted]
 
+    def take(self, finished: bool) -> tuple[str, str]:
+        """``take_delta(finished)`` and then ``emitted_text``, in one call (an output's two
+        texts; made for every streamed request every step)."""
+        text = self.text
+        emitted = self._emitted
+        end = len(text) if finished else max(emitted, len(text) - self._hold)
+        self._emitted = end
+        # (a slice to the end is ``text`` itself: no copy when nothing is held back)
+        return text[emitted:end], text[:end]
+
 
 def decode_output(
     tokenizer: _Decoder,

@@ -267,12 +267,17 @@ class RequestGroup:
 
     def make_output(self) -> RequestOutput:
         """Snapshot for the user; advances each sequence's emitted-delta cursor."""
-        if len(self._emitted_tokens) != len(self.seqs):
-            self._emitted_tokens = [0] * len(self.seqs)
-        done = self.finished
+        seqs = self.seqs
+        if len(self._emitted_tokens) != len(seqs):
+            self._emitted_tokens = [0] * len(seqs)
+        if len(seqs) == 1:  # the usual n == 1 (as ``finished``, without the property call)
+            done = seqs[0].status is SeqStatus.FINISHED
+        else:
+            done = all(s.status is SeqStatus.FINISHED for s in seqs)
         outs = self._sample_outputs() if self.beam is None else list(self.beam.outputs or ())
         first = outs[0] if outs else CompletionOutput(index=0, text="", token_ids=[])
         pl = self.prompt_logprobs
+        cached = seqs[0].num_cached_tokens
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -280,7 +285,7 @@ class RequestGroup:
             text=first.text,
             token_ids=first.token_ids,
             finish_reason=first.finish_reason,
-            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
+            num_cached_tokens=cached if cached > 0 else 0,
             metrics=self.metrics,
             outputs=outs,
             finished=done,
@@ -289,7 +294,7 @@ class RequestGroup:
             weight_version=self.weight_version,
             error=self.error,
             prompt_logprobs=(
-                list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
+                None if pl is None or len(pl) != len(self.prompt_token_ids) else list(pl)
             ),
         )
 
@@ -298,9 +303,7 @@ class RequestGroup:
         emitted = self._emitted_tokens
         for s in self.seqs:
             out_ids = s.token_ids[s.num_prompt_tokens :].tolist()
-            fin = s.status is SeqStatus.FINISHED
-            detok = s.detok
-            delta = detok.take_delta(fin)
+            delta, text = s.detok.take(s.status is SeqStatus.FINISHED)
             i = s.index
             prev = emitted[i]
             emitted[i] = len(out_ids)
@@ -308,7 +311,7 @@ class RequestGroup:
             outs.append(
                 CompletionOutput(
                     index=i,
-                    text=detok.emitted_text,
+                    text=text,
                     token_ids=out_ids,
                     finish_reason=s.finish_reason,
                     delta_text=delta,
