@@ -1,11 +1,15 @@
 """The sampler's shortcuts against the paths they replace: NumPy's argmax for torch's
-(``argmax_rows``), randomized over shapes, ties, NaN and infinities."""
+(``argmax_rows``), randomized over shapes, ties, NaN and infinities; uniforms drawn ahead in
+blocks (``UniformStream``) for one ``torch.rand`` per row and step."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from radixkv.engine.sampler import argmax_rows
+from radixkv.engine.params import SamplingParams
+from radixkv.engine.sampler import UniformStream, argmax_rows, make_generator, sample
 
 
 def test_argmax_rows_is_torchs_argmax() -> None:
@@ -29,3 +33,57 @@ def test_argmax_rows_is_torchs_argmax() -> None:
         assert argmax_rows(x) == x.argmax(dim=-1).tolist(), trial
     half = torch.randn(3, 9).half()  # not NumPy's: torch's own argmax
     assert argmax_rows(half) == half.argmax(dim=-1).tolist()
+
+
+# ---------------------------------------------------------------- uniforms drawn ahead
+def test_uniform_stream_draws_as_single_draws() -> None:
+    """``torch.rand(n)`` on a CPU generator is n single draws in a row, so a stream's uniforms
+    are the single draws', block after block."""
+    for seed in range(40):
+        ref = make_generator(seed * 7919 + 3)
+        stream = UniformStream(make_generator(seed * 7919 + 3))
+        want = [torch.rand(1, generator=ref).item() for _ in range(3 * UniformStream.BLOCK + 5)]
+        assert [stream.next() for _ in want] == want
+
+
+def test_uniform_stream_gives_back_its_draws_ahead() -> None:
+    """A direct use of the generator (speculative verification's multinomial and rand) sees
+    it where single draws would have left it, and the stream goes on from there."""
+    rng = random.Random(0)
+    for seed in range(30):
+        ref = make_generator(seed)
+        stream = UniformStream(make_generator(seed))
+        for _ in range(12):
+            for _ in range(rng.randrange(0, 2 * UniformStream.BLOCK)):
+                assert stream.next() == torch.rand(1, generator=ref).item()
+            q = torch.rand(7, generator=torch.Generator().manual_seed(seed)) + 0.1
+            g = stream.generator()
+            assert int(torch.multinomial(q, 1, generator=g)) == int(
+                torch.multinomial(q, 1, generator=ref)
+            )
+            assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=ref))
+
+
+def test_sample_with_streams_draws_as_with_generators() -> None:
+    """Seeded rows, many steps, every kind of params, greedy rows among them: the streams'
+    tokens are the plain generators' (the draw per row per step as before)."""
+    rows, vocab, steps = 48, 300, 40
+    params = [
+        SamplingParams(
+            temperature=(0.0, 0.7, 1.0, 1.3)[i % 4], top_k=(0, 5, 40)[i % 3],
+            top_p=(1.0, 0.9, 0.5)[i % 5 % 3], min_p=(0.0, 0.05)[i % 2], seed=i,
+        )
+        for i in range(rows)
+    ]  # fmt: skip
+    gens = [make_generator(i) if p.temperature > 0 else None for i, p in enumerate(params)]
+    streams = [
+        UniformStream(make_generator(i)) if p.temperature > 0 else None
+        for i, p in enumerate(params)
+    ]
+    g = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        logits = torch.randn(rows, vocab, generator=g) * 3
+        part = list(range(step % 3, rows))  # rows come and go
+        got = sample(logits[part], [params[i] for i in part], [streams[i] for i in part])
+        want = sample(logits[part], [params[i] for i in part], [gens[i] for i in part])
+        assert got == want, step

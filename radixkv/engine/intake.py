@@ -26,7 +26,7 @@ from radixkv.engine.guided import GuideCompiler
 from radixkv.engine.lora import LoRAInfo
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace, RequestGroup, Sequence
-from radixkv.engine.sampler import make_generator
+from radixkv.engine.sampler import UniformStream, make_generator
 from radixkv.model.tokenizer import Tokenizer
 from radixkv.pages import pages_for
 
@@ -225,7 +225,7 @@ class RequestIntake:
             gen = None
             if params.temperature > 0:
                 seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-                gen = make_generator(seed)
+                gen = UniformStream(make_generator(seed))
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 ids,

@@ -24,12 +24,11 @@ from radixkv.engine.outputs import (
 from radixkv.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from radixkv.cache import LoadBack, TreeNode
     from radixkv.engine.beam_search import BeamSearch
     from radixkv.engine.guided import TokenGuide
     from radixkv.engine.lora import LoRAInfo
+    from radixkv.engine.sampler import UniformStream
     from radixkv.engine.storage_tier import PrefetchJob
 
 # What partitions the prefix cache (a tenant, a LoRA, a cache salt): any hashable value, None
@@ -92,7 +91,7 @@ class Sequence:
         group: RequestGroup,
         index: int,
         prompt_ids: list[int],
-        generator: torch.Generator | None,
+        generator: UniformStream | None,
         detok: IncrementalDetokenizer,
     ) -> None:
         self.group = group

@@ -130,17 +130,63 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
+class UniformStream:
+    """One sequence's sampling generator, its uniforms drawn ``BLOCK`` at a time.
+
+    ``sample`` takes one uniform per step from each sampled row; a ``torch.rand`` call per
+    row costs more than the rest of a batch's sampling. The CPU generator draws a block of
+    float32 uniforms as that many single draws in a row (``torch.rand(n)`` is serial:
+    tests/test_sampler_fast_paths.py compares them), so :meth:`next` returns exactly the
+    value ``torch.rand(1, generator=g)`` would. Whoever uses the generator otherwise
+    (speculative verification's multinomial) asks :meth:`generator`, which first gives back
+    the uniforms drawn ahead: the generator is then where single draws would have left it.
+    """
+
+    BLOCK = 32
+
+    __slots__ = ("_ahead", "_gen", "_mark")
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self._gen = generator
+        self._ahead: list[float] = []  # drawn, not yet used: next last
+        self._mark: torch.Tensor | None = None  # the generator's state before them
+
+    def next(self) -> float:
+        """The next uniform in [0, 1) (a float32 value)."""
+        ahead = self._ahead
+        if not ahead:
+            self._mark = self._gen.get_state()
+            ahead += torch.rand(self.BLOCK, generator=self._gen).tolist()[::-1]
+        return ahead.pop()
+
+    def generator(self) -> torch.Generator:
+        """The generator, positioned after the uniforms :meth:`next` returned so far."""
+        if self._ahead:
+            used = self.BLOCK - len(self._ahead)
+            assert self._mark is not None
+            self._gen.set_state(self._mark)
+            if used:
+                torch.rand(used, generator=self._gen)
+            self._ahead.clear()
+        return self._gen
+
+
+def _draw(generator: torch.Generator) -> float:
+    return float(torch.rand(1, generator=generator).item())
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[torch.Generator | UniformStream | None],
 ) -> list[int]:
     """Pick one token per row.
 
     Args:
         logits: [B, V] float logits of each sequence's last position (not modified).
         params: B sampling params; rows with ``temperature == 0`` take the argmax.
-        generators: B generators; a sampled row's generator must not be None (greedy rows may).
+        generators: B generators (or their :class:`UniformStream`, the same draws); a sampled
+            row's must not be None (greedy rows may).
 
     Returns:
         B token ids.
@@ -164,7 +210,9 @@ def sample(
     gens = generators if every else [generators[i] for i in rows]
     if any(g is None for g in gens):
         raise ValueError("sample: a sampled (temperature > 0) row has no generator")
-    u = torch.cat([torch.rand(1, generator=g) for g in gens]).to(dev)  # [S] in [0, 1)
+    # [S] in [0, 1), float32: one uniform per row from its own generator
+    draws = [g.next() if type(g) is UniformStream else _draw(g) for g in gens]  # type: ignore[union-attr, arg-type]
+    u = torch.tensor(draws, dtype=torch.float32).to(dev)
     u = u * cdf[:, -1]
     # how many cdf entries are <= u (the cdf does not decrease): a binary search per row
     pos = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
