@@ -267,14 +267,34 @@ class RequestGroup:
     def make_output(self) -> RequestOutput:
         """Snapshot for the user; advances each sequence's emitted-delta cursor."""
         seqs = self.seqs
-        if len(self._emitted_tokens) != len(seqs):
-            self._emitted_tokens = [0] * len(seqs)
-        if len(seqs) == 1:  # the usual n == 1 (as ``finished``, without the property call)
-            done = seqs[0].status is SeqStatus.FINISHED
+        emitted = self._emitted_tokens
+        if len(emitted) != len(seqs):
+            emitted = self._emitted_tokens = [0] * len(seqs)
+        if len(seqs) == 1 and self.beam is None:  # the usual n == 1: its output, inline
+            s = seqs[0]
+            done = s.status is SeqStatus.FINISHED
+            out_ids = s.token_ids[s.num_prompt_tokens :].tolist()
+            delta, text = s.detok.take(done)
+            i = s.index
+            prev = emitted[i]
+            emitted[i] = len(out_ids)
+            lps = s.logprobs
+            first = CompletionOutput(
+                index=i,
+                text=text,
+                token_ids=out_ids,
+                finish_reason=s.finish_reason,
+                delta_text=delta,
+                delta_token_ids=out_ids[prev:] if prev else out_ids.copy(),
+                stop_reason=s.stop_reason,
+                logprobs=None if lps is None else list(lps),
+                cumulative_logprob=None if lps is None else s.cumulative_logprob,
+            )
+            outs = [first]
         else:
             done = all(s.status is SeqStatus.FINISHED for s in seqs)
-        outs = self._sample_outputs() if self.beam is None else list(self.beam.outputs or ())
-        first = outs[0] if outs else CompletionOutput(index=0, text="", token_ids=[])
+            outs = self._sample_outputs() if self.beam is None else list(self.beam.outputs or ())
+            first = outs[0] if outs else CompletionOutput(index=0, text="", token_ids=[])
         pl = self.prompt_logprobs
         cached = seqs[0].num_cached_tokens
         return RequestOutput(

@@ -1,0 +1,67 @@
+"""``RequestGroup.make_output``'s inline path for a single sample against the general one
+(``_sample_outputs``): at every step of a streaming run (stop strings held back, logprobs,
+every finish reason), the same outputs and the same cursors after."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.outputs import RequestOutput
+from radixkv.engine.params import SamplingParams
+from radixkv.engine.request import RequestGroup
+
+
+def _state(g: RequestGroup) -> tuple[list[int], list[int]]:
+    return list(g._emitted_tokens), [s.detok._emitted for s in g.seqs]
+
+
+def _restore(g: RequestGroup, st: tuple[list[int], list[int]]) -> None:
+    g._emitted_tokens = list(st[0]) or [0] * len(g.seqs)  # (sized by the first output)
+    for s, e in zip(g.seqs, st[1]):
+        s.detok._emitted = e
+
+
+def test_single_sample_output_is_the_general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked = []
+    make = RequestGroup.make_output
+
+    def both(g: RequestGroup) -> RequestOutput:
+        """The output as the engine makes it, checked against the general path's."""
+        st = _state(g)
+        fast = make(g)
+        after = _state(g)
+        _restore(g, st)
+        assert g.beam is None and len(g.seqs) == 1
+        ref = g._sample_outputs()
+        assert _state(g) == after
+        assert fast.outputs == ref, g.request_id
+        first = ref[0]
+        assert (fast.text, fast.token_ids, fast.finish_reason) == (
+            first.text, first.token_ids, first.finish_reason,
+        )  # fmt: skip
+        assert fast.finished == (first.finish_reason is not None)
+        checked.append(first.finish_reason)
+        return fast
+
+    monkeypatch.setattr(RequestGroup, "make_output", both)
+    rng = random.Random(0)
+    eng = Engine("radixkv-tiny-random", page_size=4, num_pages=400)
+    for i in range(24):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 1.0]), seed=i, max_tokens=rng.randrange(1, 20),
+            stop=rng.choice([[], ["a"], ["e ", "th"], [chr(c) for c in range(33, 127, 3)]]),
+            stop_token_ids=rng.choice([[], list(range(0, 256, 9))]),
+            logprobs=rng.choice([None, 2]), ignore_eos=rng.random() < 0.5,
+        )  # fmt: skip
+        prompt = bytes(rng.randrange(97, 123) for _ in range(rng.randrange(1, 12))).decode()
+        eng.add_request(prompt, params, stream=rng.random() < 0.8)
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert not eng.has_unfinished() and len(checked) > 100
+    assert {"stop", "length"} <= set(checked)
+    eng.check_invariants()
