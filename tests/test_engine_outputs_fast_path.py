@@ -65,3 +65,39 @@ def test_single_sample_output_is_the_general_paths(monkeypatch: pytest.MonkeyPat
     assert not eng.has_unfinished() and len(checked) > 100
     assert {"stop", "length"} <= set(checked)
     eng.check_invariants()
+
+
+def test_outputs_keep_the_batch_order_and_non_streams_report_once() -> None:
+    """Requests that do not stream are recorded only when they finish: each step's outputs
+    still come in the order of the requests' first rows in the batch, and a request that
+    does not stream has exactly one output, its final one."""
+    rng = random.Random(3)
+    eng = Engine("radixkv-tiny-random", page_size=4, num_pages=600)
+    stream: dict[str, bool] = {}
+    for i in range(30):
+        params = SamplingParams(
+            temperature=1.0, seed=i, n=rng.choice([1, 1, 2]), max_tokens=rng.randrange(1, 12),
+            stop_token_ids=list(range(0, 256, 11)),
+        )  # fmt: skip
+        s = rng.random() < 0.5
+        stream[eng.add_request(list(range(40, 40 + rng.randrange(2, 9))), params, stream=s)] = s
+    schedule = eng.scheduler.schedule
+    order: list[str] = []
+
+    def recorded() -> object:
+        batch = schedule()
+        order[:] = list(dict.fromkeys(s.group.request_id for s in batch.seqs))
+        return batch
+
+    eng.scheduler.schedule = recorded  # type: ignore[method-assign]
+    seen: dict[str, int] = {}
+    while eng.has_unfinished():
+        ids = [o.request_id for o in eng.step()]
+        assert ids == [r for r in order if r in ids]  # the batch's order
+        for o in eng.drain() or ():
+            raise AssertionError(o)
+        for rid in ids:
+            seen[rid] = seen.get(rid, 0) + 1
+    for rid, s in stream.items():
+        assert seen[rid] >= 1 if s else seen[rid] == 1, rid
+    eng.check_invariants()

@@ -809,7 +809,11 @@ class Engine:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 metrics.ttft = now - metrics.arrival_time
-            news[group.request_id] = group
+            if group.stream or len(group.seqs) > 1:
+                # a request that does not stream reports only when it finishes (drain), and
+                # _finish records it then, at this same place in the outputs' order (with
+                # several samples, in several rows, the first row's place is kept here)
+                news[group.request_id] = group
             if seq.guide is None and seq.logprobs is None and (not drafted or seq not in drafted):
                 # the common token (no drafts, logprobs or grammar): _accept's checks, inline
                 try:
