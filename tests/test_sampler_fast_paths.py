@@ -1,13 +1,16 @@
 """The sampler's shortcuts against the paths they replace: NumPy's argmax for torch's
 (``argmax_rows``), randomized over shapes, ties, NaN and infinities; uniforms drawn ahead in
-blocks (``UniformStream``) for one ``torch.rand`` per row and step."""
+blocks (``UniformStream``) for one ``torch.rand`` per row and step; rows whose top-k values tie
+sorted alone instead of the whole batch."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+import radixkv.engine.sampler as sampler
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.sampler import UniformStream, argmax_rows, make_generator, sample
 
@@ -87,3 +90,55 @@ def test_sample_with_streams_draws_as_with_generators() -> None:
         got = sample(logits[part], [params[i] for i in part], [streams[i] for i in part])
         want = sample(logits[part], [params[i] for i in part], [gens[i] for i in part])
         assert got == want, step
+
+
+# ---------------------------------------------------------------- ties: only those rows sorted
+def test_a_rows_sort_does_not_depend_on_the_other_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        b = int(torch.randint(2, 30, (1,), generator=g))
+        v = int(torch.randint(2, 300, (1,), generator=g))
+        x = torch.randint(-4, 5, (b, v), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[torch.rand(b, v, generator=g) < 0.1] = float("-inf")
+        if trial % 5 == 0:
+            x[torch.rand(b, v, generator=g) < 0.05] = float("nan")
+        rows = torch.randperm(b, generator=g)[: max(1, b // 3)].sort().values
+        all_v, all_i = x.sort(dim=-1, descending=True)
+        some_v, some_i = x.index_select(0, rows).sort(dim=-1, descending=True)
+        assert torch.equal(all_i[rows], some_i), trial
+        assert torch.equal(all_v[rows].nan_to_num(), some_v.nan_to_num()), trial
+
+
+def test_rows_that_tie_sample_as_with_the_whole_batch_sorted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch where some rows tie among their top-k (or hold -inf, NaN-free) and the others
+    do not: each row's token is the one the full sort of the whole batch gives."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        rows, vocab = 24, int(torch.randint(30, 400, (1,), generator=g))
+        x = torch.randn(rows, vocab, generator=g) * 3
+        tie = torch.rand(rows, generator=g) < 0.3
+        x[tie, 2 : vocab // 2 : 5] = 9.0  # equal logits among the kept tokens of these rows
+        if trial % 4 == 0:
+            x[tie, 5:] = float("-inf")  # fewer finite logits than the top-k
+        params = [
+            SamplingParams(
+                temperature=0.9, top_k=(3, 10, 25)[i % 3], top_p=(1.0, 0.8)[i % 2],
+                min_p=0.02 if i % 5 == 0 else 0.0, seed=i,
+            )
+            for i in range(rows)
+        ]  # fmt: skip
+        for step in range(3):
+            fast = sample(x, params, [make_generator(100 * step + i) for i in range(rows)])
+            with monkeypatch.context() as m:
+                m.setattr(sampler, "_top_sorted", lambda *a: None)  # always sort
+                ref = sample(x, params, [make_generator(100 * step + i) for i in range(rows)])
+            assert fast == ref, (trial, step)
+        got, order = sampler._filtered(x, params, full_order=False)
+        want, want_order = sampler._filtered(x, params)
+        k = got.shape[1]
+        assert k == 25 and order is not None and want_order is not None
+        assert torch.equal(got, want[:, :k]) and not bool(want[:, k:].any())
+        assert torch.equal(order, want_order[:, :k])

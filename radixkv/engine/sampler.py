@@ -47,15 +47,21 @@ def _top_sorted(
     """The first ``k_max`` columns of ``x [S, V]`` sorted descending and their order, where
     every row has a top-k (``k_max`` its largest): the ``k_max + 1`` largest values
     (``topk``, far cheaper than sorting a large vocabulary) are all distinct, so their order is
-    the sort's, and every later column is one top-k masks. None when some row has no top-k or
-    values tie (then sort)."""
+    the sort's, and every later column is one top-k masks. A row whose values tie there (or
+    are -inf, NaN) takes the first ``k_max`` columns of its own sort (a row's sort does not
+    depend on the other rows: tests/test_sampler_fast_paths.py), so one such row does not
+    cost the whole batch a sort. None when some row has no top-k (then sort)."""
     ks = [p.top_k for p in sp]
     k_max = max(ks)
     if min(ks) <= 0 or k_max + 1 >= vocab:
         return None
     vals, idx = _largest(x, k_max + 1)
-    if not bool((vals[:, :-1] > vals[:, 1:]).all()):  # a tie (or -inf, NaN): sort decides
-        return None
+    distinct = (vals[:, :-1] > vals[:, 1:]).all(dim=1)  # [S]
+    if not bool(distinct.all()):  # a tie (or -inf, NaN): the sort decides those rows
+        ties = (~distinct).nonzero().squeeze(1)
+        tv, ti = x.index_select(0, ties).sort(dim=-1, descending=True)
+        vals[ties, :k_max] = tv[:, :k_max]
+        idx[ties, :k_max] = ti[:, :k_max]
     return vals[:, :k_max], idx[:, :k_max]
 
 
