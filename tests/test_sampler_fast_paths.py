@@ -142,3 +142,24 @@ def test_rows_that_tie_sample_as_with_the_whole_batch_sorted(
         assert k == 25 and order is not None and want_order is not None
         assert torch.equal(got, want[:, :k]) and not bool(want[:, k:].any())
         assert torch.equal(order, want_order[:, :k])
+
+
+def test_largest_gives_each_rows_k_largest_in_order() -> None:
+    """``_largest`` (a partition, then a sort of the k): topk's values, and columns holding
+    them (any order among equal values), on strided input too."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(300):
+        b = int(torch.randint(1, 20, (1,), generator=g))
+        v = int(torch.randint(2, 300, (1,), generator=g))
+        k = int(torch.randint(1, v + 1, (1,), generator=g))
+        x = torch.randn(b, v, generator=g) * 3
+        if trial % 2:
+            x = torch.randint(-5, 6, (b, v), generator=g).float()  # ties
+        if trial % 3 == 0:
+            x[torch.rand(b, v, generator=g) < 0.1] = float("-inf")
+        if trial % 7 == 0:
+            x = torch.cat([x, x], dim=1)[:, ::2]  # a strided view
+        vals, idx = sampler._largest(x, k)
+        assert torch.equal(vals, x.topk(k, dim=-1).values), trial
+        assert torch.equal(x.gather(1, idx), vals), trial
+        assert all(len(set(r)) == k for r in idx.tolist()), trial

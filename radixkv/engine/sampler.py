@@ -34,11 +34,14 @@ def _largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if x.device.type != "cpu":
         return x.topk(k, dim=-1)
     xn = x.numpy()
-    part = np.argpartition(xn, xn.shape[1] - k, axis=-1)[:, -k:]  # the k largest, unordered
-    part_vals = np.take_along_axis(xn, part, -1)
+    s, v = xn.shape
+    part = np.argpartition(xn, v - k, axis=-1)[:, -k:]  # the k largest, unordered
+    # gathers by flat index (``take``): take_along_axis builds fancy indices, twice the cost
+    rows = np.arange(s)[:, None]
+    part_vals = xn.take(part + rows * v)
     rank = np.argsort(-part_vals, axis=-1, kind="stable")
-    idx = np.take_along_axis(part, rank, -1)
-    return torch.from_numpy(np.take_along_axis(part_vals, rank, -1)), torch.from_numpy(idx)
+    flat = rank + rows * k
+    return torch.from_numpy(part_vals.take(flat)), torch.from_numpy(part.take(flat))
 
 
 def _top_sorted(
