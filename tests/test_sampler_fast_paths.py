@@ -5,8 +5,10 @@ sorted alone instead of the whole batch."""
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,3 +165,23 @@ def test_largest_gives_each_rows_k_largest_in_order() -> None:
         assert torch.equal(vals, x.topk(k, dim=-1).values), trial
         assert torch.equal(x.gather(1, idx), vals), trial
         assert all(len(set(r)) == k for r in idx.tolist()), trial
+
+
+def test_row_tensors_by_numpy_are_torchs() -> None:
+    """``_rows`` (NumPy's conversion of a list of Python numbers) gives torch.tensor's values,
+    bit for bit, rounding to float32 included."""
+    rng = random.Random(4)
+    cpu = torch.device("cpu")
+    for _ in range(300):
+        vals = [
+            rng.choice([rng.random(), rng.uniform(-1e3, 1e3), rng.random() * 1e-42,
+                        rng.random() * 1e39, 0.0, -0.0, math.inf, -math.inf, math.nan])
+            for _ in range(rng.randrange(1, 40))
+        ]  # fmt: skip
+        got = sampler._rows(vals, np.float32, cpu)
+        want = torch.tensor(vals, dtype=torch.float32)
+        assert got.dtype == want.dtype and torch.equal(
+            got.view(torch.int32), want.view(torch.int32)
+        )
+        ints = [rng.randrange(-(2**40), 2**40) for _ in range(rng.randrange(1, 40))]
+        assert torch.equal(sampler._rows(ints, np.int64, cpu), torch.tensor(ints))

@@ -27,6 +27,15 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return x.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
 
 
+def _rows(values: list[float] | list[int], dtype: type, device: torch.device) -> torch.Tensor:
+    """A tensor of one value per row, ``torch.tensor(values, dtype=...)``'s values (a double
+    rounds to float32 the same way) by NumPy, which converts a list of Python numbers several
+    times faster (for 256 rows: 5 us against 15, and 32 for integers)."""
+    with np.errstate(over="ignore"):  # a double past float32's range is inf, as in torch
+        t = torch.from_numpy(np.array(values, dtype=dtype))
+    return t if device.type == "cpu" else t.to(device)
+
+
 def _largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest values of each row of ``x [S, V]``, descending, and their columns
     (any order among equal values). On a CPU by NumPy's partition then a sort of the ``k``
@@ -79,24 +88,20 @@ def _filtered(
     such rows skip the full sort (the same probabilities, to the bit: :func:`_top_sorted`;
     the softmax still spans the vocabulary, so its normaliser is the one the sort gives)."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev)
+    temps = _rows([p.temperature for p in sp], np.float32, dev)
     x = logits.float() / temps[:, None]  # [S, V]
     vocab = x.shape[1]
     if any(p.min_p > 0.0 for p in sp):
         # p >= min_p * p_max  <=>  logit >= max logit + log(min_p) (softmax shares one normaliser)
-        floor = torch.tensor(
-            [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in sp],
-            dtype=torch.float32,
-            device=dev,
+        floor = _rows(
+            [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in sp], np.float32, dev
         )
         x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor[:, None], float("-inf"))
     need_sort = any(p.top_p < 1.0 or 0 < p.top_k < vocab for p in sp)
     order: torch.Tensor | None = None
     if need_sort:
         top = None if full_order else _top_sorted(x, sp, vocab)
-        ks = torch.tensor(
-            [p.top_k if 0 < p.top_k < vocab else vocab for p in sp], device=dev
-        )  # [S]
+        ks = _rows([p.top_k if 0 < p.top_k < vocab else vocab for p in sp], np.int64, dev)
         if top is None:
             x, order = x.sort(dim=-1, descending=True)  # [S, V] each
             ranks = torch.arange(vocab, device=dev)[None, :]  # [1, V]
@@ -111,7 +116,7 @@ def _filtered(
             # the softmax over all V columns (the -inf ones add exact zeros): the normaliser
             # of the sorted path, bit for bit; only the head is read after it
             probs = torch.softmax(full, dim=-1)[:, :k_max]
-        top_ps = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=dev)
+        top_ps = _rows([p.top_p for p in sp], np.float32, dev)
         # drop a token when the mass strictly before it already reaches top_p (rank 0 always
         # kept); a prefix's cumulative sum does not depend on the columns after it
         before = probs.cumsum(dim=-1) - probs
@@ -221,7 +226,7 @@ def sample(
         raise ValueError("sample: a sampled (temperature > 0) row has no generator")
     # [S] in [0, 1), float32: one uniform per row from its own generator
     draws = [g.next() if type(g) is UniformStream else _draw(g) for g in gens]  # type: ignore[union-attr, arg-type]
-    u = torch.tensor(draws, dtype=torch.float32).to(dev)
+    u = _rows(draws, np.float32, dev)
     u = u * cdf[:, -1]
     # how many cdf entries are <= u (the cdf does not decrease): a binary search per row
     pos = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
