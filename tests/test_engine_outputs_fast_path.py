@@ -101,3 +101,29 @@ def test_outputs_keep_the_batch_order_and_non_streams_report_once() -> None:
     for rid, s in stream.items():
         assert seen[rid] >= 1 if s else seen[rid] == 1, rid
     eng.check_invariants()
+
+
+def test_output_ids_follow_a_changed_output() -> None:
+    """The output ids kept between outputs (``Sequence.out_list``) follow the sequence's
+    tokens even if they shrink or change (not in normal operation), and the lists handed out
+    are the user's: changing one changes nothing else."""
+    eng = Engine("radixkv-tiny-random", page_size=4, num_pages=100)
+    rid = eng.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), stream=True)
+    group = eng._live[rid]
+    seq = group.seqs[0]
+    rng = random.Random(5)
+    for step in range(12):
+        eng.step()
+        n0 = seq.num_prompt_tokens
+        if step % 3 == 2:  # the tail replaced behind the output's back
+            del seq.token_ids[-2:]
+            seq.token_ids.extend([rng.randrange(256), rng.randrange(256)])
+        if step % 4 == 3:
+            del seq.token_ids[-1:]
+        out = group.make_output()
+        assert out.token_ids == seq.token_ids[n0:].tolist() == out.outputs[0].token_ids
+        out.token_ids.append(-1)  # the user's list
+        out.outputs[0].delta_token_ids.clear()
+        assert group.make_output().token_ids == seq.token_ids[n0:].tolist()
+    eng.abort(rid)
+    eng.check_invariants()
