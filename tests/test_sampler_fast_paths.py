@@ -185,3 +185,35 @@ def test_row_tensors_by_numpy_are_torchs() -> None:
         )
         ints = [rng.randrange(-(2**40), 2**40) for _ in range(rng.randrange(1, 40))]
         assert torch.equal(sampler._rows(ints, np.int64, cpu), torch.tensor(ints))
+
+
+def test_engine_draws_as_with_one_torch_rand_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded sampling workload through the engine (rows coming and going, top-k/top-p/
+    min-p, several samples, stop strings): the same outputs with the uniform streams as with
+    the plain generators (one ``torch.rand`` per row and step, as before them)."""
+    import radixkv.engine.intake as intake
+    from radixkv.engine.engine import Engine
+
+    def run() -> list[tuple[str, list[int]]]:
+        eng = Engine("radixkv-tiny-random", page_size=16, num_pages=2000, seed=3)
+        rng = random.Random(0)
+        for i in range(32):
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([0, 20]), min_p=rng.choice([0.0, 0.05]),
+                seed=rng.choice([None, i]), n=rng.choice([1, 2]),
+                max_tokens=rng.randrange(4, 20), stop=rng.choice([[], ["q"]]),
+            )  # fmt: skip
+            eng.add_request([rng.randrange(256) for _ in range(rng.randrange(2, 30))], params)
+        got = []
+        while eng.has_unfinished():
+            got += [(o.request_id, c.token_ids) for o in eng.step() for c in o.outputs]
+        eng.check_invariants()
+        return got
+
+    streams = run()
+    with monkeypatch.context() as m:
+        m.setattr(intake, "UniformStream", lambda g: g)  # the plain generator in each row
+        plain = run()
+    assert streams == plain
+    assert sum(len(ids) for _, ids in plain) > 300
