@@ -187,13 +187,16 @@ class Sequence:
         stream's deltas assume it too); if the tokens shrank or the last one kept changed, the
         list is built anew."""
         ids = self.token_ids
-        n0 = self.num_prompt_tokens
         mine = self.out_list
         m = len(mine)
-        if m > len(ids) - n0 or (m and mine[-1] != ids[n0 + m - 1]):
-            del mine[:]
-            m = 0
-        if m < len(ids) - n0:
+        new = len(ids) - self.num_prompt_tokens - m  # tokens since the last call
+        if new == 1 and (not m or mine[-1] == ids[-2]):  # the usual step: one token more
+            mine.append(ids[-1])
+        elif new or (m and mine[-1] != ids[-1]):
+            n0 = self.num_prompt_tokens
+            if new < 0 or (m and mine[-1] != ids[n0 + m - 1]):
+                del mine[:]
+                m = 0
             mine += ids[n0 + m :].tolist()
         return mine.copy()  # (``mine`` itself is never handed out)
 
