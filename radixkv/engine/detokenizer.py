@@ -12,6 +12,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context
+# the most pairs a shared pair memo keeps (about 130 bytes each); pairs seen after it is full
+# are decoded every time, as without the memo
+PAIR_MEMO_SIZE = 1 << 17
+
+
+_UNKNOWN = object()  # a pair not in the memo (None there: an incomplete character)
 
 
 class _Decoder(Protocol):
@@ -32,6 +38,7 @@ class IncrementalDetokenizer:
         "_ids",
         "_include_stop",
         "_one",
+        "_pairs",
         "_prefix_offset",
         "_prev_text",
         "_read_offset",
@@ -50,11 +57,19 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = False,
         include_stop: bool = False,
         one_token_texts: dict[int, str] | None = None,
+        pair_texts: dict[int, str | None] | None = None,
     ) -> None:
         """``one_token_texts``: a memo of ``decode([id])`` under this ``skip_special_tokens``
-        that detokenizers of one tokenizer may share (filled here as tokens come)."""
+        that detokenizers of one tokenizer may share (filled here as tokens come).
+        ``pair_texts``: likewise, a memo of what the usual step appends, a token ``b`` after
+        a one-token window ``a`` (a complete character): ``decode([a, b])`` less
+        ``decode([a])``, or None while the two end in an incomplete character; it depends on
+        the pair alone. Keyed ``a << 32 | b``, at most ``PAIR_MEMO_SIZE`` pairs. (Longer runs,
+        a character split in pieces, are decoded each time: they rarely repeat, and a memo
+        that misses costs more than it saves.)"""
         self._tok = tokenizer
         self._one = one_token_texts
+        self._pairs = pair_texts
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -76,18 +91,30 @@ class IncrementalDetokenizer:
             raise RuntimeError("detokenizer: token added after a stop string matched")
         ids = self._ids
         ids.append(token_id)
-        prev = self._prev_text
-        if prev is None:
-            prev = self._prev_text = self._window_text()
-        full = self._decode(ids[self._prefix_offset :])
-        if len(full) <= len(prev) or full.endswith("\ufffd"):
+        lo = self._prefix_offset
+        pairs = self._pairs
+        key = -1
+        new: object = _UNKNOWN  # str, None (incomplete) or _UNKNOWN
+        if pairs is not None and self._read_offset == lo + 1 == len(ids) - 1:
+            key = ids[lo] << 32 | token_id  # (the window and the new token)
+            new = pairs.get(key, _UNKNOWN)
+        if new is _UNKNOWN:
+            prev = self._prev_text
+            if prev is None:
+                prev = self._prev_text = self._window_text()
+            full = self._tok.decode(ids[lo:], skip_special_tokens=self._skip_special)
+            # (an incomplete character: the decoder shows U+FFFD)
+            new = None if len(full) <= len(prev) or full.endswith("\ufffd") else full[len(prev) :]
+            if key >= 0 and len(pairs) < PAIR_MEMO_SIZE:  # type: ignore[arg-type]
+                pairs[key] = new  # type: ignore[index]
+        if new is None:
             return False  # incomplete character: wait for more tokens
         old_len = len(self.text)
-        self.text += full[len(prev) :]
+        self.text += new  # type: ignore[operator]
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
         self._prev_text = None
-        return self._check_stop(old_len)
+        return self._check_stop(old_len) if self._stops else False
 
     def _window_text(self) -> str:
         """``decode(ids[prefix_offset:read_offset])``, a one-token window from the memo."""
@@ -140,6 +167,16 @@ class IncrementalDetokenizer:
     @property
     def emitted_text(self) -> str:
         return self.text[: self._emitted]
+
+    def take(self, finished: bool) -> tuple[str, str]:
+        """``take_delta(finished)`` and then ``emitted_text``, in one call (an output's two
+        texts; made for every streamed request every step)."""
+        text = self.text
+        emitted = self._emitted
+        end = len(text) if finished else max(emitted, len(text) - self._hold)
+        self._emitted = end
+        # (a slice to the end is ``text`` itself: no copy when nothing is held back)
+        return text[emitted:end], text[:end]
 
 
 def decode_output(

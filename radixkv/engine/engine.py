@@ -72,7 +72,7 @@ from radixkv.engine.params import SamplingParams
 from radixkv.engine.prefill_cost import attention_cost_ratio, weights_per_active
 from radixkv.engine.request import Namespace, RequestGroup, SeqStatus
 from radixkv.engine.request import Sequence as Seq
-from radixkv.engine.sampler import sample
+from radixkv.engine.sampler import argmax_rows, sample
 from radixkv.engine.scheduler import PreemptionHeld, ScheduledBatch, Scheduler
 from radixkv.engine.scoring import label_scores, score_params, score_prompts
 from radixkv.engine.session import Session
@@ -640,11 +640,12 @@ class Engine:
         adjustments, the guided mask, sampling, logprobs, each batched over the rows and
         contained (:meth:`_contained`): a row whose stage raises ends with "error" and drops
         out; the sequences that remain, their tokens and entries are returned."""
-        seqs = [batch.seqs[i] for i in rows]
-        # requests mostly share their params objects: ask each distinct one once
-        distinct = {id(p): p for p in [s.group.params for s in seqs]}.values()
         # every row (rows ascend): ``logits`` itself, copied before a stage modifies it
         whole = len(rows) == logits.shape[0]
+        seqs = list(batch.seqs) if whole else [batch.seqs[i] for i in rows]
+        params = [s.group.params for s in seqs]
+        # requests mostly share their params objects: ask each distinct one once
+        distinct = {id(p): p for p in params}.values()
         picked = logits if whole else logits[rows]  # never modified: ``logits`` stays raw
         if any(p.adjusts_logits for p in distinct):  # the raw logits; logprobs stay raw
 
@@ -660,7 +661,10 @@ class Engine:
 
             seqs, rows, picked = self._contained_rows("logit adjustment", seqs, rows, adjust)
         # after the adjustments: the mask is final (a drafted row's was applied by verify)
-        if any(s.guide is not None and i not in drawn for i, s in zip(rows, seqs)):
+        guides = [s.guide for s in seqs]  # (list.count: the common no-grammar test in C)
+        if guides.count(None) < len(guides) and any(
+            g is not None and i not in drawn for i, g in zip(rows, guides)
+        ):
             if picked is logits:
                 picked = logits.clone()  # masking is in place
 
@@ -670,10 +674,19 @@ class Engine:
                 return mask_logits(part, g)
 
             seqs, rows, picked = self._contained_rows("guided decoding", seqs, rows, guide)
+        if len(params) != len(seqs):  # a stage dropped rows
+            params = [s.group.params for s in seqs]
+        # no row samples: each takes its argmax (what ``sample`` gives such rows), without
+        # building per-row lists
+        greedy = not any(p.temperature > 0.0 for p in distinct)
 
         def draw(js: list[int]) -> list[int]:
-            part = picked if len(js) == len(seqs) else picked[js]
-            return sample(part, [seqs[j].params for j in js], [seqs[j].generator for j in js])
+            every = len(js) == len(seqs)
+            part = picked if every else picked[js]
+            if greedy:
+                return argmax_rows(part)
+            ps = params if every else [params[j] for j in js]
+            return sample(part, ps, [seqs[j].generator for j in js])
 
         kept, tokens = self._contained("sampling", seqs, draw)
         if len(kept) < len(seqs):
@@ -681,7 +694,8 @@ class Engine:
         if drawn:  # drafted sampled rows: verification drew their token
             tokens = [drawn.get(i, t) for i, t in zip(rows, tokens)]
         entries: dict[Seq, list[dict[int, Logprob]]] = {}
-        if any(s.logprobs is not None for s in seqs):
+        lps = [s.logprobs for s in seqs]
+        if lps.count(None) < len(lps):
 
             def logprobs(js: list[int]) -> list[list[dict[int, Logprob]] | None]:
                 ss = [seqs[j] for j in js]
@@ -1002,7 +1016,11 @@ class Engine:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 metrics.ttft = now - metrics.arrival_time
-            news[group.request_id] = group
+            if group.stream or len(group.seqs) > 1:
+                # a request that does not stream reports only when it finishes (drain), and
+                # _finish records it then, at this same place in the outputs' order (with
+                # several samples, in several rows, the first row's place is kept here)
+                news[group.request_id] = group
             if seq.guide is None and seq.logprobs is None and (not drafted or seq not in drafted):
                 # the common token (no drafts, logprobs or grammar): _accept's checks, inline
                 try:

@@ -26,7 +26,7 @@ from radixkv.engine.guided import GuideCompiler
 from radixkv.engine.lora import LoRAInfo
 from radixkv.engine.params import SamplingParams
 from radixkv.engine.request import Namespace, RequestGroup, Sequence
-from radixkv.engine.sampler import make_generator
+from radixkv.engine.sampler import UniformStream, make_generator
 from radixkv.model.tokenizer import Tokenizer
 from radixkv.pages import pages_for
 
@@ -131,6 +131,8 @@ class RequestIntake:
         # decode([id]) per skip_special_tokens, shared by every detokenizer (they decode each
         # new token's text alone once it is complete: detokenizer.py)
         self._one_token_texts: dict[bool, dict[int, str]] = {False: {}, True: {}}
+        # ... and what a token appends after a complete one (the usual step), per pair
+        self._pair_texts: dict[bool, dict[int, str | None]] = {False: {}, True: {}}
 
     def check(
         self, prompt: object, params: SamplingParams | None, namespace: object
@@ -223,7 +225,7 @@ class RequestIntake:
             gen = None
             if params.temperature > 0:
                 seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-                gen = make_generator(seed)
+                gen = UniformStream(make_generator(seed))
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 ids,
@@ -231,6 +233,7 @@ class RequestIntake:
                 params.skip_special_tokens,
                 params.include_stop_str_in_output,
                 self._one_token_texts[params.skip_special_tokens],
+                self._pair_texts[params.skip_special_tokens],
             )
             seq = Sequence(group, i, ids, gen, detok)
             seq.live_detok = live_detok

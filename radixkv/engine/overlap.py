@@ -48,7 +48,7 @@ import torch
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.engine.params import SamplingParams
-from radixkv.engine.sampler import sample
+from radixkv.engine.sampler import UniformStream, sample
 from radixkv.model.runner import ModelRunner, PreparedStep
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class Selection(NamedTuple):
 
     rows: list[int]
     params: list[SamplingParams]
-    generators: list[torch.Generator | None]
+    generators: list[UniformStream | None]
 
 
 class StepResult(NamedTuple):
@@ -198,7 +198,7 @@ def select_tokens(batch: ScheduledBatch, rows: Sequence[int]) -> Selection:
     """The worker's token choice for the sampling ``rows`` of ``batch``."""
     srows: list[int] = []
     params: list[SamplingParams] = []
-    gens: list[torch.Generator | None] = []
+    gens: list[UniformStream | None] = []
     seqs = batch.seqs
     for i in rows:
         seq = seqs[i]

@@ -24,12 +24,11 @@ from radixkv.engine.outputs import (
 from radixkv.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from radixkv.cache import LoadBack, TreeNode
     from radixkv.engine.beam_search import BeamSearch
     from radixkv.engine.guided import TokenGuide
     from radixkv.engine.lora import LoRAInfo
+    from radixkv.engine.sampler import UniformStream
     from radixkv.engine.storage_tier import PrefetchJob
 
 # What partitions the prefix cache (a tenant, a LoRA, a cache salt): any hashable value, None
@@ -75,6 +74,7 @@ class Sequence:
         "num_pending",
         "num_prompt_tokens",
         "num_shared_pages",
+        "out_list",
         "page_keys",
         "page_table",
         "parked",
@@ -93,7 +93,7 @@ class Sequence:
         group: RequestGroup,
         index: int,
         prompt_ids: list[int],
-        generator: torch.Generator | None,
+        generator: UniformStream | None,
         detok: IncrementalDetokenizer,
     ) -> None:
         self.group = group
@@ -102,6 +102,8 @@ class Sequence:
         self.seq_id = group.request_id if one else f"{group.request_id}#{index}"
         # array('q'): the cache's fast path for keys (slices are one memcpy)
         self.token_ids: array[int] = array("q", prompt_ids)
+        # the output ids as a list, grown as outputs are made (copy_output_ids)
+        self.out_list: list[int] = []
         self.num_prompt_tokens = len(prompt_ids)
         self.generator = generator
         self.detok = detok
@@ -181,6 +183,27 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :].tolist()
+
+    def copy_output_ids(self) -> list[int]:
+        """A new list of the output ids, the caller's to keep (each output's cumulative
+        ``token_ids``): copied from ``out_list``, which grows by the tokens new since the last
+        call, where converting the whole output every step would cost a Python int per token
+        (at 2,000 output tokens, 256 streams: 5.8 ms a step against 1.6). Outputs only grow (a
+        stream's deltas assume it too); if the tokens shrank or the last one kept changed, the
+        list is built anew."""
+        ids = self.token_ids
+        mine = self.out_list
+        m = len(mine)
+        new = len(ids) - self.num_prompt_tokens - m  # tokens since the last call
+        if new == 1 and (not m or mine[-1] == ids[-2]):  # the usual step: one token more
+            mine.append(ids[-1])
+        elif new or (m and mine[-1] != ids[-1]):
+            n0 = self.num_prompt_tokens
+            if new < 0 or (m and mine[-1] != ids[n0 + m - 1]):
+                del mine[:]
+                m = 0
+            mine += ids[n0 + m :].tolist()
+        return mine.copy()  # (``mine`` itself is never handed out)
 
     @property
     def num_output_tokens(self) -> int:
@@ -272,12 +295,37 @@ class RequestGroup:
 
     def make_output(self) -> RequestOutput:
         """Snapshot for the user; advances each sequence's emitted-delta cursor."""
-        if len(self._emitted_tokens) != len(self.seqs):
-            self._emitted_tokens = [0] * len(self.seqs)
-        done = self.finished
-        outs = self._sample_outputs() if self.beam is None else list(self.beam.outputs or ())
-        first = outs[0] if outs else CompletionOutput(index=0, text="", token_ids=[])
+        seqs = self.seqs
+        emitted = self._emitted_tokens
+        if len(emitted) != len(seqs):
+            emitted = self._emitted_tokens = [0] * len(seqs)
+        if len(seqs) == 1 and self.beam is None:  # the usual n == 1: its output, inline
+            s = seqs[0]
+            done = s.status is SeqStatus.FINISHED
+            out_ids = s.copy_output_ids()
+            delta, text = s.detok.take(done)
+            i = s.index
+            prev = emitted[i]
+            emitted[i] = len(out_ids)
+            lps = s.logprobs
+            first = CompletionOutput(
+                index=i,
+                text=text,
+                token_ids=out_ids,
+                finish_reason=s.finish_reason,
+                delta_text=delta,
+                delta_token_ids=out_ids[prev:] if prev else out_ids.copy(),
+                stop_reason=s.stop_reason,
+                logprobs=None if lps is None else list(lps),
+                cumulative_logprob=None if lps is None else s.cumulative_logprob,
+            )
+            outs = [first]
+        else:
+            done = all(s.status is SeqStatus.FINISHED for s in seqs)
+            outs = self._sample_outputs() if self.beam is None else list(self.beam.outputs or ())
+            first = outs[0] if outs else CompletionOutput(index=0, text="", token_ids=[])
         pl = self.prompt_logprobs
+        cached = seqs[0].num_cached_tokens
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -285,7 +333,7 @@ class RequestGroup:
             text=first.text,
             token_ids=first.token_ids,
             finish_reason=first.finish_reason,
-            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
+            num_cached_tokens=cached if cached > 0 else 0,
             metrics=self.metrics,
             outputs=outs,
             finished=done,
@@ -294,7 +342,7 @@ class RequestGroup:
             weight_version=self.weight_version,
             error=self.error,
             prompt_logprobs=(
-                list(pl) if pl is not None and len(pl) == len(self.prompt_token_ids) else None
+                None if pl is None or len(pl) != len(self.prompt_token_ids) else list(pl)
             ),
         )
 
@@ -302,10 +350,8 @@ class RequestGroup:
         outs = []
         emitted = self._emitted_tokens
         for s in self.seqs:
-            out_ids = s.token_ids[s.num_prompt_tokens :].tolist()
-            fin = s.status is SeqStatus.FINISHED
-            detok = s.detok
-            delta = detok.take_delta(fin)
+            out_ids = s.copy_output_ids()
+            delta, text = s.detok.take(s.status is SeqStatus.FINISHED)
             i = s.index
             prev = emitted[i]
             emitted[i] = len(out_ids)
@@ -313,7 +359,7 @@ class RequestGroup:
             outs.append(
                 CompletionOutput(
                     index=i,
-                    text=detok.emitted_text,
+                    text=text,
                     token_ids=out_ids,
                     finish_reason=s.finish_reason,
                     delta_text=delta,

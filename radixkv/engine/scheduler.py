@@ -539,12 +539,21 @@ class Scheduler:
     def after_forward(self, batch: ScheduledBatch) -> list[int]:
         """Record the computed tokens, publish full pages; returns the batch rows whose last
         computed token is the sequence's last token (they sample a new token)."""
+        kv = self.kv
+        commit = kv.commit
+        retire = self._inflight.retire
+        # SeqKV.commit's own test, hoisted: a decode row mostly completes no page, and a call
+        # per row that does nothing costs more than the test (with window KV it always runs)
+        ps = kv.page_size
+        publish = kv.enabled
+        always = kv.window is not None
         rows = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
-            seq.num_computed += n
-            self.kv.commit(seq)
+            c = seq.num_computed = seq.num_computed + n
+            if always or (publish and c // ps > seq.num_shared_pages):
+                commit(seq)
             if seq.inflight_keys:
-                self._inflight.retire(seq)
+                retire(seq)
             if seq.num_computed == len(seq.token_ids):
                 rows.append(i)
         return rows

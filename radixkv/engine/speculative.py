@@ -271,7 +271,8 @@ class Speculator:
         token = None
         if p.temperature > 0.0:
             assert seq.generator is not None
-            a, token = accept_sampled(sampling_probs(judged, p), d, banned, seq.generator)
+            gen = seq.generator.generator()  # (the uniforms drawn ahead given back)
+            a, token = accept_sampled(sampling_probs(judged, p), d, banned, gen)
         else:
             choice = judged.argmax(dim=-1).tolist()
             a = 0
