@@ -159,6 +159,8 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             if not isinstance(s, SeqInput):
                 raise TypeError(f"sequence {i}: expected SeqInput, got {type(s).__name__}")
+            if not len(s.new_token_ids):  # (before build reads its last position)
+                raise ValueError(f"sequence {i}: needs at least one new token, got 0")
             for t in s.new_token_ids:
                 if not 0 <= t < vocab:
                     raise ValueError(f"sequence {i}: token id {t} out of range [0, {vocab})")
