@@ -43,6 +43,7 @@ from radixkv.model.stand_in import StandInDevice  # noqa: E402
 from radixkv.model.tiny import tiny_config, tiny_tokenizer  # noqa: E402
 
 FACTORS = (0.5, 1.0, 1.5, 2.0)
+TEMPERATURE = 0.0  # (--temperature)
 
 
 def micro_model() -> LoadedModel:
@@ -76,7 +77,9 @@ def decoding_engine(
     )
     eng.runner.model = StandInDevice(eng.runner.model, 0.0, compute=compute)
     system = list(range(5, 69))
-    params = SamplingParams(max_tokens=4_000, ignore_eos=True)
+    # greedy, as bench_overhead's B=256 scenario (``--temperature``: sampled rows draw on the
+    # worker, after the device time: on a GPU a kernel, on the stand-in host Python)
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=4_000, ignore_eos=True)
     for i in range(batch):
         eng.add_request(system + [70 + (i * 7 + j) % 150 for j in range(8 + i % 16)], params)
     for _ in range(6):  # admitted, prefilled, decoding
@@ -188,10 +191,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--real-batch", type=int, default=32, help="radixkv-tiny's batch (0: skip)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled"
+    )
     args = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     threads = torch.get_num_threads()
     model = micro_model()
-    report: dict[str, Any] = dict(stand_in=[], real=None)
+    report: dict[str, Any] = dict(temperature=TEMPERATURE, stand_in=[], real=None)
     with_plain = onednn.USE_ONEDNN
     onednn.USE_ONEDNN = False  # the micro model's products: plain (no per-shape setup)
     torch.set_num_threads(1)  # its few kernels on one thread: the host's time is the engine's

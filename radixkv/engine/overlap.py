@@ -135,35 +135,51 @@ class DeviceWorker:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixkv-device")
         before = None if prev is None else prev.future
         dst, src = fill
-        index: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Every torch call on the worker gives the GIL up and waits to get it back while this
+        # thread runs Python (up to the interpreter's switch interval each: measured 2-4 ms a
+        # step at B=256): the step's tensors and indices are made here, so the worker's own
+        # calls before the forward are one or two (the fill), and the argmax after it.
+        runner = self.runner
+        dev = runner.device
+        ids_t, pos_t = runner.tensors(step)
+        last = runner.last_rows(step)
+        index: tuple[torch.Tensor, torch.Tensor | None] | None = None
         if dst and before is not None:
-            # the index tensors made here, not on the worker: every torch call there gives
-            # the GIL up and waits to get it back while this thread runs Python (up to the
-            # interpreter's switch interval each: measured 2-4 ms a step at B=256)
-            dev = self.runner.device
-            index = (
-                torch.tensor(dst, dtype=torch.int64, device=dev),
-                torch.tensor(src, dtype=torch.int64, device=dev),
-            )
-        return self._pool.submit(self._run, step, attn, index, before, selection)
+            src_t = torch.tensor(src, dtype=torch.int64, device=dev)
+            # every input pending, in row order (a decode step): one gather into ids_t
+            whole = len(dst) == len(step.ids) and dst[-1] == len(dst) - 1
+            dst_t = None if whole else torch.tensor(dst, dtype=torch.int64, device=dev)
+            index = (src_t, dst_t)
+        job = (step, attn, ids_t, pos_t, last, index)
+        return self._pool.submit(self._run, job, before, selection)
 
     def _run(
         self,
-        step: PreparedStep,
-        attn: AttentionBackend,
-        index: tuple[torch.Tensor, torch.Tensor] | None,
+        job: tuple[
+            PreparedStep,
+            AttentionBackend,
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor,
+            tuple[torch.Tensor, torch.Tensor | None] | None,
+        ],
         prev: Future[StepResult] | None,
         selection: Selection,
     ) -> StepResult:
+        step, attn, ids_t, pos_t, last, index = job
         runner = self.runner
         dev = runner.device
         with torch.inference_mode():
-            ids_t, pos_t = runner.inputs(step)
+            runner.set_lora_rows(step)
             # (in launch order, prev is done; if it raised, its rows here are void anyway)
             if index is not None and prev is not None and prev.exception() is None:
-                dst_t, src_t = index
-                ids_t.index_copy_(0, dst_t, prev.result().tokens.index_select(0, src_t))
-            logits = runner.forward_placed(step, ids_t, pos_t, attn)
+                src_t, dst_t = index
+                sampled = prev.result().tokens
+                if dst_t is None:
+                    torch.index_select(sampled, 0, src_t, out=ids_t)
+                else:
+                    ids_t.index_copy_(0, dst_t, sampled.index_select(0, src_t))
+            logits = runner.forward_placed(step, ids_t, pos_t, attn, last)
             if dev.type == "cpu" and logits.dtype == torch.float32:
                 # NumPy's argmax (torch's ties and NaN: sampler.argmax_rows): torch's would
                 # wake an OpenMP team for this thread and give up the GIL (0.3 ms at B=256)

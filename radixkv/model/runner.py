@@ -273,17 +273,28 @@ class ModelRunner:
         return ids_t, pos_t, self.plan(step)
 
     def inputs(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """``step``'s token ids and positions as tensors on the device, with the model's LoRA
-        rows set for it (model state: call it in forward order, before the forward)."""
+        """``step``'s token ids and positions as tensors on the device (:meth:`tensors`), with
+        the model's LoRA rows set for it (:meth:`set_lora_rows`)."""
+        ids_t, pos_t = self.tensors(step)
+        self.set_lora_rows(step)
+        return ids_t, pos_t
+
+    def tensors(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step``'s token ids and positions ``[T]`` as new tensors on the device (no model
+        state: any thread, any time before the forward)."""
         dev = self.device
         # through numpy: torch.tensor on a list of Python ints costs several times more
         ids_t = torch.from_numpy(np.array(step.ids, dtype=np.int64)).to(dev, non_blocking=True)
         pos_t = torch.from_numpy(np.array(step.positions, dtype=np.int64)).to(
             dev, non_blocking=True
         )
-        if step.lora_slots is not None:
-            self.loras.set_rows(step.lora_slots, step.layout.num_new, dev)
         return ids_t, pos_t
+
+    def set_lora_rows(self, step: PreparedStep) -> None:
+        """Set the model's LoRA rows for ``step`` (model state: call it in forward order,
+        just before the forward; nothing to do when no adapter is loaded)."""
+        if step.lora_slots is not None:
+            self.loras.set_rows(step.lora_slots, step.layout.num_new, self.device)
 
     def plan(self, step: PreparedStep, slot: int = 0) -> AttentionBackend:
         """The attention backend of plan slot ``slot`` planned for ``step``. A backend holds
@@ -306,13 +317,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_placed(
-        self, step: PreparedStep, ids_t: torch.Tensor, pos_t: torch.Tensor, attn: AttentionBackend
+        self,
+        step: PreparedStep,
+        ids_t: torch.Tensor,
+        pos_t: torch.Tensor,
+        attn: AttentionBackend,
+        last_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` of a step already built and placed (``ids_t`` may have been
         completed on the device since: engine/overlap.py fills in tokens sampled by the
-        previous step): the last-token logits ``[len(seqs), vocab]``."""
-        idx_t = self._last_rows(step.num_new)
+        previous step): the last-token logits ``[len(seqs), vocab]``. ``last_rows``:
+        :meth:`last_rows` of the step, if made already."""
+        idx_t = self.last_rows(step) if last_rows is None else last_rows
         return self.model(ids_t, pos_t, attn, idx_t, max_position=step.max_position)
+
+    def last_rows(self, step: PreparedStep) -> torch.Tensor:
+        """Row of each sequence's last new token in ``step``'s flattened batch ``[B]``."""
+        return self._last_rows(step.num_new)
 
     def _last_rows(self, num_new: Sequence[int]) -> torch.Tensor:
         """Row of each sequence's last new token in the flattened batch ``[len(num_new)]``."""
