@@ -393,3 +393,36 @@ def test_lora_rows_identical_and_loading_waits_for_the_step(lm: Any, tmp_path: A
     assert _key(outs["on"][0]) != _key(
         _engine(lm, "off").generate([prompts[0]], params, use_tqdm=False)[0]
     )
+
+
+def test_switch_interval_lowered_while_a_worker_runs_and_restored(
+    lm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device worker's GIL waits are bounded by the interpreter's switch interval: the
+    first worker lowers it (never raises it), the last one to close puts it back."""
+    import sys
+
+    from radixkv.engine import overlap
+
+    # (engines of other tests, never closed, may hold workers: count from none here)
+    monkeypatch.setattr(overlap, "_switch_users", 0)
+    monkeypatch.setattr(overlap, "_switch_saved", None)
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        a, b = _engine(lm, "on"), _engine(lm, "on")
+        prompts = _prompts(7, 3)
+        params = [SamplingParams(temperature=0.0, max_tokens=4)] * 3
+        _drive(a, prompts, params)
+        assert sys.getswitchinterval() == pytest.approx(overlap.SWITCH_INTERVAL)
+        _drive(b, prompts, params)
+        a.close()
+        assert sys.getswitchinterval() == pytest.approx(overlap.SWITCH_INTERVAL)  # b's runs
+        b.close()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        off = _engine(lm, "off")
+        _drive(off, prompts, params)  # a sequential engine starts no worker
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        off.close()
+    finally:
+        sys.setswitchinterval(saved)
