@@ -89,6 +89,7 @@ def bench(session: nox.Session) -> None:
         ("bench_model.py",),
         ("bench_engine.py",),
         ("bench_overhead.py",),  # the engine's own cost per step, forward excluded
+        ("bench_overlap.py",),  # overlap on a stand-in device: max(host, device), not the sum
         ("bench_cascade.py",),
         ("bench_cascade.py", "--dtype", "bfloat16"),
         ("bench_tuning.py",),

@@ -90,6 +90,18 @@ SECTIONS: list[tuple[str, str, str]] = [
         "speedup.",
     ),
     (
+        "bench_overlap",
+        "Engine: overlap (host work hidden behind the device's)",
+        "`bench/bench_overlap.py`: greedy decode of B requests on a stand-in device "
+        "(radixkv/model/stand_in.py) whose forward computes nothing and sleeps a set time `d` "
+        "(releasing the GIL, as a GPU leaves the host free), for d = 0.5, 1, 1.5 and 2 times "
+        "the host's own time per step (`cpu`, measured with overlap off and no device time); "
+        "step time with overlap off and on, interleaved, medians of 3 rounds. Done when `on` "
+        "is within 10% of max(cpu, device) (`on_over_max`); `off_over_sum` is how much the "
+        "machine inflates a step beyond its parts measured apart. `real`: radixkv-tiny's own "
+        'CPU forward, overlap off vs on (what `overlap="auto"` decides on a CPU).',
+    ),
+    (
         "bench_cascade",
         "Cascade attention",
         "`bench/bench_cascade.py`: decode attention over a shared prefix on radixkv-tiny's head "
