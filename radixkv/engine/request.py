@@ -299,26 +299,10 @@ class RequestGroup:
         emitted = self._emitted_tokens
         if len(emitted) != len(seqs):
             emitted = self._emitted_tokens = [0] * len(seqs)
-        if len(seqs) == 1 and self.beam is None:  # the usual n == 1: its output, inline
+        if len(seqs) == 1 and self.beam is None:  # the usual n == 1: no loop, no all()
             s = seqs[0]
             done = s.status is SeqStatus.FINISHED
-            out_ids = s.copy_output_ids()
-            delta, text = s.detok.take(done)
-            i = s.index
-            prev = emitted[i]
-            emitted[i] = len(out_ids)
-            lps = s.logprobs
-            first = CompletionOutput(
-                index=i,
-                text=text,
-                token_ids=out_ids,
-                finish_reason=s.finish_reason,
-                delta_text=delta,
-                delta_token_ids=out_ids[prev:] if prev else out_ids.copy(),
-                stop_reason=s.stop_reason,
-                logprobs=None if lps is None else list(lps),
-                cumulative_logprob=None if lps is None else s.cumulative_logprob,
-            )
+            first = self._sample_output(s, emitted)
             outs = [first]
         else:
             done = all(s.status is SeqStatus.FINISHED for s in seqs)
@@ -347,26 +331,27 @@ class RequestGroup:
         )
 
     def _sample_outputs(self) -> list[CompletionOutput]:
-        outs = []
         emitted = self._emitted_tokens
-        for s in self.seqs:
-            out_ids = s.copy_output_ids()
-            delta, text = s.detok.take(s.status is SeqStatus.FINISHED)
-            i = s.index
-            prev = emitted[i]
-            emitted[i] = len(out_ids)
-            lps = s.logprobs
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=out_ids,
-                    finish_reason=s.finish_reason,
-                    delta_text=delta,
-                    delta_token_ids=out_ids[prev:] if prev else out_ids.copy(),
-                    stop_reason=s.stop_reason,
-                    logprobs=None if lps is None else list(lps),
-                    cumulative_logprob=None if lps is None else s.cumulative_logprob,
-                )
-            )
-        return outs
+        return [self._sample_output(s, emitted) for s in self.seqs]
+
+    @staticmethod
+    def _sample_output(s: Sequence, emitted: list[int]) -> CompletionOutput:
+        """Sample ``s``'s output now; ``emitted[s.index]`` (its ids already reported, for the
+        delta) moves up to them."""
+        out_ids = s.copy_output_ids()
+        delta, text = s.detok.take(s.status is SeqStatus.FINISHED)
+        i = s.index
+        prev = emitted[i]
+        emitted[i] = len(out_ids)
+        lps = s.logprobs
+        return CompletionOutput(
+            index=i,
+            text=text,
+            token_ids=out_ids,
+            finish_reason=s.finish_reason,
+            delta_text=delta,
+            delta_token_ids=out_ids[prev:] if prev else out_ids.copy(),
+            stop_reason=s.stop_reason,
+            logprobs=None if lps is None else list(lps),
+            cumulative_logprob=None if lps is None else s.cumulative_logprob,
+        )
