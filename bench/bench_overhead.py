@@ -60,7 +60,7 @@ OWN = 8  # tokens of each request's own
 
 
 # ---------------------------------------------------------------------------- the worker side
-def _micro_model() -> Any:
+def micro_model() -> Any:
     """The random hidden-64, one-layer Llama (a LoadedModel)."""
     import dataclasses
 
@@ -191,7 +191,7 @@ def _run_scenario(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, An
     b = spec["batch"]
     prompts = spec.get("prompts", 0)
     plen = spec.get("prompt_len", 0)
-    model = "radixkv-tiny" if spec.get("tiny") else _micro_model()
+    model = "radixkv-tiny" if spec.get("tiny") else micro_model()
     total = warmup + steps + 8
     eng = Engine(
         model,

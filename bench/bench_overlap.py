@@ -21,7 +21,6 @@ on, which decides ``overlap="auto"`` on a CPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -34,31 +33,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's radixkv, not an installed one
 
+from bench_overhead import micro_model  # noqa: E402  (the random hidden-64 Llama)
+
 from radixkv import onednn  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.params import SamplingParams  # noqa: E402
-from radixkv.model.llama import LlamaForCausalLM  # noqa: E402
 from radixkv.model.loader import LoadedModel, load_model  # noqa: E402
 from radixkv.model.stand_in import StandInDevice  # noqa: E402
-from radixkv.model.tiny import tiny_config, tiny_tokenizer  # noqa: E402
 
 FACTORS = (0.5, 1.0, 1.5, 2.0)
 TEMPERATURE = 0.0  # (--temperature)
-
-
-def micro_model() -> LoadedModel:
-    """The random hidden-64, one-layer Llama (bench_overhead.py's)."""
-    cfg = dataclasses.replace(
-        tiny_config(), hidden_size=64, intermediate_size=128, num_layers=1, num_heads=1
-    )
-    model = LlamaForCausalLM(cfg, device="cpu", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-    return LoadedModel(model.eval(), cfg, tiny_tokenizer(), "micro-llama")
 
 
 def decoding_engine(
